@@ -1,0 +1,104 @@
+"""gRPC clients for the draft and target services.
+
+Every call the coordinator makes names, per sequence, the cached length to keep and the tokens to
+feed (see protos/specbatch/v1/model_services.proto), so repeating a call whose reply was lost
+computes the same thing: all of them are idempotent, and transient failures are retried.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import grpc
+from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
+
+from specbatch.sampling import SamplingParams
+from specbatch.serving import CHANNEL_OPTIONS
+from specbatch.v1 import model_services_pb2 as pb
+from specbatch.v1 import model_services_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+# A lost connection or a restarting server: the same call will do once it is back.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
+# The service no longer holds what we think it holds (it restarted): rebuild from history.
+LOST_STATE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}
+
+
+def _transient(error: BaseException) -> bool:
+    return isinstance(error, grpc.RpcError) and error.code() in RETRYABLE
+
+
+idempotent = retry(
+    retry=retry_if_exception(_transient),
+    stop=stop_after_attempt(4),
+    wait=wait_exponential(multiplier=0.05, max=1.0),
+    reraise=True,
+)
+
+
+def lost_state(error: BaseException) -> bool:
+    return isinstance(error, grpc.RpcError) and error.code() in LOST_STATE
+
+
+@dataclass
+class Call:
+    """What one step asks of a service for one sequence."""
+
+    seq_id: str
+    keep_len: int
+    tokens: list[int]
+
+
+def _seq(call: Call) -> pb.SequenceInput:
+    return pb.SequenceInput(seq_id=call.seq_id, keep_len=call.keep_len, tokens=call.tokens)
+
+
+def _sampling(params: SamplingParams) -> pb.Sampling:
+    return pb.Sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed)
+
+
+class ServiceClient:
+    """Shared by both services: channel, deadlines, timing, and the cache calls."""
+
+    stub_class = None
+
+    def __init__(self, address: str, timeout: float):
+        self.address = address
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = self.stub_class(self.channel)
+
+    def _call(self, method, request):
+        return idempotent(method)(request, timeout=self.timeout)
+
+    def prefill(self, calls: list[Call]) -> pb.PrefillResponse:
+        return self._call(self.stub.Prefill, pb.PrefillRequest(sequences=[_seq(c) for c in calls]))
+
+    def release(self, seq_ids: list[str]) -> None:
+        idempotent(self.stub.Release)(pb.ReleaseRequest(seq_ids=seq_ids), timeout=self.timeout)
+
+    def cache_stats(self) -> pb.CacheStatsResponse:
+        return idempotent(self.stub.CacheStats)(pb.CacheStatsRequest(), timeout=self.timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class TargetClient(ServiceClient):
+    stub_class = pb_grpc.TargetStub
+
+    def verify(self, calls: list[Call], drafts: list[list[int]], sampling: list[SamplingParams],
+               create: bool = False) -> pb.VerifyResponse:
+        items = [pb.VerifyItem(sequence=_seq(c), draft_tokens=d, sampling=_sampling(s))
+                 for c, d, s in zip(calls, drafts, sampling)]
+        return self._call(self.stub.Verify, pb.VerifyRequest(items=items, create=create))
+
+
+class DraftClient(ServiceClient):
+    stub_class = pb_grpc.DraftStub
+
+    def propose(self, calls: list[Call], ks: list[int]) -> pb.ProposeResponse:
+        items = [pb.ProposeItem(sequence=_seq(c), k=k) for c, k in zip(calls, ks)]
+        return self._call(self.stub.Propose, pb.ProposeRequest(items=items))

@@ -1,0 +1,128 @@
+"""One client request inside the coordinator: its authoritative token history, how much of it
+each service has cached, its text stream and its stats."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specbatch.sampling import SamplingParams
+from specbatch.v1 import generation_pb2 as pb
+
+FINISH_LENGTH = pb.FINISH_REASON_LENGTH
+FINISH_STOP = pb.FINISH_REASON_STOP
+FINISH_EOS = pb.FINISH_REASON_EOS
+FINISH_CANCELLED = pb.FINISH_REASON_CANCELLED
+
+
+class TextStream:
+    """Turns generated token ids into text deltas, holding back what a stop string could still
+    claim and incomplete UTF-8 sequences (decoded as U+FFFD until their last byte arrives)."""
+
+    def __init__(self, tokenizer, stop_strings: list[str]):
+        self.tokenizer = tokenizer
+        self.stop_strings = stop_strings
+        self.holdback = max((len(s) for s in stop_strings), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""
+        self.sent = 0
+
+    def add(self, token: int) -> bool:
+        """Append a token; True when the text now contains a stop string (the text is cut before it)."""
+        self.ids.append(token)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if not self.stop_strings:
+            return False
+        window = max(0, self.sent - self.holdback - 1)
+        hits = [i for i in (self.text.find(s, window) for s in self.stop_strings) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return True
+        return False
+
+    def delta(self, final: bool) -> str:
+        end = len(self.text)
+        if not final:
+            end -= self.holdback
+            while end > self.sent and self.text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= self.sent:
+            return ""
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int]
+    text: TextStream
+    fixed_k: int | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    # Authoritative history: prompt + every accepted token. Services only cache prefixes of it.
+    history: list[int] = field(default_factory=list)
+    target_len: int = 0  # tokens of history cached on the target
+    draft_len: int = 0  # tokens of history cached on the draft
+    # stats
+    admitted: float | None = None
+    first_token: float | None = None
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    finish: int | None = None
+    events: "queue.Queue[pb.GenerateResponse]" = field(default_factory=queue.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self):
+        self.history = list(self.prompt)
+
+    @property
+    def generated(self) -> int:
+        return len(self.history) - len(self.prompt)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def take(self, tokens: list[int]) -> None:
+        """Append accepted tokens one by one until a finish condition; stream what was taken."""
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+        taken = []
+        for token in tokens:
+            self.history.append(token)
+            taken.append(token)
+            if token in self.stop_token_ids:
+                self.finish = FINISH_EOS
+            elif self.text.add(token):
+                self.finish = FINISH_STOP
+            elif self.generated >= self.max_new_tokens:
+                self.finish = FINISH_LENGTH
+            if self.finish is not None:
+                break
+        self.events.put(pb.GenerateResponse(request_id=self.id, token_ids=taken,
+                                            text=self.text.delta(self.finish is not None)))
+        if self.finish is not None:
+            self.close(self.finish)
+
+    def close(self, reason: int) -> None:
+        """Send the last response: the finish reason and the request's stats."""
+        self.finish = reason
+        now = time.monotonic()
+        stats = pb.RequestStats(
+            prompt_tokens=len(self.prompt),
+            generated_tokens=self.generated,
+            draft_tokens_proposed=self.proposed,
+            draft_tokens_accepted=self.accepted,
+            steps=self.steps,
+            queue_seconds=(self.admitted or now) - self.arrival,
+            first_token_seconds=(self.first_token or now) - self.arrival,
+            total_seconds=now - self.arrival,
+        )
+        self.events.put(pb.GenerateResponse(request_id=self.id, text=self.text.delta(True),
+                                            finish_reason=reason, stats=stats))

@@ -1,0 +1,237 @@
+"""Continuous batching and the speculative step loop.
+
+One thread owns the running batch. Between steps it retires finished and cancelled requests and
+admits waiting ones (prefilling them on both services); each step then drafts k tokens for every
+sequence that speculates, verifies all sequences in one target call, appends what was accepted to
+each request's authoritative history and streams it out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from draft_service.proposer import MAX_K
+
+from .backends import Call, DraftClient, TargetClient, lost_state
+from .requests import FINISH_CANCELLED, Request
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    pass
+
+
+@dataclass
+class StepTotals:
+    """Cumulative step timing, for Info and the benchmark."""
+
+    steps: int = 0
+    sequence_steps: int = 0  # sum of batch sizes over steps
+    step_seconds: float = 0.0  # whole decode steps, as the coordinator sees them
+    draft_seconds: float = 0.0  # Propose calls, RPC included
+    target_seconds: float = 0.0  # Verify calls, RPC included
+    draft_compute_seconds: float = 0.0  # of which the draft service reports computing
+    target_compute_seconds: float = 0.0  # of which the target service reports computing
+    prefill_seconds: float = 0.0
+
+
+class Scheduler:
+    def __init__(self, target: TargetClient, draft: DraftClient | None, policy, max_batch_size: int,
+                 max_queue: int, max_context: int):
+        self.target, self.draft = target, draft
+        self.policy = policy
+        self.max_batch_size, self.max_queue, self.max_context = max_batch_size, max_queue, max_context
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.wakeup = threading.Condition()
+        self.stopping = threading.Event()
+        self.totals = StepTotals()
+        # Prefill and release go to both services at once.
+        self.pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="backend")
+        self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+
+    # ---- called from servicer threads ------------------------------------------------------------
+
+    def submit(self, request: Request) -> None:
+        with self.wakeup:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting, the queue's limit")
+            self.waiting.append(request)
+            self.wakeup.notify()
+
+    def load(self) -> tuple[int, int]:
+        return len(self.running), len(self.waiting)
+
+    def start(self) -> "Scheduler":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop stepping; every request still held is closed as cancelled."""
+        self.stopping.set()
+        with self.wakeup:
+            self.wakeup.notify()
+        self.thread.join(timeout=30)
+        for request in list(self.running) + list(self.waiting):
+            if request.finish is None:
+                request.close(FINISH_CANCELLED)
+        self.pool.shutdown(wait=False)
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self._retire()
+                self._admit()
+                if self.running:
+                    self._step()
+                else:
+                    with self.wakeup:
+                        if not self.waiting and not self.stopping.is_set():
+                            self.wakeup.wait(timeout=1.0)
+            except grpc.RpcError as error:
+                # A service is down past the retries: requests wait (time, not errors) and the
+                # state we believe it holds is rebuilt from history once it is back.
+                log.warning("step failed: %s %s; retrying", error.code(), error.details())
+                if lost_state(error):
+                    self._forget_service_state()
+                self.stopping.wait(0.5)
+            except Exception:  # noqa: BLE001 - the loop must survive anything one step does
+                log.exception("step failed")
+                self.stopping.wait(0.5)
+
+    def _forget_service_state(self) -> None:
+        for request in self.running:
+            request.target_len = request.draft_len = 0
+
+    def _retire(self) -> None:
+        done = [r for r in self.running if r.finish is not None or r.cancelled.is_set()]
+        if not done:
+            return
+        for request in done:
+            if request.finish is None:
+                request.close(FINISH_CANCELLED)
+        self.running = [r for r in self.running if r not in done]
+        self._release([r.id for r in done])
+
+    def _release(self, seq_ids: list[str]) -> None:
+        for client in filter(None, (self.target, self.draft)):
+            future = self.pool.submit(client.release, seq_ids)
+            future.add_done_callback(_log_failure("release"))
+
+    def _admit(self) -> None:
+        with self.wakeup:
+            room = self.max_batch_size - len(self.running)
+            admitted = []
+            while room > 0 and self.waiting:
+                request = self.waiting.popleft()
+                if request.cancelled.is_set():
+                    request.close(FINISH_CANCELLED)
+                    continue
+                admitted.append(request)
+                room -= 1
+        if not admitted:
+            return
+        start = time.perf_counter()
+        now = time.monotonic()
+        for request in admitted:
+            request.admitted = now
+        prefill_calls = [Call(r.id, 0, r.history) for r in admitted]
+        # The draft caches the prompt while the target prefills it and picks the first token.
+        draft_job = self.pool.submit(self.draft.prefill, prefill_calls) if self.draft else None
+        try:
+            verdicts = self.target.verify(prefill_calls, [[] for _ in admitted], [r.sampling for r in admitted],
+                                          create=True).verdicts
+        except BaseException:
+            with self.wakeup:  # back to the head of the queue, in order
+                self.waiting.extendleft(reversed(admitted))
+            raise
+        for request, verdict in zip(admitted, verdicts):
+            request.target_len = verdict.cached_len
+            request.take([verdict.next_token])
+        if draft_job is not None:
+            try:
+                for request, seq in zip(admitted, draft_job.result().sequences):
+                    request.draft_len = seq.cached_len
+            except grpc.RpcError as error:
+                log.warning("draft prefill failed (%s); these sequences start without speculation", error.code())
+        self.running.extend(admitted)
+        self.totals.prefill_seconds += time.perf_counter() - start
+
+    def k_for(self, request: Request, batch_size: int) -> int:
+        """The k this request drafts this step: its own fixed k or the policy's, within its limits."""
+        if not request.sampling.greedy:
+            return 0  # sampled requests decode without drafts until rejection sampling lands
+        k = request.fixed_k if request.fixed_k is not None else self.policy.k_for(batch_size)
+        # Each step yields accepted + 1 tokens; draft no more than the request can still use.
+        k = min(k, request.max_new_tokens - request.generated - 1, self.max_context - len(request.history) - 1, MAX_K)
+        return max(k, 0)
+
+    def _step(self) -> None:
+        batch = [r for r in self.running if r.finish is None]
+        if not batch:
+            return
+        start = time.perf_counter()
+        ks = [self.k_for(r, len(batch)) for r in batch]
+        drafts = self._propose(batch, ks)
+        drafted = time.perf_counter()
+        calls = [Call(r.id, r.target_len, r.history[r.target_len :]) for r in batch]
+        reply = self.target.verify(calls, drafts, [r.sampling for r in batch],
+                                   create=any(r.target_len == 0 for r in batch))
+        verdicts = reply.verdicts
+        verified = time.perf_counter()
+        for request, k, proposed, verdict in zip(batch, ks, drafts, verdicts):
+            before = len(request.history)
+            accepted = verdict.accepted
+            request.target_len = verdict.cached_len
+            if proposed:
+                # The draft fed itself its first k-1 proposals; those accepted stay valid.
+                request.draft_len = before + min(accepted, k - 1)
+            request.steps += 1
+            request.proposed += len(proposed)
+            request.accepted += accepted
+            request.take(proposed[:accepted] + [verdict.next_token])
+        totals = self.totals
+        totals.steps += 1
+        totals.sequence_steps += len(batch)
+        totals.step_seconds += time.perf_counter() - start
+        totals.draft_seconds += drafted - start
+        totals.target_seconds += verified - drafted
+        totals.target_compute_seconds += reply.compute_seconds
+
+    def _propose(self, batch: list[Request], ks: list[int]) -> list[list[int]]:
+        drafts: list[list[int]] = [[] for _ in batch]
+        speculating = [i for i, k in enumerate(ks) if k > 0]
+        if not speculating or self.draft is None:
+            return drafts
+        calls = [Call(batch[i].id, batch[i].draft_len, batch[i].history[batch[i].draft_len :]) for i in speculating]
+        try:
+            reply = self.draft.propose(calls, [ks[i] for i in speculating])
+        except grpc.RpcError as error:
+            # Lossless without the draft: this step runs target-only, and the draft's caches are
+            # rebuilt from history on the next call that reaches it.
+            log.warning("draft unavailable (%s): target-only step", error.code())
+            for i in speculating:
+                batch[i].draft_len = 0
+            return drafts
+        self.totals.draft_compute_seconds += reply.compute_seconds
+        for i, proposal in zip(speculating, reply.proposals):
+            drafts[i] = list(proposal.tokens)
+        return drafts
+
+
+def _log_failure(what: str):
+    def callback(future: futures.Future) -> None:
+        if future.exception() is not None:
+            log.warning("%s failed: %s", what, future.exception())
+
+    return callback

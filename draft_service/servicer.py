@@ -1,0 +1,32 @@
+"""The draft service's gRPC servicer: a thin shell over the engine and the proposer."""
+
+from __future__ import annotations
+
+from specbatch.engine import Engine
+from specbatch.model_service import CacheServicer, sequence_inputs
+from specbatch.serving import Server, engine_errors_to_status
+from specbatch.v1 import model_services_pb2 as pb
+from specbatch.v1 import model_services_pb2_grpc as pb_grpc
+
+from .proposer import ProposeItem, propose
+
+
+class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
+    @engine_errors_to_status
+    def Propose(self, request, context):
+        seqs = sequence_inputs(item.sequence for item in request.items)
+        items = [ProposeItem(seq, item.k) for seq, item in zip(seqs, request.items)]
+        drafts, seconds = self.timed(propose, self.engine, items)
+        return pb.ProposeResponse(
+            proposals=[
+                pb.Proposal(seq_id=item.seq.seq_id, tokens=tokens, cached_len=self.engine.length(item.seq.seq_id))
+                for item, tokens in zip(items, drafts)
+            ],
+            compute_seconds=seconds,
+        )
+
+
+def add_draft_servicer(server: Server, engine: Engine, model_name: str) -> DraftServicer:
+    servicer = DraftServicer(engine, model_name)
+    server.add(pb_grpc.add_DraftServicer_to_server, servicer, "specbatch.v1.Draft")
+    return servicer

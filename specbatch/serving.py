@@ -1,0 +1,126 @@
+"""gRPC plumbing shared by the three servers: construction, health, reflection, errors, shutdown."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .engine import EngineError
+
+log = logging.getLogger(__name__)
+
+# Deliberate message limits: a step for 256 sequences with k=16 is a few hundred KB; prompts are
+# capped by the context. 64 MiB leaves room for long re-prefills without letting a client send
+# anything unbounded.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
+
+
+def status_of(error: EngineError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, error.code)
+
+
+def engine_errors_to_status(method):
+    """Map an engine's refusal to its gRPC status, with the engine's message, in a servicer method."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except EngineError as error:
+            context.abort(status_of(error), str(error))
+
+    return wrapper
+
+
+class Server:
+    """A gRPC server with the standard health service and server reflection.
+
+    ``stop`` flips every service to NOT_SERVING first, so load balancers and the coordinator stop
+    sending work, then lets in-flight calls finish within the grace period.
+    """
+
+    def __init__(self, address: str, max_workers: int = 16, maximum_concurrent_rpcs: int | None = None):
+        self.grpc_server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+            options=CHANNEL_OPTIONS,
+            maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+        )
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        self.service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        self.port = self.grpc_server.add_insecure_port(address)
+        if not self.port:
+            raise RuntimeError(f"cannot listen on {address}")
+        self.address = address
+        self.stopped = threading.Event()
+
+    def add(self, add_fn, servicer, service_full_name: str) -> None:
+        add_fn(servicer, self.grpc_server)
+        self.service_names.append(service_full_name)
+
+    def start(self) -> "Server":
+        reflection.enable_server_reflection(self.service_names, self.grpc_server)
+        self.grpc_server.start()
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    def _set_health(self, status) -> None:
+        self.health.set("", status)
+        for name in self.service_names:
+            self.health.set(name, status)
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.stopped.is_set():
+            return
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.grpc_server.stop(grace).wait()
+        self.stopped.set()
+
+    def run_until_signal(self, grace: float = 5.0, on_stop=None) -> None:
+        """Block until SIGTERM or SIGINT, then stop gracefully."""
+        requested = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: requested.set())
+        log.info("serving on port %d", self.port)
+        while not requested.wait(0.5):
+            pass
+        log.info("stopping (grace %.1fs)", grace)
+        if on_stop:
+            on_stop()
+        self.stop(grace)
+
+
+def wait_until_serving(address: str, timeout: float, service: str = "") -> None:
+    """Poll a server's health service until it answers SERVING."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} is not serving after {timeout:.0f}s")
+            time.sleep(0.2)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,14 @@
+"""python -m target_service: serve the target model (default: the embedded SmolLM2-135M-Instruct)."""
+
+from specbatch.model_service import run_model_service
+from specbatch.serving import DEFAULT_PORTS
+
+from .servicer import add_target_servicer
+
+
+def main(argv=None):
+    run_model_service("target", DEFAULT_PORTS["target"], None, add_target_servicer, argv)
+
+
+if __name__ == "__main__":
+    main()

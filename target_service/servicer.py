@@ -1,0 +1,38 @@
+"""The target service's gRPC servicer: a thin shell over the engine and the verifier."""
+
+from __future__ import annotations
+
+from specbatch.engine import Engine
+from specbatch.model_service import CacheServicer, sequence_inputs
+from specbatch.sampling import SamplingParams
+from specbatch.serving import Server, engine_errors_to_status
+from specbatch.v1 import model_services_pb2 as pb
+from specbatch.v1 import model_services_pb2_grpc as pb_grpc
+
+from .verifier import VerifyItem, verify
+
+
+def sampling_params(message: pb.Sampling) -> SamplingParams:
+    return SamplingParams(message.temperature, message.top_p or 1.0, message.top_k, message.seed)
+
+
+class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
+    @engine_errors_to_status
+    def Verify(self, request, context):
+        seqs = sequence_inputs(item.sequence for item in request.items)
+        items = [VerifyItem(seq, list(item.draft_tokens), sampling_params(item.sampling))
+                 for seq, item in zip(seqs, request.items)]
+        verdicts, seconds = self.timed(verify, self.engine, items, request.create)
+        return pb.VerifyResponse(
+            verdicts=[
+                pb.Verdict(seq_id=item.seq.seq_id, accepted=v.accepted, next_token=v.next_token, cached_len=v.cached_len)
+                for item, v in zip(items, verdicts)
+            ],
+            compute_seconds=seconds,
+        )
+
+
+def add_target_servicer(server: Server, engine: Engine, model_name: str) -> TargetServicer:
+    servicer = TargetServicer(engine, model_name)
+    server.add(pb_grpc.add_TargetServicer_to_server, servicer, "specbatch.v1.Target")
+    return servicer

@@ -1,0 +1,46 @@
+"""Tiny random-weight models and a word-level tokenizer: the fast tests need no downloads."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+VOCAB = 96
+EOS = 2
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s> {{ m['role'] }} : {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant : {% endif %}"
+)
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    words = ["<pad>", "<s>", "</s>", "<unk>", ":"] + [f"w{i}" for i in range(VOCAB - 5)]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>",
+                                        unk_token="<unk>", pad_token="<pad>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_llama(layers: int, seed: int, hidden: int = 64) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, eos_token_id=EOS, bos_token_id=1, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    # Random weights give flat logits; a larger output scale makes greedy choices clear-cut, so
+    # float rounding between batch shapes cannot flip an argmax and tests stay deterministic.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def greedy_reference(model, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
+    """Target-only greedy decoding by transformers' own generate: the ground truth."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
+                         pad_token_id=0)
+    return out[0, len(prompt):].tolist()
