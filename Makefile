@@ -1,0 +1,42 @@
+# specbatch: `make demo` and `make test` work on a fresh clone; both set up .venv first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU build of torch where there is no NVIDIA GPU: a bare `torch` requirement would pull
+# several GB of CUDA wheels. Override with e.g. `make TORCH_SPEC=torch setup`.
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
+
+.PHONY: setup demo up test test-fast test-real bench protos clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m specbatch.cli demo
+
+up: setup
+	$(PY) -m specbatch.cli up
+
+test: setup
+	$(PY) -m pytest
+
+test-fast: setup
+	$(PY) -m pytest -m "not real_model"
+
+test-real: setup
+	$(PY) -m pytest -m real_model
+
+bench: setup
+	$(PY) -m specbatch.cli bench
+
+protos: setup
+	$(PY) -m specbatch.protogen
+
+clean:
+	rm -rf $(VENV) build *.egg-info

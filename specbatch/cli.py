@@ -1,0 +1,136 @@
+"""The ``specbatch`` command: up, generate, demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+from google.protobuf.json_format import MessageToDict
+
+from .serving import DEFAULT_PORTS
+
+DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORTS['coordinator']}"
+
+
+def cmd_up(args) -> int:
+    from .launcher import LocalProcesses, stack_options
+
+    processes = LocalProcesses(stack_options(args))
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print("starting target, draft and coordinator (the first start converts the embedded model) …", flush=True)
+    processes.start()
+    print(f"serving on {processes.address}; Ctrl-C stops everything", flush=True)
+    try:
+        while not stop.wait(1.0):
+            processes.check_alive()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        # A second Ctrl-C (or the group's SIGINT reaching us twice) must not cut the clean stop short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("stopping …", flush=True)
+        processes.stop()
+    return 0
+
+
+def add_sampling_flags(parser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--k", type=int, help="fixed speculation length for this request")
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def cmd_generate(args) -> int:
+    import grpc
+
+    from .client import connect, generate, make_request
+
+    if args.token_ids:
+        prompt = [int(t) for t in args.token_ids.split(",") if t.strip()]
+    else:
+        prompt = args.prompt
+        if prompt is None:
+            print("give a prompt, or --token-ids", file=sys.stderr)
+            return 2
+    request = make_request(prompt, args.max_new_tokens, chat=args.chat, temperature=args.temperature,
+                           top_p=args.top_p, top_k=args.top_k, seed=args.seed, k=args.k, stop=args.stop,
+                           ignore_eos=args.ignore_eos)
+
+    def show(response):
+        if args.json:
+            print(json.dumps(MessageToDict(response, preserving_proto_field_name=True)), flush=True)
+        else:
+            print(response.text, end="", flush=True)
+
+    try:
+        result = generate(connect(args.address), request, on_response=show)
+    except grpc.RpcError as error:
+        print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)
+        return 1
+    if not args.json:
+        s = result.stats
+        print(f"\n[{result.finish}] {s.generated_tokens} tokens in {result.seconds:.2f}s "
+              f"({result.tokens_per_second:.1f} tok/s), acceptance {result.acceptance:.2f} "
+              f"({s.draft_tokens_accepted}/{s.draft_tokens_proposed} drafts, {s.steps} steps)", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_bench(args) -> int:
+    from .bench import run_bench
+
+    return run_bench(args)
+
+
+def main(argv=None) -> int:
+    from .launcher import add_stack_flags
+
+    parser = argparse.ArgumentParser(prog="specbatch", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run target, draft and coordinator locally in the foreground")
+    add_stack_flags(up)
+    up.set_defaults(fn=cmd_up)
+
+    gen = sub.add_parser("generate", help="stream one generation from a running coordinator")
+    gen.add_argument("prompt", nargs="?", help="prompt text")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument("--token-ids", help="comma-separated prompt token ids instead of text")
+    gen.add_argument("--json", action="store_true", help="one JSON object per response, with token ids")
+    gen.add_argument("--address", default=DEFAULT_ADDRESS)
+    add_sampling_flags(gen)
+    gen.set_defaults(fn=cmd_generate)
+
+    demo = sub.add_parser("demo", help="start everything, stream a few chat answers, report, stop")
+    add_stack_flags(demo)
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.set_defaults(fn=cmd_demo)
+
+    bench = sub.add_parser("bench", help="target-only vs speculative tokens/s, and the step time split")
+    add_stack_flags(bench)
+    bench.add_argument("--address", help="benchmark a running coordinator instead of starting one")
+    bench.add_argument("--concurrency", default="1,8", help="comma-separated concurrency levels")
+    bench.add_argument("--k", type=int, default=3, help="speculation length to compare with k=0")
+    bench.add_argument("--requests", type=int, default=8, help="requests per concurrency level and mode")
+    bench.add_argument("--max-new-tokens", type=int, default=64)
+    bench.set_defaults(fn=cmd_bench)
+
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""``specbatch demo``: start the three services, stream a few chat answers, report, stop."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+from .client import connect, generate, make_request
+from .launcher import LocalProcesses, stack_options
+from .prompts import CHAT_PROMPTS
+
+
+def _report(result) -> str:
+    s = result.stats
+    return (f"{s.generated_tokens} tokens, {result.tokens_per_second:.1f} tok/s, acceptance {result.acceptance:.2f} "
+            f"({s.draft_tokens_accepted}/{s.draft_tokens_proposed} drafted tokens accepted, {s.steps} steps), "
+            f"first token {result.first_token_seconds * 1000:.0f} ms, finish: {result.finish}")
+
+
+def run_demo(args) -> int:
+    prompts = CHAT_PROMPTS[:3]
+    print("starting target, draft and coordinator on loopback (the first run converts the embedded model) …",
+          flush=True)
+    with LocalProcesses(stack_options(args)) as processes:
+        stub = connect(processes.address)
+        print(f"serving on {processes.address}, k policy {args.k_policy}\n", flush=True)
+        for prompt in prompts:
+            print(f"> {prompt}\n", flush=True)
+            result = generate(stub, make_request(prompt, args.max_new_tokens, chat=True),
+                              on_response=lambda r: print(r.text, end="", flush=True))
+            print(f"\n  [{_report(result)}]\n", flush=True)
+        print(f"the same {len(prompts)} prompts at once, batched by the coordinator:", flush=True)
+        with futures.ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda p: generate(stub, make_request(p, args.max_new_tokens, chat=True)),
+                                    prompts))
+        for prompt, result in zip(prompts, results):
+            print(f"  {prompt[:40]:<40}  {_report(result)}", flush=True)
+        print("\nstopping the services …", flush=True)
+    print("done.")
+    return 0

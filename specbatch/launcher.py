@@ -1,0 +1,142 @@
+"""Starting and stopping the three services as local processes (``specbatch up``, demo, bench)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .serving import DEFAULT_PORTS, wait_until_serving
+
+
+@dataclass
+class StackOptions:
+    target_model: str | None = None  # default: the embedded target
+    target_gguf_file: str | None = None
+    draft_model: str | None = None  # default: the embedded draft
+    draft_gguf_file: str | None = None
+    draft_layers: int | None = None
+    no_draft: bool = False
+    device: str | None = None
+    dtype: str | None = None
+    k_policy: str = "fixed:3"
+    max_batch_size: int = 32
+    host: str = "127.0.0.1"
+    ports: dict = field(default_factory=lambda: dict(DEFAULT_PORTS))
+    log_level: str = "WARNING"
+
+
+def add_stack_flags(parser) -> None:
+    parser.add_argument("--target-model", help="target: HF hub id or folder (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--target-gguf-file")
+    parser.add_argument("--draft-model", help="draft: HF hub id or folder (default: the embedded draft)")
+    parser.add_argument("--draft-gguf-file")
+    parser.add_argument("--draft-layers", type=int, help="keep only the draft's first N layers")
+    parser.add_argument("--no-draft", action="store_true", help="run without a draft service (target-only)")
+    parser.add_argument("--device")
+    parser.add_argument("--dtype")
+    parser.add_argument("--k-policy", default="fixed:3")
+    parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORTS["coordinator"], help="coordinator port")
+    parser.add_argument("--target-port", type=int, default=DEFAULT_PORTS["target"])
+    parser.add_argument("--draft-port", type=int, default=DEFAULT_PORTS["draft"])
+    parser.add_argument("--log-level", default="WARNING")
+
+
+def stack_options(args) -> StackOptions:
+    return StackOptions(
+        target_model=args.target_model, target_gguf_file=args.target_gguf_file, draft_model=args.draft_model,
+        draft_gguf_file=args.draft_gguf_file, draft_layers=args.draft_layers, no_draft=args.no_draft,
+        device=args.device, dtype=args.dtype, k_policy=args.k_policy, max_batch_size=args.max_batch_size,
+        host=args.host, ports={"coordinator": args.port, "target": args.target_port, "draft": args.draft_port},
+        log_level=args.log_level,
+    )
+
+
+def _model_flags(model, gguf_file, layers, options: StackOptions) -> list[str]:
+    flags = []
+    for name, value in (("--model", model), ("--gguf-file", gguf_file), ("--num-layers", layers),
+                        ("--device", options.device), ("--dtype", options.dtype)):
+        if value is not None:
+            flags += [name, str(value)]
+    return flags
+
+
+class LocalProcesses:
+    """The target, draft and coordinator as child processes; stopped with SIGTERM, in reverse."""
+
+    def __init__(self, options: StackOptions):
+        self.options = options
+        self.processes: list[tuple[str, subprocess.Popen]] = []
+
+    @property
+    def address(self) -> str:
+        return f"{self.options.host}:{self.options.ports['coordinator']}"
+
+    def _spawn(self, name: str, module: str, flags: list[str]) -> None:
+        command = [sys.executable, "-m", module, *flags, "--log-level", self.options.log_level]
+        self.processes.append((name, subprocess.Popen(command, env=os.environ.copy())))
+
+    def start(self, timeout: float = 600.0) -> "LocalProcesses":
+        o = self.options
+        host = ["--host", o.host]
+        if not o.no_draft and o.target_model is None:
+            # Both services would convert the embedded GGUF on first use; do it once, up front.
+            from .models import embedded_model_folder
+
+            embedded_model_folder()
+        self._spawn("target", "target_service",
+                    _model_flags(o.target_model, o.target_gguf_file, None, o) + host + ["--port", str(o.ports["target"])])
+        draft_address = "none"
+        if not o.no_draft:
+            draft_model = o.draft_model or o.target_model
+            self._spawn("draft", "draft_service",
+                        _model_flags(draft_model, o.draft_gguf_file if o.draft_model else o.target_gguf_file,
+                                     o.draft_layers, o) + host + ["--port", str(o.ports["draft"])])
+            draft_address = f"{o.host}:{o.ports['draft']}"
+        tokenizer = ["--tokenizer", o.target_model] if o.target_model else []
+        if o.target_gguf_file:
+            tokenizer += ["--gguf-file", o.target_gguf_file]
+        self._spawn("coordinator", "coordinator",
+                    ["--target", f"{o.host}:{o.ports['target']}", "--draft", draft_address, "--k-policy", o.k_policy,
+                     "--max-batch-size", str(o.max_batch_size), "--port", str(o.ports["coordinator"])] + host + tokenizer)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                self.check_alive()
+                try:
+                    wait_until_serving(self.address, timeout=1.0)
+                    return self
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise
+        except BaseException:
+            self.stop()
+            raise
+
+    def check_alive(self) -> None:
+        for name, process in self.processes:
+            if process.poll() is not None:
+                raise RuntimeError(f"the {name} service exited with code {process.returncode}")
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for _, process in reversed(self.processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for name, process in reversed(self.processes):
+            try:
+                process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+
+    def __enter__(self) -> "LocalProcesses":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
