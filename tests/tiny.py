@@ -31,6 +31,7 @@ def tiny_llama(layers: int, seed: int, hidden: int = 64) -> LlamaForCausalLM:
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, eos_token_id=EOS, bos_token_id=1, pad_token_id=0)
     model = LlamaForCausalLM(config).eval()
+    model.generation_config.eos_token_id = None  # the reference decodes to max_new_tokens unless told
     # Random weights give flat logits; a larger output scale makes greedy choices clear-cut, so
     # float rounding between batch shapes cannot flip an argmax and tests stay deterministic.
     with torch.no_grad():

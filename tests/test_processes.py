@@ -1,0 +1,71 @@
+"""The services as separate processes (python -m …), the way `specbatch up` runs them."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from specbatch import cli
+from specbatch.client import connect, generate, make_request
+from specbatch.launcher import LocalProcesses, StackOptions
+from tiny import greedy_reference
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def processes(tmp_path_factory, target_model, tokenizer):
+    folder = tmp_path_factory.mktemp("tiny-target")
+    target_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    ports = {"coordinator": free_port(), "target": free_port(), "draft": free_port()}
+    options = StackOptions(target_model=str(folder), draft_model=str(folder), draft_layers=2, ports=ports,
+                           max_batch_size=4)
+    stack = LocalProcesses(options).start(timeout=180)
+    yield stack
+    stack.stop()
+
+
+def test_greedy_through_processes(processes, target_model):
+    prompt = [1, 7, 22, 9, 40]
+    result = generate(connect(processes.address), make_request(prompt, 30, k=3, ignore_eos=True))
+    assert result.token_ids == greedy_reference(target_model, prompt, 30)
+
+
+def test_reflection_lists_services(processes):
+    with grpc.insecure_channel(processes.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+    names = {s.name for s in reply.list_services_response.service}
+    assert {"specbatch.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_generate_command_json(processes, capsys):
+    code = cli.main(["generate", "--token-ids", "1,7,22", "--max-new-tokens", "5", "--json", "--k", "2",
+                     "--ignore-eos", "--address", processes.address])
+    assert code == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    ids = [t for line in lines for t in line.get("token_ids", [])]
+    assert len(ids) == 5
+    assert lines[-1]["finish_reason"] == "FINISH_REASON_LENGTH"
+
+
+def test_stop_is_clean(tmp_path_factory, target_model, tokenizer):
+    folder = tmp_path_factory.mktemp("tiny-stop")
+    target_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    ports = {"coordinator": free_port(), "target": free_port(), "draft": free_port()}
+    stack = LocalProcesses(StackOptions(target_model=str(folder), no_draft=True, ports=ports)).start(timeout=180)
+    children = [p for _, p in stack.processes]
+    result = generate(connect(stack.address), make_request([1, 5, 6], 4, ignore_eos=True))
+    assert len(result.token_ids) == 4
+    stack.stop()
+    assert [p.returncode for p in children] == [0, 0]  # SIGTERM → graceful exit, not killed

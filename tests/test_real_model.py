@@ -1,0 +1,80 @@
+"""The embedded SmolLM2-135M-Instruct through the three services (marked: slower, real weights)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from specbatch.client import generate, make_request
+from specbatch.models import EMBEDDED_DRAFT_LAYERS, ModelSpec, keep_first_layers, load_model, load_tokenizer
+
+pytestmark = pytest.mark.real_model
+
+CHATS = ["What is the capital of France?", "Write a haiku about autumn.", "Why is the sky blue?",
+         "Name three programming languages and what they are good at."]
+
+
+@pytest.fixture(scope="module")
+def real():
+    target = load_model(ModelSpec(), device="cpu", dtype=torch.float32)
+    draft = copy.deepcopy(target)
+    keep_first_layers(draft, EMBEDDED_DRAFT_LAYERS)
+    tokenizer = load_tokenizer(ModelSpec())
+    return target, draft, tokenizer
+
+
+@pytest.fixture(scope="module")
+def real_stack(real):
+    from specbatch.local import start_local_stack
+
+    target, draft, tokenizer = real
+    stack = start_local_stack(target, draft, tokenizer, max_batch_size=4)
+    yield stack
+    stack.stop()
+
+
+def chat_ids(tokenizer, text):
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def reference(target, prompt, n):
+    out = target.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_batch_of_one_matches_generate(real, real_stack):
+    target, _, tokenizer = real
+    prompt = chat_ids(tokenizer, CHATS[0])
+    result = generate(real_stack.client(), make_request(prompt, 24, k=3, ignore_eos=True))
+    assert result.token_ids == reference(target, prompt, 24)
+    assert "Paris" in result.text
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_concurrent_chats_match_generate(real, real_stack, k):
+    target, _, tokenizer = real
+    prompts = [chat_ids(tokenizer, c) for c in CHATS]
+    results = [None] * len(prompts)
+    client = real_stack.client()
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+        i, generate(client, make_request(prompts[i], 20, k=k, ignore_eos=True)))) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == reference(target, prompt, 20)
+
+
+def test_chat_prompt_is_rendered_with_the_template(real, real_stack):
+    _, _, tokenizer = real
+    via_chat = generate(real_stack.client(), make_request(CHATS[2], 8, chat=True, ignore_eos=True))
+    via_ids = generate(real_stack.client(), make_request(chat_ids(tokenizer, CHATS[2]), 8, ignore_eos=True))
+    assert via_chat.stats.prompt_tokens == len(chat_ids(tokenizer, CHATS[2]))
+    assert via_chat.token_ids == via_ids.token_ids
