@@ -1,0 +1,461 @@
+"""The engine in process, without gRPC: ragged batches, rollback, no prefix recompute, the draft's
+proposals, refusals that change nothing, and release."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from draft_service.proposer import MAX_K, ProposeItem, propose
+from specbatch.engine import (
+    CapacityExceeded,
+    Engine,
+    InvalidRequest,
+    SequenceInput,
+    StaleCache,
+    UnknownSequence,
+)
+from specbatch.sampling import SamplingParams
+from target_service.verifier import VerifyItem, verify
+from tiny import VOCAB, greedy_reference
+
+
+def random_prompts(lengths, seed):
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(5, VOCAB) for _ in range(n - 1)] for n in lengths]
+
+
+def wrong_token(rng: random.Random, right: int) -> int:
+    token = rng.randrange(VOCAB)
+    while token == right:
+        token = rng.randrange(VOCAB)
+    return token
+
+
+class Decoding:
+    """One sequence decoded through `verify` the way the coordinator does it."""
+
+    def __init__(self, seq_id: str, prompt: list[int], reference: list[int], cached: int):
+        self.seq_id, self.prompt, self.reference = seq_id, prompt, reference
+        self.history = list(prompt)
+        self.cached = cached  # tokens of history the engine holds
+
+    @property
+    def generated(self) -> list[int]:
+        return self.history[len(self.prompt):]
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) >= len(self.reference)
+
+
+def verify_steps(engine: Engine, decodings: list[Decoding], rng: random.Random, create_first: bool = False,
+                 max_steps: int = 200) -> dict[str, int]:
+    """Drive every unfinished sequence with `verify` until each has its reference's length.
+
+    Per step and sequence, k cycles through 0..4 (so a call mixes draft lengths, zero included);
+    drafts come from the reference and are either all right or wrong from a random position on.
+    Every verdict is checked against the reference. Returns counts of the paths exercised.
+    """
+    seen = {"full_accept": 0, "reject": 0, "no_drafts": 0, "calls": 0, "batch_sizes": set()}
+    for step in range(max_steps):
+        live = [d for d in decodings if not d.done]
+        if not live:
+            break
+        items, expected = [], []
+        for i, d in enumerate(live):
+            g = len(d.generated)
+            k = min((step + i) % 5, len(d.reference) - g - 1)
+            drafts = list(d.reference[g : g + k])
+            right = k
+            if k and rng.random() < 0.5:
+                right = rng.randrange(k)
+                drafts[right] = wrong_token(rng, d.reference[g + right])
+                drafts[right + 1 :] = [rng.randrange(VOCAB) for _ in drafts[right + 1 :]]
+            seen["no_drafts" if k == 0 else "full_accept" if right == k else "reject"] += 1
+            items.append(VerifyItem(SequenceInput(d.seq_id, d.cached, d.history[d.cached :]), drafts))
+            expected.append((right, drafts))
+        verdicts = verify(engine, items, create=create_first and step == 0)
+        seen["calls"] += 1
+        seen["batch_sizes"].add(len(items))
+        assert len(verdicts) == len(live)
+        for d, verdict, (right, drafts) in zip(live, verdicts, expected):
+            g = len(d.generated)
+            assert verdict.accepted == right, f"{d.seq_id} step {step}: drafts {drafts}"
+            assert verdict.next_token == d.reference[g + right], f"{d.seq_id} step {step}"
+            assert verdict.cached_len == len(d.history) + right
+            assert engine.length(d.seq_id) == verdict.cached_len
+            d.history += drafts[:right] + [verdict.next_token]
+            d.cached = verdict.cached_len
+    for d in decodings:
+        assert d.generated == d.reference, d.seq_id
+    return seen
+
+
+def snapshot(engine: Engine) -> dict[str, tuple[int, torch.Tensor]]:
+    return {sid: (c.length, c.kv[:, :, :, : c.length].clone()) for sid, c in engine.sequences.items()}
+
+
+def assert_unchanged(engine: Engine, before: dict[str, tuple[int, torch.Tensor]]) -> None:
+    assert set(engine.sequences) == set(before)
+    for sid, (length, kv) in before.items():
+        cache = engine.sequences[sid]
+        assert cache.length == length, sid
+        assert torch.equal(cache.kv[:, :, :, :length], kv), sid
+
+
+def record_forwards(model):
+    """Record what each forward of `model` is fed; returns (records, hook handle)."""
+    records = []
+
+    def hook(module, args, kwargs):
+        records.append({
+            "input_ids": kwargs["input_ids"].detach().cpu().clone(),
+            "attention_mask": kwargs["attention_mask"].detach().cpu().clone(),
+            "position_ids": kwargs["position_ids"].detach().cpu().clone(),
+            "past": kwargs["past_key_values"].get_seq_length(),
+        })
+
+    return records, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+# ---- exactness over a ragged batch ---------------------------------------------------------------
+
+
+def test_ragged_verify_batch_matches_generate(target_model):
+    engine = Engine(target_model)
+    lengths = [2, 7, 16, 33, 4]
+    prompts = random_prompts(lengths, seed=1)
+    new_tokens = [24, 30, 18, 26, 21]
+    refs = [greedy_reference(target_model, p, n) for p, n in zip(prompts, new_tokens)]
+    # Sequences 0-3 are prefilled with different parts of their prompts (so the first verify feeds
+    # 1 to 13 uncached prompt tokens plus drafts); sequence 4 is created by the first verify call.
+    prefilled = [1, 5, 15, 20]
+    lengths_after = engine.prefill([SequenceInput(f"s{i}", 0, prompts[i][:m]) for i, m in enumerate(prefilled)])
+    assert lengths_after == prefilled
+    assert [engine.length(f"s{i}") for i in range(4)] == prefilled
+    decodings = [Decoding(f"s{i}", prompts[i], refs[i], prefilled[i] if i < 4 else 0) for i in range(5)]
+    seen = verify_steps(engine, decodings, random.Random(7), create_first=True)
+    assert seen["full_accept"] > 0 and seen["reject"] > 0 and seen["no_drafts"] > 0
+    assert max(seen["batch_sizes"]) == 5 and min(seen["batch_sizes"]) < 5  # sequences finished at different steps
+    # Each sequence holds its whole history but the last token (fed on the next step).
+    for d in decodings:
+        assert engine.length(d.seq_id) == len(d.history) - 1
+
+
+def test_verify_without_prefill_or_create_is_refused(target_model):
+    engine = Engine(target_model)
+    with pytest.raises(UnknownSequence, match="new"):
+        verify(engine, [VerifyItem(SequenceInput("new", 0, [1, 5, 6]))], create=False)
+    assert not engine.sequences
+
+
+# ---- rollback ------------------------------------------------------------------------------------
+
+
+def logits_of(engine: Engine, seq_id: str, keep_len: int, tokens: list[int]) -> torch.Tensor:
+    batch = engine.start([SequenceInput(seq_id, keep_len, tokens)])
+    logits = batch.prefill(len(tokens))
+    batch.commit(batch.fed)
+    return logits[0]
+
+
+def test_truncate_then_continue_equals_never_going_further(target_model):
+    engine = Engine(target_model)
+    prompt = random_prompts([12], seed=3)[0]
+    ref = greedy_reference(target_model, prompt, 20)
+    junk = [wrong_token(random.Random(i), ref[0]) for i in range(9)]
+
+    engine.prefill([SequenceInput("went_further", 0, prompt + junk)])
+    engine.prefill([SequenceInput("never", 0, prompt[:-1])])
+    assert engine.length("went_further") == len(prompt) + len(junk)
+    assert engine.truncate("went_further", len(prompt) - 1) == len(prompt) - 1
+    assert engine.length("went_further") == len(prompt) - 1
+
+    cont = [prompt[-1]] + ref[:5]
+    rolled = logits_of(engine, "went_further", len(prompt) - 1, cont)
+    straight = logits_of(engine, "never", len(prompt) - 1, cont)
+    assert rolled.shape == (len(cont), VOCAB)
+    assert torch.allclose(rolled, straight, atol=1e-5)
+    assert rolled.argmax(-1).tolist() == ref[:6]
+
+    # Rolling back through keep_len (no truncate call) works the same: go 4 tokens too far, then
+    # keep only the real history and continue decoding to the reference's end.
+    assert engine.length("went_further") == len(prompt) + 5
+    engine.prefill([SequenceInput("went_further", len(prompt) + 5, junk[:4])])
+    assert engine.length("went_further") == len(prompt) + 9
+    d = Decoding("went_further", prompt, ref, cached=len(prompt) + 5)
+    d.history += ref[:6]
+    verify_steps(engine, [d], random.Random(5))
+    assert d.generated == ref
+
+    # Truncating to 0 and refeeding the prompt from scratch also matches.
+    engine.truncate("never", 0)
+    assert engine.length("never") == 0
+    verdict, = verify(engine, [VerifyItem(SequenceInput("never", 0, prompt), ref[:3])])
+    assert (verdict.accepted, verdict.next_token, verdict.cached_len) == (3, ref[3], len(prompt) + 3)
+
+
+def test_rollback_beyond_cached_is_refused(target_model):
+    engine = Engine(target_model)
+    prompt = random_prompts([9], seed=4)[0]
+    engine.prefill([SequenceInput("a", 0, prompt)])
+    before = snapshot(engine)
+    for bad in (len(prompt) + 1, 100, -1):
+        with pytest.raises(InvalidRequest, match="roll back"):
+            engine.truncate("a", bad)
+        assert_unchanged(engine, before)
+    with pytest.raises(UnknownSequence):
+        engine.truncate("ghost", 0)
+    # keep_len beyond what is cached: the caller's view is stale.
+    with pytest.raises(StaleCache, match="keep_len"):
+        engine.validate([SequenceInput("a", len(prompt) + 1, [5])], [0], create=False)
+    with pytest.raises(StaleCache):
+        verify(engine, [VerifyItem(SequenceInput("a", len(prompt) + 3, [5]))])
+    # A sequence that is not cached at all cannot be asked to keep anything, even with create.
+    with pytest.raises(StaleCache):
+        engine.prefill([SequenceInput("fresh", 4, [5, 6])])
+    assert_unchanged(engine, before)
+    # keep_len equal to the cached length is fine.
+    engine.validate([SequenceInput("a", len(prompt), [5])], [0], create=False)
+    assert engine.truncate("a", len(prompt)) == len(prompt)
+
+
+# ---- no prefix recompute -------------------------------------------------------------------------
+
+
+def test_steps_feed_only_new_tokens_and_drafts(target_model):
+    engine = Engine(target_model)
+    prompts = random_prompts([5, 12, 20], seed=5)
+    refs = [greedy_reference(target_model, p, 10) for p in prompts]
+    records, handle = record_forwards(target_model)
+    try:
+        engine.prefill([SequenceInput(f"s{i}", 0, p[:-1]) for i, p in enumerate(prompts)])
+        assert len(records) == 1
+        assert tuple(records[0]["input_ids"].shape) == (3, 19)
+        assert records[0]["past"] == 0
+        records.clear()
+
+        ks = [3, 0, 2]
+        items = [VerifyItem(SequenceInput(f"s{i}", len(p) - 1, [p[-1]]), refs[i][:k])
+                 for i, (p, k) in enumerate(zip(prompts, ks))]
+        verdicts = verify(engine, items)
+        assert [v.accepted for v in verdicts] == ks
+        assert [v.next_token for v in verdicts] == [r[k] for r, k in zip(refs, ks)]
+        assert len(records) == 1  # one forward for the whole batch
+        rec = records[0]
+        width = rec["input_ids"].shape[1]
+        assert tuple(rec["input_ids"].shape) == (3, 1 + max(ks))  # never a prefix column
+        assert rec["past"] == max(len(p) - 1 for p in prompts)  # the prefixes come from the cache
+        for row, item in enumerate(items):
+            fed = item.seq.tokens + item.drafts
+            n = len(fed)
+            assert int(rec["attention_mask"][row, -width:].sum()) == n
+            assert rec["attention_mask"][row, -n:].tolist() == [1] * n
+            assert rec["input_ids"][row, -n:].tolist() == fed
+            assert rec["position_ids"][row, -n:].tolist() == list(range(item.seq.keep_len, item.seq.keep_len + n))
+            # Every cached prefix token is attended to, from the cache.
+            assert int(rec["attention_mask"][row, :-width].sum()) == item.seq.keep_len
+        records.clear()
+
+        # Next step: s0 accepted everything, s1 continues, s2 is rolled back by one token and
+        # refeeds it (2 uncached tokens) with 4 drafts.
+        histories = [p + r[: k + 1] for p, r, k in zip(prompts, refs, ks)]
+        keeps = [verdicts[0].cached_len, verdicts[1].cached_len, verdicts[2].cached_len - 1]
+        ks2 = [1, 2, 4]
+        items = [VerifyItem(SequenceInput(f"s{i}", keep, histories[i][keep:]), refs[i][k + 1 : k + 1 + k2])
+                 for i, (keep, k, k2) in enumerate(zip(keeps, ks, ks2))]
+        verdicts = verify(engine, items)
+        assert [v.accepted for v in verdicts] == ks2
+        assert [v.next_token for v in verdicts] == [r[k + 1 + k2] for r, k, k2 in zip(refs, ks, ks2)]
+        assert len(records) == 1
+        rec = records[0]
+        fed_counts = [len(i.seq.tokens) + len(i.drafts) for i in items]
+        assert fed_counts == [2, 3, 6]
+        assert tuple(rec["input_ids"].shape) == (3, max(fed_counts))
+        assert rec["past"] == max(keeps)
+        width = rec["input_ids"].shape[1]
+        for row, n in enumerate(fed_counts):
+            assert int(rec["attention_mask"][row, -width:].sum()) == n
+            assert rec["position_ids"][row, -n:].tolist() == list(range(keeps[row], keeps[row] + n))
+    finally:
+        handle.remove()
+
+
+# ---- the draft's proposals -----------------------------------------------------------------------
+
+
+def test_propose_matches_draft_greedy_with_mixed_k(draft_model):
+    engine = Engine(draft_model)
+    prompts = random_prompts([6, 11, 3, 20], seed=6)
+    refs = [greedy_reference(draft_model, p, 12) for p in prompts]
+    engine.prefill([SequenceInput("p0", 0, prompts[0][:-1]), SequenceInput("p1", 0, prompts[1][:-3]),
+                    SequenceInput("p3", 0, prompts[3][:-1])])
+    seqs = [SequenceInput("p0", 5, prompts[0][5:]), SequenceInput("p1", 8, prompts[1][8:]),
+            SequenceInput("p2", 0, prompts[2]),  # not cached yet: created by the call
+            SequenceInput("p3", 19, prompts[3][19:])]
+    ks = [1, 4, 3, 6]
+    records, handle = record_forwards(draft_model)
+    try:
+        drafts = propose(engine, [ProposeItem(s, k) for s, k in zip(seqs, ks)])
+    finally:
+        handle.remove()
+    assert drafts == [r[:k] for r, k in zip(refs, ks)]
+    # One ragged forward, then one one-token forward per further drafted position.
+    assert [tuple(r["input_ids"].shape) for r in records] == [(4, 3)] + [(4, 1)] * (max(ks) - 1)
+    for s, k in zip(seqs, ks):
+        assert engine.length(s.seq_id) == s.keep_len + len(s.tokens) + k - 1
+
+    # Second call: p0 and p1 keep drafts the target accepted, p2 and p3 had a draft rejected and
+    # the target's token differs from the draft's; the call rolls each back through keep_len.
+    w2 = wrong_token(random.Random(1), refs[2][0])
+    w3 = wrong_token(random.Random(2), refs[3][1])
+    histories = [prompts[0] + refs[0][:1], prompts[1] + refs[1][:3], prompts[2] + [w2],
+                 prompts[3] + refs[3][:1] + [w3]]
+    keeps = [len(prompts[0]), len(prompts[1]) + 2, len(prompts[2]), len(prompts[3]) + 1]
+    ks2 = [5, 2, 4, 3]
+    seqs = [SequenceInput(f"p{i}", keep, h[keep:]) for i, (keep, h) in enumerate(zip(keeps, histories))]
+    assert [len(s.tokens) for s in seqs] == [1, 1, 1, 1]
+    drafts = propose(engine, [ProposeItem(s, k) for s, k in zip(seqs, ks2)])
+    assert drafts[0] == refs[0][1:6]
+    assert drafts[1] == refs[1][3:5]
+    assert drafts[2] == greedy_reference(draft_model, histories[2], 4)
+    assert drafts[3] == greedy_reference(draft_model, histories[3], 3)
+    for s, k in zip(seqs, ks2):
+        assert engine.length(s.seq_id) == s.keep_len + len(s.tokens) + k - 1
+
+
+@pytest.mark.parametrize("k", [0, MAX_K + 1])
+def test_propose_refuses_k_out_of_range(draft_model, k):
+    engine = Engine(draft_model)
+    prompt = random_prompts([5], seed=8)[0]
+    engine.prefill([SequenceInput("a", 0, prompt[:-1])])
+    before = snapshot(engine)
+    with pytest.raises(InvalidRequest, match="k must be"):
+        propose(engine, [ProposeItem(SequenceInput("a", 4, [prompt[-1]]), 2),
+                         ProposeItem(SequenceInput("b", 0, prompt), k)])
+    assert_unchanged(engine, before)
+    assert propose(engine, [ProposeItem(SequenceInput("a", 4, [prompt[-1]]), 3)])[0] == \
+        greedy_reference(draft_model, prompt, 3)
+
+
+# ---- refusals change nothing ---------------------------------------------------------------------
+
+
+def test_refused_calls_leave_other_sequences_untouched(target_model):
+    engine = Engine(target_model, max_context=64)
+    prompts = random_prompts([9, 17], seed=9)
+    refs = [greedy_reference(target_model, p, 24) for p in prompts]
+    engine.prefill([SequenceInput("a", 0, prompts[0][:-1]), SequenceInput("b", 0, prompts[1][:-1])])
+    decodings = [Decoding("a", prompts[0], refs[0][:8], len(prompts[0]) - 1),
+                 Decoding("b", prompts[1], refs[1][:8], len(prompts[1]) - 1)]
+    verify_steps(engine, decodings, random.Random(3))  # some history, with rollbacks behind it
+    a, b = decodings
+    la, lb = a.cached, b.cached
+
+    def ok(d: Decoding, drafts=()):
+        return VerifyItem(SequenceInput(d.seq_id, d.cached, d.history[d.cached :]), list(drafts))
+
+    refused = [
+        # unknown sequence, next to a valid one
+        (UnknownSequence, "ghost", lambda: verify(engine, [ok(a), VerifyItem(SequenceInput("ghost", 0, [5]))])),
+        (UnknownSequence, "ghost", lambda: verify(engine, [ok(a), VerifyItem(SequenceInput("ghost", 3, [5]))])),
+        (UnknownSequence, "ghost", lambda: engine.length("ghost")),
+        # token ids outside the vocabulary, in fed tokens or in drafts, on every entry point
+        (InvalidRequest, "outside", lambda: verify(engine, [ok(a), VerifyItem(SequenceInput("b", lb, [VOCAB]))])),
+        (InvalidRequest, "outside", lambda: verify(engine, [ok(b, [-1])])),
+        (InvalidRequest, "outside", lambda: verify(engine, [ok(a, [5, VOCAB + 100])])),
+        (InvalidRequest, "outside", lambda: engine.prefill([SequenceInput("c", 0, [1, 2, VOCAB])])),
+        (InvalidRequest, "outside", lambda: propose(engine, [ProposeItem(SequenceInput("c", 0, [1, -5]), 2)])),
+        # one sequence twice in one call
+        (InvalidRequest, "twice", lambda: verify(engine, [ok(a), ok(a)])),
+        (InvalidRequest, "twice", lambda: engine.prefill([SequenceInput("c", 0, [1]), SequenceInput("c", 0, [1])])),
+        (InvalidRequest, "twice", lambda: propose(engine, [ProposeItem(SequenceInput("b", lb, [b.history[-1]]), 1),
+                                                           ProposeItem(SequenceInput("b", lb, [b.history[-1]]), 1)])),
+        # past the context (64 here): prompt, drafts, or the draft's k
+        (InvalidRequest, "context", lambda: engine.prefill([SequenceInput("c", 0, [1] * 65)])),
+        (InvalidRequest, "context", lambda: verify(engine, [ok(b), ok(a, [5] * (64 - len(a.history) + 1))])),
+        (InvalidRequest, "context", lambda: propose(engine, [ProposeItem(SequenceInput("c", 0, [1] * 60), 6)])),
+        # stale keep_len, empty calls and inputs, bad sampling
+        (StaleCache, "keep_len", lambda: verify(engine, [ok(a), VerifyItem(SequenceInput("b", lb + 1, [5]))])),
+        (InvalidRequest, "no new tokens", lambda: verify(engine, [VerifyItem(SequenceInput("a", la, []))])),
+        (InvalidRequest, "at least one", lambda: engine.prefill([])),
+        (InvalidRequest, "empty", lambda: engine.prefill([SequenceInput("", 0, [1])])),
+        (InvalidRequest, "temperature", lambda: verify(engine, [VerifyItem(ok(a).seq, [], SamplingParams(-1.0))])),
+        (InvalidRequest, "sampled", lambda: verify(engine, [VerifyItem(ok(a).seq, [5], SamplingParams(0.8))])),
+    ]
+    before = snapshot(engine)
+    assert set(before) == {"a", "b"} and before["a"][0] == la and before["b"][0] == lb
+    for error, words, call in refused:
+        with pytest.raises(error, match=words):
+            call()
+        assert_unchanged(engine, before)
+
+    # Exactly at the context limit is allowed (the check is not off by one).
+    assert engine.prefill([SequenceInput("c", 0, [1] * 64)]) == [64]
+    assert engine.release(["c"]) == 1
+
+    # Both sequences continue exactly as if nothing had been refused.
+    a.reference, b.reference = refs
+    verify_steps(engine, decodings, random.Random(4))
+    assert a.generated == refs[0] and b.generated == refs[1]
+
+
+def test_capacity_is_enforced_and_refusals_change_nothing(target_model):
+    engine = Engine(target_model, max_sequences=2)
+    prompts = random_prompts([6, 10, 8], seed=10)
+    refs = [greedy_reference(target_model, p, 12) for p in prompts]
+    engine.prefill([SequenceInput("a", 0, prompts[0][:-1]), SequenceInput("b", 0, prompts[1][:-1])])
+    before = snapshot(engine)
+    a_item = VerifyItem(SequenceInput("a", 5, [prompts[0][-1]]), refs[0][:2])
+    for call in (
+        lambda: engine.prefill([SequenceInput("c", 0, prompts[2])]),
+        lambda: verify(engine, [a_item, VerifyItem(SequenceInput("c", 0, prompts[2]))], create=True),
+        lambda: propose(engine, [ProposeItem(SequenceInput("c", 0, prompts[2]), 2)]),
+    ):
+        with pytest.raises(CapacityExceeded, match="limit is 2"):
+            call()
+        assert_unchanged(engine, before)
+    # Existing sequences can still be served when the engine is full.
+    verdict, = verify(engine, [a_item], create=True)
+    assert (verdict.accepted, verdict.next_token) == (2, refs[0][2])
+    # Releasing one makes room for exactly one more.
+    assert engine.release(["b"]) == 1
+    verdict, = verify(engine, [VerifyItem(SequenceInput("c", 0, prompts[2]), refs[2][:3])], create=True)
+    assert (verdict.accepted, verdict.next_token) == (3, refs[2][3])
+    with pytest.raises(CapacityExceeded):
+        engine.prefill([SequenceInput("b", 0, prompts[1])])
+    assert set(engine.sequences) == {"a", "c"}
+
+
+# ---- release -------------------------------------------------------------------------------------
+
+
+def test_release_is_idempotent_and_frees(target_model):
+    engine = Engine(target_model, max_sequences=2)
+    prompts = random_prompts([7, 4], seed=11)
+    refs = [greedy_reference(target_model, p, 6) for p in prompts]
+    engine.prefill([SequenceInput("a", 0, prompts[0]), SequenceInput("b", 0, prompts[1])])
+    assert engine.cached_tokens() == 11
+    assert engine.release(["a"]) == 1
+    assert engine.release(["a"]) == 0
+    assert engine.release(["ghost", "a"]) == 0
+    assert engine.release([]) == 0
+    assert set(engine.sequences) == {"b"}
+    assert engine.cached_tokens() == 4
+    with pytest.raises(UnknownSequence):
+        engine.length("a")
+    with pytest.raises(UnknownSequence):
+        engine.truncate("a", 0)
+    with pytest.raises(UnknownSequence):
+        verify(engine, [VerifyItem(SequenceInput("a", 0, prompts[0]))])
+    with pytest.raises(StaleCache):  # released state is gone: it cannot be kept
+        verify(engine, [VerifyItem(SequenceInput("a", 7, [5]))], create=True)
+    # The freed slot takes a new sequence; a released id can be rebuilt from scratch.
+    engine.prefill([SequenceInput("c", 0, prompts[0][:3])])
+    assert engine.release(["b", "c", "b"]) == 2
+    assert not engine.sequences and engine.cached_tokens() == 0
+    verdict, = verify(engine, [VerifyItem(SequenceInput("a", 0, prompts[0]), refs[0][:4])], create=True)
+    assert (verdict.accepted, verdict.next_token, verdict.cached_len) == (4, refs[0][4], len(prompts[0]) + 4)
