@@ -1,25 +1,23 @@
 """The forward/KV-cache engine shared by the draft service and the target service.
 
-Every sequence owns one KV buffer, ``[layers, 2 (key/value), kv_heads, capacity, head_dim]``,
-that lives across calls and is keyed by the sequence id. A batched call:
+All sequences of an engine live in one KV pool, ``[layers, 2 (key/value), slots, kv_heads,
+context, head_dim]``: each sequence owns a slot, keyed by its id, and its tokens fill the first
+``length`` columns of that slot. The pool lives across calls. A batched call runs only the *new*
+tokens of each of its sequences (ragged: each its own count) through the model once, with the
+new keys/values written straight into each sequence's slot at its own next columns and a 4D mask
+that lets each row see exactly its own columns. So:
 
-1. gathers the cached prefix of each of its sequences into one padded batch cache,
-2. runs only the *new* tokens of every sequence through the model (one forward for all rows),
-   optionally followed by more one-token decode forwards (the draft's proposal loop),
-3. copies back the keys/values of the fed tokens each sequence keeps.
+- a step never recomputes a cached prefix, and never copies one either when the call's sequences
+  hold neighbouring slots (the common case: slots are kept dense, and the coordinator sends the
+  whole running batch), the batch cache is a view of the pool; other calls gather their slots;
+- rolling back is O(1): a sequence's length is set lower, and the stale columns are masked and
+  later overwritten;
+- positions are passed explicitly, so RoPE and absolute-position models see the same positions as
+  an unpadded run.
 
-So a step never recomputes a cached prefix, and rolling a sequence back is O(1): its length is
-set lower and the stale tail is overwritten by the next call.
-
-Row layout inside one call (``P`` = longest kept prefix, ``N`` = most new tokens)::
-
-    [ pad | prefix_i ][ pad | new_i ][ decode steps ... ]
-    0           P-1   P          P+N-1
-
-Prefixes are right-aligned to column ``P`` and new tokens to column ``P+N``, so each row's fed
-tokens form one contiguous run. Padding columns are masked out through the 2D attention mask and
-positions are passed explicitly, so RoPE and absolute-position models see the same positions as an
-unpadded run.
+Within a call, new tokens are right-aligned (so the last positions of every row share columns of
+the logits); a padding token writes its keys/values to a scratch column past every row's end and
+attends only column 0, which keeps it finite.
 """
 
 from __future__ import annotations
@@ -63,123 +61,180 @@ class SequenceInput:
     tokens: list[int]
 
 
+class KVPool:
+    """Keys and values of every sequence of an engine, one slot per sequence.
+
+    Grows by doubling (slots or context columns) with a copy, so a step never allocates; the last
+    column of every slot is scratch for padding tokens and is never part of a sequence.
+    """
+
+    def __init__(self, kv_shape: tuple[int, int, int], dtype, device, max_bytes: int | None):
+        self.layers, self.kv_heads, self.head_dim = kv_shape
+        self.dtype, self.device, self.max_bytes = dtype, device, max_bytes
+        self.kv = self._zeros(0, 0)
+
+    def _zeros(self, slots: int, context: int) -> torch.Tensor:
+        # Zeros, not empty: masked columns still enter the attention product as `0 * value`,
+        # and a NaN from uninitialised memory would survive that.
+        return torch.zeros(self.layers, 2, slots, self.kv_heads, context, self.head_dim, dtype=self.dtype,
+                           device=self.device)
+
+    @property
+    def slots(self) -> int:
+        return self.kv.shape[2]
+
+    @property
+    def context(self) -> int:
+        return self.kv.shape[4]
+
+    def bytes_for(self, slots: int, context: int) -> int:
+        return self.layers * 2 * slots * self.kv_heads * context * self.head_dim * self.kv.element_size()
+
+    def ensure(self, slots: int, context: int, context_limit: int) -> None:
+        """Make room for ``slots`` slots of ``context`` columns (the scratch column included)."""
+        if slots <= self.slots and context <= self.context:
+            return
+        new_slots = max(slots, min(2 * self.slots, max(slots, 8))) if slots > self.slots else self.slots
+        new_context = self.context
+        if context > self.context:
+            new_context = min(max(context, 2 * self.context, 64), context_limit)
+        if self.max_bytes is not None and self.bytes_for(new_slots, new_context) > self.max_bytes:
+            if self.bytes_for(slots, context) > self.max_bytes:
+                raise CapacityExceeded(
+                    f"the KV cache would need {self.bytes_for(slots, context) / 2**30:.2f} GiB for {slots} sequences "
+                    f"of up to {context} tokens; its budget is {self.max_bytes / 2**30:.2f} GiB"
+                )
+            new_slots, new_context = max(slots, self.slots), max(context, self.context)
+        kv = self._zeros(new_slots, new_context)
+        kv[:, :, : self.slots, :, : self.context] = self.kv
+        self.kv = kv
+
+    def move(self, source: int, target: int, length: int) -> None:
+        self.kv[:, :, target, :, :length] = self.kv[:, :, source, :, :length]
+
+
 @dataclass
 class SequenceCache:
-    kv: torch.Tensor  # [layers, 2, kv_heads, capacity, head_dim]
+    """One sequence's place in the pool: its slot and how many of its columns are valid."""
+
+    pool: KVPool
+    slot: int
     length: int = 0
 
     @property
-    def capacity(self) -> int:
-        return self.kv.shape[3]
+    def kv(self) -> torch.Tensor:
+        """This sequence's keys/values, ``[layers, 2, kv_heads, context, head_dim]`` (a view)."""
+        return self.pool.kv[:, :, self.slot]
 
 
 class _BatchLayer(DynamicLayer):
-    """One layer of a call's batch cache: a preallocated buffer written in place.
+    """One layer of a call's batch cache: new keys/values are scattered into each row's own
+    next columns, and attention sees the first ``end`` columns of every row."""
 
-    HF's DynamicLayer concatenates on every forward (a full copy of the cache per token); here the
-    call already knows how many columns it needs, so updates are slice writes.
-    """
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, batch: "RaggedBatch"):
         super().__init__()
-        self.keys_buffer, self.values_buffer = keys, values
-        self.length = length
+        self.keys_buffer, self.values_buffer, self.batch = keys, values, batch
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
-        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
 
     def update(self, key_states, value_states, *args, **kwargs):
-        end = self.length + key_states.shape[-2]
-        self.keys_buffer[:, :, self.length : end] = key_states
-        self.values_buffer[:, :, self.length : end] = value_states
-        self.length = end
-        self.keys, self.values = self.keys_buffer[:, :, :end], self.values_buffer[:, :, :end]
-        return self.keys, self.values
+        index = self.batch.write_index.expand_as(key_states)
+        self.keys_buffer.scatter_(2, index, key_states)
+        self.values_buffer.scatter_(2, index, value_states)
+        end = self.batch.end
+        return self.keys_buffer[:, :, :end], self.values_buffer[:, :, :end]
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.batch.end
 
     def get_mask_sizes(self, query_length, *args, **kwargs):
-        return self.length + query_length, 0
+        return self.batch.end, 0
 
 
 class RaggedBatch:
-    """The sequences of one call, gathered into a padded batch cache (see the module docstring)."""
+    """The sequences of one call, as a batch cache over their pool slots (see the module docstring).
+
+    Rows are the call's sequences in slot order; results come back in the call's order.
+    """
 
     def __init__(self, engine: "Engine", inputs: list[SequenceInput], decode_steps: int = 0):
         self.engine = engine
-        self.inputs = inputs
-        self.kept = [item.keep_len for item in inputs]
-        self.fed = [len(item.tokens) for item in inputs]
-        batch, prefix_cols, new_cols = len(inputs), max(self.kept), max(self.fed)
-        self.prefix_cols, self.new_cols = prefix_cols, new_cols
-        capacity = prefix_cols + new_cols + decode_steps
-        layers, kv_heads, head_dim = engine.kv_shape
-        device = engine.device
-        # Zeros, not empty: padding columns are masked, but garbage NaNs would still leak
-        # through `0 * NaN` in the attention-weighted sum.
-        self.buffer = torch.zeros(
-            layers, 2, batch, kv_heads, capacity, head_dim, dtype=engine.dtype, device=device
-        )
-        self.mask = torch.zeros(batch, capacity, dtype=torch.long, device=device)
-        input_ids = torch.zeros(batch, new_cols, dtype=torch.long)
-        positions = torch.zeros(batch, new_cols, dtype=torch.long)
-        for row, item in enumerate(inputs):
-            kept, fed = self.kept[row], self.fed[row]
-            if kept:
-                cache = engine.sequences[item.seq_id]
-                self.buffer[:, :, row, :, prefix_cols - kept : prefix_cols] = cache.kv[:, :, :, :kept]
-                self.mask[row, prefix_cols - kept : prefix_cols] = 1
-            self.mask[row, prefix_cols + new_cols - fed : prefix_cols + new_cols] = 1
-            input_ids[row, new_cols - fed :] = torch.tensor(item.tokens, dtype=torch.long)
-            positions[row, new_cols - fed :] = torch.arange(kept, kept + fed)
-        self.cache = Cache(
-            layers=[_BatchLayer(self.buffer[i, 0], self.buffer[i, 1], prefix_cols) for i in range(layers)]
-        )
-        self._pending = (input_ids.to(device), positions.to(device))
-        self.columns = prefix_cols  # columns filled so far
+        self.order = sorted(range(len(inputs)), key=lambda i: engine.sequences[inputs[i].seq_id].slot)
+        self.caches = [engine.sequences[inputs[i].seq_id] for i in self.order]
+        self.inputs = [inputs[i] for i in self.order]
+        self.kept = torch.tensor([item.keep_len for item in self.inputs])
+        self.fed = torch.tensor([len(item.tokens) for item in self.inputs])
+        batch, width = len(inputs), int(self.fed.max())
+        longest = int((self.kept + self.fed).max()) + decode_steps
+        pool = engine.pool
+        pool.ensure(len(engine.sequences), longest + 1, engine.max_context + 1)
+        for cache, item in zip(self.caches, self.inputs):
+            cache.length = item.keep_len  # the caller dropped the rest; from here on it is overwritten
+        slots = [cache.slot for cache in self.caches]
+        self.contiguous = slots == list(range(slots[0], slots[0] + batch))
+        if self.contiguous:  # a view: writes land in the pool directly
+            self.kv = pool.kv[:, :, slots[0] : slots[0] + batch]
+        else:  # gather the slots (up to the longest row, plus scratch), write back on commit
+            self.kv = pool.kv[:, :, slots, :, : longest + 1]
+        self.scratch = self.kv.shape[4] - 1
+        self.cache = Cache(layers=[_BatchLayer(self.kv[i, 0], self.kv[i, 1], self) for i in range(pool.layers)])
+        # Right-aligned new tokens: row r's token j sits at column kept+j-(width-fed).
+        offsets = torch.arange(width)[None, :] - (width - self.fed)[:, None]
+        self.valid = offsets >= 0
+        positions = (self.kept[:, None] + offsets).clamp(min=0)
+        input_ids = torch.zeros(batch, width, dtype=torch.long)
+        for row, item in enumerate(self.inputs):
+            input_ids[row, width - len(item.tokens) :] = torch.tensor(item.tokens, dtype=torch.long)
+        self._pending = (input_ids, positions)
         self.decoded = 0
+        self.end = 0
 
-    def _forward(self, input_ids, positions, logits_to_keep: int) -> torch.Tensor:
-        width = input_ids.shape[1]
+    def _forward(self, input_ids, positions, valid, logits_to_keep: int) -> torch.Tensor:
+        device = self.engine.device
+        columns = torch.where(valid, positions, torch.full_like(positions, self.scratch))
+        self.write_index = columns[:, None, :, None].to(device)
+        self.end = int(positions[valid].max()) + 1  # every row feeds at least one token
+        seen = torch.arange(self.end)[None, None, :]
+        # Each token sees its own row's columns up to itself; padding tokens see column 0 only.
+        mask = torch.where(valid[:, :, None], seen <= positions[:, :, None], seen == 0)[:, None]
         out = self.engine.model(
-            input_ids=input_ids,
-            attention_mask=self.mask[:, : self.columns + width],
-            position_ids=positions,
+            input_ids=input_ids.to(device),
+            attention_mask=self.engine.attention_mask(mask.to(device)),
+            position_ids=positions.to(device),
             past_key_values=self.cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
         )
-        self.columns += width
         return out.logits.float()
+
+    def _unsort(self, rows: torch.Tensor) -> torch.Tensor:
+        inverse = torch.empty(len(self.order), dtype=torch.long)
+        inverse[torch.tensor(self.order)] = torch.arange(len(self.order))
+        return rows[inverse.to(rows.device)]
 
     @torch.inference_mode()
     def prefill(self, logits_to_keep: int = 1) -> torch.Tensor:
-        """Run every row's new tokens; returns logits of the last ``logits_to_keep`` columns."""
+        """Run every row's new tokens; returns logits of the last ``logits_to_keep`` columns,
+        rows in the call's order."""
         input_ids, positions = self._pending
-        return self._forward(input_ids, positions, logits_to_keep)
+        return self._unsort(self._forward(input_ids, positions, self.valid, logits_to_keep))
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one more token per row; returns ``[batch, vocab]`` logits."""
-        self.mask[:, self.columns] = 1
-        positions = torch.tensor(
-            [[k + f + self.decoded] for k, f in zip(self.kept, self.fed)], device=self.engine.device
-        )
+        """Feed one more token per row (``tokens`` in the call's order); returns ``[batch, vocab]``."""
+        tokens = tokens.view(-1)[torch.tensor(self.order, device=tokens.device)].view(-1, 1)
+        positions = (self.kept + self.fed + self.decoded)[:, None]
         self.decoded += 1
-        return self._forward(tokens.view(-1, 1).to(self.engine.device), positions, 1)[:, -1]
+        logits = self._forward(tokens, positions, torch.ones_like(positions, dtype=torch.bool), 1)
+        return self._unsort(logits[:, -1])
 
     def commit(self, keep: list[int]) -> None:
-        """Store, per row, the keys/values of the first ``keep[row]`` tokens it was fed."""
-        start = self.prefix_cols + self.new_cols
-        for row, item in enumerate(self.inputs):
-            n = keep[row]
-            assert 0 <= n <= self.fed[row] + self.decoded
-            cache = self.engine.sequences[item.seq_id]
-            kept = self.kept[row]
-            self.engine._reserve(cache, kept + n)
-            first = start - self.fed[row]
-            cache.kv[:, :, :, kept : kept + n] = self.buffer[:, :, row, :, first : first + n]
+        """Per sequence (``keep`` in the call's order): keep the first ``keep[i]`` tokens it was fed."""
+        for row, i in enumerate(self.order):
+            cache, kept, n = self.caches[row], int(self.kept[row]), keep[i]
+            assert 0 <= n <= int(self.fed[row]) + self.decoded
+            if not self.contiguous:
+                cache.kv[:, :, :, kept : kept + n] = self.kv[:, :, row, :, kept : kept + n]
             cache.length = kept + n
 
 
@@ -190,6 +245,7 @@ class Engine:
     model: torch.nn.Module
     max_sequences: int = 256
     max_context: int | None = None
+    max_cache_bytes: int | None = None  # KV pool budget; None: bounded only by max_sequences × max_context
     sequences: dict[str, SequenceCache] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -200,6 +256,20 @@ class Engine:
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.kv_shape = self._probe_kv_shape()
+        self.pool = KVPool(self.kv_shape, self.dtype, self.device, self.max_cache_bytes)
+        self._mask_kind = config._attn_implementation
+        if self._mask_kind not in ("sdpa", "eager"):
+            raise ValueError(f"attention implementation {self._mask_kind!r} is not supported: load with sdpa or eager")
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            raise ValueError("models with sliding-window attention layers are not supported yet")
+
+    def attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """The 4D mask in the form the model's attention takes: boolean for SDPA, additive for eager."""
+        if self._mask_kind == "sdpa":
+            return allowed
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(self.dtype).min
+        )
 
     @torch.inference_mode()
     def _probe_kv_shape(self) -> tuple[int, int, int]:
@@ -223,19 +293,10 @@ class Engine:
         except KeyError:
             raise UnknownSequence(f"unknown sequence id {seq_id!r}") from None
 
-    def _reserve(self, cache: SequenceCache, length: int) -> None:
-        if length <= cache.capacity:
-            return
-        capacity = min(max(length, 2 * cache.capacity), self.max_context)
-        layers, kv_heads, head_dim = self.kv_shape
-        kv = torch.empty(layers, 2, kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device)
-        kv[:, :, :, : cache.length] = cache.kv[:, :, :, : cache.length]
-        cache.kv = kv
-
-    def _new_cache(self, length_hint: int) -> SequenceCache:
-        layers, kv_heads, head_dim = self.kv_shape
-        capacity = min(max(64, 1 << (max(length_hint, 1) - 1).bit_length()), self.max_context)
-        return SequenceCache(torch.empty(layers, 2, kv_heads, capacity, head_dim, dtype=self.dtype, device=self.device))
+    def _new_cache(self) -> SequenceCache:
+        used = {cache.slot for cache in self.sequences.values()}
+        slot = next(i for i in range(len(used) + 1) if i not in used)
+        return SequenceCache(self.pool, slot)
 
     def validate_rollback(self, seq_id: str, length: int) -> SequenceCache:
         cache = self._get(seq_id)
@@ -249,8 +310,18 @@ class Engine:
         return length
 
     def release(self, seq_ids: list[str]) -> int:
-        """Forget sequences; unknown ids are ignored so that release is idempotent."""
-        return sum(self.sequences.pop(seq_id, None) is not None for seq_id in seq_ids)
+        """Forget sequences; unknown ids are ignored so that release is idempotent.
+
+        Freed slots are refilled from the top, so the live sequences keep holding the slots
+        ``0 … n-1`` and a call over all of them stays a view of the pool.
+        """
+        released = sum(self.sequences.pop(seq_id, None) is not None for seq_id in set(seq_ids))
+        by_slot = sorted(self.sequences.values(), key=lambda cache: cache.slot)
+        for target, cache in enumerate(by_slot):
+            if cache.slot != target:
+                self.pool.move(cache.slot, target, cache.length)
+                cache.slot = target
+        return released
 
     # ---- batched calls --------------------------------------------------------------------------
 
@@ -296,10 +367,14 @@ class Engine:
               extra_tokens: list[int] | None = None) -> RaggedBatch:
         """Validate a call, create new sequences if allowed, and gather its batch cache."""
         self.validate(inputs, extra_tokens or [decode_steps] * len(inputs), create)
-        for item in inputs:
-            if item.seq_id not in self.sequences:
-                self.sequences[item.seq_id] = self._new_cache(len(item.tokens))
-        return RaggedBatch(self, inputs, decode_steps)
+        created = [item.seq_id for item in inputs if item.seq_id not in self.sequences]
+        for seq_id in created:
+            self.sequences[seq_id] = self._new_cache()
+        try:
+            return RaggedBatch(self, inputs, decode_steps)
+        except BaseException:
+            self.release(created)  # a refused call leaves no trace
+            raise
 
     def cached_tokens(self) -> int:
         return sum(cache.length for cache in self.sequences.values())

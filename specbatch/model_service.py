@@ -84,6 +84,7 @@ def model_service_parser(kind: str, port: int, default_layers: int | None) -> ar
     parser.add_argument("--port", type=int, default=port)
     parser.add_argument("--max-sequences", type=int, default=256, help="sequences cached at once")
     parser.add_argument("--max-context", type=int, help="tokens per sequence (default: the model's)")
+    parser.add_argument("--kv-cache-gb", type=float, default=8.0, help="KV cache budget in GiB (default 8)")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--log-level", default="INFO")
     return parser
@@ -96,7 +97,8 @@ def run_model_service(kind: str, port: int, default_layers: int | None, add_serv
     spec = ModelSpec(args.model, args.gguf_file, args.num_layers, args.trust_remote_code)
     started = time.perf_counter()
     model = load_model(spec, args.device, args.dtype)
-    engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context)
+    engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,
+                    max_cache_bytes=int(args.kv_cache_gb * 2**30))
     log.info("%s service: loaded %s in %.1fs on %s/%s", kind, spec.describe(), time.perf_counter() - started,
              engine.device, engine.dtype)
     server = Server(f"{args.host}:{args.port}", max_workers=8)

@@ -115,7 +115,6 @@ def record_forwards(model):
             "input_ids": kwargs["input_ids"].detach().cpu().clone(),
             "attention_mask": kwargs["attention_mask"].detach().cpu().clone(),
             "position_ids": kwargs["position_ids"].detach().cpu().clone(),
-            "past": kwargs["past_key_values"].get_seq_length(),
         })
 
     return records, model.register_forward_pre_hook(hook, with_kwargs=True)
@@ -235,7 +234,7 @@ def test_steps_feed_only_new_tokens_and_drafts(target_model):
         engine.prefill([SequenceInput(f"s{i}", 0, p[:-1]) for i, p in enumerate(prompts)])
         assert len(records) == 1
         assert tuple(records[0]["input_ids"].shape) == (3, 19)
-        assert records[0]["past"] == 0
+        assert records[0]["attention_mask"].shape[-1] == 19  # nothing cached: only the new columns
         records.clear()
 
         ks = [3, 0, 2]
@@ -248,16 +247,16 @@ def test_steps_feed_only_new_tokens_and_drafts(target_model):
         rec = records[0]
         width = rec["input_ids"].shape[1]
         assert tuple(rec["input_ids"].shape) == (3, 1 + max(ks))  # never a prefix column
-        assert rec["past"] == max(len(p) - 1 for p in prompts)  # the prefixes come from the cache
+        # The keys span each row's cached prefix plus its new tokens: the prefixes come from the cache.
+        assert rec["attention_mask"].shape[-1] == max(len(p) - 1 + 1 + k for p, k in zip(prompts, ks))
         for row, item in enumerate(items):
             fed = item.seq.tokens + item.drafts
             n = len(fed)
-            assert int(rec["attention_mask"][row, -width:].sum()) == n
-            assert rec["attention_mask"][row, -n:].tolist() == [1] * n
             assert rec["input_ids"][row, -n:].tolist() == fed
             assert rec["position_ids"][row, -n:].tolist() == list(range(item.seq.keep_len, item.seq.keep_len + n))
-            # Every cached prefix token is attended to, from the cache.
-            assert int(rec["attention_mask"][row, :-width].sum()) == item.seq.keep_len
+            # The first fed token sees the cached prefix and itself; the last sees all of it.
+            assert int(rec["attention_mask"][row, 0, width - n].sum()) == item.seq.keep_len + 1
+            assert int(rec["attention_mask"][row, 0, -1].sum()) == item.seq.keep_len + n
         records.clear()
 
         # Next step: s0 accepted everything, s1 continues, s2 is rolled back by one token and
@@ -275,10 +274,11 @@ def test_steps_feed_only_new_tokens_and_drafts(target_model):
         fed_counts = [len(i.seq.tokens) + len(i.drafts) for i in items]
         assert fed_counts == [2, 3, 6]
         assert tuple(rec["input_ids"].shape) == (3, max(fed_counts))
-        assert rec["past"] == max(keeps)
+        assert rec["attention_mask"].shape[-1] == max(keep + n for keep, n in zip(keeps, fed_counts))
         width = rec["input_ids"].shape[1]
         for row, n in enumerate(fed_counts):
-            assert int(rec["attention_mask"][row, -width:].sum()) == n
+            assert int(rec["attention_mask"][row, 0, width - n].sum()) == keeps[row] + 1
+            assert int(rec["attention_mask"][row, 0, -1].sum()) == keeps[row] + n
             assert rec["position_ids"][row, -n:].tolist() == list(range(keeps[row], keeps[row] + n))
     finally:
         handle.remove()
@@ -459,3 +459,55 @@ def test_release_is_idempotent_and_frees(target_model):
     assert not engine.sequences and engine.cached_tokens() == 0
     verdict, = verify(engine, [VerifyItem(SequenceInput("a", 0, prompts[0]), refs[0][:4])], create=True)
     assert (verdict.accepted, verdict.next_token, verdict.cached_len) == (4, refs[0][4], len(prompts[0]) + 4)
+
+
+# ---- the KV pool: views, gathers and compaction --------------------------------------------------
+
+
+def test_call_over_non_adjacent_slots_gathers_and_writes_back(target_model):
+    """A call whose sequences do not hold neighbouring slots works on a gathered copy and writes
+    the kept keys/values back; the sequence between them is untouched."""
+    engine = Engine(target_model)
+    prompts = random_prompts([6, 9, 13], seed=31)
+    refs = [greedy_reference(target_model, p, 12) for p in prompts]
+    engine.prefill([SequenceInput(n, 0, p[:-1]) for n, p in zip("abc", prompts)])
+    assert [engine.sequences[n].slot for n in "abc"] == [0, 1, 2]
+    middle = snapshot(engine)["b"]
+    batch = engine.start([SequenceInput("c", len(prompts[2]) - 1, [prompts[2][-1]]),
+                          SequenceInput("a", len(prompts[0]) - 1, [prompts[0][-1]])])
+    assert not batch.contiguous
+    verdicts = verify(engine, [VerifyItem(SequenceInput("c", len(prompts[2]) - 1, [prompts[2][-1]]), refs[2][:4]),
+                               VerifyItem(SequenceInput("a", len(prompts[0]) - 1, [prompts[0][-1]]), refs[0][:2])])
+    assert [(v.accepted, v.next_token) for v in verdicts] == [(4, refs[2][4]), (2, refs[0][2])]
+    length, kv = middle
+    assert engine.length("b") == length and torch.equal(engine.sequences["b"].kv[:, :, :, :length], kv)
+    # The written-back keys/values are right: continuing from them still follows the reference.
+    verdict, = verify(engine, [VerifyItem(SequenceInput("a", len(prompts[0]) + 2, [refs[0][2]]), refs[0][3:8])])
+    assert (verdict.accepted, verdict.next_token) == (5, refs[0][8])
+
+
+def test_release_keeps_slots_dense_and_moves_data_intact(target_model):
+    engine = Engine(target_model)
+    prompts = random_prompts([5, 8, 11, 14], seed=32)
+    refs = [greedy_reference(target_model, p, 8) for p in prompts]
+    engine.prefill([SequenceInput(f"s{i}", 0, p[:-1]) for i, p in enumerate(prompts)])
+    before = snapshot(engine)
+    engine.release(["s0", "s2"])
+    assert sorted(c.slot for c in engine.sequences.values()) == [0, 1]
+    for name in ("s1", "s3"):
+        length, kv = before[name]
+        assert torch.equal(engine.sequences[name].kv[:, :, :, :length], kv)
+    # Both survivors are one contiguous view again, and decode exactly.
+    items = [VerifyItem(SequenceInput(f"s{i}", len(prompts[i]) - 1, [prompts[i][-1]]), refs[i][:3]) for i in (3, 1)]
+    assert engine.start([item.seq for item in items]).contiguous
+    verdicts = verify(engine, items)
+    assert [(v.accepted, v.next_token) for v in verdicts] == [(3, refs[3][3]), (3, refs[1][3])]
+
+
+def test_kv_budget_is_enforced(target_model):
+    engine = Engine(target_model, max_cache_bytes=64 * 1024)
+    with pytest.raises(CapacityExceeded, match="budget"):
+        engine.prefill([SequenceInput("big", 0, list(range(5, 95)) * 2)])
+    assert not engine.sequences  # nothing is left behind by the refused call
+    engine.prefill([SequenceInput("small", 0, [5, 6, 7])])
+    assert engine.length("small") == 3
