@@ -42,6 +42,12 @@ def lost_state(error: BaseException) -> bool:
     return isinstance(error, grpc.RpcError) and error.code() in LOST_STATE
 
 
+def refusal(error: BaseException) -> bool:
+    """A service said no to the request itself (not a lost connection, not lost state)."""
+    return (isinstance(error, grpc.RpcError) and error.code() not in RETRYABLE | LOST_STATE
+            and error.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED))
+
+
 @dataclass
 class Call:
     """What one step asks of a service for one sequence."""

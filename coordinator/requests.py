@@ -54,6 +54,14 @@ class TextStream:
         return out
 
 
+@dataclass(frozen=True)
+class Failure:
+    """Ends a client's stream with an error status instead of a finish reason."""
+
+    code: object  # grpc.StatusCode
+    message: str
+
+
 @dataclass
 class Request:
     id: str
@@ -75,7 +83,7 @@ class Request:
     proposed: int = 0
     accepted: int = 0
     finish: int | None = None
-    events: "queue.Queue[pb.GenerateResponse]" = field(default_factory=queue.Queue)
+    events: "queue.Queue[pb.GenerateResponse | Failure]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self):
@@ -109,6 +117,11 @@ class Request:
                                             text=self.text.delta(self.finish is not None)))
         if self.finish is not None:
             self.close(self.finish)
+
+    def fail(self, code, message: str) -> None:
+        """End the request with an error status (a service refused it); it is retired next."""
+        self.finish = FINISH_CANCELLED
+        self.events.put(Failure(code, message))
 
     def close(self, reason: int) -> None:
         """Send the last response: the finish reason and the request's stats."""

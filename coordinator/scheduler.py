@@ -19,7 +19,7 @@ import grpc
 
 from draft_service.proposer import MAX_K
 
-from .backends import Call, DraftClient, TargetClient, lost_state
+from .backends import Call, DraftClient, TargetClient, lost_state, refusal
 from .requests import FINISH_CANCELLED, Request
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,7 @@ class Scheduler:
         self.wakeup = threading.Condition()
         self.stopping = threading.Event()
         self.totals = StepTotals()
+        self.admit_one_at_a_time = False  # after a refused prefill of several requests
         # Prefill and release go to both services at once.
         self.pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="backend")
         self.thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
@@ -99,9 +100,14 @@ class Scheduler:
                         if not self.waiting and not self.stopping.is_set():
                             self.wakeup.wait(timeout=1.0)
             except grpc.RpcError as error:
-                # A service is down past the retries: requests wait (time, not errors) and the
-                # state we believe it holds is rebuilt from history once it is back.
-                log.warning("step failed: %s %s; retrying", error.code(), error.details())
+                log.warning("step failed: %s %s", error.code(), error.details())
+                if refusal(error) and self.running:
+                    # The service refuses the batch (out of KV memory, say): shed the newest
+                    # request with the service's status so the others can go on.
+                    self.running[-1].fail(error.code(), f"a model service refused: {error.details()}")
+                    continue
+                # A service down past the retries: requests wait (time, not errors), and state it
+                # lost is rebuilt from history once it is back.
                 if lost_state(error):
                     self._forget_service_state()
                 self.stopping.wait(0.5)
@@ -130,7 +136,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         with self.wakeup:
-            room = self.max_batch_size - len(self.running)
+            room = 1 if self.admit_one_at_a_time else self.max_batch_size - len(self.running)
+            room = min(room, self.max_batch_size - len(self.running))
             admitted = []
             while room > 0 and self.waiting:
                 request = self.waiting.popleft()
@@ -151,10 +158,21 @@ class Scheduler:
         try:
             verdicts = self.target.verify(prefill_calls, [[] for _ in admitted], [r.sampling for r in admitted],
                                           create=True).verdicts
-        except BaseException:
-            with self.wakeup:  # back to the head of the queue, in order
+        except grpc.RpcError as error:
+            alone = len(admitted) == 1
+            if refusal(error) and alone and not (error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and self.running):
+                admitted[0].fail(error.code(), f"the target refused the prompt: {error.details()}")
+                self.admit_one_at_a_time = False
+                return
+            with self.wakeup:  # back to the head of the queue, in order: retried next round
                 self.waiting.extendleft(reversed(admitted))
+            if refusal(error):
+                # Out of room while others run (wait for them), or one of several is refused:
+                # admit one at a time until the refused one is found.
+                self.admit_one_at_a_time = not alone or self.admit_one_at_a_time
+                return
             raise
+        self.admit_one_at_a_time = False
         for request, verdict in zip(admitted, verdicts):
             request.target_len = verdict.cached_len
             request.take([verdict.next_token])

@@ -13,6 +13,7 @@ from specbatch.v1 import generation_pb2 as pb
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
 
 from .admission import Limits, build_request
+from .requests import Failure
 from .scheduler import QueueFull, Scheduler
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{error}; retry later")
         while True:
             response = request.events.get()
+            if isinstance(response, Failure):
+                context.abort(response.code, response.message)
             yield response
             if response.finish_reason:
                 return

@@ -91,22 +91,27 @@ class KVPool:
         return self.layers * 2 * slots * self.kv_heads * context * self.head_dim * self.kv.element_size()
 
     def ensure(self, slots: int, context: int, context_limit: int) -> None:
-        """Make room for ``slots`` slots of ``context`` columns (the scratch column included)."""
+        """Make room for ``slots`` slots of ``context`` columns (the scratch column included).
+
+        Live sequences always hold the slots below ``slots`` (slots are kept dense), so a
+        reallocation may drop the slots above it, never a live column.
+        """
         if slots <= self.slots and context <= self.context:
             return
-        new_slots = max(slots, min(2 * self.slots, max(slots, 8))) if slots > self.slots else self.slots
-        new_context = self.context
-        if context > self.context:
-            new_context = min(max(context, 2 * self.context, 64), context_limit)
-        if self.max_bytes is not None and self.bytes_for(new_slots, new_context) > self.max_bytes:
-            if self.bytes_for(slots, context) > self.max_bytes:
-                raise CapacityExceeded(
-                    f"the KV cache would need {self.bytes_for(slots, context) / 2**30:.2f} GiB for {slots} sequences "
-                    f"of up to {context} tokens; its budget is {self.max_bytes / 2**30:.2f} GiB"
-                )
-            new_slots, new_context = max(slots, self.slots), max(context, self.context)
+        doubled = (max(slots, 2 * self.slots, 8) if slots > self.slots else self.slots,
+                   min(max(context, 2 * self.context, 64), context_limit) if context > self.context else self.context)
+        exact = (slots, max(context, self.context))
+        for new_slots, new_context in (doubled, exact):
+            if self.max_bytes is None or self.bytes_for(new_slots, new_context) <= self.max_bytes:
+                break
+        else:
+            raise CapacityExceeded(
+                f"the KV cache would need {self.bytes_for(*exact) / 2**20:.2f} MiB for {slots} sequences of up to "
+                f"{context - 1} tokens; its budget is {self.max_bytes / 2**20:.2f} MiB"
+            )
         kv = self._zeros(new_slots, new_context)
-        kv[:, :, : self.slots, :, : self.context] = self.kv
+        keep = min(self.slots, new_slots)
+        kv[:, :, :keep, :, : self.context] = self.kv[:, :, :keep]
         self.kv = kv
 
     def move(self, source: int, target: int, length: int) -> None:

@@ -45,8 +45,9 @@ class LocalStack:
             server.stop(grace=1)
 
 
-def start_local_stack(target_model, draft_model, tokenizer, eos_ids=frozenset(), **coordinator_options) -> LocalStack:
-    target_engine = Engine(target_model)
+def start_local_stack(target_model, draft_model, tokenizer, eos_ids=frozenset(), target_engine_options=None,
+                      **coordinator_options) -> LocalStack:
+    target_engine = Engine(target_model, **(target_engine_options or {}))
     target = serve_engine(target_engine, add_target_servicer, "target")
     draft_engine = draft = None
     if draft_model is not None:
