@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from specbatch.engine import Engine
 from specbatch.model_service import CacheServicer, sequence_inputs
-from specbatch.serving import Server, engine_errors_to_status
+from specbatch.serving import engine_errors_to_status
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 
@@ -12,6 +11,9 @@ from .proposer import ProposeItem, propose
 
 
 class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
+    add_to_server = staticmethod(pb_grpc.add_DraftServicer_to_server)
+    service_name = "specbatch.v1.Draft"
+
     @engine_errors_to_status
     def Propose(self, request, context):
         seqs = sequence_inputs(item.sequence for item in request.items)
@@ -25,8 +27,3 @@ class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
             compute_seconds=seconds,
         )
 
-
-def add_draft_servicer(server: Server, engine: Engine, model_name: str) -> DraftServicer:
-    servicer = DraftServicer(engine, model_name)
-    server.add(pb_grpc.add_DraftServicer_to_server, servicer, "specbatch.v1.Draft")
-    return servicer

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import grpc
 
 from coordinator.app import Coordinator, build_coordinator
-from draft_service.servicer import add_draft_servicer
-from target_service.servicer import add_target_servicer
+from draft_service.servicer import DraftServicer
+from target_service.servicer import TargetServicer
 
 from .engine import Engine
 from .serving import Server
@@ -48,11 +48,11 @@ class LocalStack:
 def start_local_stack(target_model, draft_model, tokenizer, eos_ids=frozenset(), target_engine_options=None,
                       **coordinator_options) -> LocalStack:
     target_engine = Engine(target_model, **(target_engine_options or {}))
-    target = serve_engine(target_engine, add_target_servicer, "target")
+    target = serve_engine(target_engine, TargetServicer.serve_on, "target")
     draft_engine = draft = None
     if draft_model is not None:
         draft_engine = Engine(draft_model)
-        draft = serve_engine(draft_engine, add_draft_servicer, "draft")
+        draft = serve_engine(draft_engine, DraftServicer.serve_on, "draft")
     coordinator = build_coordinator(
         f"127.0.0.1:{target.port}", f"127.0.0.1:{draft.port}" if draft else None, tokenizer,
         eos_ids=eos_ids, **coordinator_options,

@@ -26,10 +26,19 @@ def sequence_inputs(messages) -> list[SequenceInput]:
 class CacheServicer:
     """Prefill, Rollback, Release and CacheStats: the same on the draft and the target."""
 
+    add_to_server = None  # the generated add_…Servicer_to_server, set by each service
+    service_name = ""
+
     def __init__(self, engine: Engine, model_name: str):
         self.engine = engine
         self.model_name = model_name
         self.lock = threading.Lock()
+
+    @classmethod
+    def serve_on(cls, server: Server, engine: Engine, model_name: str) -> "CacheServicer":
+        servicer = cls(engine, model_name)
+        server.add(cls.add_to_server, servicer, cls.service_name)
+        return servicer
 
     def timed(self, fn, *args, **kwargs):
         """Run an engine call under the lock; returns (result, compute seconds)."""

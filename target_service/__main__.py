@@ -3,11 +3,11 @@
 from specbatch.model_service import run_model_service
 from specbatch.serving import DEFAULT_PORTS
 
-from .servicer import add_target_servicer
+from .servicer import TargetServicer
 
 
 def main(argv=None):
-    run_model_service("target", DEFAULT_PORTS["target"], None, add_target_servicer, argv)
+    run_model_service("target", DEFAULT_PORTS["target"], None, TargetServicer.serve_on, argv)
 
 
 if __name__ == "__main__":

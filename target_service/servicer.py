@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from specbatch.engine import Engine
 from specbatch.model_service import CacheServicer, sequence_inputs
 from specbatch.sampling import SamplingParams
-from specbatch.serving import Server, engine_errors_to_status
+from specbatch.serving import engine_errors_to_status
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 
@@ -17,6 +16,9 @@ def sampling_params(message: pb.Sampling) -> SamplingParams:
 
 
 class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
+    add_to_server = staticmethod(pb_grpc.add_TargetServicer_to_server)
+    service_name = "specbatch.v1.Target"
+
     @engine_errors_to_status
     def Verify(self, request, context):
         seqs = sequence_inputs(item.sequence for item in request.items)
@@ -31,8 +33,3 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
             compute_seconds=seconds,
         )
 
-
-def add_target_servicer(server: Server, engine: Engine, model_name: str) -> TargetServicer:
-    servicer = TargetServicer(engine, model_name)
-    server.add(pb_grpc.add_TargetServicer_to_server, servicer, "specbatch.v1.Target")
-    return servicer
