@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from specbatch.sampling import SamplingParams
@@ -64,7 +65,7 @@ class Failure:
 
 @dataclass
 class Request:
-    id: str
+    id: str  # the client's name for it (or one made up), echoed in every response
     prompt: list[int]
     max_new_tokens: int
     sampling: SamplingParams
@@ -72,6 +73,8 @@ class Request:
     text: TextStream
     fixed_k: int | None = None
     arrival: float = field(default_factory=time.monotonic)
+    # The services' key for its caches: always unique, whatever request_id clients send.
+    seq_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # Authoritative history: prompt + every accepted token. Services only cache prefixes of it.
     history: list[int] = field(default_factory=list)
     target_len: int = 0  # tokens of history cached on the target

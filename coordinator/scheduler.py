@@ -111,9 +111,11 @@ class Scheduler:
                 if lost_state(error):
                     self._forget_service_state()
                 self.stopping.wait(0.5)
-            except Exception:  # noqa: BLE001 - the loop must survive anything one step does
+            except Exception as error:  # noqa: BLE001 - the loop must survive anything one step does
                 log.exception("step failed")
-                self.stopping.wait(0.5)
+                if self.running:  # bounded damage: the newest request ends, the rest go on
+                    self.running[-1].fail(grpc.StatusCode.INTERNAL, f"internal error: {error}")
+                self.stopping.wait(0.1)
 
     def _forget_service_state(self) -> None:
         for request in self.running:
@@ -127,12 +129,17 @@ class Scheduler:
             if request.finish is None:
                 request.close(FINISH_CANCELLED)
         self.running = [r for r in self.running if r not in done]
-        self._release([r.id for r in done])
+        self._release([r.seq_id for r in done])
 
     def _release(self, seq_ids: list[str]) -> None:
-        for client in filter(None, (self.target, self.draft)):
-            future = self.pool.submit(client.release, seq_ids)
-            future.add_done_callback(_log_failure("release"))
+        """Free the sequences on both services (in parallel) before anything is admitted in
+        their place, so that admission never counts memory that is about to be freed."""
+        jobs = [self.pool.submit(client.release, seq_ids) for client in filter(None, (self.target, self.draft))]
+        for job in jobs:
+            try:
+                job.result()
+            except grpc.RpcError as error:  # a service that is down frees its memory anyway
+                log.warning("release failed: %s", error.code())
 
     def _admit(self) -> None:
         with self.wakeup:
@@ -152,7 +159,7 @@ class Scheduler:
         now = time.monotonic()
         for request in admitted:
             request.admitted = now
-        prefill_calls = [Call(r.id, 0, r.history) for r in admitted]
+        prefill_calls = [Call(r.seq_id, 0, r.history) for r in admitted]
         # The draft caches the prompt while the target prefills it and picks the first token.
         draft_job = self.pool.submit(self.draft.prefill, prefill_calls) if self.draft else None
         try:
@@ -202,7 +209,7 @@ class Scheduler:
         ks = [self.k_for(r, len(batch)) for r in batch]
         drafts = self._propose(batch, ks)
         drafted = time.perf_counter()
-        calls = [Call(r.id, r.target_len, r.history[r.target_len :]) for r in batch]
+        calls = [Call(r.seq_id, r.target_len, r.history[r.target_len :]) for r in batch]
         reply = self.target.verify(calls, drafts, [r.sampling for r in batch],
                                    create=any(r.target_len == 0 for r in batch))
         verdicts = reply.verdicts
@@ -231,7 +238,7 @@ class Scheduler:
         speculating = [i for i, k in enumerate(ks) if k > 0]
         if not speculating or self.draft is None:
             return drafts
-        calls = [Call(batch[i].id, batch[i].draft_len, batch[i].history[batch[i].draft_len :]) for i in speculating]
+        calls = [Call(batch[i].seq_id, batch[i].draft_len, batch[i].history[batch[i].draft_len :]) for i in speculating]
         try:
             reply = self.draft.propose(calls, [ks[i] for i in speculating])
         except grpc.RpcError as error:
@@ -246,10 +253,3 @@ class Scheduler:
             drafts[i] = list(proposal.tokens)
         return drafts
 
-
-def _log_failure(what: str):
-    def callback(future: futures.Future) -> None:
-        if future.exception() is not None:
-            log.warning("%s failed: %s", what, future.exception())
-
-    return callback

@@ -22,6 +22,7 @@ attends only column 0, which keeps it finite.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -252,6 +253,8 @@ class Engine:
     max_context: int | None = None
     max_cache_bytes: int | None = None  # KV pool budget; None: bounded only by max_sequences × max_context
     sequences: dict[str, SequenceCache] = field(default_factory=dict)
+    # One call at a time on one model: servicers hold this around every engine call.
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
     def __post_init__(self):
         self.model.eval()

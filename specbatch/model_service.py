@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import threading
 import time
 
 from .engine import Engine, SequenceInput
@@ -32,7 +31,7 @@ class CacheServicer:
     def __init__(self, engine: Engine, model_name: str):
         self.engine = engine
         self.model_name = model_name
-        self.lock = threading.Lock()
+        self.lock = engine.lock
 
     @classmethod
     def serve_on(cls, server: Server, engine: Engine, model_name: str) -> "CacheServicer":

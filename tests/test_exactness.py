@@ -141,7 +141,8 @@ def test_lost_service_state_is_rebuilt_from_history(stack, target_model, which):
     while not engine.sequences and time.monotonic() < deadline:
         time.sleep(0.005)
     time.sleep(0.05)
-    engine.sequences.clear()
+    with engine.lock:  # between two calls, as a restart would
+        engine.sequences.clear()
     for t in threads:
         t.join(timeout=120)
     for i, prompt in enumerate(prompts):
@@ -159,3 +160,20 @@ def test_cancelled_stream_releases_caches(stack):
         time.sleep(0.02)
     assert not stack.target_engine.sequences
     assert not stack.draft_engine.sequences
+
+
+def test_clients_reusing_a_request_id_do_not_share_caches(stack, target_model):
+    prompts = prompts_of_lengths([4, 19], seed=41)
+    requests = [make_request(p, 30, k=3, ignore_eos=True) for p in prompts]
+    for request in requests:
+        request.request_id = "same-id"
+    results = [None, None]
+    client = stack.client()
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, generate(client, requests[i])))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == greedy_reference(target_model, prompt, 30)
