@@ -40,11 +40,16 @@ class CacheServicer:
         return servicer
 
     def timed(self, fn, *args, **kwargs):
-        """Run an engine call under the lock; returns (result, compute seconds)."""
-        with self.lock:
-            start = time.perf_counter()
-            result = fn(*args, **kwargs)
-            return result, time.perf_counter() - start
+        """Run an engine call on the engine's own thread (see Engine.model_thread), one at a time;
+        returns (result, compute seconds)."""
+
+        def run():
+            with self.lock:
+                start = time.perf_counter()
+                result = fn(*args, **kwargs)
+                return result, time.perf_counter() - start
+
+        return self.engine.model_thread.submit(run).result()
 
     @engine_errors_to_status
     def Prefill(self, request, context):
@@ -56,17 +61,19 @@ class CacheServicer:
 
     @engine_errors_to_status
     def Rollback(self, request, context):
-        with self.lock:
+        def rollback():
             for item in request.sequences:  # check all first: a bad item changes nothing
                 self.engine.validate_rollback(item.seq_id, item.cached_len)
             for item in request.sequences:
                 self.engine.truncate(item.seq_id, item.cached_len)
+
+        self.timed(rollback)
         return pb.RollbackResponse()
 
     @engine_errors_to_status
     def Release(self, request, context):
-        with self.lock:
-            return pb.ReleaseResponse(released=self.engine.release(list(request.seq_ids)))
+        released, _ = self.timed(self.engine.release, list(request.seq_ids))
+        return pb.ReleaseResponse(released=released)
 
     def CacheStats(self, request, context):
         with self.lock:
