@@ -19,8 +19,12 @@ FINISH_CANCELLED = pb.FINISH_REASON_CANCELLED
 
 
 class TextStream:
-    """Turns generated token ids into text deltas, holding back what a stop string could still
-    claim and incomplete UTF-8 sequences (decoded as U+FFFD until their last byte arrives)."""
+    """Turns generated token ids into text deltas.
+
+    Decoding is incremental (a window of the last few tokens, as in vLLM and TGI), so a step
+    costs the same at token 1000 as at token 1. Text that a stop string could still claim is
+    held back, as are incomplete UTF-8 sequences (decoded as U+FFFD until their last byte comes).
+    """
 
     def __init__(self, tokenizer, stop_strings: list[str]):
         self.tokenizer = tokenizer
@@ -29,26 +33,39 @@ class TextStream:
         self.ids: list[int] = []
         self.text = ""
         self.sent = 0
+        self.prefix_offset = 0  # the window's first token: context for the tokens after it
+        self.read_offset = 0  # tokens before this are already in self.text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def add(self, token: int) -> bool:
         """Append a token; True when the text now contains a stop string (the text is cut before it)."""
         self.ids.append(token)
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        known = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        window = self._decode(self.ids[self.prefix_offset :])
+        if len(window) > len(known) and not window.endswith("\ufffd"):
+            self.text += window[len(known) :]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         if not self.stop_strings:
             return False
-        window = max(0, self.sent - self.holdback - 1)
-        hits = [i for i in (self.text.find(s, window) for s in self.stop_strings) if i >= 0]
+        start = max(0, self.sent - self.holdback - 1)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop_strings) if i >= 0]
         if hits:
             self.text = self.text[: min(hits)]
             return True
         return False
 
+    def finish(self) -> None:
+        """Flush what the window still holds back (a last incomplete character, say)."""
+        tail = self._decode(self.ids[self.prefix_offset :])[len(self._decode(self.ids[self.prefix_offset : self.read_offset])) :]
+        self.text += tail
+        self.read_offset = len(self.ids)
+
     def delta(self, final: bool) -> str:
         end = len(self.text)
         if not final:
             end -= self.holdback
-            while end > self.sent and self.text[end - 1] == "\ufffd":
-                end -= 1
         if end <= self.sent:
             return ""
         out, self.sent = self.text[self.sent : end], end
@@ -116,8 +133,10 @@ class Request:
                 self.finish = FINISH_LENGTH
             if self.finish is not None:
                 break
-        self.events.put(pb.GenerateResponse(request_id=self.id, token_ids=taken,
-                                            text=self.text.delta(self.finish is not None)))
+        final = self.finish is not None
+        if final and self.finish != FINISH_STOP:
+            self.text.finish()
+        self.events.put(pb.GenerateResponse(request_id=self.id, token_ids=taken, text=self.text.delta(final)))
         if self.finish is not None:
             self.close(self.finish)
 
@@ -129,6 +148,8 @@ class Request:
     def close(self, reason: int) -> None:
         """Send the last response: the finish reason and the request's stats."""
         self.finish = reason
+        if reason != FINISH_STOP:
+            self.text.finish()
         now = time.monotonic()
         stats = pb.RequestStats(
             prompt_tokens=len(self.prompt),
