@@ -143,8 +143,9 @@ class Scheduler:
 
     def _admit(self) -> None:
         with self.wakeup:
-            room = 1 if self.admit_one_at_a_time else self.max_batch_size - len(self.running)
-            room = min(room, self.max_batch_size - len(self.running))
+            room = self.max_batch_size - len(self.running)
+            if self.admit_one_at_a_time:
+                room = min(room, 1)
             admitted = []
             while room > 0 and self.waiting:
                 request = self.waiting.popleft()
