@@ -8,10 +8,9 @@ the rest (coordinator work plus RPC).
 from __future__ import annotations
 
 import time
-from concurrent import futures
 from contextlib import nullcontext
 
-from .client import connect, generate, make_request
+from .client import connect, generate, generate_all, make_request
 from .launcher import LocalProcesses, stack_options
 from .prompts import CHAT_PROMPTS
 from .v1 import generation_pb2 as pb
@@ -21,9 +20,8 @@ def _run(stub, concurrency: int, requests: int, k: int, max_new_tokens: int) -> 
     before = stub.Info(pb.InfoRequest()).totals
     prompts = [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(requests)]
     start = time.perf_counter()
-    with futures.ThreadPoolExecutor(concurrency) as pool:
-        results = list(pool.map(
-            lambda p: generate(stub, make_request(p, max_new_tokens, chat=True, k=k, ignore_eos=True)), prompts))
+    results = generate_all(stub, [make_request(p, max_new_tokens, chat=True, k=k, ignore_eos=True) for p in prompts],
+                           concurrency)
     wall = time.perf_counter() - start
     after = stub.Info(pb.InfoRequest()).totals
     steps = max(after.steps - before.steps, 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent import futures
 from dataclasses import dataclass, field
 
 import grpc
@@ -74,3 +75,10 @@ def generate(stub, request: pb.GenerateRequest, on_response=None, timeout: float
             result.stats = response.stats
     result.seconds = time.perf_counter() - start
     return result
+
+
+def generate_all(stub, requests: list[pb.GenerateRequest], concurrency: int | None = None,
+                 timeout: float | None = None) -> list[Result]:
+    """Run requests as concurrent streams (all at once by default); results in request order."""
+    with futures.ThreadPoolExecutor(concurrency or len(requests)) as pool:
+        return list(pool.map(lambda request: generate(stub, request, timeout=timeout), requests))

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from concurrent import futures
-
-from .client import connect, generate, make_request
+from .client import connect, generate, generate_all, make_request
 from .launcher import LocalProcesses, stack_options
 from .prompts import CHAT_PROMPTS
 
@@ -29,9 +27,7 @@ def run_demo(args) -> int:
                               on_response=lambda r: print(r.text, end="", flush=True))
             print(f"\n  [{_report(result)}]\n", flush=True)
         print(f"the same {len(prompts)} prompts at once, batched by the coordinator:", flush=True)
-        with futures.ThreadPoolExecutor(len(prompts)) as pool:
-            results = list(pool.map(lambda p: generate(stub, make_request(p, args.max_new_tokens, chat=True)),
-                                    prompts))
+        results = generate_all(stub, [make_request(p, args.max_new_tokens, chat=True) for p in prompts])
         for prompt, result in zip(prompts, results):
             print(f"  {prompt[:40]:<40}  {_report(result)}", flush=True)
         print("\nstopping the services …", flush=True)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import random
 import threading
 import time
+from concurrent import futures
 
 import pytest
 
-from specbatch.client import generate, make_request
+from specbatch.client import generate, generate_all, make_request
 from tiny import VOCAB, greedy_reference
 
 
@@ -58,14 +59,7 @@ def test_mixed_k_and_sampled_neighbours_leave_greedy_exact(stack, target_model):
     prompts = prompts_of_lengths([3, 9, 15, 21, 5], seed=7)
     requests = [make_request(p, 30, k=k, ignore_eos=True) for p, k in zip(prompts, [0, 1, 2, 4, 6])]
     requests.append(make_request(prompts[0], 30, temperature=1.0, seed=5, ignore_eos=True))
-    results = [None] * len(requests)
-    client = stack.client()
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, generate(client, requests[i])))
-               for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
+    results = generate_all(stack.client(), requests, timeout=120)
     for i, prompt in enumerate(prompts):
         assert results[i].token_ids == greedy_reference(target_model, prompt, 30)
     assert results[0].stats.draft_tokens_proposed == 0  # k=0 means target-only
@@ -130,12 +124,8 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(stack):
 def test_lost_service_state_is_rebuilt_from_history(stack, target_model, which):
     """A service that forgets every sequence (as after a restart) costs time, not requests."""
     prompts = prompts_of_lengths([5, 17, 9], seed=21)
-    results = {}
-    client = stack.client()
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(
-        i, generate(client, make_request(prompts[i], 60, k=3, ignore_eos=True)))) for i in range(3)]
-    for t in threads:
-        t.start()
+    requests = [make_request(p, 60, k=3, ignore_eos=True) for p in prompts]
+    running = futures.ThreadPoolExecutor(1).submit(generate_all, stack.client(), requests, None, 120)
     engine = stack.target_engine if which == "target" else stack.draft_engine
     deadline = time.monotonic() + 30
     while not engine.sequences and time.monotonic() < deadline:
@@ -143,8 +133,7 @@ def test_lost_service_state_is_rebuilt_from_history(stack, target_model, which):
     time.sleep(0.05)
     with engine.lock:  # between two calls, as a restart would
         engine.sequences.clear()
-    for t in threads:
-        t.join(timeout=120)
+    results = running.result()
     for i, prompt in enumerate(prompts):
         assert results[i].token_ids == greedy_reference(target_model, prompt, 60)
 
@@ -167,13 +156,6 @@ def test_clients_reusing_a_request_id_do_not_share_caches(stack, target_model):
     requests = [make_request(p, 30, k=3, ignore_eos=True) for p in prompts]
     for request in requests:
         request.request_id = "same-id"
-    results = [None, None]
-    client = stack.client()
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, generate(client, requests[i])))
-               for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    results = generate_all(stack.client(), requests, timeout=60)
     for prompt, result in zip(prompts, results):
         assert result.token_ids == greedy_reference(target_model, prompt, 30)

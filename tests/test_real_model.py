@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import copy
-import threading
 
 import pytest
 import torch
 
-from specbatch.client import generate, make_request
+from specbatch.client import generate, generate_all, make_request
 from specbatch.models import EMBEDDED_DRAFT_LAYERS, ModelSpec, keep_first_layers, load_model, load_tokenizer
 
 pytestmark = pytest.mark.real_model
@@ -60,14 +59,8 @@ def test_batch_of_one_matches_generate(real, real_stack):
 def test_concurrent_chats_match_generate(real, real_stack, k):
     target, _, tokenizer = real
     prompts = [chat_ids(tokenizer, c) for c in CHATS]
-    results = [None] * len(prompts)
-    client = real_stack.client()
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(
-        i, generate(client, make_request(prompts[i], 20, k=k, ignore_eos=True)))) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
+    results = generate_all(real_stack.client(), [make_request(p, 20, k=k, ignore_eos=True) for p in prompts],
+                           timeout=300)
     for prompt, result in zip(prompts, results):
         assert result.token_ids == reference(target, prompt, 20)
 
