@@ -20,15 +20,15 @@ def cmd_up(args) -> int:
 
     processes = LocalProcesses(stack_options(args))
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # Our own handlers: a shell that starts us in the background leaves SIGINT ignored.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     print("starting target, draft and coordinator (the first start converts the embedded model) …", flush=True)
     processes.start()
     print(f"serving on {processes.address}; Ctrl-C stops everything", flush=True)
     try:
         while not stop.wait(1.0):
             processes.check_alive()
-    except KeyboardInterrupt:
-        pass
     finally:
         # A second Ctrl-C (or the group's SIGINT reaching us twice) must not cut the clean stop short.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
