@@ -36,16 +36,17 @@ class TextStream:
         self.prefix_offset = 0  # the window's first token: context for the tokens after it
         self.read_offset = 0  # tokens before this are already in self.text
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def _unread(self) -> str:
+        """Text of the tokens after read_offset, decoded with the window's tokens as context."""
+        known = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        return self.tokenizer.decode(self.ids[self.prefix_offset :], skip_special_tokens=True)[len(known) :]
 
     def add(self, token: int) -> bool:
         """Append a token; True when the text now contains a stop string (the text is cut before it)."""
         self.ids.append(token)
-        known = self._decode(self.ids[self.prefix_offset : self.read_offset])
-        window = self._decode(self.ids[self.prefix_offset :])
-        if len(window) > len(known) and not window.endswith("\ufffd"):
-            self.text += window[len(known) :]
+        new = self._unread()
+        if new and not new.endswith("\ufffd"):
+            self.text += new
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         if not self.stop_strings:
             return False
@@ -58,8 +59,7 @@ class TextStream:
 
     def finish(self) -> None:
         """Flush what the window still holds back (a last incomplete character, say)."""
-        tail = self._decode(self.ids[self.prefix_offset :])[len(self._decode(self.ids[self.prefix_offset : self.read_offset])) :]
-        self.text += tail
+        self.text += self._unread()
         self.read_offset = len(self.ids)
 
     def delta(self, final: bool) -> str:
@@ -133,10 +133,9 @@ class Request:
                 self.finish = FINISH_LENGTH
             if self.finish is not None:
                 break
-        final = self.finish is not None
-        if final and self.finish != FINISH_STOP:
-            self.text.finish()
-        self.events.put(pb.GenerateResponse(request_id=self.id, token_ids=taken, text=self.text.delta(final)))
+        # On a finish, close() flushes what the text stream still holds and sends it last.
+        self.events.put(pb.GenerateResponse(request_id=self.id, token_ids=taken,
+                                            text=self.text.delta(self.finish is not None)))
         if self.finish is not None:
             self.close(self.finish)
 

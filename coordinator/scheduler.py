@@ -177,7 +177,8 @@ class Scheduler:
             if refusal(error):
                 # Out of room while others run (wait for them), or one of several is refused:
                 # admit one at a time until the refused one is found.
-                self.admit_one_at_a_time = not alone or self.admit_one_at_a_time
+                if not alone:
+                    self.admit_one_at_a_time = True
                 return
             raise
         self.admit_one_at_a_time = False

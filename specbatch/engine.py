@@ -66,8 +66,8 @@ class SequenceInput:
 class KVPool:
     """Keys and values of every sequence of an engine, one slot per sequence.
 
-    Grows by doubling (slots or context columns) with a copy, so a step never allocates; the last
-    column of every slot is scratch for padding tokens and is never part of a sequence.
+    Grows by doubling (slots or context columns) with a copy, so growing is rare; the last column
+    of every slot is scratch for padding tokens and is never part of a sequence.
     """
 
     def __init__(self, kv_shape: tuple[int, int, int], dtype, device, max_bytes: int | None):
@@ -167,6 +167,10 @@ class RaggedBatch:
     def __init__(self, engine: "Engine", inputs: list[SequenceInput], decode_steps: int = 0):
         self.engine = engine
         self.order = sorted(range(len(inputs)), key=lambda i: engine.sequences[inputs[i].seq_id].slot)
+        # Row r holds the call's item order[r]; item i sits in row inverse[i].
+        self.order_index = torch.tensor(self.order, device=engine.device)
+        self.inverse = torch.empty_like(self.order_index)
+        self.inverse[self.order_index] = torch.arange(len(self.order), device=engine.device)
         self.caches = [engine.sequences[inputs[i].seq_id] for i in self.order]
         self.inputs = [inputs[i] for i in self.order]
         self.kept = torch.tensor([item.keep_len for item in self.inputs])
@@ -215,9 +219,7 @@ class RaggedBatch:
         return out.logits.float()
 
     def _unsort(self, rows: torch.Tensor) -> torch.Tensor:
-        inverse = torch.empty(len(self.order), dtype=torch.long)
-        inverse[torch.tensor(self.order)] = torch.arange(len(self.order))
-        return rows[inverse.to(rows.device)]
+        return rows[self.inverse]
 
     @torch.inference_mode()
     def prefill(self, logits_to_keep: int = 1) -> torch.Tensor:
@@ -229,7 +231,7 @@ class RaggedBatch:
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed one more token per row (``tokens`` in the call's order); returns ``[batch, vocab]``."""
-        tokens = tokens.view(-1)[torch.tensor(self.order, device=tokens.device)].view(-1, 1)
+        tokens = tokens.view(-1)[self.order_index].view(-1, 1)
         positions = (self.kept + self.fed + self.decoded)[:, None]
         self.decoded += 1
         logits = self._forward(tokens, positions, torch.ones_like(positions, dtype=torch.bool), 1)
@@ -254,7 +256,7 @@ class Engine:
     max_context: int | None = None
     max_cache_bytes: int | None = None  # KV pool budget; None: bounded only by max_sequences × max_context
     sequences: dict[str, SequenceCache] = field(default_factory=dict)
-    # One call at a time on one model: servicers hold this around every engine call.
+    # One call at a time on one model: `run` holds it around every call.
     lock: threading.RLock = field(default_factory=threading.RLock)
     # Forwards always run on this one thread: each thread that calls into torch gets its own
     # OpenMP team, and teams left behind by gRPC's worker threads spin and steal the cores
@@ -269,13 +271,22 @@ class Engine:
         self.max_context = self.max_context or getattr(config, "max_position_embeddings", None) or 2048
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.kv_shape = self.model_thread.submit(self._probe_kv_shape).result()
+        self.kv_shape = self.run(self._probe_kv_shape)
         self.pool = KVPool(self.kv_shape, self.dtype, self.device, self.max_cache_bytes)
         self._mask_kind = config._attn_implementation
         if self._mask_kind not in ("sdpa", "eager"):
             raise ValueError(f"attention implementation {self._mask_kind!r} is not supported: load with sdpa or eager")
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise ValueError("models with sliding-window attention layers are not supported yet")
+
+    def run(self, fn, *args, **kwargs):
+        """Call ``fn`` on the model thread, one call at a time (see ``model_thread``)."""
+
+        def locked():
+            with self.lock:
+                return fn(*args, **kwargs)
+
+        return self.model_thread.submit(locked).result()
 
     def attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """The 4D mask in the form the model's attention takes: boolean for SDPA, additive for eager."""

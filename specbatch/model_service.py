@@ -31,7 +31,6 @@ class CacheServicer:
     def __init__(self, engine: Engine, model_name: str):
         self.engine = engine
         self.model_name = model_name
-        self.lock = engine.lock
 
     @classmethod
     def serve_on(cls, server: Server, engine: Engine, model_name: str) -> "CacheServicer":
@@ -40,16 +39,14 @@ class CacheServicer:
         return servicer
 
     def timed(self, fn, *args, **kwargs):
-        """Run an engine call on the engine's own thread (see Engine.model_thread), one at a time;
-        returns (result, compute seconds)."""
+        """Run an engine call through ``Engine.run``; returns (result, compute seconds)."""
 
-        def run():
-            with self.lock:
-                start = time.perf_counter()
-                result = fn(*args, **kwargs)
-                return result, time.perf_counter() - start
+        def measured():
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            return result, time.perf_counter() - start
 
-        return self.engine.model_thread.submit(run).result()
+        return self.engine.run(measured)
 
     @engine_errors_to_status
     def Prefill(self, request, context):
@@ -76,7 +73,7 @@ class CacheServicer:
         return pb.ReleaseResponse(released=released)
 
     def CacheStats(self, request, context):
-        with self.lock:
+        with self.engine.lock:
             return pb.CacheStatsResponse(
                 model=self.model_name,
                 sequences=len(self.engine.sequences),
