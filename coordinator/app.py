@@ -58,16 +58,22 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     target_stats = target.cache_stats()
     max_context = target_stats.max_context
     draft_model = "none"
+    feature_size = 0
     if draft is not None:
         draft_stats = draft.cache_stats()
         if draft_stats.vocab_size != target_stats.vocab_size:
             raise ValueError(f"draft vocabulary ({draft_stats.vocab_size}) differs from the target's "
                              f"({target_stats.vocab_size}): they must share a tokenizer")
+        feature_size = draft_stats.feature_size
+        if feature_size and feature_size != target_stats.feature_size:
+            raise ValueError(f"the draft reads target features of size {feature_size}, but the target's are "
+                             f"{target_stats.feature_size}: it was trained for another target")
         max_context = min(max_context, draft_stats.max_context)
         draft_model = draft_stats.model
     limits = Limits(target_stats.vocab_size, max_context, max_new_tokens,
                     eos_ids if eos_ids is not None else eos_token_ids(tokenizer, None))
-    scheduler = Scheduler(target, draft, parse_policy(policy, MAX_K), max_batch_size, max_queue, max_context).start()
+    scheduler = Scheduler(target, draft, parse_policy(policy, MAX_K), max_batch_size, max_queue, max_context,
+                          feature_size).start()
     # One thread per open stream: room for a full batch, a full queue, and Info calls.
     server = Server(f"{host}:{port}", max_workers=max_batch_size + max_queue + 8,
                     maximum_concurrent_rpcs=max_batch_size + max_queue + 8)

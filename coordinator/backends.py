@@ -55,10 +55,11 @@ class Call:
     seq_id: str
     keep_len: int
     tokens: list[int]
+    features: bytes = b""  # for drafts that read target features
 
 
 def _seq(call: Call) -> pb.SequenceInput:
-    return pb.SequenceInput(seq_id=call.seq_id, keep_len=call.keep_len, tokens=call.tokens)
+    return pb.SequenceInput(seq_id=call.seq_id, keep_len=call.keep_len, tokens=call.tokens, features=call.features)
 
 
 def _sampling(params: SamplingParams) -> pb.Sampling:
@@ -96,10 +97,11 @@ class TargetClient(ServiceClient):
     stub_class = pb_grpc.TargetStub
 
     def verify(self, calls: list[Call], drafts: list[list[int]], sampling: list[SamplingParams],
-               create: bool = False) -> pb.VerifyResponse:
+               create: bool = False, return_features: bool = False) -> pb.VerifyResponse:
         items = [pb.VerifyItem(sequence=_seq(c), draft_tokens=d, sampling=_sampling(s))
                  for c, d, s in zip(calls, drafts, sampling)]
-        return self._call(self.stub.Verify, pb.VerifyRequest(items=items, create=create))
+        return self._call(self.stub.Verify, pb.VerifyRequest(items=items, create=create,
+                                                             return_features=return_features))
 
 
 class DraftClient(ServiceClient):

@@ -80,6 +80,32 @@ class Failure:
     message: str
 
 
+class FeatureLog:
+    """The target's final hidden state at each cached position of one sequence (float16 bytes, as
+    the target sent them), kept for a draft that reads them: the draft's input at position j is
+    the feature at j-1. Kept here, beside the history, so that a restarted draft is rebuilt
+    from the coordinator alone."""
+
+    def __init__(self, row_bytes: int):
+        self.row_bytes = row_bytes
+        self.data = bytearray()
+
+    @property
+    def rows(self) -> int:
+        return len(self.data) // self.row_bytes if self.row_bytes else 0
+
+    def store(self, start: int, rows: bytes) -> None:
+        """The target fed (and kept) positions ``start …``: their features replace what was there."""
+        del self.data[start * self.row_bytes :]
+        self.data += rows
+
+    def for_tokens(self, start: int, end: int) -> bytes:
+        """What a draft reads with tokens ``start … end-1``: features ``start-1 … end-2`` (zeros
+        before position 0)."""
+        first = b"\0" * self.row_bytes if start == 0 else b""
+        return first + bytes(self.data[max(start - 1, 0) * self.row_bytes : (end - 1) * self.row_bytes])
+
+
 @dataclass
 class Request:
     id: str  # the client's name for it (or one made up), echoed in every response
@@ -96,6 +122,7 @@ class Request:
     history: list[int] = field(default_factory=list)
     target_len: int = 0  # tokens of history cached on the target
     draft_len: int = 0  # tokens of history cached on the draft
+    features: FeatureLog | None = None  # only for drafts that read target features
     # stats
     admitted: float | None = None
     first_token: float | None = None

@@ -20,7 +20,7 @@ import grpc
 from draft_service.proposer import MAX_K
 
 from .backends import Call, DraftClient, TargetClient, lost_state, refusal
-from .requests import FINISH_CANCELLED, Request
+from .requests import FINISH_CANCELLED, FeatureLog, Request
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,11 @@ class StepTotals:
 
 class Scheduler:
     def __init__(self, target: TargetClient, draft: DraftClient | None, policy, max_batch_size: int,
-                 max_queue: int, max_context: int):
+                 max_queue: int, max_context: int, draft_feature_size: int = 0):
         self.target, self.draft = target, draft
+        # An EAGLE-style draft reads the target's final hidden states: the target returns them
+        # with every verdict, and each request keeps them beside its history (float16 rows).
+        self.feature_row_bytes = 2 * draft_feature_size if draft is not None else 0
         self.policy = policy
         self.max_batch_size, self.max_queue, self.max_context = max_batch_size, max_queue, max_context
         self.waiting: deque[Request] = deque()
@@ -161,11 +164,14 @@ class Scheduler:
         for request in admitted:
             request.admitted = now
         prefill_calls = [Call(r.seq_id, 0, r.history) for r in admitted]
-        # The draft caches the prompt while the target prefills it and picks the first token.
-        draft_job = self.pool.submit(self.draft.prefill, prefill_calls) if self.draft else None
+        # The draft caches the prompt while the target prefills it and picks the first token. A
+        # draft that reads target features needs the target's first: its first Propose does it.
+        draft_job = None
+        if self.draft and not self.feature_row_bytes:
+            draft_job = self.pool.submit(self.draft.prefill, prefill_calls)
         try:
             verdicts = self.target.verify(prefill_calls, [[] for _ in admitted], [r.sampling for r in admitted],
-                                          create=True).verdicts
+                                          create=True, return_features=bool(self.feature_row_bytes)).verdicts
         except grpc.RpcError as error:
             alone = len(admitted) == 1
             if refusal(error) and alone and not (error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and self.running):
@@ -184,6 +190,9 @@ class Scheduler:
         self.admit_one_at_a_time = False
         for request, verdict in zip(admitted, verdicts):
             request.target_len = verdict.cached_len
+            if self.feature_row_bytes:
+                request.features = FeatureLog(self.feature_row_bytes)
+                request.features.store(0, verdict.features)
             request.take([verdict.next_token])
         if draft_job is not None:
             try:
@@ -209,20 +218,24 @@ class Scheduler:
             return
         start = time.perf_counter()
         ks = [self.k_for(r, len(batch)) for r in batch]
-        drafts = self._propose(batch, ks)
+        drafts, draft_cached = self._propose(batch, ks)
         drafted = time.perf_counter()
         calls = [Call(r.seq_id, r.target_len, r.history[r.target_len :]) for r in batch]
         reply = self.target.verify(calls, drafts, [r.sampling for r in batch],
-                                   create=any(r.target_len == 0 for r in batch))
+                                   create=any(r.target_len == 0 for r in batch),
+                                   return_features=bool(self.feature_row_bytes))
         verdicts = reply.verdicts
         verified = time.perf_counter()
-        for request, k, proposed, verdict in zip(batch, ks, drafts, verdicts):
+        for request, call, proposed, cached, verdict in zip(batch, calls, drafts, draft_cached, verdicts):
             before = len(request.history)
             accepted = verdict.accepted
             request.target_len = verdict.cached_len
+            if request.features is not None:
+                request.features.store(call.keep_len, verdict.features)
             if proposed:
-                # The draft fed itself its first k-1 proposals; those accepted stay valid.
-                request.draft_len = before + min(accepted, k - 1)
+                # What the draft cached past the history is valid as far as its drafts were accepted
+                # (a plain draft fed itself its first k-1 proposals; an EAGLE-style one keeps none).
+                request.draft_len = min(cached, before + accepted)
             request.steps += 1
             request.proposed += len(proposed)
             request.accepted += accepted
@@ -235,12 +248,19 @@ class Scheduler:
         totals.target_seconds += verified - drafted
         totals.target_compute_seconds += reply.compute_seconds
 
-    def _propose(self, batch: list[Request], ks: list[int]) -> list[list[int]]:
+    def _draft_call(self, request: Request) -> Call:
+        start, end = request.draft_len, len(request.history)
+        features = request.features.for_tokens(start, end) if request.features is not None else b""
+        return Call(request.seq_id, start, request.history[start:], features)
+
+    def _propose(self, batch: list[Request], ks: list[int]) -> tuple[list[list[int]], list[int]]:
+        """Drafts per request (empty where it does not speculate) and the draft's cached lengths."""
         drafts: list[list[int]] = [[] for _ in batch]
-        speculating = [i for i, k in enumerate(ks) if k > 0]
+        cached = [0] * len(batch)
+        speculating = [i for i, k in enumerate(ks) if k > 0 and self._can_draft(batch[i])]
         if not speculating or self.draft is None:
-            return drafts
-        calls = [Call(batch[i].seq_id, batch[i].draft_len, batch[i].history[batch[i].draft_len :]) for i in speculating]
+            return drafts, cached
+        calls = [self._draft_call(batch[i]) for i in speculating]
         try:
             reply = self.draft.propose(calls, [ks[i] for i in speculating])
         except grpc.RpcError as error:
@@ -249,9 +269,15 @@ class Scheduler:
             log.warning("draft unavailable (%s): target-only step", error.code())
             for i in speculating:
                 batch[i].draft_len = 0
-            return drafts
+            return drafts, cached
         self.totals.draft_compute_seconds += reply.compute_seconds
         for i, proposal in zip(speculating, reply.proposals):
             drafts[i] = list(proposal.tokens)
-        return drafts
+            cached[i] = proposal.cached_len
+        return drafts, cached
+
+    def _can_draft(self, request: Request) -> bool:
+        """A draft that reads target features needs them up to the history's second-last token
+        (the target has fed everything but the last one)."""
+        return request.features is None or request.features.rows >= len(request.history) - 1
 

@@ -16,7 +16,7 @@ class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
 
     @engine_errors_to_status
     def Propose(self, request, context):
-        seqs = sequence_inputs(item.sequence for item in request.items)
+        seqs = sequence_inputs((item.sequence for item in request.items), self.engine.feature_size)
         items = [ProposeItem(seq, item.k) for seq, item in zip(seqs, request.items)]
         drafts, seconds = self.timed(propose, self.engine, items)
         return pb.ProposeResponse(

@@ -1,4 +1,4 @@
-"""The ``specbatch`` command: up, generate, demo, bench."""
+"""The ``specbatch`` command: up, generate, demo, bench, distill."""
 
 from __future__ import annotations
 
@@ -95,6 +95,12 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def cmd_distill(args) -> int:
+    from .distill import run_distill
+
+    return run_distill(args)
+
+
 def main(argv=None) -> int:
     from .launcher import add_stack_flags
 
@@ -127,6 +133,12 @@ def main(argv=None) -> int:
     bench.add_argument("--requests", type=int, default=8, help="requests per concurrency level and mode")
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.set_defaults(fn=cmd_bench)
+
+    from .distill import add_distill_flags
+
+    distill = sub.add_parser("distill", help="train an EAGLE-style draft for a target (resumable)")
+    add_distill_flags(distill)
+    distill.set_defaults(fn=cmd_distill)
 
     args = parser.parse_args(argv)
     return args.fn(args)

@@ -18,6 +18,10 @@ that lets each row see exactly its own columns. So:
 Within a call, new tokens are right-aligned (so the last positions of every row share columns of
 the logits); a padding token writes its keys/values to a scratch column past every row's end and
 attends only column 0, which keeps it finite.
+
+Features: every forward also keeps the model's final hidden states (what its output head reads),
+which the target service returns so that an EAGLE-style draft (``specbatch.eagle``) can read them;
+such a draft takes one feature vector per fed token as a second input.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from .eagle import reads_target_features
 
 
 class EngineError(Exception):
@@ -61,6 +67,7 @@ class SequenceInput:
     seq_id: str
     keep_len: int
     tokens: list[int]
+    features: torch.Tensor | None = None  # [len(tokens), feature_size]: for drafts that read target features
 
 
 class KVPool:
@@ -196,11 +203,16 @@ class RaggedBatch:
         input_ids = torch.zeros(batch, width, dtype=torch.long)
         for row, item in enumerate(self.inputs):
             input_ids[row, width - len(item.tokens) :] = torch.tensor(item.tokens, dtype=torch.long)
-        self._pending = (input_ids, positions)
+        features = None
+        if engine.feature_size:  # right-aligned like the tokens; padding reads zeros
+            features = torch.zeros(batch, width, engine.feature_size, dtype=engine.dtype)
+            for row, item in enumerate(self.inputs):
+                features[row, width - len(item.tokens) :] = item.features
+        self._pending = (input_ids, positions, features)
         self.decoded = 0
         self.end = 0
 
-    def _forward(self, input_ids, positions, valid, logits_to_keep: int) -> torch.Tensor:
+    def _forward(self, input_ids, positions, valid, logits_to_keep: int, features=None) -> torch.Tensor:
         device = self.engine.device
         columns = torch.where(valid, positions, torch.full_like(positions, self.scratch))
         self.write_index = columns[:, None, :, None].to(device)
@@ -208,14 +220,22 @@ class RaggedBatch:
         seen = torch.arange(self.end)[None, None, :]
         # Each token sees its own row's columns up to itself; padding tokens see column 0 only.
         mask = torch.where(valid[:, :, None], seen <= positions[:, :, None], seen == 0)[:, None]
-        out = self.engine.model(
-            input_ids=input_ids.to(device),
-            attention_mask=self.engine.attention_mask(mask.to(device)),
-            position_ids=positions.to(device),
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )
+        extra = {} if features is None else {"target_features": features.to(device)}
+        # Hooked for this call only: a hook left on the model would outlive the engine (and
+        # stop the model from being copied).
+        hook = self.engine.model.get_decoder().register_forward_hook(self.engine.keep_hidden)
+        try:
+            out = self.engine.model(
+                input_ids=input_ids.to(device),
+                attention_mask=self.engine.attention_mask(mask.to(device)),
+                position_ids=positions.to(device),
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **extra,
+            )
+        finally:
+            hook.remove()
         return out.logits.float()
 
     def _unsort(self, rows: torch.Tensor) -> torch.Tensor:
@@ -225,17 +245,25 @@ class RaggedBatch:
     def prefill(self, logits_to_keep: int = 1) -> torch.Tensor:
         """Run every row's new tokens; returns logits of the last ``logits_to_keep`` columns,
         rows in the call's order."""
-        input_ids, positions = self._pending
-        return self._unsort(self._forward(input_ids, positions, self.valid, logits_to_keep))
+        input_ids, positions, features = self._pending
+        return self._unsort(self._forward(input_ids, positions, self.valid, logits_to_keep, features))
 
     @torch.inference_mode()
-    def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one more token per row (``tokens`` in the call's order); returns ``[batch, vocab]``."""
+    def decode(self, tokens: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one more token per row (``tokens`` in the call's order, and for a draft that reads
+        features, one ``[batch, feature_size]`` row each); returns ``[batch, vocab]``."""
         tokens = tokens.view(-1)[self.order_index].view(-1, 1)
+        if features is not None:
+            features = features[self.order_index][:, None]
         positions = (self.kept + self.fed + self.decoded)[:, None]
         self.decoded += 1
-        logits = self._forward(tokens, positions, torch.ones_like(positions, dtype=torch.bool), 1)
+        logits = self._forward(tokens, positions, torch.ones_like(positions, dtype=torch.bool), 1, features)
         return self._unsort(logits[:, -1])
+
+    def last_hidden(self) -> torch.Tensor:
+        """The final hidden states of the last forward, ``[batch, columns, hidden]``, rows in the
+        call's order (right-aligned like the tokens)."""
+        return self._unsort(self.engine.last_hidden)
 
     def commit(self, keep: list[int]) -> None:
         """Per sequence (``keep`` in the call's order): keep the first ``keep[i]`` tokens it was fed."""
@@ -267,7 +295,13 @@ class Engine:
     def __post_init__(self):
         self.model.eval()
         config = self.model.config
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+        self.hidden_size = config.hidden_size
+        # A draft that reads target features: their size, and its output head's token ids.
+        self.feature_size = config.feature_size if reads_target_features(self.model) else 0
+        self.output_token_ids = getattr(self.model, "draft_to_target", None)
+        # The decoder's final hidden states of the last forward (what the head reads).
+        self.last_hidden: torch.Tensor | None = None
         self.max_context = self.max_context or getattr(config, "max_position_embeddings", None) or 2048
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -278,6 +312,9 @@ class Engine:
             raise ValueError(f"attention implementation {self._mask_kind!r} is not supported: load with sdpa or eager")
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise ValueError("models with sliding-window attention layers are not supported yet")
+
+    def keep_hidden(self, module, args, output) -> None:
+        self.last_hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
 
     def run(self, fn, *args, **kwargs):
         """Call ``fn`` on the model thread, one call at a time (see ``model_thread``)."""
@@ -375,6 +412,9 @@ class Engine:
                 )
             if not item.tokens:
                 raise InvalidRequest(f"sequence {item.seq_id!r}: no new tokens to feed")
+            if self.feature_size and (item.features is None or tuple(item.features.shape) != (len(item.tokens), self.feature_size)):
+                raise InvalidRequest(f"sequence {item.seq_id!r}: this draft reads one target feature of size "
+                                     f"{self.feature_size} per token; got {None if item.features is None else tuple(item.features.shape)}")
             bad = [t for t in item.tokens if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequest(f"sequence {item.seq_id!r}: token ids {bad[:5]} outside [0, {self.vocab_size})")
@@ -408,5 +448,5 @@ class Engine:
         """Add or extend sequences: cache all their tokens. Returns each one's cached length."""
         batch = self.start(inputs, create=True)
         batch.prefill(1)
-        batch.commit(batch.fed)
+        batch.commit([len(item.tokens) for item in inputs])
         return [item.keep_len + fed for item, fed in zip(inputs, batch.fed)]

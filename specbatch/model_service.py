@@ -10,6 +10,9 @@ import argparse
 import logging
 import time
 
+import numpy as np
+import torch
+
 from .engine import Engine, SequenceInput
 from .models import EMBEDDED, ModelSpec, load_model
 from .serving import Server, configure_logging, engine_errors_to_status
@@ -18,8 +21,26 @@ from .v1 import model_services_pb2 as pb
 log = logging.getLogger(__name__)
 
 
-def sequence_inputs(messages) -> list[SequenceInput]:
-    return [SequenceInput(m.seq_id, m.keep_len, list(m.tokens)) for m in messages]
+def features_to_bytes(features: torch.Tensor | None) -> bytes:
+    """Features cross the wire as float16 little-endian rows (half the bytes of float32)."""
+    if features is None:
+        return b""
+    return features.detach().to("cpu", torch.float16).numpy().astype("<f2", copy=False).tobytes()
+
+
+def features_from_bytes(data: bytes, width: int) -> torch.Tensor | None:
+    """The inverse of ``features_to_bytes``; malformed sizes are left for the engine to refuse."""
+    if not data or not width:
+        return None
+    values = np.frombuffer(data, dtype="<f2")
+    if values.size % width:
+        return torch.from_numpy(values.astype(np.float32))  # wrong shape: the engine says so
+    return torch.from_numpy(values.astype(np.float32).reshape(-1, width))
+
+
+def sequence_inputs(messages, feature_size: int = 0) -> list[SequenceInput]:
+    return [SequenceInput(m.seq_id, m.keep_len, list(m.tokens), features_from_bytes(m.features, feature_size))
+            for m in messages]
 
 
 class CacheServicer:
@@ -50,7 +71,7 @@ class CacheServicer:
 
     @engine_errors_to_status
     def Prefill(self, request, context):
-        inputs = sequence_inputs(request.sequences)
+        inputs = sequence_inputs(request.sequences, self.engine.feature_size)
         lengths, _ = self.timed(self.engine.prefill, inputs)
         return pb.PrefillResponse(
             sequences=[pb.SequenceLength(seq_id=i.seq_id, cached_len=n) for i, n in zip(inputs, lengths)]
@@ -81,7 +102,11 @@ class CacheServicer:
                 max_sequences=self.engine.max_sequences,
                 max_context=self.engine.max_context,
                 vocab_size=self.engine.vocab_size,
+                feature_size=self.feature_size(),
             )
+
+    def feature_size(self) -> int:
+        return self.engine.feature_size
 
 
 def model_service_parser(kind: str, port: int, default_layers: int | None) -> argparse.ArgumentParser:

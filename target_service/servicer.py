@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specbatch.model_service import CacheServicer, sequence_inputs
+from specbatch.model_service import CacheServicer, features_to_bytes, sequence_inputs
 from specbatch.sampling import SamplingParams
 from specbatch.serving import engine_errors_to_status
 from specbatch.v1 import model_services_pb2 as pb
@@ -24,12 +24,16 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
         seqs = sequence_inputs(item.sequence for item in request.items)
         items = [VerifyItem(seq, list(item.draft_tokens), sampling_params(item.sampling))
                  for seq, item in zip(seqs, request.items)]
-        verdicts, seconds = self.timed(verify, self.engine, items, request.create)
+        verdicts, seconds = self.timed(verify, self.engine, items, request.create, request.return_features)
         return pb.VerifyResponse(
             verdicts=[
-                pb.Verdict(seq_id=item.seq.seq_id, accepted=v.accepted, next_token=v.next_token, cached_len=v.cached_len)
+                pb.Verdict(seq_id=item.seq.seq_id, accepted=v.accepted, next_token=v.next_token, cached_len=v.cached_len,
+                           features=features_to_bytes(v.features))
                 for item, v in zip(items, verdicts)
             ],
             compute_seconds=seconds,
         )
+
+    def feature_size(self) -> int:
+        return self.engine.hidden_size  # the features it returns
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from specbatch.acceptance import accept
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
 from specbatch.sampling import SamplingParams
@@ -21,9 +23,13 @@ class Verdict:
     accepted: int  # how many of the drafts the target keeps
     next_token: int  # the target's token after the accepted drafts
     cached_len: int  # tokens of this sequence now cached on the target
+    # With return_features: the target's final hidden state at each token it fed and kept
+    # ([kept, hidden]), for a draft that reads them (specbatch.eagle).
+    features: torch.Tensor | None = None
 
 
-def verify(engine: Engine, items: list[VerifyItem], create: bool = False) -> list[Verdict]:
+def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
+           return_features: bool = False) -> list[Verdict]:
     """One forward of (uncached tokens + drafts) for every sequence, then the acceptance rule.
 
     With no drafts this is a prefill that also yields the first token. The target keeps the
@@ -47,7 +53,14 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False) -> lis
         decisions.append(accept(logits[row, width - positions :], item.drafts, item.sampling, first_position))
     keep = [len(item.seq.tokens) + accepted for item, (accepted, _) in zip(items, decisions)]
     batch.commit(keep)
+    features = [None] * len(items)
+    if return_features:
+        hidden = batch.last_hidden()
+        columns = hidden.shape[1]
+        for row, item in enumerate(items):
+            first = columns - len(item.seq.tokens) - len(item.drafts)  # right-aligned
+            features[row] = hidden[row, first : first + keep[row]].to("cpu", torch.float16)
     return [
-        Verdict(accepted, token, item.seq.keep_len + kept)
-        for item, (accepted, token), kept in zip(items, decisions, keep)
+        Verdict(accepted, token, item.seq.keep_len + kept, feats)
+        for item, (accepted, token), kept, feats in zip(items, decisions, keep, features)
     ]

@@ -7,14 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SequenceInput(_message.Message):
-    __slots__ = ("seq_id", "keep_len", "tokens")
+    __slots__ = ("seq_id", "keep_len", "tokens", "features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     KEEP_LEN_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     keep_len: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[str] = ..., keep_len: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    features: bytes
+    def __init__(self, seq_id: _Optional[str] = ..., keep_len: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., features: _Optional[bytes] = ...) -> None: ...
 
 class SequenceLength(_message.Message):
     __slots__ = ("seq_id", "cached_len")
@@ -63,20 +65,22 @@ class CacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStatsResponse(_message.Message):
-    __slots__ = ("model", "sequences", "cached_tokens", "max_sequences", "max_context", "vocab_size")
+    __slots__ = ("model", "sequences", "cached_tokens", "max_sequences", "max_context", "vocab_size", "feature_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     sequences: int
     cached_tokens: int
     max_sequences: int
     max_context: int
     vocab_size: int
-    def __init__(self, model: _Optional[str] = ..., sequences: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ...) -> None: ...
+    feature_size: int
+    def __init__(self, model: _Optional[str] = ..., sequences: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., feature_size: _Optional[int] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
     __slots__ = ("sequence", "k")
@@ -133,24 +137,28 @@ class VerifyItem(_message.Message):
     def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("items", "create")
+    __slots__ = ("items", "create", "return_features")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     CREATE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[VerifyItem]
     create: bool
-    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., create: _Optional[bool] = ...) -> None: ...
+    return_features: bool
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., create: _Optional[bool] = ..., return_features: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("seq_id", "accepted", "next_token", "cached_len")
+    __slots__ = ("seq_id", "accepted", "next_token", "cached_len", "features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     accepted: int
     next_token: int
     cached_len: int
-    def __init__(self, seq_id: _Optional[str] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cached_len: _Optional[int] = ...) -> None: ...
+    features: bytes
+    def __init__(self, seq_id: _Optional[str] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cached_len: _Optional[int] = ..., features: _Optional[bytes] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("verdicts", "compute_seconds")

@@ -1,0 +1,416 @@
+"""``specbatch distill``: train an EAGLE-style draft (``specbatch.eagle``) for a target model.
+
+Four resumable phases, each leaving its result in the output folder:
+
+1. **data**: the target answers real prompts (ShareGPT first turns) greedily, through the same
+   engine and verifier the target service runs, and every token's final hidden state is kept.
+   The draft learns the target's own outputs: the text it will draft for.
+2. **vocab**: the draft's output head covers the most frequent tokens of those answers, so that
+   a drafted token costs a fraction of the target's full-vocabulary head.
+3. **train**: the draft reads (token ``x_i``, target feature ``f_{i-1}``) and learns to predict
+   ``f_i``: the loss is the cross-entropy against the target's next-token distribution
+   (``softmax(head(f_i))`` on the subset) plus a feature regression. A second, unrolled pass
+   feeds the draft its own predicted features, as it will be fed when drafting token 2, 3, …
+4. **evaluate**: greedy speculative decoding on held-out prompts with the service code, run
+   in-process: acceptance per drafted position, and the draft's cost per token beside the
+   target's one-token forward.
+
+The result, ``OUT/draft``, is a safetensors checkpoint with its config and the tokenizer, which
+the draft service loads like any model (``--model OUT/draft``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .eagle import EagleDraftForCausalLM, draft_from_target
+from .engine import Engine, SequenceInput
+
+log = logging.getLogger(__name__)
+
+TRAIN_PROMPTS_FROM = 0  # ShareGPT conversation index where training prompts start
+EVAL_PROMPTS_FROM = 16000  # held out: training never reads this far (the file holds ~17.6k)
+
+
+@dataclass
+class DistillConfig:
+    prompts: int = 256  # training prompts the target answers
+    max_new_tokens: int = 160
+    max_prompt_tokens: int = 256
+    data_batch: int = 32  # prompts answered at once
+    draft_vocab: int = 8192  # output-head subset size
+    layers: int = 1
+    steps: int = 600
+    batch_sequences: int = 8
+    lr: float = 1e-3
+    regression_weight: float = 0.5
+    unroll: int = 3  # passes per step: 1 = true features only; p > 1 trains drafting token p as well
+    checkpoint_every: int = 50
+    eval_prompts: int = 12
+    eval_k: int = 5
+    eval_new_tokens: int = 96
+    seed: int = 0
+
+
+def _progress(total: int, description: str):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    progress = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                        TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=False)
+    task = progress.add_task(description, total=total, info="")
+    return progress, task
+
+
+def chat_prompt_ids(tokenizer, text: str, limit: int) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(ids, add_special_tokens=False)["input_ids"]
+    return ids[-limit:]
+
+
+# ---- 1. data ---------------------------------------------------------------------------------------
+
+def answer_with_features(engine: Engine, prompts: list[list[int]], max_new_tokens: int, eos: set[int],
+                         tag: str) -> list[dict]:
+    """Greedy answers for a batch of prompts, through the target service's verifier; returns per
+    sequence its tokens and the target's final hidden state at every token it fed."""
+    from target_service.verifier import VerifyItem, verify
+
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    seqs = [{"tokens": list(p), "features": []} for p in prompts]
+    calls = [VerifyItem(SequenceInput(seq_id, 0, list(p))) for seq_id, p in zip(ids, prompts)]
+    live = list(range(len(prompts)))
+    try:
+        for step in range(max_new_tokens):
+            verdicts = verify(engine, [calls[i] for i in live], create=step == 0, return_features=True)
+            still = []
+            for i, verdict in zip(live, verdicts):
+                seqs[i]["features"].append(verdict.features.to(torch.float16))
+                seqs[i]["tokens"].append(verdict.next_token)
+                if verdict.next_token not in eos:
+                    calls[i] = VerifyItem(SequenceInput(ids[i], verdict.cached_len, [verdict.next_token]))
+                    still.append(i)
+            # Release finished answers at once: the live ones then hold neighbouring slots, and
+            # a step over them stays a view of the pool instead of a gather.
+            engine.release([ids[i] for i in live if i not in still])
+            live = still
+            if not live:
+                break
+    finally:
+        engine.release(ids)
+    return [{"tokens": torch.tensor(s["tokens"], dtype=torch.int32), "features": torch.cat(s["features"])}
+            for s in seqs]
+
+
+def collect_data(target, tokenizer, out: Path, cfg: DistillConfig, eos: set[int]) -> list[dict]:
+    from .prompts import sharegpt_prompts
+
+    folder = out / "data"
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = sharegpt_prompts(cfg.prompts, start=TRAIN_PROMPTS_FROM)
+    prompts = [chat_prompt_ids(tokenizer, t, cfg.max_prompt_tokens) for t in texts]
+    waves = [prompts[i : i + cfg.data_batch] for i in range(0, len(prompts), cfg.data_batch)]
+    engine = Engine(target, max_sequences=cfg.data_batch)
+    progress, task = _progress(len(waves), "data: target answers")
+    data: list[dict] = []
+    with progress:
+        for w, wave in enumerate(waves):
+            shard = folder / f"wave-{w:04d}.pt"
+            if shard.exists():  # resume
+                sequences = torch.load(shard)
+            else:
+                started = time.perf_counter()
+                sequences = answer_with_features(engine, wave, cfg.max_new_tokens, eos, f"w{w}")
+                torch.save(sequences, shard.with_suffix(".tmp"))
+                shard.with_suffix(".tmp").rename(shard)
+                new = sum(len(s["tokens"]) for s in sequences) - sum(len(p) for p in wave)
+                progress.update(task, info=f"{new / (time.perf_counter() - started):.0f} generated tok/s")
+            data.extend(sequences)
+            progress.advance(task)
+    return data
+
+
+# ---- 2. vocabulary ---------------------------------------------------------------------------------
+
+def token_subset(data: list[dict], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
+    """The ``size`` tokens the target most often produces (special tokens always in), sorted."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for seq in data:
+        counts += torch.bincount(seq["tokens"][1:].long(), minlength=vocab_size)
+    for token in always:
+        counts[token] = counts.max() + 1
+    return torch.topk(counts, min(size, vocab_size)).indices.sort().values
+
+
+def coverage(data: list[dict], subset: torch.Tensor, vocab_size: int) -> float:
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[subset] = True
+    hits = total = 0
+    for seq in data:
+        tokens = seq["tokens"][1:].long()
+        hits += int(inside[tokens].sum())
+        total += len(tokens)
+    return hits / max(total, 1)
+
+
+# ---- 3. training -----------------------------------------------------------------------------------
+
+def _batch(sequences: list[dict], feature_size: int):
+    """Pad a batch: inputs (x_i, f_{i-1}) and labels f_i for i = 0 … n-2 of each sequence."""
+    lengths = [len(s["features"]) for s in sequences]  # features exist for tokens 0 … n-2
+    width = max(lengths)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    inputs = torch.zeros(len(sequences), width, feature_size)
+    labels = torch.zeros(len(sequences), width, feature_size)
+    mask = torch.zeros(len(sequences), width, dtype=torch.bool)
+    for row, (seq, n) in enumerate(zip(sequences, lengths)):
+        ids[row, :n] = seq["tokens"][:n].long()
+        feats = seq["features"].float()
+        inputs[row, 1:n] = feats[: n - 1]
+        labels[row, :n] = feats
+        mask[row, 1:n] = True  # position 0 has no feature to read
+    return ids, inputs, labels, mask
+
+
+def unrolled_mask(key_valid: torch.Tensor, unroll: int) -> torch.Tensor:
+    """Attention of unrolled pass ``p`` (0: true features) over the keys of passes 0 … p.
+
+    Drafting token p+1 at position i, the draft's cache holds positions ≤ i-p read with true
+    features and positions i-p+1 … i-1 read with its own predictions (one per earlier pass), so
+    pass p's row i sees pass-0 keys j ≤ i-p and pass-q key j = i-p+q (q = 1 … p): training sees
+    exactly what drafting sees (the "training-time test" of EAGLE-3, arXiv 2503.01840)."""
+    T = key_valid.shape[1]
+    i = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    blocks = [j <= i - unroll] + [j == i - unroll + q for q in range(1, unroll + 1)]
+    allowed = torch.cat(blocks, dim=1)[None] & key_valid.repeat(1, unroll + 1)[:, None, :]
+    return allowed[:, None]  # [batch, 1, T, (unroll+1)·T]
+
+
+def distill_loss(draft: EagleDraftForCausalLM, ids, inputs, labels, mask, cfg: DistillConfig):
+    from transformers.cache_utils import DynamicCache
+
+    head = draft.lm_head
+    with torch.no_grad():
+        teacher = F.softmax(head(labels).float(), dim=-1)
+    batch, width = ids.shape
+    key_valid = mask.clone()
+    key_valid[:, 0] = True
+    positions = torch.arange(width)[None].expand(batch, width)
+    cache = DynamicCache(config=draft.config)
+    total, stats = 0.0, {}
+    features = inputs
+    for unroll in range(cfg.unroll):
+        hidden = draft.model(input_ids=ids, target_features=features, position_ids=positions, past_key_values=cache,
+                             attention_mask=unrolled_mask(key_valid, unroll), use_cache=True).last_hidden_state
+        scored = mask.clone()
+        scored[:, : unroll + 1] = False  # the chain needs a true feature before it
+        logits = head(hidden[scored]).float()
+        ce = -(teacher[scored] * F.log_softmax(logits, dim=-1)).sum(-1).mean()
+        regression = F.smooth_l1_loss(hidden[scored], labels[scored])
+        total = total + ce + cfg.regression_weight * regression
+        stats[f"agree{unroll + 1}"] = (logits.argmax(-1) == teacher[scored].argmax(-1)).float().mean().item()
+        # Next pass: each position reads the draft's prediction at the position before it.
+        features = torch.cat([torch.zeros_like(hidden[:, :1]), hidden[:, :-1]], dim=1)
+    return total / cfg.unroll, stats
+
+
+def train(draft: EagleDraftForCausalLM, data: list[dict], out: Path, cfg: DistillConfig) -> None:
+    folder = out / "checkpoint"
+    trainable = [p for name, p in draft.named_parameters() if not name.startswith(("lm_head", "model.embed_tokens"))]
+    for name, p in draft.named_parameters():
+        p.requires_grad_(not name.startswith(("lm_head", "model.embed_tokens")))
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=0.0)
+    warmup = max(cfg.steps // 20, 1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / cfg.steps, 1)))))
+    step = 0
+    if (folder / "state.pt").exists():  # resume
+        state = torch.load(folder / "state.pt")
+        draft.load_state_dict(state["draft"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        step = state["step"]
+        log.info("resuming training at step %d", step)
+    rng = random.Random(cfg.seed + step)
+    draft.train()
+    progress, task = _progress(cfg.steps, "train: draft")
+    progress.update(task, completed=step)
+    window: dict[str, float] = {}
+    with progress:
+        while step < cfg.steps:
+            batch = rng.sample(data, min(cfg.batch_sequences, len(data)))
+            loss, stats = distill_loss(draft, *_batch(batch, draft.config.feature_size), cfg)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            schedule.step()
+            step += 1
+            for key, value in {"loss": loss.item(), **stats}.items():
+                window[key] = 0.9 * window.get(key, value) + 0.1 * value
+            progress.update(task, advance=1, info=" ".join(f"{k} {v:.3f}" for k, v in window.items()))
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                folder.mkdir(parents=True, exist_ok=True)
+                torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
+                            "schedule": schedule.state_dict(), "step": step}, folder / "state.tmp")
+                (folder / "state.tmp").rename(folder / "state.pt")
+    draft.eval()
+    for p in draft.parameters():
+        p.requires_grad_(False)
+
+
+# ---- 4. evaluation ---------------------------------------------------------------------------------
+
+@dataclass
+class Evaluation:
+    prompts: int
+    k: int
+    steps: int
+    tokens: int
+    acceptance: float  # accepted / proposed over all drafted positions
+    acceptance_by_position: list[float]  # P(position j accepted | positions < j accepted)
+    tokens_per_step: float
+    draft_ms_per_token: float  # one drafted token at batch 1
+    target_ms_per_forward: float  # one target forward of one new token at batch 1
+    cost_ratio: float
+
+
+@torch.inference_mode()
+def evaluate(target, draft, tokenizer, cfg: DistillConfig, eos: set[int]) -> Evaluation:
+    """Greedy speculative decoding at batch 1 on held-out prompts, with the services' code."""
+    from draft_service.proposer import ProposeItem, propose
+    from target_service.verifier import VerifyItem, verify
+
+    from .prompts import sharegpt_prompts
+
+    target_engine, draft_engine = Engine(target, max_sequences=2), Engine(draft, max_sequences=2)
+    texts = sharegpt_prompts(cfg.eval_prompts, start=EVAL_PROMPTS_FROM)
+    k = cfg.eval_k
+    reached = [0] * (k + 1)  # reached[j]: steps where positions 1..j were all accepted
+    steps = tokens = 0
+    draft_seconds = draft_tokens = 0.0
+    progress, task = _progress(len(texts), "evaluate: held-out prompts")
+    with progress:
+        for n, text in enumerate(texts):
+            prompt = chat_prompt_ids(tokenizer, text, cfg.max_prompt_tokens)
+            seq = f"eval-{n}"
+            (verdict,) = verify(target_engine, [VerifyItem(SequenceInput(seq, 0, prompt))], create=True, return_features=True)
+            history, features = prompt + [verdict.next_token], [verdict.features]
+            target_len, draft_len = verdict.cached_len, 0
+            while len(history) - len(prompt) < cfg.eval_new_tokens and history[-1] not in eos:
+                feats = torch.cat(features)
+                fed = torch.cat([torch.zeros(1, feats.shape[1]), feats])[draft_len : len(history)]
+                started = time.perf_counter()
+                (drafts,) = propose(draft_engine, [ProposeItem(SequenceInput(seq, draft_len, history[draft_len:], fed), k)])
+                draft_seconds += time.perf_counter() - started
+                draft_tokens += k
+                (verdict,) = verify(target_engine, [VerifyItem(SequenceInput(seq, target_len, history[target_len:]), drafts)],
+                                    return_features=True)
+                for j in range(verdict.accepted + 1):
+                    reached[j] += 1
+                draft_len = len(history)  # the draft keeps only what it read with true features
+                history += drafts[: verdict.accepted] + [verdict.next_token]
+                features.append(verdict.features)
+                target_len = verdict.cached_len
+                steps += 1
+                tokens += verdict.accepted + 1
+            target_engine.release([seq])
+            draft_engine.release([seq])
+            progress.advance(task)
+    by_position = [reached[j] / reached[j - 1] if reached[j - 1] else 0.0 for j in range(1, k + 1)]
+    accepted = sum(reached[1:])
+    target_ms = _target_forward_ms(target_engine)
+    draft_ms = 1000 * draft_seconds / max(draft_tokens, 1)
+    return Evaluation(len(texts), k, steps, tokens, accepted / max(steps * k, 1), by_position,
+                      tokens / max(steps, 1), draft_ms, target_ms, draft_ms / target_ms)
+
+
+def _target_forward_ms(engine: Engine, context: int = 128, repeats: int = 20) -> float:
+    """Median time of a one-new-token target forward at batch 1 (with ``context`` cached)."""
+    from target_service.verifier import VerifyItem, verify
+
+    context = min(context, engine.max_context - 2)
+    tokens = [(10 + i) % engine.vocab_size for i in range(context)]
+    verify(engine, [VerifyItem(SequenceInput("timing", 0, tokens))], create=True)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        verify(engine, [VerifyItem(SequenceInput("timing", context, [11]))])
+        times.append(time.perf_counter() - started)
+    engine.release(["timing"])
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+# ---- the command -----------------------------------------------------------------------------------
+
+def eos_ids(tokenizer, target) -> set[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    eos = getattr(target.generation_config, "eos_token_id", None) if getattr(target, "generation_config", None) else None
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids
+
+
+def distill(target, tokenizer, out: Path, cfg: DistillConfig) -> Evaluation:
+    out.mkdir(parents=True, exist_ok=True)
+    settings = out / "distill.json"
+    if settings.exists() and json.loads(settings.read_text()) != asdict(cfg):
+        log.warning("settings differ from those %s was started with; resuming with the new ones", out)
+    settings.write_text(json.dumps(asdict(cfg), indent=2))
+    torch.manual_seed(cfg.seed)
+    eos = eos_ids(tokenizer, target)
+    data = collect_data(target, tokenizer, out, cfg, eos)
+    tokens = sum(len(s["tokens"]) for s in data)
+    vocab_size = target.get_input_embeddings().weight.shape[0]
+    subset = token_subset(data, cfg.draft_vocab, vocab_size, eos)
+    print(f"data: {len(data)} answers, {tokens} tokens; head subset of {len(subset)} tokens covers "
+          f"{coverage(data, subset, vocab_size):.1%} of answer tokens", flush=True)
+    draft = draft_from_target(target, cfg.layers, subset)
+    train(draft, data, out, cfg)
+    final = out / "draft"
+    draft.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    evaluation = evaluate(target, draft, tokenizer, cfg, eos)
+    (out / "evaluation.json").write_text(json.dumps(asdict(evaluation), indent=2))
+    print_evaluation(evaluation)
+    print(f"draft saved to {final}: serve it with  python -m draft_service --model {final}", flush=True)
+    return evaluation
+
+
+def print_evaluation(e: Evaluation) -> None:
+    positions = " ".join(f"{a:.2f}" for a in e.acceptance_by_position)
+    print(f"evaluation on {e.prompts} held-out prompts, k={e.k}, batch 1, greedy:\n"
+          f"  acceptance {e.acceptance:.3f} per drafted token; by position {positions}\n"
+          f"  {e.tokens_per_step:.2f} tokens per target forward ({e.tokens} tokens in {e.steps} steps)\n"
+          f"  draft {e.draft_ms_per_token:.2f} ms per token vs target forward {e.target_ms_per_forward:.2f} ms "
+          f"(cost ratio {e.cost_ratio:.3f})", flush=True)
+
+
+def add_distill_flags(parser) -> None:
+    defaults = DistillConfig()
+    parser.add_argument("--target", default=None, help="target model: hub id, folder, or the embedded default")
+    parser.add_argument("--gguf-file")
+    parser.add_argument("--out", required=True, help="output folder (re-run the same command to resume)")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    for name, value in asdict(defaults).items():
+        parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
+
+
+def run_distill(args) -> int:
+    from .models import EMBEDDED, ModelSpec, load_model, load_tokenizer
+
+    cfg = DistillConfig(**{name: getattr(args, name) for name in asdict(DistillConfig())})
+    spec = ModelSpec(args.target or EMBEDDED, args.gguf_file)
+    target = load_model(spec, args.device, "float32")
+    for p in target.parameters():
+        p.requires_grad_(False)
+    distill(target, load_tokenizer(spec), Path(args.out), cfg)
+    return 0

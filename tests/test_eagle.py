@@ -1,0 +1,161 @@
+"""The EAGLE-style draft: it reads the target's features, through the engine, the services and the
+coordinator, and ``specbatch distill`` trains one that the draft service serves."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+
+import pytest
+import torch
+
+from draft_service.proposer import ProposeItem, propose
+from specbatch.client import generate, generate_all, make_request
+from specbatch.distill import DistillConfig, distill
+from specbatch.eagle import draft_from_target, reads_target_features
+from specbatch.engine import Engine, InvalidRequest, SequenceInput
+from target_service.verifier import VerifyItem, verify
+from tiny import EOS, VOCAB, greedy_reference
+
+SMALL = DistillConfig(prompts=24, max_new_tokens=24, max_prompt_tokens=24, data_batch=12, draft_vocab=64,
+                      steps=60, batch_sequences=8, lr=3e-3, checkpoint_every=20, eval_prompts=3, eval_k=3,
+                      eval_new_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def distilled(target_model, tokenizer, tmp_path_factory):
+    """A draft distilled for the tiny target (seconds): its folder and evaluation."""
+    out = tmp_path_factory.mktemp("distill")
+    evaluation = distill(copy.deepcopy(target_model), tokenizer, out, SMALL)
+    return out, evaluation
+
+
+@pytest.fixture(scope="module")
+def eagle_draft(distilled):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(distilled[0] / "draft").eval()
+
+
+def test_distill_writes_a_checkpoint_that_loads_and_learned(distilled, eagle_draft, target_model):
+    out, evaluation = distilled
+    assert reads_target_features(eagle_draft)
+    assert (out / "draft" / "model.safetensors").exists() and (out / "draft" / "tokenizer.json").exists()
+    assert eagle_draft.config.draft_vocab_size == SMALL.draft_vocab
+    # Its head holds the target's rows for its token subset; the subset maps back to token ids.
+    subset = eagle_draft.draft_to_target
+    assert torch.equal(eagle_draft.lm_head.weight, target_model.lm_head.weight[subset])
+    saved = json.loads((out / "evaluation.json").read_text())
+    assert saved["k"] == 3 and len(saved["acceptance_by_position"]) == 3
+    # Far above what an untrained draft gets on a 96-token vocabulary (about 1/96).
+    assert evaluation.acceptance > 0.2, evaluation
+
+
+def test_distill_resumes_where_it_stopped(distilled, target_model, tokenizer, tmp_path):
+    """A second run over a finished folder redoes no data or training: the same draft comes out."""
+    out, _ = distilled
+    again = tmp_path / "again"
+    for part in ("data", "checkpoint"):
+        (again / part).mkdir(parents=True)
+        for file in (out / part).iterdir():
+            (again / part / file.name).write_bytes(file.read_bytes())
+    evaluation = distill(copy.deepcopy(target_model), tokenizer, again, SMALL)
+    first = torch.load(out / "checkpoint" / "state.pt")["draft"]
+    second = torch.load(again / "checkpoint" / "state.pt")["draft"]
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert evaluation.acceptance == distilled[1].acceptance
+
+
+def _features_for(target, prompt: list[int]) -> torch.Tensor:
+    engine = Engine(target)
+    (verdict,) = verify(engine, [VerifyItem(SequenceInput("s", 0, prompt))], create=True, return_features=True)
+    return verdict.features.float()
+
+
+def test_target_returns_the_hidden_states_its_head_reads(target_model):
+    prompt = [1, 7, 9, 30, 44, 12]
+    features = _features_for(target_model, prompt)
+    assert features.shape == (len(prompt), target_model.config.hidden_size)
+    with torch.no_grad():
+        reference = target_model(torch.tensor([prompt]), output_hidden_states=False)
+        logits = target_model.lm_head(features)
+    assert torch.allclose(logits, reference.logits[0], atol=0.05)
+
+
+def test_proposals_equal_a_plain_forward_of_the_draft(target_model, eagle_draft):
+    """Ragged batched drafting with the pool (k tokens, own features fed back) matches running the
+    draft's layers by hand on each sequence alone."""
+    rng = random.Random(3)
+    prompts = [[1] + [rng.randrange(5, VOCAB) for _ in range(n)] for n in (4, 11, 7)]
+    engine = Engine(eagle_draft)
+    items = []
+    expected = []
+    for i, prompt in enumerate(prompts):
+        features = _features_for(target_model, prompt)
+        fed = torch.cat([torch.zeros(1, features.shape[1]), features[:-1]])
+        items.append(ProposeItem(SequenceInput(f"s{i}", 0, prompt, fed), k=3 + i))
+        tokens, reads = list(prompt), fed
+        drafted = []
+        with torch.no_grad():
+            for _ in range(3 + i):
+                hidden = eagle_draft.model(input_ids=torch.tensor([tokens]), target_features=reads[None]).last_hidden_state
+                token = int(eagle_draft.draft_to_target[eagle_draft.lm_head(hidden[0, -1]).argmax()])
+                drafted.append(token)
+                tokens.append(token)
+                reads = torch.cat([reads, hidden[0, -1:]])
+        expected.append(drafted)
+    assert propose(engine, items) == expected
+    # It keeps only what it read with the target's features: its drafts are not cached.
+    assert [engine.length(f"s{i}") for i in range(3)] == [len(p) for p in prompts]
+
+
+def test_feature_shape_is_checked(eagle_draft):
+    engine = Engine(eagle_draft)
+    with pytest.raises(InvalidRequest, match="feature"):
+        propose(engine, [ProposeItem(SequenceInput("s", 0, [1, 5, 6]), k=2)])
+    with pytest.raises(InvalidRequest, match="feature"):
+        propose(engine, [ProposeItem(SequenceInput("s", 0, [1, 5, 6], torch.zeros(2, 64)), k=2)])
+    assert not engine.sequences
+
+
+@pytest.fixture
+def eagle_stack(target_model, eagle_draft, tokenizer):
+    from specbatch.local import start_local_stack
+
+    stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=128)
+    yield stack
+    stack.stop()
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_output_with_an_eagle_draft_matches_generate(eagle_stack, target_model, k):
+    """Ten requests through a batch of at most four: the draft reads the features the target
+    returns, drafts get accepted, and every output is token-identical to target-only decoding."""
+    rng = random.Random(k)
+    prompts = [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(10)]
+    requests = [make_request(p, 30, k=k, ignore_eos=True) for p in prompts]
+    results = generate_all(eagle_stack.client(), requests, concurrency=10)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == greedy_reference(target_model, prompt, 30)
+    assert sum(r.stats.draft_tokens_accepted for r in results) > 0
+    assert not eagle_stack.draft_engine.sequences and not eagle_stack.target_engine.sequences
+
+
+def test_eagle_draft_rebuilt_after_losing_its_state(eagle_stack, target_model, tokenizer):
+    """The draft forgets everything mid-request: the coordinator re-sends history and features."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "w3 w9 w27"}], tokenize=False,
+                                           add_generation_prompt=True)
+    prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    client = eagle_stack.client()
+    engine = eagle_stack.draft_engine
+    responses = []
+
+    def forget_every_third(response):
+        responses.append(response)
+        if len(responses) % 3 == 0:
+            engine.run(lambda: engine.release(list(engine.sequences)))
+
+    result = generate(client, make_request(prompt, 60, k=3, ignore_eos=True), on_response=forget_every_third)
+    assert result.token_ids == greedy_reference(target_model, prompt, 60)
+    assert len(responses) > 6 and result.stats.draft_tokens_accepted > 0
