@@ -1,14 +1,14 @@
-"""python -m draft_service: serve a draft model (default: the embedded target's first layers)."""
+"""python -m draft_service: serve a draft model (default: the embedded target's distilled draft)."""
 
 from specbatch.model_service import run_model_service
-from specbatch.models import EMBEDDED_DRAFT_LAYERS
+from specbatch.models import EMBEDDED_DRAFT
 from specbatch.serving import DEFAULT_PORTS
 
 from .servicer import DraftServicer
 
 
 def main(argv=None):
-    run_model_service("draft", DEFAULT_PORTS["draft"], EMBEDDED_DRAFT_LAYERS, DraftServicer.serve_on, argv)
+    run_model_service("draft", DEFAULT_PORTS["draft"], EMBEDDED_DRAFT, DraftServicer.serve_on, argv)
 
 
 if __name__ == "__main__":

