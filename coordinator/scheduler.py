@@ -13,13 +13,14 @@ import threading
 import time
 from collections import deque
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
 from draft_service.proposer import MAX_K
 
 from .backends import Call, DraftClient, TargetClient, lost_state, refusal
+from .policy import tally_positions
 from .requests import FINISH_CANCELLED, FeatureLog, Request
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,11 @@ class StepTotals:
     draft_compute_seconds: float = 0.0  # of which the draft service reports computing
     target_compute_seconds: float = 0.0  # of which the target service reports computing
     prefill_seconds: float = 0.0
+    # Per draft position: drafts that reached it (every earlier position accepted), and of
+    # those, the ones accepted there. Conditional acceptance at i is accepted[i] / reached[i].
+    reached_by_position: list[int] = field(default_factory=lambda: [0] * MAX_K)
+    accepted_by_position: list[int] = field(default_factory=lambda: [0] * MAX_K)
+    k_histogram: list[int] = field(default_factory=lambda: [0] * (MAX_K + 1))  # sequence-steps by k
 
 
 class Scheduler:
@@ -226,6 +232,7 @@ class Scheduler:
                                    return_features=bool(self.feature_row_bytes))
         verdicts = reply.verdicts
         verified = time.perf_counter()
+        outcomes = []  # (drafted, accepted) of each sequence that drafted: what the policy learns from
         for request, call, proposed, cached, verdict in zip(batch, calls, drafts, draft_cached, verdicts):
             before = len(request.history)
             accepted = verdict.accepted
@@ -240,7 +247,16 @@ class Scheduler:
             request.proposed += len(proposed)
             request.accepted += accepted
             request.take(proposed[:accepted] + [verdict.next_token])
+            if proposed:
+                outcomes.append((len(proposed), accepted))
+        self.policy.observe(outcomes)
         totals = self.totals
+        reached, kept = tally_positions(outcomes, MAX_K)
+        for i in range(MAX_K):
+            totals.reached_by_position[i] += reached[i]
+            totals.accepted_by_position[i] += kept[i]
+        for proposed in drafts:
+            totals.k_histogram[len(proposed)] += 1
         totals.steps += 1
         totals.sequence_steps += len(batch)
         totals.step_seconds += time.perf_counter() - start

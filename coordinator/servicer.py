@@ -21,9 +21,10 @@ log = logging.getLogger(__name__)
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, scheduler: Scheduler, tokenizer, limits: Limits, target_model: str, draft_model: str,
-                 tokenizer_name: str):
+                 tokenizer_name: str, profile_file=None):
         self.scheduler, self.tokenizer, self.limits = scheduler, tokenizer, limits
         self.names = (target_model, draft_model, tokenizer_name)
+        self.profile_file = profile_file  # coordinator.profile_file.ProfileFile, or None
 
     def Generate(self, message, context):
         try:
@@ -56,6 +57,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             max_new_tokens_limit=self.limits.max_new_tokens,
             max_context=self.limits.max_context,
             k_policy=scheduler.policy.describe(),
+            profile=self.profile_file.profile.to_json() if self.profile_file is not None else "",
             eos_token_id=min(self.limits.eos_token_ids, default=-1),
             version=__version__,
             totals=pb.StepTotals(**vars(scheduler.totals)),

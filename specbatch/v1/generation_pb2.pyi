@@ -147,7 +147,7 @@ class InfoResponse(_message.Message):
     def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_context: _Optional[int] = ..., k_policy: _Optional[str] = ..., profile: _Optional[str] = ..., eos_token_id: _Optional[int] = ..., version: _Optional[str] = ..., totals: _Optional[_Union[StepTotals, _Mapping]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
 
 class StepTotals(_message.Message):
-    __slots__ = ("steps", "sequence_steps", "step_seconds", "draft_seconds", "target_seconds", "draft_compute_seconds", "target_compute_seconds", "prefill_seconds")
+    __slots__ = ("steps", "sequence_steps", "step_seconds", "draft_seconds", "target_seconds", "draft_compute_seconds", "target_compute_seconds", "prefill_seconds", "reached_by_position", "accepted_by_position", "k_histogram")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,9 @@ class StepTotals(_message.Message):
     DRAFT_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REACHED_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
+    K_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     steps: int
     sequence_steps: int
     step_seconds: float
@@ -164,4 +167,7 @@ class StepTotals(_message.Message):
     draft_compute_seconds: float
     target_compute_seconds: float
     prefill_seconds: float
-    def __init__(self, steps: _Optional[int] = ..., sequence_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ..., target_compute_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    reached_by_position: _containers.RepeatedScalarFieldContainer[int]
+    accepted_by_position: _containers.RepeatedScalarFieldContainer[int]
+    k_histogram: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, steps: _Optional[int] = ..., sequence_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ..., target_compute_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., reached_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., k_histogram: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -1,0 +1,115 @@
+"""The profile and goodput policies inside a running coordinator: greedy output stays exactly
+target-only decoding while k changes from step to step; Info reports the policy and the profile
+in force, and a changed profile file is taken up while serving; bad profiles stop the coordinator
+at start with a clear message."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from coordinator import app
+from specbatch.client import generate, make_request
+from specbatch.local import start_local_stack
+from specbatch.v1 import generation_pb2 as pb
+from test_exactness import prompts_of_lengths
+from test_profile import gpu_like, synthetic_profile
+from tiny import greedy_reference
+
+HIGH = [0.9, 0.85, 0.8, 0.75, 0.7, 0.65]
+
+
+@pytest.fixture
+def profile_path(tmp_path):
+    path = tmp_path / "profile.json"
+    profile = synthetic_profile(gpu_like, HIGH, sizes=(1, 2, 4, 8))
+    # k falls with the batch size, so a run where requests come and go switches k at many steps.
+    assert len(set(profile.best_k.values())) >= 3
+    profile.save(path)
+    return path
+
+
+@pytest.mark.parametrize("policy", ["profile", "goodput"])
+def test_greedy_output_is_exact_while_k_follows_the_batch(target_model, draft_model, tokenizer, profile_path, policy):
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=128,
+                              policy=policy, profile=str(profile_path))
+    try:
+        client = stack.client()
+        lengths = [1 + (i * 7) % 41 for i in range(16)]
+        prompts = prompts_of_lengths(lengths, seed=5)
+        new_tokens = [12 + (i * 5) % 29 for i in range(16)]
+        results = {}
+
+        def run(i):
+            time.sleep(0.01 * (i % 5))
+            results[i] = generate(client, make_request(prompts[i], new_tokens[i], ignore_eos=True))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+            time.sleep(0.02)
+        for t in threads:
+            t.join(timeout=120)
+        assert len(results) == 16
+        for i in range(16):
+            assert results[i].token_ids == greedy_reference(target_model, prompts[i], new_tokens[i]), f"request {i}"
+        info = client.Info(pb.InfoRequest())
+        assert info.k_policy == policy
+        used = [k for k, n in enumerate(info.totals.k_histogram) if n and k > 0]
+        assert len(used) >= 2, f"k never changed: {list(info.totals.k_histogram)}"
+        assert sum(info.totals.reached_by_position) > 0
+        assert info.totals.reached_by_position[0] >= info.totals.accepted_by_position[0]
+    finally:
+        stack.stop()
+
+
+def test_info_reports_the_profile_and_takes_up_a_new_one(target_model, draft_model, tokenizer, profile_path):
+    stack = start_local_stack(target_model, draft_model, tokenizer, policy="profile", profile=str(profile_path),
+                              profile_poll_seconds=0.05)
+    try:
+        client = stack.client()
+        info = client.Info(pb.InfoRequest())
+        assert info.k_policy == "profile"
+        shown = json.loads(info.profile)
+        assert shown["best_k"] == json.loads(profile_path.read_text())["best_k"]
+        # Drafting never pays in the new profile: the coordinator follows it without a restart.
+        synthetic_profile(lambda b, k: 10.0 * (k + 1) * b, HIGH, sizes=(1, 2, 4, 8)).save(profile_path)
+        os.utime(profile_path, ns=(time.time_ns(), time.time_ns()))
+        deadline = time.monotonic() + 10
+        while json.loads(client.Info(pb.InfoRequest()).profile)["best_k"]["1"] != 0:
+            assert time.monotonic() < deadline, "the new profile was not taken up"
+            time.sleep(0.05)
+        result = generate(client, make_request([1, 9, 17, 30], 20, ignore_eos=True))
+        assert result.stats.draft_tokens_proposed == 0
+        # A broken update is ignored: the last good profile stays in force.
+        profile_path.write_text("{")
+        time.sleep(0.3)
+        assert json.loads(client.Info(pb.InfoRequest()).profile)["best_k"]["1"] == 0
+    finally:
+        stack.stop()
+
+
+def test_no_profile_means_an_empty_info_field(stack):
+    info = stack.client().Info(pb.InfoRequest())
+    assert info.profile == "" and info.k_policy == "fixed:3"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--k-policy", "goodput"], "the goodput policy needs a profile: pass --profile PATH"),
+    (["--k-policy", "profile", "--profile", "{missing}"], "cannot read it"),
+    (["--k-policy", "fixed:2", "--profile", "{bad}"], "this coordinator reads profile version 1 (got 3)"),
+    (["--k-policy", "adaptive"], "unknown k policy 'adaptive'"),
+])
+def test_coordinator_refuses_a_bad_profile_at_start(tmp_path, capsys, argv, message):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**synthetic_profile(gpu_like, HIGH).to_dict(), "version": 3}))
+    argv = [a.format(missing=tmp_path / "missing.json", bad=bad) for a in argv]
+    # An unreachable target: the coordinator must exit before it would wait for one.
+    with pytest.raises(SystemExit) as exit:
+        app.main(argv + ["--target", "127.0.0.1:1", "--wait-for-services", "0.1"])
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err

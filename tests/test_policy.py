@@ -1,0 +1,133 @@
+"""The k policies (coordinator/policy.py) on synthetic profiles: what each chooses and why."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.policy import FixedK, Goodput, LiveAcceptance, ProfileK, parse_policy, tally_positions
+from coordinator.profile_file import ProfileFile
+from test_profile import gpu_like, synthetic_profile
+
+HIGH = [0.9, 0.85, 0.8, 0.75, 0.7, 0.65]
+LOW = [0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
+
+
+def watched(tmp_path, profile) -> ProfileFile:
+    path = tmp_path / "profile.json"
+    profile.save(path)
+    return ProfileFile(path)
+
+
+def test_tally_positions():
+    # (drafted, accepted): 3 drafted, all kept; 3 drafted, first kept; 2 drafted, none kept
+    reached, accepted = tally_positions([(3, 3), (3, 1), (2, 0)], 4)
+    assert reached == [3, 2, 1, 0]
+    assert accepted == [2, 1, 1, 0]
+
+
+def test_fixed_and_parse():
+    assert parse_policy("fixed:2", 16).k_for(32) == 2
+    assert parse_policy("fixed:0", 16).describe() == "fixed:0"
+    with pytest.raises(ValueError, match="needs a profile"):
+        parse_policy("goodput", 16)
+    with pytest.raises(ValueError, match="needs a profile"):
+        parse_policy("profile", 16)
+    with pytest.raises(ValueError, match="unknown k policy"):
+        parse_policy("adaptive", 16)
+    with pytest.raises(ValueError, match=r"k must be in \[0, 16\]"):
+        parse_policy("fixed:17", 16)
+
+
+def test_profile_policy_follows_best_k_and_interpolates(tmp_path):
+    profile = synthetic_profile(gpu_like, HIGH)
+    policy = parse_policy("profile", 16, watched(tmp_path, profile))
+    assert isinstance(policy, ProfileK) and policy.describe() == "profile"
+    for b in profile.batch_sizes:
+        assert policy.k_for(b) == profile.best_k[b]
+    assert policy.k_for(64) == profile.best_k[32]
+    b0, b1 = 8, 16
+    for b in range(b0, b1 + 1):
+        assert min(profile.best_k[b0], profile.best_k[b1]) <= policy.k_for(b) <= max(profile.best_k[b0], profile.best_k[b1])
+
+
+def test_goodput_drafts_long_at_batch_one_when_acceptance_is_high(tmp_path):
+    policy = Goodput(watched(tmp_path, synthetic_profile(gpu_like, HIGH)), 16)
+    assert policy.k_for(1) >= 4
+    ks = [policy.k_for(b) for b in (1, 2, 4, 8, 16, 32)]
+    assert ks == sorted(ks, reverse=True) and ks[-1] <= 1
+
+
+def test_goodput_does_not_draft_when_acceptance_is_low(tmp_path):
+    policy = Goodput(watched(tmp_path, synthetic_profile(gpu_like, LOW)), 16)
+    assert [policy.k_for(b) for b in (1, 4, 32)] == [0, 0, 0]
+
+
+def test_goodput_does_not_draft_when_step_cost_grows_fast(tmp_path):
+    """Acceptance is high, but each drafted token costs as much as a whole step (CPU-like)."""
+    policy = Goodput(watched(tmp_path, synthetic_profile(lambda b, k: 10.0 * (k + 1) * b, HIGH)), 16)
+    assert [policy.k_for(b) for b in (1, 2, 8, 32)] == [0, 0, 0, 0]
+
+
+def test_goodput_agrees_with_the_profile_on_profiled_sizes_before_it_learns(tmp_path):
+    profile = synthetic_profile(gpu_like, HIGH)
+    policy = Goodput(watched(tmp_path, profile), 16)
+    for b in profile.batch_sizes:
+        assert policy.k_for(b) == profile.best_k[b]
+
+
+def test_goodput_learns_live_acceptance_and_probes_while_idle(tmp_path):
+    policy = Goodput(watched(tmp_path, synthetic_profile(gpu_like, HIGH)), 16, half_life=8, probe_every=10)
+    chosen = policy.k_for(1)
+    assert chosen >= 4
+    # Live traffic on which the draft is rarely right: every draft rejected at position 0.
+    for _ in range(40):
+        k = policy.k_for(1)
+        policy.observe([(k, 0)] if k else [])
+    assert policy.acceptance_by_position()[0] < 0.2
+    # Idle at k = 0: one probe every 10 steps, drafting what the profile alone would choose.
+    ks = []
+    for _ in range(30):
+        ks.append(policy.k_for(1))
+        policy.observe([(ks[-1], 0)] if ks[-1] else [])
+    assert ks.count(0) >= 27 and set(ks) - {0} == {chosen}
+    # The draft has become good again: probes see it, and drafting resumes.
+    for _ in range(100):
+        k = policy.k_for(1)
+        policy.observe([(k, k)] if k else [])
+    assert policy.acceptance_by_position()[0] > 0.8
+    assert policy.k_for(1) >= chosen  # every draft accepted lately: at least as long as before
+    # At batch 32 the profile itself says drafting does not pay there: no probes, ever.
+    idle = Goodput(watched(tmp_path, synthetic_profile(lambda b, k: 10.0 * (k + 1) * b, HIGH)), 16, probe_every=2)
+    for _ in range(10):
+        assert idle.k_for(32) == 0
+        idle.observe([])
+
+
+def test_goodput_takes_up_a_reloaded_profile(tmp_path):
+    profile_file = watched(tmp_path, synthetic_profile(gpu_like, HIGH))
+    policy = Goodput(profile_file, 16)
+    assert policy.k_for(1) >= 4
+    synthetic_profile(gpu_like, LOW).save(profile_file.path)
+    import os
+    import time
+
+    os.utime(profile_file.path, ns=(time.time_ns(), time.time_ns()))
+    assert profile_file.check()
+    assert policy.k_for(1) == 0
+    assert policy.acceptance_by_position() == pytest.approx(LOW)  # restarted from the new profile
+
+
+def test_live_acceptance_is_a_moving_average_over_drafts():
+    live = LiveAcceptance([0.5, 0.5], half_life=1.0)
+    live.observe([])
+    assert live.rates == [0.5, 0.5]  # nothing drafted: nothing learnt
+    live.observe([(2, 2)])  # one draft, both positions accepted: half the weight moves
+    assert live.rates == pytest.approx([0.75, 0.75])
+    live.observe([(2, 0)] * 2)  # two drafts rejected at 0: a quarter of the weight stays
+    assert live.rates == pytest.approx([0.75 / 4, 0.75])
+
+
+def test_fixed_ignores_observations():
+    policy = FixedK(3)
+    policy.observe([(3, 0)] * 100)
+    assert policy.k_for(1) == 3
