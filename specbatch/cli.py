@@ -1,4 +1,4 @@
-"""The ``specbatch`` command: up, generate, demo, bench, distill."""
+"""The ``specbatch`` command: up, generate, demo, bench, profile, distill."""
 
 from __future__ import annotations
 
@@ -95,6 +95,12 @@ def cmd_bench(args) -> int:
     return run_bench(args)
 
 
+def cmd_profile(args) -> int:
+    from .profiler import run_profile
+
+    return run_profile(args)
+
+
 def cmd_distill(args) -> int:
     from .distill import run_distill
 
@@ -133,6 +139,13 @@ def main(argv=None) -> int:
     bench.add_argument("--requests", type=int, default=8, help="requests per concurrency level and mode")
     bench.add_argument("--max-new-tokens", type=int, default=64)
     bench.set_defaults(fn=cmd_bench)
+
+    from .profiler import add_profile_flags
+
+    profile = sub.add_parser("profile", help="measure step time and acceptance over batch size x k; write the profile")
+    add_stack_flags(profile)
+    add_profile_flags(profile)
+    profile.set_defaults(fn=cmd_profile)
 
     from .distill import add_distill_flags
 

@@ -23,7 +23,9 @@ class StackOptions:
     device: str | None = None
     dtype: str | None = None
     k_policy: str = "fixed:3"
+    profile: str | None = None  # the coordinator's --profile
     max_batch_size: int = 32
+    coordinator: bool = True  # False: only the two model services (specbatch profile)
     host: str = "127.0.0.1"
     ports: dict = field(default_factory=lambda: dict(DEFAULT_PORTS))
     log_level: str = "WARNING"
@@ -38,7 +40,8 @@ def add_stack_flags(parser) -> None:
     parser.add_argument("--no-draft", action="store_true", help="run without a draft service (target-only)")
     parser.add_argument("--device")
     parser.add_argument("--dtype")
-    parser.add_argument("--k-policy", default="fixed:3")
+    parser.add_argument("--k-policy", default="fixed:3", help="fixed:K, profile or goodput (the last two need --profile)")
+    parser.add_argument("--profile", help="the coordinator's profile JSON (made by `specbatch profile`)")
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORTS["coordinator"], help="coordinator port")
@@ -51,7 +54,8 @@ def stack_options(args) -> StackOptions:
     return StackOptions(
         target_model=args.target_model, target_gguf_file=args.target_gguf_file, draft_model=args.draft_model,
         draft_gguf_file=args.draft_gguf_file, draft_layers=args.draft_layers, no_draft=args.no_draft,
-        device=args.device, dtype=args.dtype, k_policy=args.k_policy, max_batch_size=args.max_batch_size,
+        device=args.device, dtype=args.dtype, k_policy=args.k_policy, profile=args.profile,
+        max_batch_size=args.max_batch_size,
         host=args.host, ports={"coordinator": args.port, "target": args.target_port, "draft": args.draft_port},
         log_level=args.log_level,
     )
@@ -107,25 +111,52 @@ class LocalProcesses:
                         _model_flags(draft_model, o.draft_gguf_file if o.draft_model else o.target_gguf_file,
                                      o.draft_layers, o) + host + ["--port", str(o.ports["draft"])])
             draft_address = f"{o.host}:{o.ports['draft']}"
-        tokenizer = ["--tokenizer", o.target_model] if o.target_model else []
-        if o.target_gguf_file:
-            tokenizer += ["--gguf-file", o.target_gguf_file]
-        self._spawn("coordinator", "coordinator",
-                    ["--target", f"{o.host}:{o.ports['target']}", "--draft", draft_address, "--k-policy", o.k_policy,
-                     "--max-batch-size", str(o.max_batch_size), "--port", str(o.ports["coordinator"])] + host + tokenizer)
-        deadline = time.monotonic() + timeout
+        self.draft_address = None if draft_address == "none" else draft_address
+        if o.coordinator:
+            self._spawn_coordinator("coordinator", o.k_policy, o.ports["coordinator"], o.profile)
         try:
-            while True:
-                self.check_alive()
-                try:
-                    wait_until_serving(self.address, timeout=1.0)
-                    return self
-                except TimeoutError:
-                    if time.monotonic() > deadline:
-                        raise
+            self._wait_until_serving([self.address] if o.coordinator else
+                                     list(filter(None, (self.target_address, self.draft_address))), timeout)
         except BaseException:
             self.stop()
             raise
+        return self
+
+    @property
+    def target_address(self) -> str:
+        return f"{self.options.host}:{self.options.ports['target']}"
+
+    def _spawn_coordinator(self, name: str, policy: str, port: int, profile: str | None) -> None:
+        o = self.options
+        flags = ["--target", self.target_address, "--draft", self.draft_address or "none", "--k-policy", policy,
+                 "--max-batch-size", str(o.max_batch_size), "--port", str(port), "--host", o.host]
+        if profile:
+            flags += ["--profile", profile]
+        if o.target_model:
+            flags += ["--tokenizer", o.target_model]
+        if o.target_gguf_file:
+            flags += ["--gguf-file", o.target_gguf_file]
+        self._spawn(name, "coordinator", flags)
+
+    def add_coordinator(self, policy: str, port: int, profile: str | None = None, timeout: float = 600.0) -> str:
+        """One more coordinator over the same target and draft (the benchmark runs one per k
+        policy); stopped with the rest. Returns its address."""
+        self._spawn_coordinator(f"coordinator ({policy})", policy, port, profile)
+        address = f"{self.options.host}:{port}"
+        self._wait_until_serving([address], timeout)
+        return address
+
+    def _wait_until_serving(self, addresses: list[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for address in addresses:
+            while True:
+                self.check_alive()
+                try:
+                    wait_until_serving(address, timeout=1.0)
+                    break
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        raise
 
     def check_alive(self) -> None:
         for name, process in self.processes:

