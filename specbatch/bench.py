@@ -1,67 +1,338 @@
-"""``specbatch bench``: target-only (k=0) beside speculative decoding through the services.
+"""``specbatch bench``: k policies compared under real gRPC streaming traffic.
 
-For each concurrency level, the same greedy requests run once with k=0 and once with k=K, and the
-coordinator's step totals (Info) split each decode step into draft compute, target compute, and
-the rest (coordinator work plus RPC).
+Modes: no speculation (per-request k = 0), fixed k (per-request k), and the coordinator policies
+``profile`` and ``goodput`` (each its own coordinator over the same target and draft services).
+Traffic (specbatch/traffic.py): uniform concurrency levels, a time-varying trace, Poisson
+arrivals at several rates. Every mode runs the same schedule with the same prompts, one mode after
+another within each traffic level, so slow drift of a shared machine spreads over all modes.
+
+Per run: TTFT, TPOT and end-to-end latency (mean, p50, p99) as the clients saw them, output
+tokens/s, acceptance, the k the coordinator used (from its Info totals: sequence-steps by k), and
+the step split into draft, target and the rest (coordinator work plus RPC). Printed as markdown,
+and written with PNG plots and the raw numbers to --out.
 """
 
 from __future__ import annotations
 
+import json
+import socket
+import statistics
+import threading
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from .client import connect, generate, generate_all, make_request
+from .client import connect, generate, make_request
 from .launcher import LocalProcesses, stack_options
 from .prompts import CHAT_PROMPTS
+from .traffic import DEFAULT_TRACE, Trace, poisson_arrivals, prompt_order, run_closed_loop, run_open_loop, stream
 from .v1 import generation_pb2 as pb
 
 
-def _run(stub, concurrency: int, requests: int, k: int, max_new_tokens: int) -> dict:
-    before = stub.Info(pb.InfoRequest()).totals
-    prompts = [CHAT_PROMPTS[i % len(CHAT_PROMPTS)] for i in range(requests)]
-    start = time.perf_counter()
-    results = generate_all(stub, [make_request(p, max_new_tokens, chat=True, k=k, ignore_eos=True) for p in prompts],
-                           concurrency)
-    wall = time.perf_counter() - start
-    after = stub.Info(pb.InfoRequest()).totals
+@dataclass
+class Mode:
+    name: str
+    stub: object
+    k: int | None  # per-request k (fixed modes); None: the coordinator's own policy
+
+
+@dataclass
+class Load:
+    kind: str  # uniform, trace, poisson
+    value: float  # concurrency, trace peak, or rate: the x axis of the plots
+    label: str
+    trace: Trace | None = None
+    arrivals: list[float] = field(default_factory=list)
+
+
+def percentiles(values: list[float], scale: float = 1.0) -> dict:
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan")}
+    ordered = sorted(v * scale for v in values)
+
+    def at(q):  # linear interpolation between closest ranks, as numpy's default
+        position = q * (len(ordered) - 1)
+        low = int(position)
+        high = min(low + 1, len(ordered) - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+    return {"mean": statistics.fmean(ordered), "p50": at(0.5), "p99": at(0.99)}
+
+
+class InfoSampler:
+    """Polls the coordinator's Info while a run lasts: live batch and k used over time."""
+
+    def __init__(self, stub, every: float = 0.25):
+        self.stub, self.every = stub, every
+        self.samples: list[tuple[float, int, int, list[int]]] = []  # (t, running, waiting, k_histogram)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        start = time.monotonic()
+        while not self.stopping.is_set():
+            info = self.stub.Info(pb.InfoRequest())
+            self.samples.append((time.monotonic() - start, info.running, info.waiting,
+                                 list(info.totals.k_histogram)))
+            self.stopping.wait(self.every)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopping.set()
+        self.thread.join()
+
+    def timeline(self) -> list[dict]:
+        """Per interval: time, requests running, mean k used over the interval's sequence-steps."""
+        rows = []
+        for (t0, _, _, h0), (t1, running, waiting, h1) in zip(self.samples, self.samples[1:]):
+            steps = [b - a for a, b in zip(h0, h1)]
+            n = sum(steps)
+            rows.append({"t": t1, "running": running, "waiting": waiting,
+                         "mean_k": sum(k * c for k, c in enumerate(steps)) / n if n else None})
+        return rows
+
+
+def summarize(records, before, after) -> dict:
+    ok = [r for r in records if not r.error]
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.error:
+            errors[r.error] = errors.get(r.error, 0) + 1
+    wall = (max(r.finished for r in ok) - min(r.sent for r in records)) if ok else float("nan")
+    tokens = sum(r.tokens for r in ok)
+    proposed, accepted = sum(r.proposed for r in ok), sum(r.accepted for r in ok)
     steps = max(after.steps - before.steps, 1)
     step = (after.step_seconds - before.step_seconds) / steps
     draft = (after.draft_compute_seconds - before.draft_compute_seconds) / steps
     target = (after.target_compute_seconds - before.target_compute_seconds) / steps
-    proposed = sum(r.stats.draft_tokens_proposed for r in results)
-    accepted = sum(r.stats.draft_tokens_accepted for r in results)
-    tokens = sum(len(r.token_ids) for r in results)
+    by_k = [b - a for a, b in zip(before.k_histogram, after.k_histogram)]
+    sequence_steps = sum(by_k)
     return {
-        "tokens_per_s": tokens / wall,
-        "acceptance": accepted / proposed if proposed else 0.0,
-        "tokens_per_step": tokens / max(sum(r.stats.steps for r in results), 1),
+        "requests": len(ok), "errors": errors, "tokens": tokens, "seconds": wall,
+        "tokens_per_s": tokens / wall if ok else 0.0,
+        "ttft_ms": percentiles([r.ttft for r in ok], 1000),
+        "tpot_ms": percentiles([r.tpot for r in ok if r.tpot is not None], 1000),
+        "latency_s": percentiles([r.latency for r in ok]),
+        "acceptance": accepted / proposed if proposed else None,
+        "mean_k": sum(k * n for k, n in enumerate(by_k)) / sequence_steps if sequence_steps else 0.0,
+        "k_share": {k: n / sequence_steps for k, n in enumerate(by_k) if n} if sequence_steps else {},
+        "tokens_per_step": tokens / max(sum(r.steps for r in ok), 1),
         "batch": (after.sequence_steps - before.sequence_steps) / steps,
         "step_ms": step * 1000, "draft_ms": draft * 1000, "target_ms": target * 1000,
         "other_ms": (step - draft - target) * 1000,
     }
 
 
+def run_one(load: Load, mode: Mode, prompts: list[str], args) -> dict:
+    count = max(args.requests, int(load.value)) if load.kind == "uniform" else len(load.arrivals) or 100_000
+    order = prompt_order(count, len(prompts), args.seed)
+
+    def send(i: int):
+        request = make_request(prompts[order[i]], args.max_new_tokens, chat=True, k=mode.k, ignore_eos=True)
+        return stream(mode.stub, i, request, timeout=args.request_timeout)
+
+    before = mode.stub.Info(pb.InfoRequest()).totals
+    with InfoSampler(mode.stub) as sampler:
+        if load.kind == "uniform":
+            records = run_closed_loop(send, lambda t: int(load.value), count=count)
+        elif load.kind == "trace":
+            records = run_closed_loop(send, load.trace.concurrency_at, duration=load.trace.duration)
+        else:
+            records = run_open_loop(send, load.arrivals)
+    after = mode.stub.Info(pb.InfoRequest()).totals
+    return {"traffic": load.kind, "load": load.label, "value": load.value, "mode": mode.name,
+            **summarize(records, before, after), "timeline": sampler.timeline()}
+
+
+# ---- output ---------------------------------------------------------------------------------------
+
+def _triple(stats: dict, digits: int) -> str:
+    return " / ".join(f"{stats[q]:.{digits}f}" for q in ("mean", "p50", "p99"))
+
+
+def markdown(rows: list[dict]) -> str:
+    base = {r["load"]: r["tokens_per_s"] for r in rows if r["mode"] == "k=0 (target only)"}
+    head = ("| traffic | mode | requests | tok/s | vs k=0 | TTFT ms mean / p50 / p99 | TPOT ms mean / p50 / p99 "
+            "| latency s mean / p50 / p99 | acceptance | mean k | k used |")
+    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    for r in rows:
+        speedup = f"{r['tokens_per_s'] / base[r['load']]:.2f}x" if base.get(r["load"]) else "–"
+        acceptance = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "–"
+        shares = sorted(r["k_share"].items(), key=lambda kv: -kv[1])[:3]
+        used = " ".join(f"{k}:{share:.0%}" for k, share in shares)
+        errors = f" ({sum(r['errors'].values())} failed)" if r["errors"] else ""
+        lines.append(f"| {r['load']} | {r['mode']} | {r['requests']}{errors} | {r['tokens_per_s']:.1f} | {speedup} "
+                     f"| {_triple(r['ttft_ms'], 0)} | {_triple(r['tpot_ms'], 1)} | {_triple(r['latency_s'], 2)} "
+                     f"| {acceptance} | {r['mean_k']:.2f} | {used} |")
+    lines += ["", "| traffic | mode | tokens/step | mean batch | step ms | draft ms | target ms | coordinator+RPC ms |",
+              "|---" * 8 + "|"]
+    for r in rows:
+        lines.append(f"| {r['load']} | {r['mode']} | {r['tokens_per_step']:.2f} | {r['batch']:.1f} | {r['step_ms']:.1f} "
+                     f"| {r['draft_ms']:.1f} | {r['target_ms']:.1f} | {r['other_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: Path, trace: Trace | None) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    for kind, xlabel in (("uniform", "concurrency"), ("poisson", "arrival rate (requests/s)")):
+        chosen = [r for r in rows if r["traffic"] == kind]
+        if not chosen:
+            continue
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+        for mode in modes:
+            series = sorted((r["value"], r) for r in chosen if r["mode"] == mode)
+            xs = [x for x, _ in series]
+            axes[0].plot(xs, [r["tokens_per_s"] for _, r in series], marker="o", label=mode)
+            axes[1].plot(xs, [r["latency_s"]["mean"] for _, r in series], marker="o", label=mode)
+            axes[2].plot(xs, [r["latency_s"]["p99"] for _, r in series], marker="o", label=mode)
+        for ax, title in zip(axes, ("output tokens/s", "mean latency (s)", "p99 latency (s)")):
+            ax.set_xlabel(xlabel)
+            ax.set_title(title)
+            if kind == "uniform":
+                ax.set_xscale("log", base=2)
+            ax.grid(alpha=0.3)
+        axes[0].legend(fontsize=8)
+        fig.suptitle(f"{kind} traffic")
+        fig.tight_layout()
+        path = out / f"{kind}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    chosen = [r for r in rows if r["traffic"] == "trace"]
+    if chosen and trace is not None:
+        fig, axes = plt.subplots(3, 1, figsize=(11, 9))
+        axes[1].sharex(axes[0])  # the two timelines; the bars below have their own axis
+        edges, t = [], 0.0
+        for seconds, concurrency in trace.segments:
+            edges += [(t, concurrency), (t + seconds, concurrency)]
+            t += seconds
+        axes[0].plot(*zip(*edges), color="black", linewidth=2, label="trace concurrency")
+        for r in chosen:
+            timeline = r["timeline"]
+            axes[0].plot([p["t"] for p in timeline], [p["running"] for p in timeline], alpha=0.7, label=r["mode"])
+            points = [(p["t"], p["mean_k"]) for p in timeline if p["mean_k"] is not None]
+            if points:
+                axes[1].plot(*zip(*points), alpha=0.8, label=r["mode"])
+        axes[0].set_ylabel("requests running")
+        axes[1].set_ylabel("mean k used")
+        axes[0].legend(fontsize=7, ncol=3)
+        axes[1].legend(fontsize=7, ncol=3)
+        axes[2].bar(range(len(chosen)), [r["latency_s"]["mean"] for r in chosen],
+                    tick_label=[r["mode"] for r in chosen])
+        axes[2].set_ylabel("mean latency (s)")
+        axes[2].tick_params(axis="x", labelsize=7)
+        axes[1].set_xlabel("seconds")
+        fig.suptitle(f"time-varying trace {trace.name}")
+        fig.tight_layout()
+        path = out / "trace.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# ---- the command ------------------------------------------------------------------------------------
+
+def add_bench_flags(parser) -> None:
+    parser.add_argument("--address", help="benchmark a running coordinator instead of starting one")
+    parser.add_argument("--policy-address", action="append", default=[], metavar="POLICY=ADDRESS",
+                        help="with --address: a running coordinator serving this policy (repeatable)")
+    parser.add_argument("--k", type=int, default=3, help="fixed k compared with k=0 (when --fixed-k is not given)")
+    parser.add_argument("--fixed-k", help="comma-separated fixed k values to compare, e.g. 1,2,3,4,5,6")
+    parser.add_argument("--policies", default="", help="coordinator policies to compare: profile,goodput "
+                        "(need --profile when the bench starts the stack)")
+    parser.add_argument("--traffic", default="uniform", help="comma-separated: uniform, trace, poisson")
+    parser.add_argument("--concurrency", default="1,8", help="uniform traffic: comma-separated concurrency levels")
+    parser.add_argument("--requests", type=int, default=8, help="uniform traffic: requests per level and mode "
+                        "(at least the concurrency)")
+    parser.add_argument("--trace", default=str(DEFAULT_TRACE), help="trace file (segments of seconds, concurrency)")
+    parser.add_argument("--trace-speed", type=float, default=1.0, help="play the trace this many times faster")
+    parser.add_argument("--rates", default="0.5,1,2", help="poisson traffic: comma-separated requests per second")
+    parser.add_argument("--poisson-requests", type=int, default=16, help="poisson traffic: requests per rate and mode")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prompts", choices=("sharegpt", "chat"), default="sharegpt",
+                        help="ShareGPT first user turns (from conversation --prompt-start), or the demo's chat prompts")
+    parser.add_argument("--prompt-start", type=int, default=16000)
+    parser.add_argument("--prompt-count", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--out", default="bench-out", help="folder for results.md, results.json and the plots")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_bench(args) -> int:
-    levels = [int(c) for c in args.concurrency.split(",")]
+    fixed = [int(k) for k in args.fixed_k.split(",")] if args.fixed_k else [args.k]
+    policies = [p for p in args.policies.split(",") if p]
+    kinds = [t for t in args.traffic.split(",") if t]
+    unknown = set(kinds) - {"uniform", "trace", "poisson"}
+    if unknown:
+        print(f"unknown traffic {sorted(unknown)}; known: uniform, trace, poisson")
+        return 2
+    given = dict(entry.split("=", 1) for entry in args.policy_address)
+    if args.address and set(policies) - set(given):
+        print(f"with --address, give each policy's coordinator with --policy-address POLICY=ADDRESS "
+              f"(missing: {sorted(set(policies) - set(given))})")
+        return 2
+    if not args.address and policies and not args.profile:
+        print("the profile and goodput policies need --profile PATH (made by `specbatch profile`)")
+        return 2
+    trace = Trace.load(args.trace).scaled(args.trace_speed) if "trace" in kinds else None
+    loads: list[Load] = []
+    for kind in kinds:
+        if kind == "uniform":
+            loads += [Load("uniform", c, f"uniform c={c}") for c in (int(c) for c in args.concurrency.split(","))]
+        elif kind == "trace":
+            loads.append(Load("trace", trace.peak, f"trace {trace.name}", trace=trace))
+        else:
+            for rate in (float(r) for r in args.rates.split(",")):
+                loads.append(Load("poisson", rate, f"poisson {rate:g}/s",
+                                  arrivals=poisson_arrivals(rate, args.poisson_requests, args.seed)))
+    if args.prompts == "chat":
+        prompts = list(CHAT_PROMPTS)
+    else:
+        from .prompts import sharegpt_prompts
+
+        prompts = sharegpt_prompts(args.prompt_count, args.prompt_start)
     context = nullcontext() if args.address else LocalProcesses(stack_options(args))
     with context as processes:
-        address = args.address or processes.address
-        stub = connect(address)
-        info = stub.Info(pb.InfoRequest())
-        print(f"target {info.target_model} | draft {info.draft_model} | k={args.k} vs k=0 | "
-              f"{args.max_new_tokens} new tokens per request, greedy\n", flush=True)
-        generate(stub, make_request("warm up", 8, chat=True))
-        header = ("| concurrency | mode | tok/s | speed-up | acceptance | tokens/step | mean batch "
-                  "| step ms | draft ms | target ms | coordinator+RPC ms |")
-        print(header)
-        print("|---" * (header.count("|") - 1) + "|")
-        for concurrency in levels:
-            requests = max(args.requests, concurrency)
-            base = _run(stub, concurrency, requests, 0, args.max_new_tokens)
-            spec = _run(stub, concurrency, requests, args.k, args.max_new_tokens)
-            for name, row in ((f"k=0 (target only)", base), (f"k={args.k}", spec)):
-                print(f"| {concurrency} | {name} | {row['tokens_per_s']:.1f} | "
-                      f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x | {row['acceptance']:.2f} | "
-                      f"{row['tokens_per_step']:.2f} | {row['batch']:.1f} | {row['step_ms']:.1f} | "
-                      f"{row['draft_ms']:.1f} | {row['target_ms']:.1f} | {row['other_ms']:.1f} |", flush=True)
+        main_stub = connect(args.address or processes.address)
+        addresses = {p: given.get(p) or processes.add_coordinator(p, _free_port(), args.profile) for p in policies}
+        modes = [Mode("k=0 (target only)", main_stub, 0)] + [Mode(f"k={k}", main_stub, k) for k in fixed if k]
+        modes += [Mode(p, connect(address), None) for p, address in addresses.items()]
+        info = main_stub.Info(pb.InfoRequest())
+        print(f"target {info.target_model} | draft {info.draft_model} | modes: {', '.join(m.name for m in modes)} | "
+              f"{args.max_new_tokens} new tokens per request, greedy, {args.prompts} prompts\n", flush=True)
+        for mode in modes:  # warm up every coordinator's path once
+            generate(mode.stub, make_request("warm up", 4, chat=True, k=mode.k))
+        rows = []
+        for load in loads:
+            for mode in modes:
+                row = run_one(load, mode, prompts, args)
+                rows.append(row)
+                print(f"  {load.label:<22} {mode.name:<18} {row['tokens_per_s']:7.1f} tok/s  mean latency "
+                      f"{row['latency_s']['mean']:.2f} s  mean k {row['mean_k']:.2f}", flush=True)
+    table = markdown(rows)
+    print("\n" + table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.md").write_text(table + "\n")
+    (out / "results.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "fn"},
+                                                  "rows": rows}, indent=1, default=str))
+    images = plot(rows, out, trace)
+    print(f"\nwrote {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in images))
     return 0

@@ -131,13 +131,11 @@ def main(argv=None) -> int:
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.set_defaults(fn=cmd_demo)
 
-    bench = sub.add_parser("bench", help="target-only vs speculative tokens/s, and the step time split")
+    from .bench import add_bench_flags
+
+    bench = sub.add_parser("bench", help="k=0, fixed k and the k policies under uniform, trace and Poisson traffic")
     add_stack_flags(bench)
-    bench.add_argument("--address", help="benchmark a running coordinator instead of starting one")
-    bench.add_argument("--concurrency", default="1,8", help="comma-separated concurrency levels")
-    bench.add_argument("--k", type=int, default=3, help="speculation length to compare with k=0")
-    bench.add_argument("--requests", type=int, default=8, help="requests per concurrency level and mode")
-    bench.add_argument("--max-new-tokens", type=int, default=64)
+    add_bench_flags(bench)
     bench.set_defaults(fn=cmd_bench)
 
     from .profiler import add_profile_flags

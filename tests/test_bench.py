@@ -1,0 +1,149 @@
+"""Benchmark traffic (specbatch/traffic.py) and ``specbatch bench`` comparing every mode in one run."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+
+import pytest
+
+from coordinator.app import build_coordinator
+from specbatch import cli
+from specbatch.bench import percentiles
+from specbatch.traffic import (DEFAULT_TRACE, Record, Trace, poisson_arrivals, prompt_order, run_closed_loop,
+                               run_open_loop)
+from test_profile import gpu_like, synthetic_profile
+
+
+def test_poisson_arrivals_are_seeded_and_at_the_rate():
+    a = poisson_arrivals(2.0, 2000, seed=1)
+    assert a == poisson_arrivals(2.0, 2000, seed=1)
+    assert a != poisson_arrivals(2.0, 2000, seed=2)
+    assert a == sorted(a) and a[0] > 0
+    gaps = [y - x for x, y in zip([0.0] + a, a)]
+    assert statistics.fmean(gaps) == pytest.approx(0.5, rel=0.1)
+    assert statistics.pstdev(gaps) == pytest.approx(0.5, rel=0.15)  # exponential: sd = mean
+
+
+def test_prompt_order_is_a_seeded_shuffle():
+    order = prompt_order(10, 4, seed=3)
+    assert order == prompt_order(10, 4, seed=3) and order != prompt_order(10, 4, seed=4)
+    assert sorted(order[:4]) == [0, 1, 2, 3] and sorted(order[4:8]) == [0, 1, 2, 3]
+
+
+def test_the_shipped_trace():
+    trace = Trace.load(DEFAULT_TRACE)
+    levels = [c for _, c in trace.segments]
+    assert min(levels) == 1 and max(levels) == 32 and trace.peak == 32
+    assert trace.concurrency_at(0) == 1 and trace.concurrency_at(trace.duration + 1) == 0
+    fast = trace.scaled(10)
+    assert fast.duration == pytest.approx(trace.duration / 10)
+    assert [fast.concurrency_at(t / 10) for t in range(0, int(trace.duration), 7)] == \
+        [trace.concurrency_at(t) for t in range(0, int(trace.duration), 7)]
+
+
+def test_bad_traces_are_refused(tmp_path):
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"segments": [{"seconds": 1, "concurrency": 0}]}))
+    with pytest.raises(ValueError, match="concurrency >= 1"):
+        Trace.load(path)
+
+
+def _fake_send(hold: float, log: list, lock: threading.Lock, in_flight: list):
+    def send(i):
+        with lock:
+            in_flight[0] += 1
+            log.append((time.monotonic(), in_flight[0]))
+        time.sleep(hold)
+        with lock:
+            in_flight[0] -= 1
+        r = Record(i, time.monotonic() - hold)
+        r.first_token = r.finished = time.monotonic()
+        return r
+
+    return send
+
+
+def test_closed_loop_follows_the_trace():
+    trace = Trace("t", ((0.4, 1), (0.4, 4), (0.4, 2)))
+    log, lock, in_flight = [], threading.Lock(), [0]
+    start = time.monotonic()
+    records = run_closed_loop(_fake_send(0.05, log, lock, in_flight), trace.concurrency_at, duration=trace.duration)
+    elapsed = time.monotonic() - start
+    assert trace.duration <= elapsed < trace.duration + 0.5
+    assert [r.index for r in records] == list(range(len(records)))
+    for at, n in log:  # never more in flight than the trace allows when a request starts
+        assert n <= max(trace.concurrency_at(at - start - 0.02), trace.concurrency_at(at - start))
+    peak = max(n for at, n in log if 0.45 < at - start < 0.75)
+    assert peak == 4  # and the trace's concurrency is reached
+    assert max(n for at, n in log if at - start < 0.35) == 1
+
+
+def test_uniform_closed_loop_sends_count_at_concurrency():
+    log, lock, in_flight = [], threading.Lock(), [0]
+    records = run_closed_loop(_fake_send(0.02, log, lock, in_flight), lambda t: 3, count=10)
+    assert len(records) == 10 and max(n for _, n in log) == 3
+
+
+def test_open_loop_sends_on_schedule():
+    log, lock, in_flight = [], threading.Lock(), [0]
+    arrivals = [0.0, 0.1, 0.1, 0.3]
+    start = time.monotonic()
+    run_open_loop(_fake_send(0.3, log, lock, in_flight), arrivals)
+    starts = sorted(at - start for at, _ in log)
+    assert starts == pytest.approx(arrivals, abs=0.05)
+    assert max(n for _, n in log) >= 3  # open loop: arrivals do not wait for earlier requests
+
+
+def test_percentiles():
+    stats = percentiles([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert stats["mean"] == 22.0 and stats["p50"] == 3.0 and stats["p99"] == pytest.approx(96.16)
+
+
+def test_bench_compares_every_mode_under_every_traffic(stack, tokenizer, tmp_path, capsys):
+    profile = tmp_path / "profile.json"
+    synthetic_profile(gpu_like, [0.9, 0.85, 0.8, 0.75], sizes=(1, 2, 4, 8)).save(profile)
+    services = (f"127.0.0.1:{stack.target.port}", f"127.0.0.1:{stack.draft.port}")
+    adaptive = {p: build_coordinator(*services, tokenizer, policy=p, profile=str(profile), max_batch_size=8)
+                for p in ("profile", "goodput")}
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"name": "tiny", "segments": [{"seconds": 0.4, "concurrency": 1},
+                                                              {"seconds": 0.4, "concurrency": 3}]}))
+    out = tmp_path / "out"
+    try:
+        code = cli.main(["bench", "--address", stack.address, "--policies", "profile,goodput",
+                         *[f"--policy-address={p}=127.0.0.1:{c.port}" for p, c in adaptive.items()],
+                         "--fixed-k", "1,2", "--traffic", "uniform,trace,poisson", "--concurrency", "1,3",
+                         "--requests", "3", "--trace", str(trace), "--rates", "20", "--poisson-requests", "3",
+                         "--max-new-tokens", "6", "--prompts", "chat", "--out", str(out)])
+    finally:
+        for coordinator in adaptive.values():
+            coordinator.stop(grace=1)
+    assert code == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    modes = ["k=0 (target only)", "k=1", "k=2", "profile", "goodput"]
+    loads = ["uniform c=1", "uniform c=3", "trace tiny", "poisson 20/s"]
+    assert [(r["load"], r["mode"]) for r in rows] == [(load, mode) for load in loads for mode in modes]
+    for r in rows:
+        assert r["requests"] > 0 and not r["errors"] and r["tokens_per_s"] > 0
+        assert r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
+        assert r["latency_s"]["mean"] > 0
+        if r["mode"] == "k=0 (target only)":
+            assert r["mean_k"] == 0 and r["acceptance"] is None
+        if r["mode"] == "k=2":
+            assert 0 < r["mean_k"] <= 2
+        if r["mode"] in ("profile", "goodput"):
+            assert r["mean_k"] > 0  # the synthetic profile says drafting pays at these batch sizes
+    assert sum(r["requests"] for r in rows if r["load"] == "uniform c=3") == 3 * 5
+    for name in ("results.md", "uniform.png", "poisson.png", "trace.png"):
+        assert (out / name).exists(), name
+    assert (out / "trace.png").read_bytes()[:4] == b"\x89PNG"
+    printed = capsys.readouterr().out
+    assert "| trace tiny | goodput |" in printed and "| poisson 20/s | profile |" in printed
+
+
+def test_bench_needs_a_profile_for_the_policies(capsys):
+    assert cli.main(["bench", "--policies", "goodput"]) == 2
+    assert "need --profile" in capsys.readouterr().out
