@@ -2,23 +2,48 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
+from specbatch.sampling import (DRAW_DRAFT, SamplingParams, SparseDistribution, distributions, params_tensors,
+                                sample, uniforms)
 
 MAX_K = 16
+# How many of its most likely tokens the draft samples among, for a sampled request: q' is q cut
+# to them. Exact whatever the size (the target is told q'); larger keeps more of q's tail, which
+# only matters where the target would also have drawn from it. 32 tokens cost about 200 bytes per
+# drafted position on the wire (docs/sampling.md).
+SUPPORT_SIZE = 32
 
 
 @dataclass
 class ProposeItem:
     seq: SequenceInput  # tokens: those the draft has not cached yet, ending with the last accepted one
     k: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    # Sampled requests: the q' each token was drawn from, one per token. Greedy: none.
+    distributions: list[SparseDistribution] = field(default_factory=list)
 
 
 def propose(engine: Engine, items: list[ProposeItem]) -> list[list[int]]:
-    """Greedy k-token proposals, one forward per drafted position for the whole batch.
+    """The proposed tokens alone (see ``proposals``)."""
+    return [proposal.tokens for proposal in proposals(engine, items)]
+
+
+def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPPORT_SIZE) -> list[Proposal]:
+    """k-token proposals, one forward per drafted position for the whole batch.
+
+    Greedy requests get the draft's argmax at each position. Sampled requests draw from q': the
+    draft's distribution under the request's own temperature/top-k/top-p, cut to its
+    ``support_size`` most likely tokens; the draw at each position is seeded by (seed, position),
+    so it is the same in any batch.
 
     The first forward takes each sequence's uncached tokens (ragged); the next k-1 feed back the
     token just drafted. Rows with a smaller k ride along and their extra tokens are dropped. A
@@ -32,21 +57,50 @@ def propose(engine: Engine, items: list[ProposeItem]) -> list[list[int]]:
     for item in items:
         if not 1 <= item.k <= MAX_K:
             raise InvalidRequest(f"sequence {item.seq.seq_id!r}: k must be in [1, {MAX_K}] (got {item.k})")
+        problems = item.sampling.problems()
+        if problems:
+            raise InvalidRequest(f"sequence {item.seq.seq_id!r}: " + "; ".join(problems))
     steps = max(item.k for item in items) - 1
     batch = engine.start([item.seq for item in items], decode_steps=steps, create=True, extra_tokens=[item.k - 1 for item in items])
     to_token = engine.output_token_ids  # a head over a token subset: column -> token id
     reads_features = bool(engine.feature_size)
 
-    def pick(logits):
-        best = logits.argmax(-1)
-        return best if to_token is None else to_token[best]
+    sampled = [i for i, item in enumerate(items) if not item.sampling.greedy]
+    if sampled:
+        params = [items[i].sampling for i in sampled]
+        temperature, top_k, top_p = params_tensors(params)
+        first = [len(items[i].seq.tokens) + items[i].seq.keep_len for i in sampled]
+        draft_u = uniforms([p.seed for p in params], [[f + j for j in range(steps + 1)] for f in first], DRAW_DRAFT)
+        sampled_rows = torch.tensor(sampled)
+    supports = []  # per drafted position: ([S, N] columns, [S, N] probabilities) of the sampled rows
 
-    tokens = pick(batch.prefill(1)[:, -1])
+    def pick(logits: torch.Tensor, step: int) -> torch.Tensor:
+        columns = logits.argmax(-1)
+        if sampled:
+            q = distributions(logits[sampled_rows], temperature, top_k, top_p)
+            top, support = torch.topk(q.kept(), min(support_size, logits.shape[-1]), dim=-1)
+            probs = (top - q.log_norm).exp()  # q of each support token; 0 for tokens the cuts removed
+            columns[sampled_rows] = support.gather(-1, sample(probs, draft_u[:, step])[:, None]).view(-1)
+            supports.append((support, probs))
+        return columns if to_token is None else to_token[columns]
+
+    tokens = pick(batch.prefill(1)[:, -1], 0)
     drafted = [tokens]
-    for _ in range(steps):
+    for step in range(steps):
         features = batch.last_hidden()[:, -1] if reads_features else None
-        tokens = pick(batch.decode(tokens, features))
+        tokens = pick(batch.decode(tokens, features), step + 1)
         drafted.append(tokens)
     table = torch.stack(drafted, dim=1).tolist()
     batch.commit([len(item.seq.tokens) + (0 if reads_features else item.k - 1) for item in items])
-    return [row[: item.k] for row, item in zip(table, items)]
+    results = [Proposal(row[: item.k]) for row, item in zip(table, items)]
+    if sampled:
+        support = torch.stack([s for s, _ in supports], dim=1)  # [S, steps + 1, N], most likely first
+        if to_token is not None:
+            support = to_token[support]
+        probs = torch.stack([p for _, p in supports], dim=1)
+        sizes = (probs > 0).sum(-1).tolist()  # the cuts' zeros come last
+        support, probs = support.cpu().numpy(), probs.cpu().numpy()
+        for row, i in enumerate(sampled):
+            results[i].distributions = [SparseDistribution(support[row, step, :n], probs[row, step, :n])
+                                        for step, n in enumerate(sizes[row][: items[i].k])]
+    return results

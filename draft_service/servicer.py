@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from specbatch.model_service import CacheServicer, sequence_inputs
+from specbatch.model_service import CacheServicer, distribution_to_proto, sampling_params, sequence_inputs
 from specbatch.serving import engine_errors_to_status
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 
-from .proposer import ProposeItem, propose
+from .proposer import ProposeItem, proposals
 
 
 class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
@@ -17,13 +17,13 @@ class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
     @engine_errors_to_status
     def Propose(self, request, context):
         seqs = sequence_inputs((item.sequence for item in request.items), self.engine.feature_size)
-        items = [ProposeItem(seq, item.k) for seq, item in zip(seqs, request.items)]
-        drafts, seconds = self.timed(propose, self.engine, items)
+        items = [ProposeItem(seq, item.k, sampling_params(item.sampling)) for seq, item in zip(seqs, request.items)]
+        drafts, seconds = self.timed(proposals, self.engine, items)
         return pb.ProposeResponse(
             proposals=[
-                pb.Proposal(seq_id=item.seq.seq_id, tokens=tokens, cached_len=self.engine.length(item.seq.seq_id))
-                for item, tokens in zip(items, drafts)
+                pb.Proposal(seq_id=item.seq.seq_id, tokens=proposal.tokens, cached_len=self.engine.length(item.seq.seq_id),
+                            distributions=[distribution_to_proto(d) for d in proposal.distributions])
+                for item, proposal in zip(items, drafts)
             ],
             compute_seconds=seconds,
         )
-

@@ -15,6 +15,7 @@ import torch
 
 from .engine import Engine, SequenceInput
 from .models import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, load_model
+from .sampling import SamplingParams, SparseDistribution
 from .serving import Server, configure_logging, engine_errors_to_status
 from .v1 import model_services_pb2 as pb
 
@@ -36,6 +37,19 @@ def features_from_bytes(data: bytes, width: int) -> torch.Tensor | None:
     if values.size % width:
         return torch.from_numpy(values.astype(np.float32))  # wrong shape: the engine says so
     return torch.from_numpy(values.astype(np.float32).reshape(-1, width))
+
+
+def sampling_params(message: pb.Sampling) -> SamplingParams:
+    return SamplingParams(message.temperature, message.top_p or 1.0, message.top_k, message.seed)
+
+
+def distribution_to_proto(dist: SparseDistribution) -> pb.DraftDistribution:
+    # float32 travels as float32: the target reads exactly the numbers the draft sampled with.
+    return pb.DraftDistribution(token_ids=dist.token_ids.tolist(), probs=dist.probs.tolist())
+
+
+def distribution_from_proto(message: pb.DraftDistribution) -> SparseDistribution:
+    return SparseDistribution(np.array(message.token_ids, dtype=np.int64), np.array(message.probs, dtype=np.float32))
 
 
 def sequence_inputs(messages, feature_size: int = 0) -> list[SequenceInput]:

@@ -1,8 +1,14 @@
-"""Sampling parameters, their validation, and reproducible per-position draws.
+"""Sampling parameters, the distributions they define, and reproducible draws.
 
-A seeded request must give the same tokens alone or in any batch, at any k, and across a service
-restart. So no generator state is kept anywhere: the draw for a token is seeded from the request's
-seed and the token's absolute position in the sequence.
+A sampled request draws from softmax(logits / T), cut by top-k and then top-p. The target's
+version of that is p, the draft's is q; both services compute them here, batched over rows that
+each carry their own request's parameters (``Distributions``).
+
+Draws: a seeded request must give the same tokens alone or in any batch, and across a service
+restart. So no generator state is kept anywhere: every uniform a request consumes is a hash of
+(its seed, the absolute position of the token being decided, the purpose of the draw), see
+``uniforms``. A draw never depends on which other sequences share the batch, on the row a
+sequence occupies, or on how many draws came before it.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -33,35 +40,172 @@ class SamplingParams:
             found.append(f"top_p must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:
             found.append(f"top_k must be >= 0 (got {self.top_k})")
+        if not 0 <= self.seed < 2**64:
+            found.append(f"seed must be in [0, 2^64) (got {self.seed})")
         return found
 
 
+# ---- the distributions ---------------------------------------------------------------------------
+
+
 def target_distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a sampled request draws from: softmax(logits / T) cut by top-k, then top-p."""
+    """The reference definition, for one set of parameters: softmax(logits / T) over the tokens
+    that survive top-k, renormalised over those that survive top-p. Both cuts keep every token
+    tied with the last one kept, so the result never depends on how a sort breaks ties.
+
+    The services use ``distributions`` (batched, no full sort); tests hold it to this one.
+    """
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        sorted_probs = torch.sort(probs, dim=-1, descending=True).values
+        # The smallest prefix whose mass reaches top_p: entries whose mass before them is short of it.
+        kept = (sorted_probs.cumsum(-1) - sorted_probs < params.top_p).sum(-1, keepdim=True)
+        last = sorted_probs.gather(-1, kept - 1)
+        probs = probs.masked_fill(probs < last, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 
 
-def position_generator(seed: int, position: int) -> torch.Generator:
-    """A generator for the draw at one absolute position of one seeded request."""
-    mixed = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    return torch.Generator().manual_seed(mixed)
+@dataclass
+class Distributions:
+    """Sampling distributions for a batch of logit rows, each under its own parameters, held
+    without materialising vocabulary-wide probabilities until a row needs them.
+
+    prob(v) = exp(scaled[v] - log_norm) where scaled[v] >= cutoff, else 0. Leading dimensions
+    (rows, positions) are kept as given.
+    """
+
+    scaled: torch.Tensor  # [..., V] float32: (logits - max) / T
+    cutoff: torch.Tensor  # [..., 1]: the smallest kept scaled logit (-inf: nothing cut)
+    log_norm: torch.Tensor  # [..., 1]: log of the kept mass
+
+    def at(self, index) -> "Distributions":
+        """The distributions at ``index`` of the leading dimensions."""
+        return Distributions(self.scaled[index], self.cutoff[index], self.log_norm[index])
+
+    def kept(self) -> torch.Tensor:
+        """Scaled logits with the cut tokens at -inf."""
+        return self.scaled.masked_fill(self.scaled < self.cutoff, float("-inf"))
+
+    def prob_of(self, tokens: torch.Tensor) -> torch.Tensor:
+        """float64 probabilities of ``tokens`` ([..., n], indexing the last dimension)."""
+        scaled = self.scaled.gather(-1, tokens)
+        probs = (scaled.double() - self.log_norm.double()).exp()
+        return probs.masked_fill(scaled < self.cutoff, 0.0)
+
+    def probs(self) -> torch.Tensor:
+        """Full float64 probability rows, [..., V], normalised (the float32 log_norm is near 1 only)."""
+        probs = (self.kept().double() - self.log_norm.double()).exp()
+        return probs / probs.sum(-1, keepdim=True)
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, position: int) -> int:
-    """Pick the token at ``position`` from one row of logits: argmax, or a seeded draw."""
-    if params.greedy:
-        return int(logits.argmax())
-    probs = target_distribution(logits, params).cpu()
-    return int(torch.multinomial(probs, 1, generator=position_generator(params.seed, position)))
+def distributions(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> Distributions:
+    """The distributions of ``target_distribution`` for rows of logits ``[..., V]`` with per-row
+    parameters (each ``logits.shape[:-1]``, temperatures > 0), batched.
+
+    Neither cut sorts the vocabulary: top-k reads the k-th largest logit off ``topk``, and top-p
+    looks for its cutoff among the 64 most likely tokens, widening the search only for the rows
+    whose nucleus is larger (a full sort over 49k tokens costs more than the model's step).
+    """
+    shape = logits.shape
+    logits = logits.float().reshape(-1, shape[-1])
+    temperature, top_k, top_p = (t.reshape(-1).to(logits.device) for t in (temperature, top_k, top_p))
+    vocab = logits.shape[-1]
+    # Subtracting the max first keeps tiny temperatures finite (the best token scales to 0).
+    scaled = (logits - logits.amax(-1, keepdim=True)) / temperature.float()[:, None]
+    cutoff = torch.full((len(scaled), 1), float("-inf"), device=scaled.device)
+    rows = ((top_k > 0) & (top_k < vocab)).nonzero().view(-1)
+    if len(rows):
+        ks = top_k[rows].long()
+        largest = torch.topk(scaled[rows], int(ks.max()), dim=-1).values
+        cutoff[rows] = largest.gather(-1, ks[:, None] - 1)
+    rows = (top_p < 1).nonzero().view(-1)
+    if len(rows):
+        cutoff[rows] = torch.maximum(cutoff[rows], _nucleus_cutoff(scaled[rows], cutoff[rows], top_p[rows].float()))
+    log_norm = torch.logsumexp(scaled.masked_fill(scaled < cutoff, float("-inf")), -1, keepdim=True)
+    return Distributions(scaled.view(shape), cutoff.view(*shape[:-1], 1), log_norm.view(*shape[:-1], 1))
+
+
+def _nucleus_cutoff(scaled: torch.Tensor, cutoff: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Per row: the scaled logit of the last token of the smallest most-likely set whose mass
+    reaches top_p (mass after the top-k cut ``cutoff``)."""
+    kept = scaled.masked_fill(scaled < cutoff, float("-inf"))
+    log_total = torch.logsumexp(kept, -1, keepdim=True)
+    result = torch.empty_like(cutoff)
+    todo = torch.arange(len(kept), device=kept.device)
+    width = min(64, kept.shape[-1])
+    while len(todo):
+        values = torch.topk(kept[todo], width, dim=-1).values  # descending
+        probs = (values - log_total[todo]).exp()
+        count = (probs.cumsum(-1) - probs < top_p[todo, None]).sum(-1, keepdim=True)  # tokens kept, >= 1
+        found = (count < width).view(-1) | (width == kept.shape[-1])
+        result[todo[found]] = values[found].gather(-1, count[found] - 1)
+        todo = todo[~found]
+        width = min(8 * width, kept.shape[-1])
+    return result
+
+
+def params_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(temperature, top_k, top_p) rows for ``distributions``."""
+    return (torch.tensor([p.temperature for p in params], dtype=torch.float64),
+            torch.tensor([p.top_k for p in params], dtype=torch.long),
+            torch.tensor([p.top_p for p in params], dtype=torch.float64))
+
+
+# ---- draws ---------------------------------------------------------------------------------------
+
+# What a uniform decides; one position of one request draws each at most once per step.
+DRAW_DRAFT = 1  # the draft's proposal at this position
+DRAW_ACCEPT = 2  # whether the target keeps that proposal
+DRAW_TARGET = 3  # the target's own token here: from the residual after a rejection, or from p
+
+_U64 = np.uint64
+_GOLDEN = _U64(0x9E3779B97F4A7C15)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """The SplitMix64 finaliser: a bijective 64-bit mix (uint64 arithmetic wraps in numpy)."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
+    return x ^ (x >> _U64(31))
+
+
+def uniforms(seeds: list[int], positions, purpose: int) -> torch.Tensor:
+    """Uniform draws in [0, 1), float64, one per (row, position): row i's seed ``seeds[i]``,
+    ``positions`` [rows, n] absolute token positions. A pure function of its inputs."""
+    seeds = np.asarray(seeds, dtype=np.uint64).reshape(-1, 1)
+    positions = np.asarray(positions, dtype=np.uint64).reshape(len(seeds), -1)
+    with np.errstate(over="ignore"):
+        stream = _splitmix64(seeds ^ _splitmix64(np.full_like(seeds, purpose)))
+        bits = _splitmix64(stream + _splitmix64(positions))
+    return torch.from_numpy(((bits >> _U64(11)).astype(np.float64)) * 2.0**-53)
+
+
+def sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draws: per row of non-negative ``weights`` [rows, n] (normalised or not), the
+    index whose cumulative interval holds ``u * total``. Zero weights are never drawn."""
+    weights = weights.double()
+    cumulative = weights.cumsum(-1)
+    point = u.to(weights.device)[:, None] * cumulative[:, -1:]
+    index = (cumulative <= point).sum(-1)
+    # u * total can round up to total itself: take the last index with weight then.
+    last = weights.shape[-1] - 1 - (weights > 0).flip(-1).long().argmax(-1)
+    return torch.minimum(index, last)
+
+
+@dataclass
+class SparseDistribution:
+    """q' at one drafted position: the distribution the draft really sampled its token from,
+    as the tokens it can give and their probabilities: q'(token_ids[j]) = probs[j] / sum(probs).
+    The probabilities are the draft's own (after the request's parameters) for its most likely
+    tokens, so they sum to the mass the cut kept, not to 1."""
+
+    token_ids: np.ndarray  # int64 [n]
+    probs: np.ndarray  # float32 [n], > 0
+

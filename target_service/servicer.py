@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from specbatch.model_service import CacheServicer, features_to_bytes, sequence_inputs
-from specbatch.sampling import SamplingParams
+from specbatch.model_service import (CacheServicer, distribution_from_proto, features_to_bytes, sampling_params,
+                                     sequence_inputs)
 from specbatch.serving import engine_errors_to_status
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 
 from .verifier import VerifyItem, verify
-
-
-def sampling_params(message: pb.Sampling) -> SamplingParams:
-    return SamplingParams(message.temperature, message.top_p or 1.0, message.top_k, message.seed)
 
 
 class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
@@ -22,7 +18,8 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
     @engine_errors_to_status
     def Verify(self, request, context):
         seqs = sequence_inputs(item.sequence for item in request.items)
-        items = [VerifyItem(seq, list(item.draft_tokens), sampling_params(item.sampling))
+        items = [VerifyItem(seq, list(item.draft_tokens), sampling_params(item.sampling),
+                            [distribution_from_proto(d) for d in item.draft_distributions])
                  for seq, item in zip(seqs, request.items)]
         verdicts, seconds = self.timed(verify, self.engine, items, request.create, request.return_features)
         return pb.VerifyResponse(
@@ -36,4 +33,3 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
 
     def feature_size(self) -> int:
         return self.engine.hidden_size  # the features it returns
-

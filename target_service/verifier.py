@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from specbatch.acceptance import accept
+from specbatch.acceptance import SampledDrafts, greedy_accept, rejection_sample
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
-from specbatch.sampling import SamplingParams
+from specbatch.sampling import (DRAW_ACCEPT, DRAW_TARGET, SamplingParams, SparseDistribution, distributions,
+                                params_tensors, uniforms)
 
 
 @dataclass
@@ -16,6 +18,8 @@ class VerifyItem:
     seq: SequenceInput  # tokens: those the target has not cached yet, ending with the last accepted one
     drafts: list[int] = field(default_factory=list)
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Sampled requests with drafts: the q' each draft token was drawn from, one per draft.
+    draft_distributions: list[SparseDistribution] = field(default_factory=list)
 
 
 @dataclass
@@ -30,7 +34,8 @@ class Verdict:
 
 def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
            return_features: bool = False) -> list[Verdict]:
-    """One forward of (uncached tokens + drafts) for every sequence, then the acceptance rule.
+    """One forward of (uncached tokens + drafts) for every sequence, then the acceptance rule
+    (specbatch.acceptance): greedy rows and sampled rows each in one batched decision.
 
     With no drafts this is a prefill that also yields the first token. The target keeps the
     keys/values of the accepted drafts only; the next token is not fed yet (it is the next
@@ -38,19 +43,24 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
     """
     for item in items:
         problems = item.sampling.problems()
-        if not item.sampling.greedy and item.drafts:
-            problems.append("sampled requests are verified without drafts until rejection sampling lands")
         if problems:
             raise InvalidRequest(f"sequence {item.seq.seq_id!r}: " + "; ".join(problems))
+    sampled = [i for i, item in enumerate(items) if not item.sampling.greedy]
+    # Checked before anything runs, so a malformed q' changes no state.
+    drafts_q = sampled_drafts([items[i] for i in sampled], engine.vocab_size) if sampled else None
     fed = [SequenceInput(i.seq.seq_id, i.seq.keep_len, i.seq.tokens + i.drafts) for i in items]
     batch = engine.start(fed, create=create)
     width = max(len(i.drafts) for i in items) + 1
-    logits = batch.prefill(width)
-    decisions = []
-    for row, item in enumerate(items):
-        positions = len(item.drafts) + 1
-        first_position = item.seq.keep_len + len(item.seq.tokens)
-        decisions.append(accept(logits[row, width - positions :], item.drafts, item.sampling, first_position))
+    logits = batch.prefill(width)  # [batch, width, vocab], right-aligned: item i's last len(drafts)+1 columns
+    decisions: list[tuple[int, int]] = [(0, 0)] * len(items)
+    greedy = [i for i, item in enumerate(items) if item.sampling.greedy]
+    if greedy:
+        predicted = logits[greedy].argmax(-1).tolist()
+        for i, row in zip(greedy, predicted):
+            decisions[i] = greedy_accept(row[width - len(items[i].drafts) - 1 :], items[i].drafts)
+    if sampled:
+        for i, decision in zip(sampled, _rejection_sample([items[i] for i in sampled], logits[sampled], drafts_q)):
+            decisions[i] = decision
     keep = [len(item.seq.tokens) + accepted for item, (accepted, _) in zip(items, decisions)]
     batch.commit(keep)
     features = [None] * len(items)
@@ -64,3 +74,73 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
         Verdict(accepted, token, item.seq.keep_len + kept, feats)
         for item, (accepted, token), kept, feats in zip(items, decisions, keep, features)
     ]
+
+
+def _rejection_sample(items: list[VerifyItem], logits: torch.Tensor, drafts: SampledDrafts) -> list[tuple[int, int]]:
+    """Speculative sampling for the sampled rows: p at each row's K+1 decided positions (rows with
+    fewer drafts repeat their last), seeded uniforms by absolute position, then the rule."""
+    width = logits.shape[1]
+    k = drafts.tokens.shape[1]
+    counts = drafts.counts[:, None]
+    columns = width - counts - 1 + torch.minimum(torch.arange(k + 1)[None, :], counts)
+    rows = torch.arange(len(items))[:, None]
+    temperature, top_k, top_p = (t[:, None].expand(-1, k + 1) for t in params_tensors([i.sampling for i in items]))
+    p = distributions(logits[rows.to(logits.device), columns.to(logits.device)], temperature, top_k, top_p)
+    seeds = [item.sampling.seed for item in items]
+    positions = [[item.seq.keep_len + len(item.seq.tokens) + j for j in range(k + 1)] for item in items]
+    accept_u = uniforms(seeds, positions, DRAW_ACCEPT)[:, :k]
+    target_u = uniforms(seeds, positions, DRAW_TARGET)
+    accepted, next_token = rejection_sample(p, drafts, accept_u, target_u)
+    return list(zip(accepted.tolist(), next_token.tolist()))
+
+
+def sampled_drafts(items: list[VerifyItem], vocab_size: int) -> SampledDrafts:
+    """Pad the sampled items' drafts and their q' into tensors, refusing any q' that cannot be
+    what the draft sampled from (the acceptance test would then be wrong, not just slow)."""
+    for item in items:
+        if len(item.draft_distributions) != len(item.drafts):
+            raise InvalidRequest(f"sequence {item.seq.seq_id!r}: sampled requests need the draft's distribution of "
+                                 f"each draft token ({len(item.draft_distributions)} for {len(item.drafts)} drafts)")
+    k = max(len(item.drafts) for item in items)
+    dists = [(row, j, dist) for row, item in enumerate(items) for j, dist in enumerate(item.draft_distributions)]
+    sizes = np.array([len(dist.token_ids) for _, _, dist in dists], dtype=np.int64)
+    n = int(sizes.max(initial=1))
+    tokens = np.zeros((len(items), k), dtype=np.int64)
+    for row, item in enumerate(items):
+        tokens[row, : len(item.drafts)] = item.drafts
+    ids = np.zeros((len(items), k, n), dtype=np.int64)
+    probs = np.zeros((len(items), k, n), dtype=np.float64)
+    present = np.zeros((len(items), k, n), dtype=bool)
+    for (row, j, dist), size in zip(dists, sizes):
+        if size == 0 or len(dist.probs) != size:
+            raise InvalidRequest(f"sequence {items[row].seq.seq_id!r}: draft distribution {j} has {size} token ids "
+                                 f"and {len(dist.probs)} probabilities")
+    if dists:  # scatter every q' into the padded arrays at once
+        rows = np.repeat([row for row, _, _ in dists], sizes)
+        positions = np.repeat([j for _, j, _ in dists], sizes)
+        slots = np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        ids[rows, positions, slots] = np.concatenate([dist.token_ids for _, _, dist in dists])
+        probs[rows, positions, slots] = np.concatenate([dist.probs for _, _, dist in dists])
+        present[rows, positions, slots] = True
+
+    def refuse(bad: np.ndarray, what: str):
+        row = int(np.argwhere(bad)[0][0])
+        raise InvalidRequest(f"sequence {items[row].seq.seq_id!r}: draft distribution {what}")
+
+    if ((ids < 0) | (ids >= vocab_size)).any():
+        refuse((ids < 0) | (ids >= vocab_size), f"has token ids outside [0, {vocab_size})")
+    if (~np.isfinite(probs) | (probs < 0)).any():
+        refuse(~np.isfinite(probs) | (probs < 0), "has probabilities that are negative or not finite")
+    total = probs.sum(-1, keepdims=True)
+    drafted = np.arange(k)[None, :] < np.array([len(item.drafts) for item in items])[:, None]
+    if (drafted & (total[..., 0] <= 0)).any():
+        refuse(drafted & (total[..., 0] <= 0), "has no probability mass")
+    ordered = np.sort(np.where(present, ids, -1 - np.arange(n)), axis=-1)  # padding never repeats
+    if (ordered[..., 1:] == ordered[..., :-1]).any():
+        refuse((ordered[..., 1:] == ordered[..., :-1]).any(-1), "lists a token id twice")
+    probs = np.divide(probs, total, out=np.zeros_like(probs), where=total > 0)
+    result = SampledDrafts(torch.from_numpy(tokens), torch.tensor([len(item.drafts) for item in items]),
+                           torch.from_numpy(ids), torch.from_numpy(probs))
+    if (torch.from_numpy(drafted) & (result.prob_of_drafts() <= 0)).any():
+        refuse(drafted & (result.prob_of_drafts() <= 0).numpy(), "gives its draft token no probability")
+    return result

@@ -82,38 +82,6 @@ class CacheStatsResponse(_message.Message):
     feature_size: int
     def __init__(self, model: _Optional[str] = ..., sequences: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., feature_size: _Optional[int] = ...) -> None: ...
 
-class ProposeItem(_message.Message):
-    __slots__ = ("sequence", "k")
-    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
-    K_FIELD_NUMBER: _ClassVar[int]
-    sequence: SequenceInput
-    k: int
-    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
-
-class ProposeRequest(_message.Message):
-    __slots__ = ("items",)
-    ITEMS_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.RepeatedCompositeFieldContainer[ProposeItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
-
-class Proposal(_message.Message):
-    __slots__ = ("seq_id", "tokens", "cached_len")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
-    seq_id: str
-    tokens: _containers.RepeatedScalarFieldContainer[int]
-    cached_len: int
-    def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cached_len: _Optional[int] = ...) -> None: ...
-
-class ProposeResponse(_message.Message):
-    __slots__ = ("proposals", "compute_seconds")
-    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
-    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
-    compute_seconds: float
-    def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
-
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -126,15 +94,61 @@ class Sampling(_message.Message):
     seed: int
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
+class DraftDistribution(_message.Message):
+    __slots__ = ("token_ids", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ProposeItem(_message.Message):
+    __slots__ = ("sequence", "k", "sampling")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    sequence: SequenceInput
+    k: int
+    sampling: Sampling
+    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[ProposeItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
+
+class Proposal(_message.Message):
+    __slots__ = ("seq_id", "tokens", "cached_len", "distributions")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
+    DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    cached_len: int
+    distributions: _containers.RepeatedCompositeFieldContainer[DraftDistribution]
+    def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cached_len: _Optional[int] = ..., distributions: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("proposals", "compute_seconds")
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
+    compute_seconds: float
+    def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+
 class VerifyItem(_message.Message):
-    __slots__ = ("sequence", "draft_tokens", "sampling")
+    __slots__ = ("sequence", "draft_tokens", "sampling", "draft_distributions")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     sequence: SequenceInput
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
-    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    draft_distributions: _containers.RepeatedCompositeFieldContainer[DraftDistribution]
+    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_distributions: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items", "create", "return_features")
