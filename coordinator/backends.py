@@ -66,6 +66,21 @@ def _sampling(params: SamplingParams) -> pb.Sampling:
     return pb.Sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed)
 
 
+@dataclass
+class Traffic:
+    """What a client's calls to its service weighed: serialised message bytes each way (the
+    benchmark reports them per generated token)."""
+
+    calls: int = 0
+    sent_bytes: int = 0
+    received_bytes: int = 0
+
+    def add(self, request, reply) -> None:
+        self.calls += 1
+        self.sent_bytes += request.ByteSize()
+        self.received_bytes += reply.ByteSize()
+
+
 class ServiceClient:
     """Shared by both services: channel, deadlines, timing, and the cache calls."""
 
@@ -76,9 +91,12 @@ class ServiceClient:
         self.timeout = timeout
         self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = self.stub_class(self.channel)
+        self.traffic = Traffic()
 
     def _call(self, method, request):
-        return idempotent(method)(request, timeout=self.timeout)
+        reply = idempotent(method)(request, timeout=self.timeout)
+        self.traffic.add(request, reply)
+        return reply
 
     def prefill(self, calls: list[Call]) -> pb.PrefillResponse:
         return self._call(self.stub.Prefill, pb.PrefillRequest(sequences=[_seq(c) for c in calls]))
@@ -97,9 +115,13 @@ class TargetClient(ServiceClient):
     stub_class = pb_grpc.TargetStub
 
     def verify(self, calls: list[Call], drafts: list[list[int]], sampling: list[SamplingParams],
-               create: bool = False, return_features: bool = False) -> pb.VerifyResponse:
-        items = [pb.VerifyItem(sequence=_seq(c), draft_tokens=d, sampling=_sampling(s))
-                 for c, d, s in zip(calls, drafts, sampling)]
+               create: bool = False, return_features: bool = False,
+               distributions: list | None = None) -> pb.VerifyResponse:
+        """``distributions``: per sequence, the draft's q' of each draft token (the Proposal's
+        DraftDistribution messages, passed through untouched); needed where sampling is not greedy."""
+        distributions = distributions or [()] * len(calls)
+        items = [pb.VerifyItem(sequence=_seq(c), draft_tokens=d, sampling=_sampling(s), draft_distributions=q)
+                 for c, d, s, q in zip(calls, drafts, sampling, distributions)]
         return self._call(self.stub.Verify, pb.VerifyRequest(items=items, create=create,
                                                              return_features=return_features))
 
@@ -107,6 +129,6 @@ class TargetClient(ServiceClient):
 class DraftClient(ServiceClient):
     stub_class = pb_grpc.DraftStub
 
-    def propose(self, calls: list[Call], ks: list[int]) -> pb.ProposeResponse:
-        items = [pb.ProposeItem(sequence=_seq(c), k=k) for c, k in zip(calls, ks)]
+    def propose(self, calls: list[Call], ks: list[int], sampling: list[SamplingParams]) -> pb.ProposeResponse:
+        items = [pb.ProposeItem(sequence=_seq(c), k=k, sampling=_sampling(s)) for c, k, s in zip(calls, ks, sampling)]
         return self._call(self.stub.Propose, pb.ProposeRequest(items=items))

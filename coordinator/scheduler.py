@@ -210,9 +210,8 @@ class Scheduler:
         self.totals.prefill_seconds += time.perf_counter() - start
 
     def k_for(self, request: Request, batch_size: int) -> int:
-        """The k this request drafts this step: its own fixed k or the policy's, within its limits."""
-        if not request.sampling.greedy:
-            return 0  # sampled requests decode without drafts until rejection sampling lands
+        """The k this request drafts this step: its own fixed k or the policy's, within its limits.
+        Greedy and sampled requests alike (sampled ones are verified by rejection sampling)."""
         k = request.fixed_k if request.fixed_k is not None else self.policy.k_for(batch_size)
         # Each step yields accepted + 1 tokens; draft no more than the request can still use.
         k = min(k, request.max_new_tokens - request.generated - 1, self.max_context - len(request.history) - 1, MAX_K)
@@ -224,12 +223,12 @@ class Scheduler:
             return
         start = time.perf_counter()
         ks = [self.k_for(r, len(batch)) for r in batch]
-        drafts, draft_cached = self._propose(batch, ks)
+        drafts, draft_q, draft_cached = self._propose(batch, ks)
         drafted = time.perf_counter()
         calls = [Call(r.seq_id, r.target_len, r.history[r.target_len :]) for r in batch]
         reply = self.target.verify(calls, drafts, [r.sampling for r in batch],
                                    create=any(r.target_len == 0 for r in batch),
-                                   return_features=bool(self.feature_row_bytes))
+                                   return_features=bool(self.feature_row_bytes), distributions=draft_q)
         verdicts = reply.verdicts
         verified = time.perf_counter()
         outcomes = []  # (drafted, accepted) of each sequence that drafted: what the policy learns from
@@ -269,28 +268,45 @@ class Scheduler:
         features = request.features.for_tokens(start, end) if request.features is not None else b""
         return Call(request.seq_id, start, request.history[start:], features)
 
-    def _propose(self, batch: list[Request], ks: list[int]) -> tuple[list[list[int]], list[int]]:
-        """Drafts per request (empty where it does not speculate) and the draft's cached lengths."""
+    def _propose(self, batch: list[Request], ks: list[int]) -> tuple[list[list[int]], list, list[int]]:
+        """Drafts per request (empty where it does not speculate), the q' each sampled request's
+        drafts were drawn from (DraftDistribution messages, passed on to the target as they came),
+        and the draft's cached lengths."""
         drafts: list[list[int]] = [[] for _ in batch]
+        draft_q: list = [() for _ in batch]
         cached = [0] * len(batch)
         speculating = [i for i, k in enumerate(ks) if k > 0 and self._can_draft(batch[i])]
         if not speculating or self.draft is None:
-            return drafts, cached
-        calls = [self._draft_call(batch[i]) for i in speculating]
+            return drafts, draft_q, cached
         try:
-            reply = self.draft.propose(calls, [ks[i] for i in speculating])
+            reply = self._propose_rebuilding(batch, speculating, ks)
         except grpc.RpcError as error:
             # Lossless without the draft: this step runs target-only, and the draft's caches are
             # rebuilt from history on the next call that reaches it.
             log.warning("draft unavailable (%s): target-only step", error.code())
             for i in speculating:
                 batch[i].draft_len = 0
-            return drafts, cached
+            return drafts, draft_q, cached
         self.totals.draft_compute_seconds += reply.compute_seconds
         for i, proposal in zip(speculating, reply.proposals):
             drafts[i] = list(proposal.tokens)
+            draft_q[i] = proposal.distributions
             cached[i] = proposal.cached_len
-        return drafts, cached
+        return drafts, draft_q, cached
+
+    def _propose_rebuilding(self, batch: list[Request], speculating: list[int], ks: list[int]):
+        """Propose; a draft that lost these sequences (it restarted) is rebuilt from history within
+        this step, so the step still drafts what it would have: a seeded sampled request's tokens
+        depend on which positions were drafted, and stay the same across a draft restart."""
+        for attempt in range(2):
+            calls = [self._draft_call(batch[i]) for i in speculating]
+            try:
+                return self.draft.propose(calls, [ks[i] for i in speculating], [batch[i].sampling for i in speculating])
+            except grpc.RpcError as error:
+                if attempt or not lost_state(error):
+                    raise
+                for i in speculating:
+                    batch[i].draft_len = 0
 
     def _can_draft(self, request: Request) -> bool:
         """A draft that reads target features needs them up to the history's second-last token
