@@ -36,14 +36,16 @@ def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor
     return (p_x / q_x).clamp(max=1.0)
 
 
-def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)), rows [B, V]: what the target draws from after rejecting a draft.
+def residual_distribution(p: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor) -> torch.Tensor:
+    """max(0, p - q), rows [B, V], unnormalised (the draw normalises): what the target draws from
+    after rejecting a draft. q is sparse (q' is zero off its support, so there p - q = p).
 
     A rejection at x means p(x) < q(x), so p - q has positive mass somewhere; only float
     rounding can leave none, and then p itself is the right answer (p and q are equal)."""
-    residual = (p - q).clamp(min=0.0)
-    total = residual.sum(-1, keepdim=True)
-    return torch.where(total > 0, residual / total.clamp(min=1e-300), p)
+    # p - min(p, q) on q's support: exactly max(0, p - q), and zero-probability padding adds 0.
+    residual = p.clone().scatter_add_(1, q_ids, -torch.minimum(p.gather(1, q_ids), q_probs.to(p.dtype)))
+    empty = residual.sum(-1) <= 0
+    return torch.where(empty[:, None], p, residual) if empty.any() else residual
 
 
 @dataclass
@@ -62,11 +64,10 @@ class SampledDrafts:
         """q'(x) of each draft token, [B, K]."""
         return (self.q_probs * (self.q_ids == self.tokens[..., None])).sum(-1)
 
-    def dense_q(self, position: torch.Tensor, vocab: int) -> torch.Tensor:
-        """q' at one drafted position per row (``position`` [B]) over the vocabulary, [B, V]."""
-        rows = torch.arange(len(position), device=position.device)
-        dense = torch.zeros(len(position), vocab, dtype=torch.float64, device=position.device)
-        return dense.scatter_add_(1, self.q_ids[rows, position], self.q_probs[rows, position])
+    def q_at(self, rows: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q' of ``rows`` at one drafted position each: support ids and probabilities, [rows, N]
+        each (padding has probability 0, so it changes nothing)."""
+        return self.q_ids[rows, position], self.q_probs[rows, position]
 
 
 def rejection_sample(p: Distributions, drafts: SampledDrafts, accept_u: torch.Tensor,
@@ -87,9 +88,8 @@ def rejection_sample(p: Distributions, drafts: SampledDrafts, accept_u: torch.Te
     accepted = keep.long().cumprod(-1).sum(-1)  # the leading run of kept drafts
     rows = torch.arange(batch, device=device)
     final = p.at((rows, accepted)).probs()  # p at the first position not decided by a kept draft
-    rejected = accepted < drafts.counts
-    if rejected.any():
-        q = drafts.dense_q(accepted.clamp(max=k - 1), final.shape[-1])
-        final = torch.where(rejected[:, None], residual_distribution(final, q), final)
+    rejected = (accepted < drafts.counts).nonzero().view(-1)
+    if len(rejected):
+        final[rejected] = residual_distribution(final[rejected], *drafts.q_at(rejected, accepted[rejected]))
     next_token = sample(final, target_u[rows, accepted])
     return accepted, next_token

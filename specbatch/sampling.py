@@ -76,20 +76,22 @@ class Distributions:
     without materialising vocabulary-wide probabilities until a row needs them.
 
     prob(v) = exp(scaled[v] - log_norm) where scaled[v] >= cutoff, else 0. Leading dimensions
-    (rows, positions) are kept as given.
+    (rows, positions) are kept as given. Every pass over a vocabulary-wide row counts (a step
+    makes a handful): where no row is cut, nothing is masked.
     """
 
-    scaled: torch.Tensor  # [..., V] float32: (logits - max) / T
+    scaled: torch.Tensor  # [..., V] float32: logits / T (the row's max subtracted first when T is tiny)
     cutoff: torch.Tensor  # [..., 1]: the smallest kept scaled logit (-inf: nothing cut)
     log_norm: torch.Tensor  # [..., 1]: log of the kept mass
+    cut: bool = True  # whether any row has a finite cutoff
 
     def at(self, index) -> "Distributions":
         """The distributions at ``index`` of the leading dimensions."""
-        return Distributions(self.scaled[index], self.cutoff[index], self.log_norm[index])
+        return Distributions(self.scaled[index], self.cutoff[index], self.log_norm[index], self.cut)
 
     def kept(self) -> torch.Tensor:
         """Scaled logits with the cut tokens at -inf."""
-        return self.scaled.masked_fill(self.scaled < self.cutoff, float("-inf"))
+        return self.scaled.masked_fill(self.scaled < self.cutoff, float("-inf")) if self.cut else self.scaled
 
     def prob_of(self, tokens: torch.Tensor) -> torch.Tensor:
         """float64 probabilities of ``tokens`` ([..., n], indexing the last dimension)."""
@@ -98,9 +100,12 @@ class Distributions:
         return probs.masked_fill(scaled < self.cutoff, 0.0)
 
     def probs(self) -> torch.Tensor:
-        """Full float64 probability rows, [..., V], normalised (the float32 log_norm is near 1 only)."""
-        probs = (self.kept().double() - self.log_norm.double()).exp()
-        return probs / probs.sum(-1, keepdim=True)
+        """Full float32 probability rows, [..., V] (a new tensor; they sum to 1 within float
+        rounding, and ``sample`` normalises)."""
+        probs = self.scaled - self.log_norm
+        if self.cut:
+            probs.masked_fill_(self.scaled < self.cutoff, float("-inf"))
+        return probs.exp_()
 
 
 def distributions(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -116,25 +121,30 @@ def distributions(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     logits = logits.float().reshape(-1, shape[-1])
     temperature, top_k, top_p = (t.reshape(-1).to(logits.device) for t in (temperature, top_k, top_p))
     vocab = logits.shape[-1]
-    # Subtracting the max first keeps tiny temperatures finite (the best token scales to 0).
-    scaled = (logits - logits.amax(-1, keepdim=True)) / temperature.float()[:, None]
+    temperature = temperature.float()
+    scaled = logits / temperature[:, None]
+    tiny = (temperature < 1e-4).nonzero().view(-1)
+    if len(tiny):  # logits / T could overflow: subtract the max first (the best token scales to 0)
+        scaled[tiny] = (logits[tiny] - logits[tiny].amax(-1, keepdim=True)) / temperature[tiny, None]
     cutoff = torch.full((len(scaled), 1), float("-inf"), device=scaled.device)
-    rows = ((top_k > 0) & (top_k < vocab)).nonzero().view(-1)
-    if len(rows):
-        ks = top_k[rows].long()
-        largest = torch.topk(scaled[rows], int(ks.max()), dim=-1).values
-        cutoff[rows] = largest.gather(-1, ks[:, None] - 1)
-    rows = (top_p < 1).nonzero().view(-1)
-    if len(rows):
+    top_k_rows = ((top_k > 0) & (top_k < vocab)).nonzero().view(-1)
+    if len(top_k_rows):
+        ks = top_k[top_k_rows].long()
+        largest = torch.topk(scaled[top_k_rows], int(ks.max()), dim=-1).values
+        cutoff[top_k_rows] = largest.gather(-1, ks[:, None] - 1)
+    top_p_rows = (top_p < 1).nonzero().view(-1)
+    if len(top_p_rows):
+        rows = top_p_rows
         cutoff[rows] = torch.maximum(cutoff[rows], _nucleus_cutoff(scaled[rows], cutoff[rows], top_p[rows].float()))
-    log_norm = torch.logsumexp(scaled.masked_fill(scaled < cutoff, float("-inf")), -1, keepdim=True)
-    return Distributions(scaled.view(shape), cutoff.view(*shape[:-1], 1), log_norm.view(*shape[:-1], 1))
+    result = Distributions(scaled, cutoff, scaled[:, :1], cut=bool(len(top_k_rows) or len(top_p_rows)))
+    log_norm = torch.logsumexp(result.kept(), -1, keepdim=True)
+    return Distributions(scaled.view(shape), cutoff.view(*shape[:-1], 1), log_norm.view(*shape[:-1], 1), result.cut)
 
 
 def _nucleus_cutoff(scaled: torch.Tensor, cutoff: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Per row: the scaled logit of the last token of the smallest most-likely set whose mass
     reaches top_p (mass after the top-k cut ``cutoff``)."""
-    kept = scaled.masked_fill(scaled < cutoff, float("-inf"))
+    kept = scaled.masked_fill(scaled < cutoff, float("-inf")) if bool(torch.isfinite(cutoff).any()) else scaled
     log_total = torch.logsumexp(kept, -1, keepdim=True)
     result = torch.empty_like(cutoff)
     todo = torch.arange(len(kept), device=kept.device)
@@ -188,15 +198,17 @@ def uniforms(seeds: list[int], positions, purpose: int) -> torch.Tensor:
 
 
 def sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draws: per row of non-negative ``weights`` [rows, n] (normalised or not), the
-    index whose cumulative interval holds ``u * total``. Zero weights are never drawn."""
-    weights = weights.double()
-    cumulative = weights.cumsum(-1)
-    point = u.to(weights.device)[:, None] * cumulative[:, -1:]
-    index = (cumulative <= point).sum(-1)
+    """Inverse-CDF draws: per row of non-negative ``weights`` [rows, n] (normalised or not; the
+    cumulative sum is float64), the index whose cumulative interval holds ``u * total``. Zero
+    weights are never drawn."""
+    cumulative = weights.cumsum(-1, dtype=torch.float64)
+    point = u.to(cumulative.device, torch.float64)[:, None] * cumulative[:, -1:]
+    index = torch.searchsorted(cumulative, point, right=True).view(-1)
     # u * total can round up to total itself: take the last index with weight then.
-    last = weights.shape[-1] - 1 - (weights > 0).flip(-1).long().argmax(-1)
-    return torch.minimum(index, last)
+    over = (index == weights.shape[-1]).nonzero().view(-1)
+    if len(over):
+        index[over] = weights.shape[-1] - 1 - (weights[over] > 0).flip(-1).long().argmax(-1)
+    return index
 
 
 @dataclass

@@ -248,7 +248,7 @@ def test_resampling_from_p_after_a_rejection_fails_the_test(target, partial_draf
     """A subtler bug: on rejection, draw from p instead of the residual. Tokens then follow
     min(p, q) + (1 - sum min(p, q)) p, off from p by less than the draft's rejection rate."""
     assert 0.6 < overlap(target, partial_draft, PLAIN) < 0.9
-    monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q: p)
+    monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q_ids, q_probs: p)
     results = check(target, partial_draft, (2,), seed_base=4_000_000)
     assert not passes(results[("plain", 2)][0]), results
 
