@@ -146,6 +146,8 @@ def describe_hardware(device: str | None) -> dict:
     import torch
 
     info["device"] = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if os.environ.get("OMP_NUM_THREADS"):  # CPU step times depend on it (local services inherit it)
+        info["omp_num_threads"] = os.environ["OMP_NUM_THREADS"]
     if info["device"].startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(info["device"]))
     info["torch"] = torch.__version__

@@ -277,6 +277,13 @@ def test_profile_is_mounted_as_a_file(overlay):
     (mount,) = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == volume["name"]]
     # A subPath mount would never see the ConfigMap change.
     assert mount["mountPath"] == "/etc/specbatch" and "subPath" not in mount
+    # The coordinator reads the mounted file, and what the ConfigMap holds is a profile it accepts
+    # (a malformed one would stop it at start).
+    args = spec["containers"][0]["args"]
+    assert flag(args, "profile") == f"{mount['mountPath']}/{volume['configMap']['items'][0]['path']}"
+    from specbatch.profile import Profile
+
+    Profile.from_dict(json.loads(profile["data"]["profile.json"]), "the profile ConfigMap")
 
 
 def _parse_with_real_cli(module: str, args: list[str]) -> argparse.Namespace:
