@@ -307,6 +307,9 @@ def train(draft: EagleDraftForCausalLM, data: list[dict], out: Path, cfg: Distil
             for key, value in {"loss": loss.item(), **stats}.items():
                 window[key] = 0.9 * window.get(key, value) + 0.1 * value
             progress.update(task, advance=1, info=" ".join(f"{k} {v:.3f}" for k, v in window.items()))
+            if step % 10 == 0:  # the learning curve, for docs and for deciding whether to train on
+                with open(out / "train_log.jsonl", "a") as log_file:
+                    log_file.write(json.dumps({"step": step, "lr": schedule.get_last_lr()[0], **window}) + "\n")
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 folder.mkdir(parents=True, exist_ok=True)
                 torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(),
