@@ -96,6 +96,8 @@ def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[l
         try:
             for request in batch:
                 scheduler.submit(request)
+            # The scheduler's own admission and step, called by hand instead of by its loop
+            # thread: the profile measures exactly the serving code path, one step at a time.
             scheduler._admit()  # prefill all B at once, as the coordinator admits a burst
             if len(scheduler.running) != b:
                 raise RuntimeError(f"the services admitted {len(scheduler.running)} of {b} sequences "
