@@ -44,19 +44,23 @@ EVAL_PROMPTS_FROM = 16000  # held out: training never reads this far (the file h
 
 @dataclass
 class DistillConfig:
+    """Defaults: the recipe of the embedded default draft (docs/draft.md)."""
+
     prompts: int = 256  # training prompts the target answers
     max_new_tokens: int = 160
     max_prompt_tokens: int = 256
-    corpus_tokens: int = 0  # also this many tokens of ShareGPT conversations, read by the target
+    corpus_tokens: int = 60000  # also this many tokens of ShareGPT conversations, read by the target
     corpus_max_tokens: int = 384  # per conversation
     data_batch: int = 32  # prompts answered at once
     draft_vocab: int = 8192  # output-head subset size
     layers: int = 1
-    steps: int = 600
-    batch_sequences: int = 8
+    steps: int = 800
+    batch_sequences: int = 4
     lr: float = 1e-3
-    regression_weight: float = 0.5
-    unroll: int = 3  # passes per step: 1 = true features only; p > 1 trains drafting token p as well
+    # Feature regression beside the cross-entropy (EAGLE-1 uses both). Measured here it held
+    # agreement back: switching it off at step 500 took agreement from 0.33 to 0.35 in 50 steps.
+    regression_weight: float = 0.0
+    unroll: int = 2  # passes per step: 1 = true features only; p > 1 trains drafting token p as well
     checkpoint_every: int = 50
     eval_prompts: int = 12
     eval_k: int = 5

@@ -18,9 +18,9 @@ from specbatch.engine import Engine, InvalidRequest, SequenceInput
 from target_service.verifier import VerifyItem, verify
 from tiny import EOS, VOCAB, greedy_reference
 
-SMALL = DistillConfig(prompts=24, max_new_tokens=24, max_prompt_tokens=24, data_batch=12, draft_vocab=64,
-                      steps=60, batch_sequences=8, lr=3e-3, checkpoint_every=20, eval_prompts=3, eval_k=3,
-                      eval_new_tokens=16)
+SMALL = DistillConfig(prompts=24, max_new_tokens=24, max_prompt_tokens=24, corpus_tokens=400, corpus_max_tokens=40,
+                      data_batch=12, draft_vocab=64, steps=60, batch_sequences=8, lr=3e-3, checkpoint_every=20,
+                      eval_prompts=3, eval_k=3, eval_new_tokens=16)
 
 
 @pytest.fixture(scope="module")
