@@ -126,20 +126,24 @@ def collect_data(target, tokenizer, out: Path, cfg: DistillConfig, eos: set[int]
     prompts = [chat_prompt_ids(tokenizer, t, cfg.max_prompt_tokens) for t in texts]
     waves = [prompts[i : i + cfg.data_batch] for i in range(0, len(prompts), cfg.data_batch)]
     engine = Engine(target, max_sequences=cfg.data_batch)
-    progress, task = _progress(len(waves), "data: target answers")
+    return _sharded(folder, "wave", waves, "data: target answers",
+                    lambda w, wave: answer_with_features(engine, wave, cfg.max_new_tokens, eos, f"w{w}"))
+
+
+def _sharded(folder: Path, prefix: str, batches: list, description: str, make) -> list[dict]:
+    """``make(index, batch)`` for every batch, each result saved as a shard; a shard already
+    there is loaded instead, so an interrupted run resumes where it stopped."""
+    progress, task = _progress(len(batches), description)
     data: list[dict] = []
     with progress:
-        for w, wave in enumerate(waves):
-            shard = folder / f"wave-{w:04d}.pt"
-            if shard.exists():  # resume
+        for index, batch in enumerate(batches):
+            shard = folder / f"{prefix}-{index:04d}.pt"
+            if shard.exists():
                 sequences = torch.load(shard)
             else:
-                started = time.perf_counter()
-                sequences = answer_with_features(engine, wave, cfg.max_new_tokens, eos, f"w{w}")
+                sequences = make(index, batch)
                 torch.save(sequences, shard.with_suffix(".tmp"))
                 shard.with_suffix(".tmp").rename(shard)
-                new = sum(len(s["tokens"]) for s in sequences) - sum(len(p) for p in wave)
-                progress.update(task, info=f"{new / (time.perf_counter() - started):.0f} generated tok/s")
             data.extend(sequences)
             progress.advance(task)
     return data
@@ -170,25 +174,16 @@ def collect_corpus(target, tokenizer, out: Path, cfg: DistillConfig) -> list[dic
     size = max(cfg.data_batch // 2, 1)
     batches = [texts[i : i + size] for i in range(0, len(texts), size)]
     engine = Engine(target, max_sequences=size)
-    progress, task = _progress(len(batches), "data: target reads corpus")
-    data: list[dict] = []
-    with progress:
-        for b, batch in enumerate(batches):
-            shard = folder / f"corpus-{b:04d}.pt"
-            if shard.exists():  # resume
-                sequences = torch.load(shard)
-            else:
-                ids = [f"c{b}-{i}" for i in range(len(batch))]
-                verdicts = verify(engine, [VerifyItem(SequenceInput(i, 0, t)) for i, t in zip(ids, batch)],
-                                  create=True, return_features=True)
-                engine.release(ids)
-                sequences = [{"tokens": torch.tensor(t, dtype=torch.int32), "features": v.features.clone()}
-                             for t, v in zip(batch, verdicts)]
-                torch.save(sequences, shard.with_suffix(".tmp"))
-                shard.with_suffix(".tmp").rename(shard)
-            data.extend(sequences)
-            progress.advance(task)
-    return data
+
+    def read(index: int, batch: list[list[int]]) -> list[dict]:
+        ids = [f"c{index}-{i}" for i in range(len(batch))]
+        verdicts = verify(engine, [VerifyItem(SequenceInput(i, 0, t)) for i, t in zip(ids, batch)],
+                          create=True, return_features=True)
+        engine.release(ids)
+        return [{"tokens": torch.tensor(t, dtype=torch.int32), "features": v.features.clone()}
+                for t, v in zip(batch, verdicts)]
+
+    return _sharded(folder, "corpus", batches, "data: target reads corpus", read)
 
 
 # ---- 2. vocabulary ---------------------------------------------------------------------------------
