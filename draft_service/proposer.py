@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
-from specbatch.sampling import (DRAW_DRAFT, SamplingParams, SparseDistribution, distributions, params_tensors,
-                                sample, uniforms)
+from specbatch.sampling import (DRAW_DRAFT, MAX_SUPPORT, SamplingParams, SparseDistribution, distributions,
+                                params_tensors, sample, uniforms)
 
 MAX_K = 16
 # How many of its most likely tokens the draft samples among, for a sampled request: q' is q cut
@@ -54,6 +54,8 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
     step with theirs. A sequence sent with keep_len 0 is created, so a restarted draft is rebuilt
     from the caller's history.
     """
+    if not 1 <= support_size <= MAX_SUPPORT:
+        raise ValueError(f"support_size must be in [1, {MAX_SUPPORT}] (got {support_size})")
     for item in items:
         if not 1 <= item.k <= MAX_K:
             raise InvalidRequest(f"sequence {item.seq.seq_id!r}: k must be in [1, {MAX_K}] (got {item.k})")
@@ -74,10 +76,12 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
         sampled_rows = torch.tensor(sampled)
     supports = []  # per drafted position: ([S, N] columns, [S, N] probabilities) of the sampled rows
 
+    everyone = len(sampled) == len(items)  # then no argmax, and no copy of the sampled rows
+
     def pick(logits: torch.Tensor, step: int) -> torch.Tensor:
-        columns = logits.argmax(-1)
+        columns = torch.empty(len(items), dtype=torch.long, device=logits.device) if everyone else logits.argmax(-1)
         if sampled:
-            q = distributions(logits[sampled_rows], temperature, top_k, top_p)
+            q = distributions(logits if everyone else logits[sampled_rows], temperature, top_k, top_p)
             top, support = torch.topk(q.kept(), min(support_size, logits.shape[-1]), dim=-1)
             probs = (top - q.log_norm).exp()  # q of each support token; 0 for tokens the cuts removed
             columns[sampled_rows] = support.gather(-1, sample(probs, draft_u[:, step])[:, None]).view(-1)

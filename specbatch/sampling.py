@@ -211,6 +211,12 @@ def sample(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return index
 
 
+# The most tokens a draft distribution may list. The target pads every q' of a call to the
+# longest one ([sequences, k, support] arrays), so this bounds a call's memory: 256 sequences x
+# k=16 x 1024 entries is 70 MB. Drafts send 32 (draft_service.proposer.SUPPORT_SIZE).
+MAX_SUPPORT = 1024
+
+
 @dataclass
 class SparseDistribution:
     """q' at one drafted position: the distribution the draft really sampled its token from,

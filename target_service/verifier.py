@@ -9,8 +9,8 @@ import torch
 
 from specbatch.acceptance import SampledDrafts, greedy_accept, rejection_sample
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
-from specbatch.sampling import (DRAW_ACCEPT, DRAW_TARGET, SamplingParams, SparseDistribution, distributions,
-                                params_tensors, uniforms)
+from specbatch.sampling import (DRAW_ACCEPT, DRAW_TARGET, MAX_SUPPORT, SamplingParams, SparseDistribution,
+                                distributions, params_tensors, uniforms)
 
 
 @dataclass
@@ -54,12 +54,16 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
     logits = batch.prefill(width)  # [batch, width, vocab], right-aligned: item i's last len(drafts)+1 columns
     decisions: list[tuple[int, int]] = [(0, 0)] * len(items)
     greedy = [i for i, item in enumerate(items) if item.sampling.greedy]
+
+    def rows(which: list[int]) -> torch.Tensor:  # no copy of a vocabulary-wide tensor when all rows are meant
+        return logits if len(which) == len(items) else logits[which]
+
     if greedy:
-        predicted = logits[greedy].argmax(-1).tolist()
+        predicted = rows(greedy).argmax(-1).tolist()
         for i, row in zip(greedy, predicted):
             decisions[i] = greedy_accept(row[width - len(items[i].drafts) - 1 :], items[i].drafts)
     if sampled:
-        for i, decision in zip(sampled, _rejection_sample([items[i] for i in sampled], logits[sampled], drafts_q)):
+        for i, decision in zip(sampled, _rejection_sample([items[i] for i in sampled], rows(sampled), drafts_q)):
             decisions[i] = decision
     keep = [len(item.seq.tokens) + accepted for item, (accepted, _) in zip(items, decisions)]
     batch.commit(keep)
@@ -82,10 +86,12 @@ def _rejection_sample(items: list[VerifyItem], logits: torch.Tensor, drafts: Sam
     width = logits.shape[1]
     k = drafts.tokens.shape[1]
     counts = drafts.counts[:, None]
-    columns = width - counts - 1 + torch.minimum(torch.arange(k + 1)[None, :], counts)
-    rows = torch.arange(len(items))[:, None]
+    if width != k + 1 or bool((counts != k).any()):  # left-align each row's own k+1 positions
+        columns = width - counts - 1 + torch.minimum(torch.arange(k + 1)[None, :], counts)
+        rows = torch.arange(len(items))[:, None]
+        logits = logits[rows.to(logits.device), columns.to(logits.device)]
     temperature, top_k, top_p = (t[:, None].expand(-1, k + 1) for t in params_tensors([i.sampling for i in items]))
-    p = distributions(logits[rows.to(logits.device), columns.to(logits.device)], temperature, top_k, top_p)
+    p = distributions(logits, temperature, top_k, top_p)
     seeds = [item.sampling.seed for item in items]
     positions = [[item.seq.keep_len + len(item.seq.tokens) + j for j in range(k + 1)] for item in items]
     accept_u = uniforms(seeds, positions, DRAW_ACCEPT)[:, :k]
@@ -112,9 +118,9 @@ def sampled_drafts(items: list[VerifyItem], vocab_size: int) -> SampledDrafts:
     probs = np.zeros((len(items), k, n), dtype=np.float64)
     present = np.zeros((len(items), k, n), dtype=bool)
     for (row, j, dist), size in zip(dists, sizes):
-        if size == 0 or len(dist.probs) != size:
+        if not 0 < size <= MAX_SUPPORT or len(dist.probs) != size:
             raise InvalidRequest(f"sequence {items[row].seq.seq_id!r}: draft distribution {j} has {size} token ids "
-                                 f"and {len(dist.probs)} probabilities")
+                                 f"and {len(dist.probs)} probabilities (1 to {MAX_SUPPORT} of each, as many of both)")
     if dists:  # scatter every q' into the padded arrays at once
         rows = np.repeat([row for row, _, _ in dists], sizes)
         positions = np.repeat([j for _, j, _ in dists], sizes)

@@ -158,6 +158,7 @@ def test_model_services_refuse_bad_sampling_and_malformed_q(stack, services):
         ([], "distribution of each draft token"),
         (with_first(list(first.token_ids), list(first.probs)[:-1]), "probabilities"),
         (with_first([], []), "0 token ids"),
+        (with_first(list(range(VOCAB)) * 11, [0.001] * (11 * VOCAB)), "1 to 1024"),
         (with_first(list(first.token_ids[:-1]) + [VOCAB], list(first.probs)), "outside"),
         (with_first(list(first.token_ids[:-1]) + [-1], list(first.probs)), "outside"),
         (with_first(list(first.token_ids[:-1]) + [first.token_ids[0]], list(first.probs)), "twice"),
