@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 
 import pytest
@@ -16,9 +15,8 @@ from coordinator import app
 from specbatch.client import generate, make_request
 from specbatch.local import start_local_stack
 from specbatch.v1 import generation_pb2 as pb
-from test_exactness import prompts_of_lengths
+from test_exactness import prompts_of_lengths, run_staggered_and_check
 from test_profile import gpu_like, synthetic_profile
-from tiny import greedy_reference
 
 HIGH = [0.9, 0.85, 0.8, 0.75, 0.7, 0.65]
 
@@ -42,21 +40,7 @@ def test_greedy_output_is_exact_while_k_follows_the_batch(target_model, draft_mo
         lengths = [1 + (i * 7) % 41 for i in range(16)]
         prompts = prompts_of_lengths(lengths, seed=5)
         new_tokens = [12 + (i * 5) % 29 for i in range(16)]
-        results = {}
-
-        def run(i):
-            time.sleep(0.01 * (i % 5))
-            results[i] = generate(client, make_request(prompts[i], new_tokens[i], ignore_eos=True))
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
-        for t in threads:
-            t.start()
-            time.sleep(0.02)
-        for t in threads:
-            t.join(timeout=120)
-        assert len(results) == 16
-        for i in range(16):
-            assert results[i].token_ids == greedy_reference(target_model, prompts[i], new_tokens[i]), f"request {i}"
+        run_staggered_and_check(client, target_model, prompts, new_tokens)
         info = client.Info(pb.InfoRequest())
         assert info.k_policy == policy
         used = [k for k, n in enumerate(info.totals.k_histogram) if n and k > 0]

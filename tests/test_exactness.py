@@ -36,21 +36,26 @@ def test_sixteen_staggered_requests_match_generate(stack, target_model, k):
     lengths = [1 + (i * 7) % 41 for i in range(16)]
     prompts = prompts_of_lengths(lengths, seed=k)
     new_tokens = [12 + (i * 5) % 29 for i in range(16)]
+    run_staggered_and_check(stack.client(), target_model, prompts, new_tokens, k)
+
+
+def run_staggered_and_check(client, target_model, prompts, new_tokens, k=None) -> None:
+    """Start the requests a little apart (so they join a running batch at different steps) and
+    check every output against target-only greedy decoding."""
     results: dict[int, object] = {}
-    client = stack.client()
 
     def run(i):
         time.sleep(0.01 * (i % 5))
         results[i] = generate(client, make_request(prompts[i], new_tokens[i], k=k, ignore_eos=True))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
         time.sleep(0.02)
     for t in threads:
         t.join(timeout=120)
-    assert len(results) == 16
-    for i in range(16):
+    assert len(results) == len(prompts)
+    for i in range(len(prompts)):
         assert results[i].token_ids == greedy_reference(target_model, prompts[i], new_tokens[i]), f"request {i}"
 
 
