@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from draft_service.proposer import MAX_K
 from specbatch.engine import InvalidRequest
+from specbatch.prompts import chat_token_ids
 from specbatch.sampling import SamplingParams
 from specbatch.v1 import generation_pb2 as pb
 
@@ -42,10 +43,9 @@ def prompt_tokens(message: pb.GenerateRequest, tokenizer) -> list[int]:
         if not messages or not any(m["content"].strip() for m in messages):
             raise InvalidRequest("chat prompt has no messages with content")
         try:
-            rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return chat_token_ids(tokenizer, messages)
         except Exception as error:  # noqa: BLE001 - templates raise anything on bad roles
             raise InvalidRequest(f"chat messages do not fit the model's chat template: {error}") from None
-        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
     raise InvalidRequest("the request has no prompt: set text, token_ids or chat")
 
 

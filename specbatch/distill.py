@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from .eagle import EagleDraftForCausalLM, draft_from_target
 from .engine import Engine, SequenceInput
+from .prompts import chat_token_ids, sharegpt_exchanges, sharegpt_prompts
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,8 @@ def _progress(total: int, description: str):
 
 
 def chat_prompt_ids(tokenizer, text: str, limit: int) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-    ids = tokenizer(ids, add_special_tokens=False)["input_ids"]
-    return ids[-limit:]
+    """A user turn as the coordinator renders it, cut to its last ``limit`` tokens."""
+    return chat_token_ids(tokenizer, [{"role": "user", "content": text}])[-limit:]
 
 
 # ---- 1. data ---------------------------------------------------------------------------------------
@@ -118,8 +118,6 @@ def answer_with_features(engine: Engine, prompts: list[list[int]], max_new_token
 
 
 def collect_data(target, tokenizer, out: Path, cfg: DistillConfig, eos: set[int]) -> list[dict]:
-    from .prompts import sharegpt_prompts
-
     folder = out / "data"
     folder.mkdir(parents=True, exist_ok=True)
     texts = sharegpt_prompts(cfg.prompts, start=TRAIN_PROMPTS_FROM)
@@ -155,8 +153,6 @@ def collect_corpus(target, tokenizer, out: Path, cfg: DistillConfig) -> list[dic
     learns the same function (token + target feature -> next target feature) from them."""
     from target_service.verifier import VerifyItem, verify
 
-    from .prompts import sharegpt_exchanges
-
     if not cfg.corpus_tokens:
         return []
     folder = out / "data"
@@ -165,8 +161,7 @@ def collect_corpus(target, tokenizer, out: Path, cfg: DistillConfig) -> list[dic
     total = 0
     for user, answer in sharegpt_exchanges(cfg.corpus_tokens // 50 + 16, start=CORPUS_FROM):
         messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False)
-        ids = tokenizer(rendered, add_special_tokens=False)["input_ids"][: cfg.corpus_max_tokens]
+        ids = chat_token_ids(tokenizer, messages, add_generation_prompt=False)[: cfg.corpus_max_tokens]
         texts.append(ids)
         total += len(ids)
         if total >= cfg.corpus_tokens:
@@ -340,8 +335,6 @@ def evaluate(target, draft, tokenizer, cfg: DistillConfig, eos: set[int]) -> Eva
     """Greedy speculative decoding at batch 1 on held-out prompts, with the services' code."""
     from draft_service.proposer import ProposeItem, propose
     from target_service.verifier import VerifyItem, verify
-
-    from .prompts import sharegpt_prompts
 
     target_engine, draft_engine = Engine(target, max_sequences=2), Engine(draft, max_sequences=2)
     texts = sharegpt_prompts(cfg.eval_prompts, start=EVAL_PROMPTS_FROM)

@@ -28,6 +28,7 @@ from coordinator.requests import Request, TextStream
 from coordinator.scheduler import Scheduler
 
 from .profile import Profile, build_profile
+from .prompts import chat_token_ids, sharegpt_prompts
 from .sampling import SamplingParams
 
 
@@ -56,9 +57,7 @@ def chat_prompts(tokenizer, texts: list[str], max_tokens: int) -> list[list[int]
     prompts longer than ``max_tokens`` are skipped."""
     prompts = []
     for text in texts:
-        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                 tokenize=False)
-        ids = list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+        ids = chat_token_ids(tokenizer, [{"role": "user", "content": text}])
         if len(ids) <= max_tokens:
             prompts.append(ids)
     return prompts
@@ -237,7 +236,6 @@ def run_profile(args) -> int:
 
     from .launcher import LocalProcesses, stack_options
     from .models import EMBEDDED, ModelSpec, load_tokenizer, parse_dtype, default_device
-    from .prompts import sharegpt_prompts
 
     remote = bool(args.target)
     if remote and not args.draft:

