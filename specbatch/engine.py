@@ -211,6 +211,7 @@ class RaggedBatch:
         self._pending = (input_ids, positions, features)
         self.decoded = 0
         self.end = 0
+        self.hidden: torch.Tensor | None = None  # the decoder's final hidden states of the last forward
 
     def _forward(self, input_ids, positions, valid, logits_to_keep: int, features=None) -> torch.Tensor:
         device = self.engine.device
@@ -223,7 +224,7 @@ class RaggedBatch:
         extra = {} if features is None else {"target_features": features.to(device)}
         # Hooked for this call only: a hook left on the model would outlive the engine (and
         # stop the model from being copied).
-        hook = self.engine.model.get_decoder().register_forward_hook(self.engine.keep_hidden)
+        hook = self.engine.model.get_decoder().register_forward_hook(self._keep_hidden)
         try:
             out = self.engine.model(
                 input_ids=input_ids.to(device),
@@ -237,6 +238,9 @@ class RaggedBatch:
         finally:
             hook.remove()
         return out.logits.float()
+
+    def _keep_hidden(self, module, args, output) -> None:
+        self.hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
 
     def _unsort(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[self.inverse]
@@ -263,7 +267,7 @@ class RaggedBatch:
     def last_hidden(self) -> torch.Tensor:
         """The final hidden states of the last forward, ``[batch, columns, hidden]``, rows in the
         call's order (right-aligned like the tokens)."""
-        return self._unsort(self.engine.last_hidden)
+        return self._unsort(self.hidden)
 
     def commit(self, keep: list[int]) -> None:
         """Per sequence (``keep`` in the call's order): keep the first ``keep[i]`` tokens it was fed."""
@@ -300,8 +304,6 @@ class Engine:
         # A draft that reads target features: their size, and its output head's token ids.
         self.feature_size = config.feature_size if reads_target_features(self.model) else 0
         self.output_token_ids = getattr(self.model, "draft_to_target", None)
-        # The decoder's final hidden states of the last forward (what the head reads).
-        self.last_hidden: torch.Tensor | None = None
         self.max_context = self.max_context or getattr(config, "max_position_embeddings", None) or 2048
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -312,9 +314,6 @@ class Engine:
             raise ValueError(f"attention implementation {self._mask_kind!r} is not supported: load with sdpa or eager")
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise ValueError("models with sliding-window attention layers are not supported yet")
-
-    def keep_hidden(self, module, args, output) -> None:
-        self.last_hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
 
     def run(self, fn, *args, **kwargs):
         """Call ``fn`` on the model thread, one call at a time (see ``model_thread``)."""
