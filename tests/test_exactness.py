@@ -125,19 +125,24 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(stack):
     assert different.token_ids != alone.token_ids
 
 
+def forget_everything_mid_run(engine, settle: float) -> None:
+    """Once the engine holds sequences, wait ``settle`` seconds, then drop them all between two
+    calls, as a restart would."""
+    deadline = time.monotonic() + 30
+    while not engine.sequences and time.monotonic() < deadline:
+        time.sleep(0.002)
+    time.sleep(settle)
+    with engine.lock:
+        engine.sequences.clear()
+
+
 @pytest.mark.parametrize("which", ["target", "draft"])
 def test_lost_service_state_is_rebuilt_from_history(stack, target_model, which):
     """A service that forgets every sequence (as after a restart) costs time, not requests."""
     prompts = prompts_of_lengths([5, 17, 9], seed=21)
     requests = [make_request(p, 60, k=3, ignore_eos=True) for p in prompts]
     running = futures.ThreadPoolExecutor(1).submit(generate_all, stack.client(), requests, None, 120)
-    engine = stack.target_engine if which == "target" else stack.draft_engine
-    deadline = time.monotonic() + 30
-    while not engine.sequences and time.monotonic() < deadline:
-        time.sleep(0.005)
-    time.sleep(0.05)
-    with engine.lock:  # between two calls, as a restart would
-        engine.sequences.clear()
+    forget_everything_mid_run(stack.target_engine if which == "target" else stack.draft_engine, settle=0.05)
     results = running.result()
     for i, prompt in enumerate(prompts):
         assert results[i].token_ids == greedy_reference(target_model, prompt, 60)

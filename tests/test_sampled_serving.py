@@ -7,7 +7,6 @@ batch mix, greedy neighbours stay exact, and bad sampling input gets INVALID_ARG
 from __future__ import annotations
 
 import math
-import time
 from concurrent import futures
 
 import grpc
@@ -16,7 +15,7 @@ import pytest
 from specbatch.client import generate, generate_all, make_request
 from specbatch.v1 import model_services_pb2 as mpb
 from specbatch.v1 import model_services_pb2_grpc as mpb_grpc
-from test_exactness import prompts_of_lengths
+from test_exactness import forget_everything_mid_run, prompts_of_lengths
 from tiny import VOCAB, greedy_reference
 
 SAMPLED = dict(temperature=1.0, top_p=0.95, top_k=40)
@@ -66,14 +65,8 @@ def test_seeded_tokens_survive_a_service_losing_its_state(stack, which):
     prompt = prompts_of_lengths([7], seed=21)[0]
     request = make_request(prompt, 60, seed=99, k=3, ignore_eos=True, **SAMPLED)
     undisturbed = generate(stack.client(), request, timeout=60)
-    engine = stack.target_engine if which == "target" else stack.draft_engine
     running = futures.ThreadPoolExecutor(1).submit(generate, stack.client(), request, None, 120)
-    deadline = time.monotonic() + 30
-    while not engine.sequences and time.monotonic() < deadline:
-        time.sleep(0.002)
-    time.sleep(0.03)
-    with engine.lock:  # between two calls, as a restart would
-        engine.sequences.clear()
+    forget_everything_mid_run(stack.target_engine if which == "target" else stack.draft_engine, settle=0.03)
     assert running.result().token_ids == undisturbed.token_ids
 
 
