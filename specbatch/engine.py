@@ -288,6 +288,7 @@ class Engine:
     max_context: int | None = None
     max_cache_bytes: int | None = None  # KV pool budget; None: bounded only by max_sequences × max_context
     sequences: dict[str, SequenceCache] = field(default_factory=dict)
+    sequences_created: int = 0  # since start: how many sequences were ever placed here
     # One call at a time on one model: `run` holds it around every call.
     lock: threading.RLock = field(default_factory=threading.RLock)
     # Forwards always run on this one thread: each thread that calls into torch gets its own
@@ -435,10 +436,12 @@ class Engine:
         for seq_id in created:
             self.sequences[seq_id] = self._new_cache()
         try:
-            return RaggedBatch(self, inputs, decode_steps)
+            batch = RaggedBatch(self, inputs, decode_steps)
         except BaseException:
             self.release(created)  # a refused call leaves no trace
             raise
+        self.sequences_created += len(created)
+        return batch
 
     def cached_tokens(self) -> int:
         return sum(cache.length for cache in self.sequences.values())

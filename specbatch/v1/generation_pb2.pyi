@@ -115,7 +115,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("target_model", "draft_model", "tokenizer", "max_batch_size", "max_queue", "max_new_tokens_limit", "max_context", "k_policy", "profile", "eos_token_id", "version", "totals", "running", "waiting")
+    __slots__ = ("target_model", "draft_model", "tokenizer", "max_batch_size", "max_queue", "max_new_tokens_limit", "max_context", "k_policy", "profile", "eos_token_id", "version", "totals", "running", "waiting", "replicas")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class InfoResponse(_message.Message):
     TOTALS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     tokenizer: str
@@ -144,7 +145,22 @@ class InfoResponse(_message.Message):
     totals: StepTotals
     running: int
     waiting: int
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_context: _Optional[int] = ..., k_policy: _Optional[str] = ..., profile: _Optional[str] = ..., eos_token_id: _Optional[int] = ..., version: _Optional[str] = ..., totals: _Optional[_Union[StepTotals, _Mapping]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_context: _Optional[int] = ..., k_policy: _Optional[str] = ..., profile: _Optional[str] = ..., eos_token_id: _Optional[int] = ..., version: _Optional[str] = ..., totals: _Optional[_Union[StepTotals, _Mapping]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+
+class ReplicaStatus(_message.Message):
+    __slots__ = ("service", "address", "healthy", "sequences", "failures")
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    FAILURES_FIELD_NUMBER: _ClassVar[int]
+    service: str
+    address: str
+    healthy: bool
+    sequences: int
+    failures: int
+    def __init__(self, service: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., sequences: _Optional[int] = ..., failures: _Optional[int] = ...) -> None: ...
 
 class StepTotals(_message.Message):
     __slots__ = ("steps", "sequence_steps", "step_seconds", "draft_seconds", "target_seconds", "draft_compute_seconds", "target_compute_seconds", "prefill_seconds", "reached_by_position", "accepted_by_position", "k_histogram")
