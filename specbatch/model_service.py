@@ -17,6 +17,7 @@ from .engine import Engine, SequenceInput
 from .models import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, load_model
 from .sampling import SamplingParams, SparseDistribution
 from .serving import Server, configure_logging, engine_errors_to_status
+from .tls import add_server_tls_flags, server_credentials_from_args
 from .v1 import model_services_pb2 as pb
 
 log = logging.getLogger(__name__)
