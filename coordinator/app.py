@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from draft_service.proposer import MAX_K
 from specbatch.models import EMBEDDED, ModelSpec, load_tokenizer, model_source
-from specbatch.serving import DEFAULT_PORTS, Server, configure_logging, wait_until_serving
+from specbatch.metrics import DEFAULT_METRICS_PORTS, CoordinatorMetrics, start_metrics_server
+from specbatch.serving import DEFAULT_PORTS, Server, configure_logging
+from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials_from_args,
+                           server_credentials_from_args)
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
 
 from .admission import Limits
 from .backends import DraftClient, TargetClient
+from .replicas import NotReady, ReplicaSet
 from .policy import KNOWN as KNOWN_POLICIES
 from .policy import parse_policy
 from .profile_file import ProfileFile
@@ -27,17 +32,55 @@ log = logging.getLogger(__name__)
 class Coordinator:
     server: Server
     scheduler: Scheduler
+    targets: ReplicaSet
+    drafts: ReplicaSet | None = None
     profile_file: ProfileFile | None = None
+    metrics_server: object | None = None
 
     @property
     def port(self) -> int:
         return self.server.port
+
+    def drain(self, grace: float) -> None:
+        """Graceful shutdown: health goes NOT_SERVING (load balancers stop sending), new requests
+        get UNAVAILABLE, and requests in flight finish within ``grace`` seconds."""
+        log.info("draining: %d running, %d waiting (grace %.0fs)", *self.scheduler.load(), grace)
+        self.server.set_not_serving()
+        self.scheduler.drain(grace)
+        self.stop(grace=1.0)
 
     def stop(self, grace: float = 5.0) -> None:
         if self.profile_file is not None:
             self.profile_file.stop()
         self.scheduler.stop()
         self.server.stop(grace)
+        for replicas in filter(None, (self.targets, self.drafts)):
+            replicas.close()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
+
+
+class SameModel:
+    """A replica joins only if it serves what the first one served (model, vocabulary, features):
+    sequences move between replicas, so every replica must compute the same thing."""
+
+    def __init__(self, service: str):
+        self.service = service
+        self.stats = None
+        self.lock = threading.Lock()
+
+    def __call__(self, client) -> None:
+        stats = client.cache_stats()
+        with self.lock:
+            if self.stats is None:
+                self.stats = stats
+                return
+            mine = (stats.model, stats.vocab_size, stats.feature_size)
+            first = (self.stats.model, self.stats.vocab_size, self.stats.feature_size)
+        if mine != first or stats.max_context < self.stats.max_context:
+            log.error("%s replica %s serves %s, not %s like the others: left out", self.service, client.address,
+                      mine, first)
+            raise NotReady(f"serves {mine}, expected {first}")
 
 
 def eos_token_ids(tokenizer, tokenizer_source: str | None) -> frozenset[int]:
@@ -57,49 +100,77 @@ def eos_token_ids(tokenizer, tokenizer_source: str | None) -> frozenset[int]:
 
 def build_coordinator(target_address: str, draft_address: str | None, tokenizer, *, policy: str = "fixed:3",
                       host: str = "127.0.0.1", port: int = 0, max_batch_size: int = 32, max_queue: int = 256,
-                      max_new_tokens: int = 1024, timeout: float = 120.0, eos_ids: frozenset[int] | None = None,
-                      tokenizer_name: str = "", profile: str | ProfileFile | None = None,
-                      profile_poll_seconds: float = 2.0) -> Coordinator:
-    """``profile``: a path (read now, re-read when it changes) or a ProfileFile already open.
-    A profile that cannot be used raises ProfileError (a ValueError) before anything starts."""
+                      max_new_tokens: int = 1024, timeout: float = 120.0, draft_timeout: float = 10.0,
+                      eos_ids: frozenset[int] | None = None, tokenizer_name: str = "",
+                      profile: str | ProfileFile | None = None, profile_poll_seconds: float = 2.0,
+                      credentials=None, server_credentials=None, refresh_seconds: float = 10.0,
+                      wait_seconds: float = 30.0, metrics_host: str = "127.0.0.1",
+                      metrics_port: int | None = None) -> Coordinator:
+    """``target_address``/``draft_address``: one address, a comma-separated list of replicas, or
+    ``dns:NAME:PORT`` (re-resolved every ``refresh_seconds``). ``profile``: a path (read now,
+    re-read when it changes) or a ProfileFile already open. ``credentials``: TLS for the calls to
+    the services; ``server_credentials``: TLS for the coordinator's own port. A profile that
+    cannot be used, or services that do not fit together, raise ValueError before serving."""
     profile_file = ProfileFile(profile, profile_poll_seconds) if isinstance(profile, (str, Path)) else profile
     k_policy = parse_policy(policy, MAX_K, profile_file)
-    target = TargetClient(target_address, timeout)
-    draft = DraftClient(draft_address, timeout) if draft_address else None
-    target_stats = target.cache_stats()
-    max_context = target_stats.max_context
-    draft_model = "none"
-    feature_size = 0
-    if draft is not None:
-        draft_stats = draft.cache_stats()
-        if draft_stats.vocab_size != target_stats.vocab_size:
-            raise ValueError(f"draft vocabulary ({draft_stats.vocab_size}) differs from the target's "
-                             f"({target_stats.vocab_size}): they must share a tokenizer")
-        feature_size = draft_stats.feature_size
-        if feature_size and feature_size != target_stats.feature_size:
-            raise ValueError(f"the draft reads target features of size {feature_size}, but the target's are "
-                             f"{target_stats.feature_size}: it was trained for another target")
-        max_context = min(max_context, draft_stats.max_context)
-        draft_model = draft_stats.model
+    metrics = CoordinatorMetrics()
+    targets = ReplicaSet("target", target_address, lambda a: TargetClient(a, timeout, credentials),
+                         SameModel("target"), health_service="specbatch.v1.Target", refresh_seconds=refresh_seconds,
+                         on_health=lambda r: metrics.set_replica_up(r.service, r.address, r.healthy)).start()
+    drafts = None
+    if draft_address:
+        # A draft call gets one retry: with the draft down, steps go on target-only at once.
+        drafts = ReplicaSet("draft", draft_address, lambda a: DraftClient(a, draft_timeout, credentials, attempts=2),
+                            SameModel("draft"), health_service="specbatch.v1.Draft", refresh_seconds=refresh_seconds,
+                            on_health=lambda r: metrics.set_replica_up(r.service, r.address, r.healthy)).start()
+    try:
+        target_stats = targets.wait_healthy(wait_seconds).client.cache_stats()
+        max_context = target_stats.max_context
+        draft_model = "none"
+        feature_size = 0
+        if drafts is not None:
+            draft_stats = drafts.wait_healthy(wait_seconds).client.cache_stats()
+            if draft_stats.vocab_size != target_stats.vocab_size:
+                raise ValueError(f"draft vocabulary ({draft_stats.vocab_size}) differs from the target's "
+                                 f"({target_stats.vocab_size}): they must share a tokenizer")
+            feature_size = draft_stats.feature_size
+            if feature_size and feature_size != target_stats.feature_size:
+                raise ValueError(f"the draft reads target features of size {feature_size}, but the target's are "
+                                 f"{target_stats.feature_size}: it was trained for another target")
+            max_context = min(max_context, draft_stats.max_context)
+            draft_model = draft_stats.model
+    except BaseException:
+        for replicas in filter(None, (targets, drafts)):
+            replicas.close()
+        raise
     limits = Limits(target_stats.vocab_size, max_context, max_new_tokens,
                     eos_ids if eos_ids is not None else eos_token_ids(tokenizer, None))
-    scheduler = Scheduler(target, draft, k_policy, max_batch_size, max_queue, max_context, feature_size).start()
+    metrics.set_policy(k_policy.describe())
+    scheduler = Scheduler(targets, drafts, k_policy, max_batch_size, max_queue, max_context, feature_size,
+                          metrics=metrics, draft_timeout=draft_timeout)
+    metrics.track_load(scheduler.load, max_batch_size)
+    scheduler.start()
     if profile_file is not None:
         profile_file.start()
     # One thread per open stream: room for a full batch, a full queue, and Info calls.
     server = Server(f"{host}:{port}", max_workers=max_batch_size + max_queue + 8,
-                    maximum_concurrent_rpcs=max_batch_size + max_queue + 8)
+                    maximum_concurrent_rpcs=max_batch_size + max_queue + 8, credentials=server_credentials)
     servicer = GenerationServicer(scheduler, tokenizer, limits, target_stats.model, draft_model, tokenizer_name,
                                   profile_file)
     server.add(pb_grpc.add_GenerationServicer_to_server, servicer, "specbatch.v1.Generation")
-    return Coordinator(server.start(), scheduler, profile_file)
+    metrics_server = start_metrics_server(metrics.registry, metrics_host, metrics_port) if metrics_port is not None else None
+    return Coordinator(server.start(), scheduler, targets, drafts, profile_file, metrics_server)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m coordinator", description="specbatch coordinator")
-    parser.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORTS['target']}", help="target service address")
+    replicas = ("one address, a comma-separated list of replicas, or dns:NAME:PORT to use every address "
+                "a name resolves to (a Kubernetes headless Service), re-resolved every --discovery-seconds")
+    parser.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORTS['target']}",
+                        help=f"target service replicas: {replicas}")
     parser.add_argument("--draft", default=f"127.0.0.1:{DEFAULT_PORTS['draft']}",
-                        help="draft service address, or 'none' for target-only decoding")
+                        help=f"draft service replicas ({replicas}), or 'none' for target-only decoding")
+    parser.add_argument("--discovery-seconds", type=float, default=10.0, help="how often dns: endpoints are re-resolved")
     parser.add_argument("--tokenizer", default=EMBEDDED, help="tokenizer: hub id, folder, or the embedded default")
     parser.add_argument("--gguf-file", help="GGUF file name inside --tokenizer")
     parser.add_argument("--k-policy", default="fixed:3",
@@ -107,33 +178,46 @@ def main(argv=None) -> None:
     parser.add_argument("--profile", help="profile JSON made by `specbatch profile`; re-read when the file changes")
     parser.add_argument("--profile-poll-seconds", type=float, default=2.0,
                         help="how often to check the profile file for changes")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORTS["coordinator"])
     parser.add_argument("--max-batch-size", type=int, default=32)
-    parser.add_argument("--max-queue", type=int, default=256)
+    parser.add_argument("--max-queue", type=int, default=256,
+                        help="requests waiting for a batch slot; past it, RESOURCE_EXHAUSTED with a retry hint")
     parser.add_argument("--max-new-tokens-limit", type=int, default=1024)
-    parser.add_argument("--timeout", type=float, default=120.0, help="deadline of each service call, seconds")
-    parser.add_argument("--wait-for-services", type=float, default=300.0, help="seconds to wait for them to serve")
+    parser.add_argument("--timeout", type=float, default=120.0, help="longest target call, seconds")
+    parser.add_argument("--draft-timeout", type=float, default=10.0,
+                        help="longest draft call, seconds: a slower draft is set aside and steps run target-only")
+    parser.add_argument("--drain-seconds", type=float, default=30.0,
+                        help="on SIGTERM, how long requests in flight may take to finish")
+    parser.add_argument("--wait-for-services", type=float, default=300.0,
+                        help="seconds to wait for a target (and a draft) replica to serve")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="bind address of /metrics")
+    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORTS["coordinator"],
+                        help="Prometheus /metrics port (0: none)")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text")
+    add_server_tls_flags(parser)
+    add_client_tls_flags(parser)
     args = parser.parse_args(argv)
-    configure_logging(args.log_level)
-    # A bad profile or policy is refused before waiting minutes for the services.
+    configure_logging(args.log_level, args.log_format)
+    # A bad profile, policy or TLS file is refused before waiting minutes for the services.
     try:
         profile_file = ProfileFile(args.profile, args.profile_poll_seconds) if args.profile else None
         parse_policy(args.k_policy, MAX_K, profile_file)
     except ValueError as error:
         parser.error(str(error))
-    draft = None if args.draft == "none" else args.draft
-    for address in filter(None, (args.target, draft)):
-        wait_until_serving(address, args.wait_for_services)
+    server_credentials = server_credentials_from_args(args, parser)
+    credentials = channel_credentials_from_args(args, parser)
     spec = ModelSpec(args.tokenizer, args.gguf_file)
     tokenizer = load_tokenizer(spec)
     source, _ = model_source(spec)
     coordinator = build_coordinator(
-        args.target, draft, tokenizer, policy=args.k_policy, host=args.host, port=args.port,
-        max_batch_size=args.max_batch_size, max_queue=args.max_queue, max_new_tokens=args.max_new_tokens_limit,
-        timeout=args.timeout, eos_ids=eos_token_ids(tokenizer, source), tokenizer_name=spec.describe(),
-        profile=profile_file,
+        args.target, None if args.draft == "none" else args.draft, tokenizer, policy=args.k_policy, host=args.host,
+        port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+        max_new_tokens=args.max_new_tokens_limit, timeout=args.timeout, draft_timeout=args.draft_timeout,
+        eos_ids=eos_token_ids(tokenizer, source), tokenizer_name=spec.describe(), profile=profile_file,
+        credentials=credentials, server_credentials=server_credentials, refresh_seconds=args.discovery_seconds,
+        wait_seconds=args.wait_for_services, metrics_host=args.metrics_host, metrics_port=args.metrics_port or None,
     )
     log.info("coordinator serving on %s:%d (k policy %s)", args.host, coordinator.port, args.k_policy)
-    coordinator.server.run_until_signal(on_stop=coordinator.scheduler.stop)
+    coordinator.server.run_until_signal(on_stop=lambda: coordinator.drain(args.drain_seconds))

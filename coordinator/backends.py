@@ -14,7 +14,7 @@ import grpc
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from specbatch.sampling import SamplingParams
-from specbatch.serving import CHANNEL_OPTIONS
+from specbatch.tls import open_channel
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 
@@ -30,16 +30,24 @@ def _transient(error: BaseException) -> bool:
     return isinstance(error, grpc.RpcError) and error.code() in RETRYABLE
 
 
-idempotent = retry(
-    retry=retry_if_exception(_transient),
-    stop=stop_after_attempt(4),
-    wait=wait_exponential(multiplier=0.05, max=1.0),
-    reraise=True,
-)
+def retrying(attempts: int):
+    """Retry transient failures with exponential backoff: ``attempts`` tries in all."""
+    return retry(
+        retry=retry_if_exception(_transient),
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=0.05, max=1.0),
+        reraise=True,
+    )
 
 
 def lost_state(error: BaseException) -> bool:
     return isinstance(error, grpc.RpcError) and error.code() in LOST_STATE
+
+
+def unreachable(error: BaseException) -> bool:
+    """The replica did not answer in time (down, restarting, or too slow): use another."""
+    return isinstance(error, grpc.RpcError) and error.code() in (
+        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
 def refusal(error: BaseException) -> bool:
@@ -82,30 +90,39 @@ class Traffic:
 
 
 class ServiceClient:
-    """Shared by both services: channel, deadlines, timing, and the cache calls."""
+    """Shared by both services: channel, deadlines, retries, traffic, and the cache calls.
+
+    Every call takes an optional ``timeout``: the time its requests have left (client deadlines
+    propagate downstream), never more than the client's own ``timeout``.
+    """
 
     stub_class = None
 
-    def __init__(self, address: str, timeout: float):
+    def __init__(self, address: str, timeout: float, credentials: grpc.ChannelCredentials | None = None,
+                 attempts: int = 4):
         self.address = address
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = open_channel(address, credentials)
         self.stub = self.stub_class(self.channel)
         self.traffic = Traffic()
+        self.retry = retrying(attempts)
 
-    def _call(self, method, request):
-        reply = idempotent(method)(request, timeout=self.timeout)
+    def _deadline(self, timeout: float | None) -> float:
+        return self.timeout if timeout is None else max(0.01, min(self.timeout, timeout))
+
+    def _call(self, method, request, timeout: float | None = None):
+        reply = self.retry(method)(request, timeout=self._deadline(timeout))
         self.traffic.add(request, reply)
         return reply
 
-    def prefill(self, calls: list[Call]) -> pb.PrefillResponse:
-        return self._call(self.stub.Prefill, pb.PrefillRequest(sequences=[_seq(c) for c in calls]))
+    def prefill(self, calls: list[Call], timeout: float | None = None) -> pb.PrefillResponse:
+        return self._call(self.stub.Prefill, pb.PrefillRequest(sequences=[_seq(c) for c in calls]), timeout)
 
     def release(self, seq_ids: list[str]) -> None:
-        idempotent(self.stub.Release)(pb.ReleaseRequest(seq_ids=seq_ids), timeout=self.timeout)
+        self.retry(self.stub.Release)(pb.ReleaseRequest(seq_ids=seq_ids), timeout=self.timeout)
 
     def cache_stats(self) -> pb.CacheStatsResponse:
-        return idempotent(self.stub.CacheStats)(pb.CacheStatsRequest(), timeout=self.timeout)
+        return self.retry(self.stub.CacheStats)(pb.CacheStatsRequest(), timeout=self.timeout)
 
     def close(self) -> None:
         self.channel.close()
@@ -116,19 +133,20 @@ class TargetClient(ServiceClient):
 
     def verify(self, calls: list[Call], drafts: list[list[int]], sampling: list[SamplingParams],
                create: bool = False, return_features: bool = False,
-               distributions: list | None = None) -> pb.VerifyResponse:
+               distributions: list | None = None, timeout: float | None = None) -> pb.VerifyResponse:
         """``distributions``: per sequence, the draft's q' of each draft token (the Proposal's
         DraftDistribution messages, passed through untouched); needed where sampling is not greedy."""
         distributions = distributions or [()] * len(calls)
         items = [pb.VerifyItem(sequence=_seq(c), draft_tokens=d, sampling=_sampling(s), draft_distributions=q)
                  for c, d, s, q in zip(calls, drafts, sampling, distributions)]
         return self._call(self.stub.Verify, pb.VerifyRequest(items=items, create=create,
-                                                             return_features=return_features))
+                                                             return_features=return_features), timeout)
 
 
 class DraftClient(ServiceClient):
     stub_class = pb_grpc.DraftStub
 
-    def propose(self, calls: list[Call], ks: list[int], sampling: list[SamplingParams]) -> pb.ProposeResponse:
+    def propose(self, calls: list[Call], ks: list[int], sampling: list[SamplingParams],
+                timeout: float | None = None) -> pb.ProposeResponse:
         items = [pb.ProposeItem(sequence=_seq(c), k=k, sampling=_sampling(s)) for c, k, s in zip(calls, ks, sampling)]
-        return self._call(self.stub.Propose, pb.ProposeRequest(items=items))
+        return self._call(self.stub.Propose, pb.ProposeRequest(items=items), timeout)

@@ -120,8 +120,12 @@ class Request:
     seq_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     # Authoritative history: prompt + every accepted token. Services only cache prefixes of it.
     history: list[int] = field(default_factory=list)
-    target_len: int = 0  # tokens of history cached on the target
-    draft_len: int = 0  # tokens of history cached on the draft
+    target_len: int = 0  # tokens of history cached on its target replica
+    draft_len: int = 0  # tokens of history cached on its draft replica
+    # The replicas its caches live on (replicas.Replica), for its life unless one fails.
+    target_replica: object | None = None
+    draft_replica: object | None = None
+    deadline: float | None = None  # time.monotonic() by which the client wants it done
     features: FeatureLog | None = None  # only for drafts that read target features
     # stats
     admitted: float | None = None
@@ -130,6 +134,7 @@ class Request:
     proposed: int = 0
     accepted: int = 0
     finish: int | None = None
+    failure: Failure | None = None  # set when it ended with an error status instead
     events: "queue.Queue[pb.GenerateResponse | Failure]" = field(default_factory=queue.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -142,6 +147,12 @@ class Request:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def finish_name(self) -> str:
+        return pb.FinishReason.Name(self.finish).removeprefix("FINISH_REASON_").lower()
+
+    def time_left(self, now: float) -> float | None:
+        return None if self.deadline is None else self.deadline - now
 
     def take(self, tokens: list[int]) -> None:
         """Append accepted tokens one by one until a finish condition; stream what was taken."""
@@ -169,7 +180,8 @@ class Request:
     def fail(self, code, message: str) -> None:
         """End the request with an error status (a service refused it); it is retired next."""
         self.finish = FINISH_CANCELLED
-        self.events.put(Failure(code, message))
+        self.failure = Failure(code, message)
+        self.events.put(self.failure)
 
     def close(self, reason: int) -> None:
         """Send the last response: the finish reason and the request's stats."""

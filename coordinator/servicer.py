@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import grpc
 
@@ -14,7 +15,7 @@ from specbatch.v1 import generation_pb2_grpc as pb_grpc
 
 from .admission import Limits, build_request
 from .requests import Failure
-from .scheduler import QueueFull, Scheduler
+from .scheduler import Draining, QueueFull, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -26,17 +27,30 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self.names = (target_model, draft_model, tokenizer_name)
         self.profile_file = profile_file  # coordinator.profile_file.ProfileFile, or None
 
+    def _refuse(self, context, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None):
+        if self.scheduler.metrics:
+            self.scheduler.metrics.observe_rejected(code.name)
+        if retry_after_ms is not None:
+            context.set_trailing_metadata((("retry-after-ms", str(retry_after_ms)),))
+        context.abort(code, message)
+
     def Generate(self, message, context):
         try:
             request = build_request(message, self.tokenizer, self.limits)
         except InvalidRequest as error:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         context.add_callback(request.cancel)  # the client went away or its deadline passed
+        # The client's deadline bounds the request and every service call made for it.
+        remaining = context.time_remaining()
+        if remaining is not None and remaining < 1e9:
+            request.deadline = time.monotonic() + remaining
         try:
             self.scheduler.submit(request)
         except QueueFull as error:
-            context.set_trailing_metadata((("retry-after-ms", "1000"),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{error}; retry later")
+            # The hint grows with the queue: roughly the time for a batch's worth to drain.
+            self._refuse(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{error}; retry later", self.retry_hint_ms())
+        except Draining as error:
+            self._refuse(context, grpc.StatusCode.UNAVAILABLE, f"{error}; retry (another coordinator)", 100)
         while True:
             response = request.events.get()
             if isinstance(response, Failure):
@@ -44,6 +58,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             yield response
             if response.finish_reason:
                 return
+
+    def retry_hint_ms(self) -> int:
+        """When a retry may find room: about 32 steps (a short request's life) at the mean
+        step time seen so far, within [0.25 s, 30 s]."""
+        totals = self.scheduler.totals
+        step_seconds = totals.step_seconds / totals.steps if totals.steps else 0.1
+        return int(min(30_000, max(250, 1000 * 32 * step_seconds)))
 
     def Info(self, message, context):
         target, draft, tokenizer = self.names
@@ -63,4 +84,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             totals=pb.StepTotals(**vars(scheduler.totals)),
             running=scheduler.load()[0],
             waiting=scheduler.load()[1],
+            replicas=[pb.ReplicaStatus(service=r.service, address=r.address, healthy=r.healthy,
+                                       sequences=len(r.assigned), failures=r.failures)
+                      for replicas in filter(None, (scheduler.targets, scheduler.drafts)) for r in replicas.all()],
         )

@@ -38,10 +38,10 @@ def _free_port() -> int:
 
 def _snapshot(coordinator) -> dict:
     scheduler = coordinator.scheduler
-    clients = {"target": scheduler.target, "draft": scheduler.draft}
+    services = {"target": scheduler.targets, "draft": scheduler.drafts}
     return {"totals": copy.deepcopy(scheduler.totals),
-            **{f"{name}_{way}": getattr(client.traffic, f"{way}_bytes") if client else 0
-               for name, client in clients.items() for way in ("sent", "received")},
+            **{f"{name}_{way}": sum(getattr(r.client.traffic, f"{way}_bytes") for r in replicas.all()) if replicas else 0
+               for name, replicas in services.items() for way in ("sent", "received")},
             }
 
 

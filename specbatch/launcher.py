@@ -9,6 +9,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from .metrics import DEFAULT_METRICS_PORTS
 from .serving import DEFAULT_PORTS, wait_until_serving
 
 
@@ -29,6 +30,8 @@ class StackOptions:
     host: str = "127.0.0.1"
     ports: dict = field(default_factory=lambda: dict(DEFAULT_PORTS))
     log_level: str = "WARNING"
+    # Prometheus /metrics port of each service; None: no endpoint (tests run many stacks at once).
+    metrics_ports: dict | None = None
 
 
 def add_stack_flags(parser) -> None:
@@ -48,6 +51,8 @@ def add_stack_flags(parser) -> None:
     parser.add_argument("--target-port", type=int, default=DEFAULT_PORTS["target"])
     parser.add_argument("--draft-port", type=int, default=DEFAULT_PORTS["draft"])
     parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--metrics", action="store_true",
+                        help="serve Prometheus /metrics on loopback: coordinator 9090, target 9091, draft 9092")
 
 
 def stack_options(args) -> StackOptions:
@@ -57,7 +62,7 @@ def stack_options(args) -> StackOptions:
         device=args.device, dtype=args.dtype, k_policy=args.k_policy, profile=args.profile,
         max_batch_size=args.max_batch_size,
         host=args.host, ports={"coordinator": args.port, "target": args.target_port, "draft": args.draft_port},
-        log_level=args.log_level,
+        log_level=args.log_level, metrics_ports=dict(DEFAULT_METRICS_PORTS) if args.metrics else None,
     )
 
 
@@ -82,7 +87,10 @@ class LocalProcesses:
         return f"{self.options.host}:{self.options.ports['coordinator']}"
 
     def _spawn(self, name: str, module: str, flags: list[str]) -> None:
-        command = [sys.executable, "-m", module, *flags, "--log-level", self.options.log_level]
+        service = module.removesuffix("_service")
+        metrics_port = (self.options.metrics_ports or {}).get(service, 0) if name == service else 0
+        command = [sys.executable, "-m", module, *flags, "--log-level", self.options.log_level,
+                   "--metrics-port", str(metrics_port)]
         self.processes.append((name, subprocess.Popen(command, env=os.environ.copy())))
 
     def start(self, timeout: float = 600.0) -> "LocalProcesses":

@@ -25,6 +25,7 @@ from pathlib import Path
 from coordinator.backends import DraftClient, TargetClient
 from coordinator.policy import FixedK
 from coordinator.requests import Request, TextStream
+from coordinator.replicas import ReplicaSet
 from coordinator.scheduler import Scheduler
 
 from .profile import Profile, build_profile
@@ -86,7 +87,8 @@ def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[l
     reached, accepted = [0] * sweep.max_k, [0] * sweep.max_k
     done = 0
     for b in sweep.batch_sizes:
-        scheduler = Scheduler(target, draft, FixedK(0), max_batch_size=b, max_queue=b, max_context=max_context,
+        scheduler = Scheduler(ReplicaSet.of("target", target), ReplicaSet.of("draft", draft), FixedK(0),
+                              max_batch_size=b, max_queue=b, max_context=max_context,
                               draft_feature_size=draft_stats.feature_size)
         batch = [Request(id=f"profile-{b}-{i}", prompt=prompts[i % len(prompts)],
                          max_new_tokens=max_context - len(prompts[i % len(prompts)]), sampling=SamplingParams(),
