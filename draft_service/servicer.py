@@ -18,7 +18,7 @@ class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
     def Propose(self, request, context):
         seqs = sequence_inputs((item.sequence for item in request.items), self.engine.feature_size)
         items = [ProposeItem(seq, item.k, sampling_params(item.sampling)) for seq, item in zip(seqs, request.items)]
-        drafts, seconds = self.timed(proposals, self.engine, items)
+        drafts, seconds = self.observed("Propose", len(items), proposals, self.engine, items)
         return pb.ProposeResponse(
             proposals=[
                 pb.Proposal(seq_id=item.seq.seq_id, tokens=proposal.tokens, cached_len=self.engine.length(item.seq.seq_id),

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 
 from .engine import Engine, SequenceInput
+from .logs import LOG_FORMATS
+from .metrics import DEFAULT_METRICS_PORTS, ServiceMetrics, new_registry, start_metrics_server
 from .models import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, load_model
 from .sampling import SamplingParams, SparseDistribution
 from .serving import Server, configure_logging, engine_errors_to_status
@@ -64,13 +66,15 @@ class CacheServicer:
     add_to_server = None  # the generated add_…Servicer_to_server, set by each service
     service_name = ""
 
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self, engine: Engine, model_name: str, metrics: ServiceMetrics | None = None):
         self.engine = engine
         self.model_name = model_name
+        self.metrics = metrics  # None: no metrics (tests that drive a servicer directly)
 
     @classmethod
-    def serve_on(cls, server: Server, engine: Engine, model_name: str) -> "CacheServicer":
-        servicer = cls(engine, model_name)
+    def serve_on(cls, server: Server, engine: Engine, model_name: str,
+                 metrics: ServiceMetrics | None = None) -> "CacheServicer":
+        servicer = cls(engine, model_name, metrics)
         server.add(cls.add_to_server, servicer, cls.service_name)
         return servicer
 
@@ -84,10 +88,17 @@ class CacheServicer:
 
         return self.engine.run(measured)
 
+    def observed(self, method: str, batch_size: int, fn, *args):
+        """``timed``, and the call's batch size and compute time recorded under ``method``."""
+        result, seconds = self.timed(fn, *args)
+        if self.metrics is not None:
+            self.metrics.observe_call(method, batch_size, seconds)
+        return result, seconds
+
     @engine_errors_to_status
     def Prefill(self, request, context):
         inputs = sequence_inputs(request.sequences, self.engine.feature_size)
-        lengths, _ = self.timed(self.engine.prefill, inputs)
+        lengths, _ = self.observed("Prefill", len(inputs), self.engine.prefill, inputs)
         return pb.PrefillResponse(
             sequences=[pb.SequenceLength(seq_id=i.seq_id, cached_len=n) for i, n in zip(inputs, lengths)]
         )
@@ -139,21 +150,59 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
     parser.add_argument("--kv-cache-gb", type=float, default=8.0, help="KV cache budget in GiB (default 8)")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                        help="text, or json: one object per line for log collectors (default text)")
+    parser.add_argument("--metrics-host", default="127.0.0.1",
+                        help="bind address of the Prometheus /metrics endpoint (default loopback only)")
+    # None = not given: the default port, where a clash only costs a warning (see start_service_metrics).
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help=f"port of /metrics; 0 turns it off (default {DEFAULT_METRICS_PORTS[kind]})")
     return parser
+
+
+def start_service_metrics(registry, kind: str, host: str, port: int | None):
+    """Serve /metrics; None if turned off (port 0) or, for the default port only, if it is taken.
+
+    A port given on the command line must work: failing at start is what an operator wants. The
+    default port may be taken by a second stack on the same host (``specbatch up`` twice, the test
+    suite beside a demo); that stack still serves, without metrics, and says so.
+    """
+    chosen = DEFAULT_METRICS_PORTS[kind] if port is None else port
+    if not chosen:
+        return None
+    try:
+        server = start_metrics_server(registry, host, chosen)
+    except OSError as error:
+        if port is not None:
+            raise SystemExit(f"cannot serve /metrics on {host}:{chosen}: {error}") from error
+        log.warning("%s service: no /metrics: default port %s:%d unavailable (%s); pass --metrics-port",
+                    kind, host, chosen, error)
+        return None
+    log.info("%s service: metrics on http://%s:%d/metrics", kind, host, server.port)
+    return server
 
 
 def run_model_service(kind: str, port: int, default_model: str, add_servicer, argv=None) -> None:
     """Parse flags, load the model, serve until SIGTERM/SIGINT."""
     args = model_service_parser(kind, port, default_model).parse_args(argv)
-    configure_logging(args.log_level)
-    spec = ModelSpec(args.model, args.gguf_file, args.num_layers, args.trust_remote_code)
-    started = time.perf_counter()
-    model = load_model(spec, args.device, args.dtype)
-    engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,
-                    max_cache_bytes=int(args.kv_cache_gb * 2**30))
-    log.info("%s service: loaded %s in %.1fs on %s/%s", kind, spec.describe(), time.perf_counter() - started,
-             engine.device, engine.dtype)
-    server = Server(f"{args.host}:{args.port}", max_workers=8)
-    add_servicer(server, engine, spec.describe())
-    server.start()
-    server.run_until_signal()
+    configure_logging(args.log_level, args.log_format)
+    # /metrics first: a taken port fails before a model load of minutes, and the process's memory
+    # can be watched while the model loads (the engine's gauges join once it exists).
+    registry = new_registry()
+    metrics_server = start_service_metrics(registry, kind, args.metrics_host, args.metrics_port)
+    try:
+        spec = ModelSpec(args.model, args.gguf_file, args.num_layers, args.trust_remote_code)
+        started = time.perf_counter()
+        model = load_model(spec, args.device, args.dtype)
+        engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,
+                        max_cache_bytes=int(args.kv_cache_gb * 2**30))
+        log.info("%s service: loaded %s in %.1fs on %s/%s", kind, spec.describe(), time.perf_counter() - started,
+                 engine.device, engine.dtype)
+        metrics = ServiceMetrics(kind, engine, registry)
+        server = Server(f"{args.host}:{args.port}", max_workers=8, interceptors=[metrics.interceptor()])
+        add_servicer(server, engine, spec.describe(), metrics=metrics)
+        server.start()
+        server.run_until_signal()
+    finally:
+        if metrics_server is not None:
+            metrics_server.stop()

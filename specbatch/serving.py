@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .engine import EngineError
+from .logs import configure_logging  # noqa: F401  (re-exported: the servers import it from here)
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,12 @@ class Server:
     sending work, then lets in-flight calls finish within the grace period.
     """
 
-    def __init__(self, address: str, max_workers: int = 16, maximum_concurrent_rpcs: int | None = None):
+    def __init__(self, address: str, max_workers: int = 16, maximum_concurrent_rpcs: int | None = None,
+                 interceptors=()):
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             options=CHANNEL_OPTIONS,
+            interceptors=list(interceptors),  # e.g. specbatch.metrics.ServiceMetrics.interceptor()
             maximum_concurrent_rpcs=maximum_concurrent_rpcs,
         )
         self.health = health.HealthServicer()
@@ -120,7 +123,3 @@ def wait_until_serving(address: str, timeout: float, service: str = "") -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{address} is not serving after {timeout:.0f}s")
             time.sleep(0.2)
-
-
-def configure_logging(level: str = "INFO") -> None:
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

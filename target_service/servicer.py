@@ -21,7 +21,8 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
         items = [VerifyItem(seq, list(item.draft_tokens), sampling_params(item.sampling),
                             [distribution_from_proto(d) for d in item.draft_distributions])
                  for seq, item in zip(seqs, request.items)]
-        verdicts, seconds = self.timed(verify, self.engine, items, request.create, request.return_features)
+        verdicts, seconds = self.observed("Verify", len(items), verify, self.engine, items, request.create,
+                                          request.return_features)
         return pb.VerifyResponse(
             verdicts=[
                 pb.Verdict(seq_id=item.seq.seq_id, accepted=v.accepted, next_token=v.next_token, cached_len=v.cached_len,
