@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tenacity import RetryError, Retrying, retry_if_exception_type, wait_exponential
+from tenacity import Retrying, retry_if_exception_type, wait_exponential
 
 log = logging.getLogger(__name__)
 
@@ -158,14 +158,16 @@ class ReplicaSet:
     def _probe_until_healthy(self, replica: Replica, cooldown: float) -> None:
         if self.closed.wait(cooldown):
             return
-        retrying = Retrying(retry=retry_if_exception_type((NotReady, grpc.RpcError)), wait=self.backoff,
+        # Anything a probe raises means "not yet" (its channel may even be closed under it when
+        # the coordinator stops); only closing or leaving discovery ends the probing.
+        retrying = Retrying(retry=retry_if_exception_type(Exception), wait=self.backoff,
                             stop=lambda state: self.closed.is_set() or replica.removed, sleep=self.closed.wait)
         try:
             for attempt in retrying:
                 with attempt:
                     self.probe(replica)
-        except (RetryError, NotReady, grpc.RpcError):
-            return  # closed or removed while probing
+        except Exception:  # noqa: BLE001 - RetryError: closed or removed while probing
+            return
         finally:
             replica.prober = None
         with self.lock:

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import grpc
@@ -18,19 +19,25 @@ from .serving import Server
 from .v1 import generation_pb2_grpc
 
 
-def serve_engine(engine: Engine, add_servicer, name: str) -> Server:
-    server = Server("127.0.0.1:0", max_workers=8)
+def serve_engine(engine: Engine, add_servicer, name: str, address: str = "127.0.0.1:0") -> Server:
+    server = Server(address, max_workers=8)
     add_servicer(server, engine, name)
     return server.start()
 
 
 @dataclass
 class LocalStack:
-    target: Server
-    draft: Server | None
+    targets: list[Server]  # one per target replica (usually one)
+    drafts: list[Server]
     coordinator: Coordinator
-    target_engine: Engine
-    draft_engine: Engine | None
+    target_engines: list[Engine]
+    draft_engines: list[Engine]
+
+    # The first replica of each: most stacks have one.
+    target = property(lambda self: self.targets[0])
+    draft = property(lambda self: self.drafts[0] if self.drafts else None)
+    target_engine = property(lambda self: self.target_engines[0])
+    draft_engine = property(lambda self: self.draft_engines[0] if self.draft_engines else None)
 
     @property
     def address(self) -> str:
@@ -41,20 +48,26 @@ class LocalStack:
 
     def stop(self) -> None:
         self.coordinator.stop(grace=1)
-        for server in filter(None, (self.draft, self.target)):
+        for server in self.drafts + self.targets:
             server.stop(grace=1)
 
 
+def _replica_model(model, index: int):
+    return model if index == 0 else copy.deepcopy(model)
+
+
 def start_local_stack(target_model, draft_model, tokenizer, eos_ids=frozenset(), target_engine_options=None,
-                      **coordinator_options) -> LocalStack:
-    target_engine = Engine(target_model, **(target_engine_options or {}))
-    target = serve_engine(target_engine, TargetServicer.serve_on, "target")
-    draft_engine = draft = None
-    if draft_model is not None:
-        draft_engine = Engine(draft_model)
-        draft = serve_engine(draft_engine, DraftServicer.serve_on, "draft")
+                      target_replicas: int = 1, draft_replicas: int = 1, **coordinator_options) -> LocalStack:
+    """Replicas after the first get a copy of the model: engines running side by side must not
+    share one (each hooks the model's decoder during its forwards)."""
+    target_engines = [Engine(_replica_model(target_model, i), **(target_engine_options or {}))
+                      for i in range(target_replicas)]
+    targets = [serve_engine(engine, TargetServicer.serve_on, "target") for engine in target_engines]
+    draft_engines = [Engine(_replica_model(draft_model, i))
+                     for i in range(draft_replicas if draft_model is not None else 0)]
+    drafts = [serve_engine(engine, DraftServicer.serve_on, "draft") for engine in draft_engines]
     coordinator = build_coordinator(
-        f"127.0.0.1:{target.port}", f"127.0.0.1:{draft.port}" if draft else None, tokenizer,
-        eos_ids=eos_ids, **coordinator_options,
+        ",".join(f"127.0.0.1:{s.port}" for s in targets), ",".join(f"127.0.0.1:{s.port}" for s in drafts) or None,
+        tokenizer, eos_ids=eos_ids, **coordinator_options,
     )
-    return LocalStack(target, draft, coordinator, target_engine, draft_engine)
+    return LocalStack(targets, drafts, coordinator, target_engines, draft_engines)

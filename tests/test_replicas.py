@@ -1,0 +1,254 @@
+"""Replicas and faults, in one process: placement and affinity, failover, a draft that is down or
+too slow, client deadlines, and draining. Every request must still match target-only decoding."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from coordinator.replicas import resolve
+from specbatch.client import generate, generate_all, make_request
+from specbatch.engine import Engine
+from specbatch.local import serve_engine, start_local_stack
+from specbatch.v1 import generation_pb2 as gen_pb
+from target_service.servicer import TargetServicer
+from tiny import greedy_reference
+from test_exactness import prompts_of_lengths
+
+
+def info(stack) -> gen_pb.InfoResponse:
+    return stack.client().Info(gen_pb.InfoRequest(), timeout=10)
+
+
+def wait_for(condition, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def slow_down(engine, seconds: float) -> None:
+    """Every call on this engine takes ``seconds`` longer (a slow or overloaded service)."""
+    original = engine.start
+
+    def slow_start(*args, **kwargs):
+        time.sleep(seconds)
+        return original(*args, **kwargs)
+
+    engine.start = slow_start
+
+
+def run_in_background(stack, prompts, new_tokens, k=3):
+    requests = [make_request(p, new_tokens, k=k, ignore_eos=True) for p in prompts]
+    return futures.ThreadPoolExecutor(1).submit(generate_all, stack.client(), requests, None, 120)
+
+
+def assert_exact(results, prompts, target_model, new_tokens) -> None:
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == greedy_reference(target_model, prompt, new_tokens)
+
+
+def test_endpoints_static_and_dns():
+    assert resolve("a:1, b:2,") == ["a:1", "b:2"]
+    assert "127.0.0.1:5000" in resolve("dns:localhost:5000")
+    assert "127.0.0.1:5000" in resolve("dns:///localhost:5000")
+    with pytest.raises(ValueError):
+        resolve("dns:localhost")
+
+
+def test_sequences_stay_on_their_replicas_and_spread(target_model, draft_model, tokenizer):
+    """2 targets + 2 drafts: 8 requests split over both; each sequence is created on exactly one
+    target and one draft replica (never moved), and the output is exact."""
+    stack = start_local_stack(target_model, draft_model, tokenizer, target_replicas=2, draft_replicas=2,
+                              max_batch_size=8)
+    try:
+        prompts = prompts_of_lengths([5, 9, 13, 7, 11, 6, 8, 10], seed=3)
+        results = run_in_background(stack, prompts, 40).result()
+        assert_exact(results, prompts, target_model, 40)
+        for engines in (stack.target_engines, stack.draft_engines):
+            created = [e.sequences_created for e in engines]
+            assert sum(created) == len(prompts), created  # no sequence placed twice
+            assert min(created) >= 2, created  # balanced: both replicas took a share
+            assert all(not e.sequences for e in engines)  # all released
+        assert {r.address for r in info(stack).replicas if r.healthy} == {
+            f"127.0.0.1:{s.port}" for s in stack.targets + stack.drafts}
+    finally:
+        stack.stop()
+
+
+def test_target_replica_stopped_mid_run_moves_its_sequences(target_model, draft_model, tokenizer):
+    stack = start_local_stack(target_model, draft_model, tokenizer, target_replicas=2, max_batch_size=8)
+    try:
+        prompts = prompts_of_lengths([5, 9, 13, 7, 11, 6, 8, 10], seed=5)
+        running = run_in_background(stack, prompts, 120)
+        wait_for(lambda: info(stack).totals.steps > 10, what="steps")
+        stack.targets[1].stop(grace=0)
+        results = running.result()
+        assert_exact(results, prompts, target_model, 120)
+        created = [e.sequences_created for e in stack.target_engines]
+        assert created[1] >= 1 and sum(created) > len(prompts)  # the stopped one's sequences moved
+        status = {r.address: r for r in info(stack).replicas if r.service == "target"}
+        stopped = status[f"127.0.0.1:{stack.targets[1].port}"]
+        assert not stopped.healthy and stopped.failures == 1 and stopped.sequences == 0
+    finally:
+        stack.stop()
+
+
+def restart_target_on(port: int, model) -> tuple:
+    engine = Engine(model)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            server = serve_engine(engine, TargetServicer.serve_on, "target", f"127.0.0.1:{port}")
+            return server, engine
+        except RuntimeError:  # the old socket is still closing
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_only_target_down_then_back_costs_time_not_requests(target_model, draft_model, tokenizer):
+    """The only target stops mid-run: requests wait (no errors); a fresh one on the same port
+    (empty caches) takes them on, rebuilt from the coordinator's history."""
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8)
+    try:
+        prompts = prompts_of_lengths([5, 9, 13, 7, 11, 6, 8, 10], seed=7)
+        running = run_in_background(stack, prompts, 100)
+        wait_for(lambda: info(stack).totals.steps > 10, what="steps")
+        port = stack.target.port
+        stack.target.stop(grace=0)
+        time.sleep(1.0)
+        assert not running.done()  # waiting, not failed
+        server, engine = restart_target_on(port, target_model)
+        stack.targets[0], stack.target_engines[0] = server, engine
+        assert_exact(running.result(), prompts, target_model, 100)
+        assert engine.sequences_created == len(prompts)
+    finally:
+        stack.stop()
+
+
+def test_draft_down_runs_target_only_and_resumes(target_model, draft_model, tokenizer):
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8)
+    try:
+        prompts = prompts_of_lengths([5, 9, 13, 7, 11, 6, 8, 10], seed=9)
+        running = run_in_background(stack, prompts, 150)
+        wait_for(lambda: info(stack).totals.steps > 5, what="steps")
+        port = stack.draft.port
+        stack.draft.stop(grace=0)
+        wait_for(lambda: info(stack).totals.k_histogram[0] > 8, what="target-only steps")
+        from draft_service.servicer import DraftServicer
+
+        engine = Engine(stack.draft_engine.model)
+        server = None
+        deadline = time.monotonic() + 10
+        while server is None:
+            try:
+                server = serve_engine(engine, DraftServicer.serve_on, "draft", f"127.0.0.1:{port}")
+            except RuntimeError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        stack.drafts[0], stack.draft_engines[0] = server, engine
+        results = running.result()
+        assert_exact(results, prompts, target_model, 150)
+        assert engine.sequences_created > 0  # speculation resumed on the restarted draft
+        assert sum(r.stats.draft_tokens_proposed for r in results) > 0
+    finally:
+        stack.stop()
+
+
+def test_slow_draft_is_set_aside(target_model, draft_model, tokenizer):
+    """A draft slower than --draft-timeout: steps go on target-only rather than waiting for it."""
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, draft_timeout=0.3)
+    try:
+        slow_down(stack.draft_engine, 1.0)
+        prompts = prompts_of_lengths([5, 9, 13], seed=11)
+        started = time.monotonic()
+        results = run_in_background(stack, prompts, 60).result()
+        assert_exact(results, prompts, target_model, 60)
+        draft = next(r for r in info(stack).replicas if r.service == "draft")
+        assert draft.failures >= 1
+        # Had every step waited for the draft, 60 steps would take a minute.
+        assert time.monotonic() - started < 20
+    finally:
+        stack.stop()
+
+
+def test_client_deadline_ends_request_and_frees_caches(target_model, draft_model, tokenizer):
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8)
+    try:
+        slow_down(stack.target_engine, 0.05)  # about 20 steps a second: 200 tokens take ~10 s
+        prompt = prompts_of_lengths([6])[0]
+        with pytest.raises(grpc.RpcError) as raised:
+            generate(stack.client(), make_request(prompt, 200, k=0, ignore_eos=True), timeout=1.0)
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_for(lambda: not stack.target_engine.sequences and not stack.draft_engine.sequences, 10, "release")
+        # A request with time to spare still runs exactly, alongside.
+        result = generate(stack.client(), make_request(prompt, 10, k=2, ignore_eos=True), timeout=30)
+        assert result.token_ids == greedy_reference(target_model, prompt, 10)
+    finally:
+        stack.stop()
+
+
+def test_call_timeout_is_what_the_requests_have_left(target_model, draft_model, tokenizer):
+    stack = start_local_stack(target_model, draft_model, tokenizer)
+    try:
+        scheduler = stack.coordinator.scheduler
+        now = time.monotonic()
+        a, b = (make_stub_request(now + 2.0), make_stub_request(now + 5.0))
+        timeout, limited = scheduler._call_timeout([a, b], 120.0)
+        assert limited and 4.5 < timeout <= 5.0  # the call serves both: the longer one's time
+        assert scheduler._call_timeout([a, make_stub_request(None)], 120.0) == (120.0, False)
+        assert scheduler._call_timeout([make_stub_request(now + 500)], 120.0) == (120.0, False)
+    finally:
+        stack.stop()
+
+
+def make_stub_request(deadline):
+    class Stub:
+        def time_left(self, now):
+            return None if deadline is None else deadline - now
+
+    return Stub()
+
+
+def test_drain_finishes_in_flight_and_refuses_new(target_model, draft_model, tokenizer):
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8)
+    try:
+        prompts = prompts_of_lengths([5, 9, 13, 7], seed=13)
+        running = run_in_background(stack, prompts, 100)
+        wait_for(lambda: info(stack).totals.steps > 3, what="steps")
+        drained = threading.Thread(target=stack.coordinator.drain, args=(60.0,))
+        drained.start()
+        wait_for(lambda: stack.coordinator.scheduler.draining.is_set(), what="draining")
+        with pytest.raises(grpc.RpcError) as raised:
+            generate(stack.client(), make_request([1, 2, 3], 5), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert_exact(running.result(), prompts, target_model, 100)  # in flight: finished, exact
+        drained.join(timeout=60)
+        assert not drained.is_alive()
+    finally:
+        stack.stop()
+
+
+def test_queue_full_gives_resource_exhausted_with_retry_hint(target_model, draft_model, tokenizer):
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=1, max_queue=1)
+    try:
+        slow_down(stack.target_engine, 0.02)
+        prompt = prompts_of_lengths([6])[0]
+        running = run_in_background(stack, [prompt, prompt], 150)  # one runs, one waits
+        wait_for(lambda: info(stack).running == 1 and info(stack).waiting == 1, what="a full queue")
+        call = stack.client().Generate(make_request(prompt, 5))
+        with pytest.raises(grpc.RpcError) as raised:
+            list(call)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        hint = dict(raised.value.trailing_metadata())["retry-after-ms"]
+        assert 250 <= int(hint) <= 30_000
+        assert_exact(running.result(), [prompt, prompt], target_model, 150)
+    finally:
+        stack.stop()
+
