@@ -10,7 +10,7 @@ from pathlib import Path
 
 from draft_service.proposer import MAX_K
 from specbatch.models import EMBEDDED, ModelSpec, load_tokenizer, model_source
-from specbatch.metrics import DEFAULT_METRICS_PORTS, CoordinatorMetrics, start_metrics_server
+from specbatch.metrics import CoordinatorMetrics, new_registry, serve_metrics
 from specbatch.serving import DEFAULT_PORTS, Server, configure_logging
 from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials_from_args,
                            server_credentials_from_args)
@@ -105,15 +105,16 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
                       profile: str | ProfileFile | None = None, profile_poll_seconds: float = 2.0,
                       credentials=None, server_credentials=None, refresh_seconds: float = 10.0,
                       wait_seconds: float = 30.0, metrics_host: str = "127.0.0.1",
-                      metrics_port: int | None = None) -> Coordinator:
+                      metrics_port: int | None = 0) -> Coordinator:
     """``target_address``/``draft_address``: one address, a comma-separated list of replicas, or
     ``dns:NAME:PORT`` (re-resolved every ``refresh_seconds``). ``profile``: a path (read now,
     re-read when it changes) or a ProfileFile already open. ``credentials``: TLS for the calls to
-    the services; ``server_credentials``: TLS for the coordinator's own port. A profile that
+    the services; ``server_credentials``: TLS for the coordinator's own port. ``metrics_port``:
+    Prometheus /metrics (0: none; None: the default port, skipped if taken). A profile that
     cannot be used, or services that do not fit together, raise ValueError before serving."""
     profile_file = ProfileFile(profile, profile_poll_seconds) if isinstance(profile, (str, Path)) else profile
     k_policy = parse_policy(policy, MAX_K, profile_file)
-    metrics = CoordinatorMetrics()
+    metrics = CoordinatorMetrics(new_registry())
     targets = ReplicaSet("target", target_address, lambda a: TargetClient(a, timeout, credentials),
                          SameModel("target"), health_service="specbatch.v1.Target", refresh_seconds=refresh_seconds,
                          on_health=lambda r: metrics.set_replica_up(r.service, r.address, r.healthy)).start()
@@ -158,7 +159,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     servicer = GenerationServicer(scheduler, tokenizer, limits, target_stats.model, draft_model, tokenizer_name,
                                   profile_file)
     server.add(pb_grpc.add_GenerationServicer_to_server, servicer, "specbatch.v1.Generation")
-    metrics_server = start_metrics_server(metrics.registry, metrics_host, metrics_port) if metrics_port is not None else None
+    metrics_server = serve_metrics(metrics.registry, "coordinator", metrics_host, metrics_port)
     return Coordinator(server.start(), scheduler, targets, drafts, profile_file, metrics_server)
 
 
@@ -192,8 +193,8 @@ def main(argv=None) -> None:
     parser.add_argument("--wait-for-services", type=float, default=300.0,
                         help="seconds to wait for a target (and a draft) replica to serve")
     parser.add_argument("--metrics-host", default="127.0.0.1", help="bind address of /metrics")
-    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORTS["coordinator"],
-                        help="Prometheus /metrics port (0: none)")
+    parser.add_argument("--metrics-port", type=int,
+                        help="Prometheus /metrics port (default 9090, skipped if taken; 0: none)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=("text", "json"), default="text")
     add_server_tls_flags(parser)
@@ -217,7 +218,7 @@ def main(argv=None) -> None:
         max_new_tokens=args.max_new_tokens_limit, timeout=args.timeout, draft_timeout=args.draft_timeout,
         eos_ids=eos_token_ids(tokenizer, source), tokenizer_name=spec.describe(), profile=profile_file,
         credentials=credentials, server_credentials=server_credentials, refresh_seconds=args.discovery_seconds,
-        wait_seconds=args.wait_for_services, metrics_host=args.metrics_host, metrics_port=args.metrics_port or None,
+        wait_seconds=args.wait_for_services, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
     )
     log.info("coordinator serving on %s:%d (k policy %s)", args.host, coordinator.port, args.k_policy)
     coordinator.server.run_until_signal(on_stop=lambda: coordinator.drain(args.drain_seconds))

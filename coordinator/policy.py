@@ -20,20 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specbatch.acceptance import tally_positions
 from specbatch.profile import expected_tokens
 
 from .profile_file import ProfileFile
-
-
-def tally_positions(outcomes: list[tuple[int, int]], positions: int) -> tuple[list[int], list[int]]:
-    """Per draft position i: how many drafts reached it (drafted past i with every earlier
-    position accepted) and how many of those were accepted there."""
-    reached, accepted = [0] * positions, [0] * positions
-    for drafted, kept in outcomes:
-        for i in range(min(drafted, kept + 1, positions)):
-            reached[i] += 1
-            accepted[i] += i < kept
-    return reached, accepted
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from draft_service.proposer import MAX_K
+from specbatch.acceptance import tally_positions
 
 from .backends import Call, lost_state, refusal, unreachable
-from .policy import tally_positions
 from .replicas import Replica, ReplicaSet
 from .requests import FINISH_CANCELLED, FeatureLog, Request
 

@@ -93,3 +93,14 @@ def rejection_sample(p: Distributions, drafts: SampledDrafts, accept_u: torch.Te
         final[rejected] = residual_distribution(final[rejected], *drafts.q_at(rejected, accepted[rejected]))
     next_token = sample(final, target_u[rows, accepted])
     return accepted, next_token
+
+
+def tally_positions(outcomes: list[tuple[int, int]], positions: int) -> tuple[list[int], list[int]]:
+    """Per draft position i: how many drafts reached it (drafted past i with every earlier
+    position accepted) and how many of those were accepted there."""
+    reached, accepted = [0] * positions, [0] * positions
+    for drafted, kept in outcomes:
+        for i in range(min(drafted, kept + 1, positions)):
+            reached[i] += 1
+            accepted[i] += i < kept
+    return reached, accepted

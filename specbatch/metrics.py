@@ -12,6 +12,7 @@ metric, its labels and which autoscaler reads it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +20,10 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector,
                                start_http_server)
+
+from .acceptance import tally_positions
+
+log = logging.getLogger(__name__)
 
 # The HTTP port of /metrics, one per role so that all three fit on one host side by side; a
 # Kubernetes pod has its own network namespace, and deploy/ uses 9090 for each. 0 turns it off.
@@ -70,18 +75,6 @@ def new_registry() -> CollectorRegistry:
     registry = CollectorRegistry()
     ProcessCollector(registry=registry)
     return registry
-
-
-def _tally_positions(outcomes, positions: int) -> tuple[list[int], list[int]]:
-    """Per draft position i: drafts that reached it (drafted past i with every earlier position
-    accepted), and of those the ones accepted there. The same rule as coordinator/policy.py's
-    tally_positions, repeated here so that this module does not import the coordinator."""
-    reached, accepted = [0] * positions, [0] * positions
-    for drafted, kept in outcomes:
-        for i in range(min(drafted, kept + 1, positions)):
-            reached[i] += 1
-            accepted[i] += i < kept
-    return reached, accepted
 
 
 class CoordinatorMetrics:
@@ -186,7 +179,7 @@ class CoordinatorMetrics:
         self.num_drafts.inc(len(drafts))
         self.num_draft_tokens.inc(sum(d for d, _ in drafts))
         self.num_accepted_tokens.inc(sum(a for _, a in drafts))
-        reached, accepted = _tally_positions(drafts, MAX_K)
+        reached, accepted = tally_positions(drafts, MAX_K)
         for i, (n_reached, n_accepted) in enumerate(zip(reached, accepted)):
             if n_reached:  # no series for positions never drafted: k=3 shows three, not sixteen
                 self.reached_per_pos.labels(position=str(i)).inc(n_reached)
@@ -345,3 +338,25 @@ def _code_name(code, default: grpc.StatusCode) -> str:
         if status.value[0] == code:
             return status.name
     return default.name
+
+
+def serve_metrics(registry, kind: str, host: str, port: int | None):
+    """Serve /metrics; None if turned off (port 0) or, for the default port only, if it is taken.
+
+    A port given on the command line must work: failing at start is what an operator wants. The
+    default port may be taken by a second stack on the same host (``specbatch up`` twice, the test
+    suite beside a demo); that stack still serves, without metrics, and says so.
+    """
+    chosen = DEFAULT_METRICS_PORTS[kind] if port is None else port
+    if not chosen:
+        return None
+    try:
+        server = start_metrics_server(registry, host, chosen)
+    except OSError as error:
+        if port is not None:
+            raise SystemExit(f"cannot serve /metrics on {host}:{chosen}: {error}") from error
+        log.warning("%s: no /metrics: default port %s:%d unavailable (%s); pass --metrics-port",
+                    kind, host, chosen, error)
+        return None
+    log.info("%s: metrics on http://%s:%d/metrics", kind, host, server.port)
+    return server

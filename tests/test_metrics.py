@@ -20,7 +20,8 @@ from specbatch import metrics as metrics_module
 from specbatch.engine import Engine
 from specbatch.logs import configure_logging
 from specbatch.metrics import CoordinatorMetrics, ServiceMetrics, start_metrics_server
-from specbatch.model_service import model_service_parser, start_service_metrics
+from specbatch.metrics import serve_metrics
+from specbatch.model_service import model_service_parser
 from specbatch.serving import Server
 from specbatch.v1 import model_services_pb2 as mpb
 from specbatch.v1 import model_services_pb2_grpc as mpb_grpc
@@ -231,15 +232,15 @@ def test_metrics_port_taken(monkeypatch, caplog):
         port = taken.getsockname()[1]
         # Given on the command line: it must work, or the service stops.
         with pytest.raises(SystemExit, match=str(port)):
-            start_service_metrics(CollectorRegistry(), "target", "127.0.0.1", port)
+            serve_metrics(CollectorRegistry(), "target", "127.0.0.1", port)
         # The default (another stack on this host holds it): serve on, without metrics, and say so.
         monkeypatch.setitem(metrics_module.DEFAULT_METRICS_PORTS, "target", port)
         with caplog.at_level(logging.WARNING):
-            assert start_service_metrics(CollectorRegistry(), "target", "127.0.0.1", None) is None
+            assert serve_metrics(CollectorRegistry(), "target", "127.0.0.1", None) is None
         assert "--metrics-port" in caplog.text
-    assert start_service_metrics(CollectorRegistry(), "target", "127.0.0.1", 0) is None  # 0: off
+    assert serve_metrics(CollectorRegistry(), "target", "127.0.0.1", 0) is None  # 0: off
     monkeypatch.setitem(metrics_module.DEFAULT_METRICS_PORTS, "target", port)  # free again now
-    server = start_service_metrics(CollectorRegistry(), "target", "127.0.0.1", None)
+    server = serve_metrics(CollectorRegistry(), "target", "127.0.0.1", None)
     try:
         assert server.port == port
     finally:
