@@ -70,8 +70,17 @@ def cmd_generate(args) -> int:
         else:
             print(response.text, end="", flush=True)
 
+    credentials = None
+    if args.tls_ca or args.tls_cert or args.tls_key:
+        from .tls import channel_credentials
+
+        try:
+            credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+        except (OSError, ValueError) as error:
+            print(f"TLS: {error}", file=sys.stderr)
+            return 2
     try:
-        result = generate(connect(args.address), request, on_response=show)
+        result = generate(connect(args.address, credentials), request, on_response=show)
     except grpc.RpcError as error:
         print(f"\nerror: {error.code().name}: {error.details()}", file=sys.stderr)
         return 1
@@ -123,6 +132,9 @@ def main(argv=None) -> int:
     gen.add_argument("--token-ids", help="comma-separated prompt token ids instead of text")
     gen.add_argument("--json", action="store_true", help="one JSON object per response, with token ids")
     gen.add_argument("--address", default=DEFAULT_ADDRESS)
+    gen.add_argument("--tls-ca", metavar="PEM", help="connect over TLS, trusting this CA (PEM) for the coordinator")
+    gen.add_argument("--tls-cert", metavar="PEM", help="client certificate, where the coordinator requires one (mTLS)")
+    gen.add_argument("--tls-key", metavar="PEM", help="the client certificate's private key")
     add_sampling_flags(gen)
     gen.set_defaults(fn=cmd_generate)
 

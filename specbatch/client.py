@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from .serving import CHANNEL_OPTIONS
+from .tls import open_channel
 from .v1 import generation_pb2 as pb
 from .v1 import generation_pb2_grpc as pb_grpc
 
@@ -16,8 +16,9 @@ FINISH_NAMES = {v.number: v.name.removeprefix("FINISH_REASON_").lower()
                 for v in pb.FinishReason.DESCRIPTOR.values}
 
 
-def connect(address: str) -> pb_grpc.GenerationStub:
-    return pb_grpc.GenerationStub(grpc.insecure_channel(address, options=CHANNEL_OPTIONS))
+def connect(address: str, credentials: grpc.ChannelCredentials | None = None) -> pb_grpc.GenerationStub:
+    """A Generation stub; over TLS with ``credentials`` (``specbatch.tls.channel_credentials``)."""
+    return pb_grpc.GenerationStub(open_channel(address, credentials))
 
 
 def make_request(prompt: str | list[int] | list[dict], max_new_tokens: int = 64, *, chat: bool = False,

@@ -157,6 +157,7 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
     # None = not given: the default port, where a clash only costs a warning (see start_service_metrics).
     parser.add_argument("--metrics-port", type=int, default=None,
                         help=f"port of /metrics; 0 turns it off (default {DEFAULT_METRICS_PORTS[kind]})")
+    add_server_tls_flags(parser)
     return parser
 
 
@@ -184,7 +185,9 @@ def start_service_metrics(registry, kind: str, host: str, port: int | None):
 
 def run_model_service(kind: str, port: int, default_model: str, add_servicer, argv=None) -> None:
     """Parse flags, load the model, serve until SIGTERM/SIGINT."""
-    args = model_service_parser(kind, port, default_model).parse_args(argv)
+    parser = model_service_parser(kind, port, default_model)
+    args = parser.parse_args(argv)
+    credentials = server_credentials_from_args(args, parser)  # bad TLS flags: refused before loading
     configure_logging(args.log_level, args.log_format)
     # /metrics first: a taken port fails before a model load of minutes, and the process's memory
     # can be watched while the model loads (the engine's gauges join once it exists).
@@ -199,7 +202,8 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
         log.info("%s service: loaded %s in %.1fs on %s/%s", kind, spec.describe(), time.perf_counter() - started,
                  engine.device, engine.dtype)
         metrics = ServiceMetrics(kind, engine, registry)
-        server = Server(f"{args.host}:{args.port}", max_workers=8, interceptors=[metrics.interceptor()])
+        server = Server(f"{args.host}:{args.port}", max_workers=8, credentials=credentials,
+                        interceptors=[metrics.interceptor()])
         add_servicer(server, engine, spec.describe(), metrics=metrics)
         server.start()
         server.run_until_signal()

@@ -54,7 +54,7 @@ class Server:
     """
 
     def __init__(self, address: str, max_workers: int = 16, maximum_concurrent_rpcs: int | None = None,
-                 interceptors=()):
+                 credentials: grpc.ServerCredentials | None = None, interceptors=()):
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             options=CHANNEL_OPTIONS,
@@ -64,7 +64,10 @@ class Server:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         self.service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
-        self.port = self.grpc_server.add_insecure_port(address)
+        # credentials (specbatch.tls.server_credentials): TLS, or mTLS with a client CA; else plaintext.
+        self.tls = credentials is not None
+        self.port = (self.grpc_server.add_secure_port(address, credentials) if credentials is not None
+                     else self.grpc_server.add_insecure_port(address))
         if not self.port:
             raise RuntimeError(f"cannot listen on {address}")
         self.address = address
@@ -106,12 +109,15 @@ class Server:
         self.stop(grace)
 
 
-def wait_until_serving(address: str, timeout: float, service: str = "") -> None:
-    """Poll a server's health service until it answers SERVING."""
+def wait_until_serving(address: str, timeout: float, service: str = "",
+                       credentials: grpc.ChannelCredentials | None = None) -> None:
+    """Poll a server's health service until it answers SERVING (over TLS with ``credentials``)."""
     import time
 
+    from .tls import open_channel
+
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with open_channel(address, credentials) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

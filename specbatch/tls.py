@@ -1,0 +1,111 @@
+"""Optional TLS and mutual TLS for every gRPC hop: clients → coordinator → draft and target services.
+
+Servers: ``--tls-cert``/``--tls-key`` serve TLS; ``--tls-client-ca`` also requires every client to
+present a certificate signed by that CA (mTLS). Without them a server listens in plaintext, as
+before (loopback by default).
+
+The coordinator's calls to the services: ``--service-tls-ca`` trusts the services' certificates;
+``--service-tls-cert``/``--service-tls-key`` are its own client certificate where the services
+require one.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import grpc
+
+from .serving import CHANNEL_OPTIONS
+
+
+def _read(path: str | Path | None) -> bytes | None:
+    return None if path is None else Path(path).read_bytes()
+
+
+def server_credentials(cert_file: str | Path, key_file: str | Path,
+                       client_ca_file: str | Path | None = None) -> grpc.ServerCredentials:
+    """TLS with this certificate chain and key; with ``client_ca_file``, mTLS: clients must present
+    a certificate signed by that CA or the handshake fails."""
+    return grpc.ssl_server_credentials(
+        [(_read(key_file), _read(cert_file))],
+        root_certificates=_read(client_ca_file),
+        require_client_auth=client_ca_file is not None,
+    )
+
+
+def channel_credentials(ca_file: str | Path | None = None, cert_file: str | Path | None = None,
+                        key_file: str | Path | None = None) -> grpc.ChannelCredentials:
+    """Trust ``ca_file`` (default: the system roots); ``cert_file``/``key_file`` are the client's
+    own certificate, for servers that require one (mTLS)."""
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("a client certificate needs both its cert file and its key file")
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca_file), private_key=_read(key_file),
+                                        certificate_chain=_read(cert_file))
+
+
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None,
+                 options=CHANNEL_OPTIONS) -> grpc.Channel:
+    """A TLS channel with ``credentials``, else a plaintext one; the message limits either way."""
+    if credentials is None:
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, credentials, options=options)
+
+
+# ---- flags -----------------------------------------------------------------------------------------
+
+
+def add_server_tls_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("TLS (default: plaintext)")
+    group.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (chain), PEM")
+    group.add_argument("--tls-key", metavar="PEM", help="the certificate's private key, PEM")
+    group.add_argument("--tls-client-ca", metavar="PEM",
+                       help="mTLS: require client certificates signed by this CA (needs --tls-cert/--tls-key)")
+
+
+def _check_readable(parser: argparse.ArgumentParser, flag: str, path: str | None) -> None:
+    if path is None:
+        return
+    try:
+        Path(path).read_bytes()
+    except OSError as error:
+        parser.error(f"{flag}: cannot read {path}: {error.strerror or error}")
+
+
+def server_credentials_from_args(args, parser: argparse.ArgumentParser) -> grpc.ServerCredentials | None:
+    """The server credentials the TLS flags ask for; None when none is given (plaintext)."""
+    cert, key, client_ca = args.tls_cert, args.tls_key, args.tls_client_ca
+    if cert is None and key is None:
+        if client_ca is not None:
+            parser.error("--tls-client-ca needs --tls-cert and --tls-key (mTLS is on top of TLS)")
+        return None
+    if cert is None or key is None:
+        parser.error("--tls-cert and --tls-key go together")
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-client-ca", client_ca)):
+        _check_readable(parser, flag, path)
+    try:
+        return server_credentials(cert, key, client_ca)
+    except Exception as error:  # noqa: BLE001 - grpc raises plain errors on malformed PEM
+        parser.error(f"TLS files not usable: {error}")
+
+
+def add_client_tls_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("TLS to the draft and target services (default: plaintext)")
+    group.add_argument("--service-tls-ca", metavar="PEM",
+                       help="call the services over TLS, trusting this CA (PEM) for their certificates")
+    group.add_argument("--service-tls-cert", metavar="PEM",
+                       help="client certificate for services that require one (mTLS); needs --service-tls-key")
+    group.add_argument("--service-tls-key", metavar="PEM", help="the client certificate's private key")
+
+
+def channel_credentials_from_args(args, parser: argparse.ArgumentParser) -> grpc.ChannelCredentials | None:
+    """Credentials for the coordinator's calls to the services; None when no flag is set
+    (plaintext). A client certificate alone also means TLS, trusting the system roots."""
+    ca, cert, key = args.service_tls_ca, args.service_tls_cert, args.service_tls_key
+    if ca is None and cert is None and key is None:
+        return None
+    if (cert is None) != (key is None):
+        parser.error("--service-tls-cert and --service-tls-key go together")
+    for flag, path in (("--service-tls-ca", ca), ("--service-tls-cert", cert), ("--service-tls-key", key)):
+        _check_readable(parser, flag, path)
+    return channel_credentials(ca, cert, key)

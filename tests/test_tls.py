@@ -1,0 +1,212 @@
+"""TLS and mTLS on the gRPC servers (specbatch.tls), with a throwaway CA made by trustme."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+import trustme
+
+from specbatch import cli
+from specbatch.engine import Engine
+from specbatch.serving import Server, wait_until_serving
+from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials,
+                           channel_credentials_from_args, open_channel, server_credentials,
+                           server_credentials_from_args)
+from specbatch.v1 import generation_pb2 as gpb
+from specbatch.v1 import generation_pb2_grpc as gpb_grpc
+from specbatch.v1 import model_services_pb2 as mpb
+from specbatch.v1 import model_services_pb2_grpc as mpb_grpc
+from target_service.servicer import TargetServicer
+from tiny import VOCAB
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Pki:
+    """PEM files of a CA, a server certificate for 127.0.0.1/localhost, a client certificate from
+    the same CA, and a client certificate from another CA."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        ca, other_ca = trustme.CA(), trustme.CA()
+        self.ca = self._write("ca.pem", ca.cert_pem)
+        self.other_ca = self._write("other-ca.pem", other_ca.cert_pem)
+        self.server_cert, self.server_key = self._leaf("server", ca.issue_cert("127.0.0.1", "localhost"))
+        self.client_cert, self.client_key = self._leaf("client", ca.issue_cert("client.specbatch.test"))
+        self.rogue_cert, self.rogue_key = self._leaf("rogue", other_ca.issue_cert("client.specbatch.test"))
+
+    def _write(self, name: str, blob) -> str:
+        path = self.folder / name
+        blob.write_to_path(str(path))
+        return str(path)
+
+    def _leaf(self, name: str, cert) -> tuple[str, str]:
+        chain = self.folder / f"{name}.pem"
+        chain.write_bytes(b"".join(pem.bytes() for pem in cert.cert_chain_pems))
+        return str(chain), self._write(f"{name}-key.pem", cert.private_key_pem)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Pki:
+    return Pki(tmp_path_factory.mktemp("pki"))
+
+
+def serve_target(target_model, credentials) -> Server:
+    server = Server("127.0.0.1:0", max_workers=4, credentials=credentials)
+    TargetServicer.serve_on(server, Engine(target_model), "tiny-target")
+    return server.start()
+
+
+@pytest.fixture(scope="module")
+def tls_server(pki, target_model):
+    server = serve_target(target_model, server_credentials(pki.server_cert, pki.server_key))
+    yield f"127.0.0.1:{server.port}"
+    server.stop(grace=0)
+
+
+@pytest.fixture(scope="module")
+def mtls_server(pki, target_model):
+    server = serve_target(target_model, server_credentials(pki.server_cert, pki.server_key, pki.ca))
+    yield f"127.0.0.1:{server.port}"
+    server.stop(grace=0)
+
+
+def cache_stats(address: str, credentials) -> mpb.CacheStatsResponse:
+    with open_channel(address, credentials) as channel:
+        return mpb_grpc.TargetStub(channel).CacheStats(mpb.CacheStatsRequest(), timeout=10)
+
+
+def refused(address: str, credentials) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        cache_stats(address, credentials)
+    return caught.value
+
+
+def test_tls_with_the_ca(pki, tls_server):
+    stats = cache_stats(tls_server, channel_credentials(pki.ca))
+    assert (stats.model, stats.vocab_size) == ("tiny-target", VOCAB)
+    wait_until_serving(tls_server, 10, credentials=channel_credentials(pki.ca))
+
+
+def test_tls_server_refuses_plaintext_and_unknown_ca(pki, tls_server):
+    assert refused(tls_server, None).code() == grpc.StatusCode.UNAVAILABLE
+    assert refused(tls_server, channel_credentials(pki.other_ca)).code() == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(TimeoutError):
+        wait_until_serving(tls_server, 0.5)  # plaintext health checks never get through
+
+
+def test_mtls_requires_a_client_certificate_from_the_ca(pki, mtls_server):
+    with_cert = channel_credentials(pki.ca, pki.client_cert, pki.client_key)
+    assert cache_stats(mtls_server, with_cert).model == "tiny-target"
+    assert refused(mtls_server, channel_credentials(pki.ca)).code() == grpc.StatusCode.UNAVAILABLE
+    rogue = channel_credentials(pki.ca, pki.rogue_cert, pki.rogue_key)
+    assert refused(mtls_server, rogue).code() == grpc.StatusCode.UNAVAILABLE
+    assert refused(mtls_server, None).code() == grpc.StatusCode.UNAVAILABLE
+
+
+# ---- flags ----------------------------------------------------------------------------------------
+
+
+def parse(add_flags, from_args, argv: list[str]):
+    parser = argparse.ArgumentParser()
+    add_flags(parser)
+    return from_args(parser.parse_args(argv), parser)
+
+
+def test_server_flags(pki, capsys):
+    server = (add_server_tls_flags, server_credentials_from_args)
+    assert parse(*server, []) is None
+    assert isinstance(parse(*server, ["--tls-cert", pki.server_cert, "--tls-key", pki.server_key]),
+                      grpc.ServerCredentials)
+    assert isinstance(parse(*server, ["--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
+                                      "--tls-client-ca", pki.ca]), grpc.ServerCredentials)
+    for argv, words in ((["--tls-cert", pki.server_cert], "go together"),
+                        (["--tls-key", pki.server_key], "go together"),
+                        (["--tls-client-ca", pki.ca], "needs --tls-cert"),
+                        (["--tls-cert", pki.server_cert, "--tls-key", "/nonexistent/key.pem"], "cannot read")):
+        with pytest.raises(SystemExit) as exit_:
+            parse(*server, argv)
+        assert exit_.value.code == 2
+        assert words in capsys.readouterr().err
+
+
+def test_client_flags(pki, capsys):
+    client = (add_client_tls_flags, channel_credentials_from_args)
+    assert parse(*client, []) is None
+    assert isinstance(parse(*client, ["--service-tls-ca", pki.ca]), grpc.ChannelCredentials)
+    assert isinstance(parse(*client, ["--service-tls-ca", pki.ca, "--service-tls-cert", pki.client_cert,
+                                      "--service-tls-key", pki.client_key]), grpc.ChannelCredentials)
+    for argv, words in ((["--service-tls-ca", pki.ca, "--service-tls-cert", pki.client_cert], "go together"),
+                        (["--service-tls-ca", "/nonexistent/ca.pem"], "cannot read")):
+        with pytest.raises(SystemExit) as exit_:
+            parse(*client, argv)
+        assert exit_.value.code == 2
+        assert words in capsys.readouterr().err
+
+
+# ---- the generate command over mTLS -----------------------------------------------------------------
+
+
+class OneToken(gpb_grpc.GenerationServicer):
+    def Generate(self, request, context):
+        yield gpb.GenerateResponse(request_id="r", token_ids=[7], text="w2",
+                                   finish_reason=gpb.FINISH_REASON_LENGTH, stats=gpb.RequestStats(generated_tokens=1))
+
+
+def test_generate_command_over_mtls(pki, capsys):
+    server = Server("127.0.0.1:0", max_workers=2,
+                    credentials=server_credentials(pki.server_cert, pki.server_key, pki.ca))
+    server.add(gpb_grpc.add_GenerationServicer_to_server, OneToken(), "specbatch.v1.Generation")
+    server.start()
+    address = f"127.0.0.1:{server.port}"
+    try:
+        argv = ["generate", "--token-ids", "1,5", "--max-new-tokens", "1", "--json", "--address", address]
+        assert cli.main(argv + ["--tls-ca", pki.ca, "--tls-cert", pki.client_cert, "--tls-key", pki.client_key]) == 0
+        assert '"token_ids": [7]' in capsys.readouterr().out
+        assert cli.main(argv + ["--tls-ca", pki.ca]) == 1  # no client certificate
+        assert "UNAVAILABLE" in capsys.readouterr().err
+        assert cli.main(argv + ["--tls-ca", pki.ca, "--tls-cert", pki.client_cert]) == 2
+    finally:
+        server.stop(grace=0)
+
+
+# ---- the target service as a process ---------------------------------------------------------------
+
+
+def test_target_service_process_over_tls(pki, tmp_path, target_model, tokenizer):
+    folder = tmp_path / "tiny-target"
+    target_model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "target_service", "--model", str(folder), "--port", str(port),
+                                "--tls-cert", pki.server_cert, "--tls-key", pki.server_key,
+                                "--tls-client-ca", pki.ca, "--log-level", "WARNING"])
+    address = f"127.0.0.1:{port}"
+    credentials = channel_credentials(pki.ca, pki.client_cert, pki.client_key)
+    try:
+        wait_until_serving(address, 120, credentials=credentials)
+        assert cache_stats(address, credentials).vocab_size == VOCAB
+        assert refused(address, channel_credentials(pki.ca)).code() == grpc.StatusCode.UNAVAILABLE
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_target_service_refuses_half_tls_flags(pki):
+    done = subprocess.run([sys.executable, "-m", "target_service", "--tls-cert", pki.server_cert],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--tls-cert and --tls-key go together" in done.stderr
