@@ -234,10 +234,12 @@ def test_services_reach_their_pods(overlay):
         for port in service["spec"]["ports"]:
             target = port["targetPort"]
             assert any(target in (n, number) for n, number in ports), f"{name}: no container port {target}"
-    # The coordinator addresses the headless Services by name and port.
+    # The coordinator discovers every pod behind the headless Services by DNS name and port.
     args = pod(deployments["specbatch-coordinator"])["containers"][0]["args"]
     for which in ("target", "draft"):
-        host, port = flag(args, which).rsplit(":", 1)
+        endpoints = flag(args, which)
+        assert endpoints.startswith("dns:"), endpoints  # every replica, not one connection
+        host, port = endpoints.removeprefix("dns:").rsplit(":", 1)
         assert int(port) in {p["port"] for p in services[host]["spec"]["ports"]}
         assert services[host]["spec"]["clusterIP"] == "None"
 
