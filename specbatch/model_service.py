@@ -15,7 +15,7 @@ import torch
 
 from .engine import Engine, SequenceInput
 from .logs import LOG_FORMATS
-from .metrics import DEFAULT_METRICS_PORTS, ServiceMetrics, new_registry, start_metrics_server
+from .metrics import DEFAULT_METRICS_PORTS, ServiceMetrics, new_registry, serve_metrics
 from .models import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, load_model
 from .sampling import SamplingParams, SparseDistribution
 from .serving import Server, configure_logging, engine_errors_to_status
@@ -129,6 +129,7 @@ class CacheServicer:
                 max_context=self.engine.max_context,
                 vocab_size=self.engine.vocab_size,
                 feature_size=self.feature_size(),
+                sequences_created=self.engine.sequences_created,
             )
 
     def feature_size(self) -> int:
@@ -161,28 +162,6 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
     return parser
 
 
-def start_service_metrics(registry, kind: str, host: str, port: int | None):
-    """Serve /metrics; None if turned off (port 0) or, for the default port only, if it is taken.
-
-    A port given on the command line must work: failing at start is what an operator wants. The
-    default port may be taken by a second stack on the same host (``specbatch up`` twice, the test
-    suite beside a demo); that stack still serves, without metrics, and says so.
-    """
-    chosen = DEFAULT_METRICS_PORTS[kind] if port is None else port
-    if not chosen:
-        return None
-    try:
-        server = start_metrics_server(registry, host, chosen)
-    except OSError as error:
-        if port is not None:
-            raise SystemExit(f"cannot serve /metrics on {host}:{chosen}: {error}") from error
-        log.warning("%s service: no /metrics: default port %s:%d unavailable (%s); pass --metrics-port",
-                    kind, host, chosen, error)
-        return None
-    log.info("%s service: metrics on http://%s:%d/metrics", kind, host, server.port)
-    return server
-
-
 def run_model_service(kind: str, port: int, default_model: str, add_servicer, argv=None) -> None:
     """Parse flags, load the model, serve until SIGTERM/SIGINT."""
     parser = model_service_parser(kind, port, default_model)
@@ -192,7 +171,7 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
     # /metrics first: a taken port fails before a model load of minutes, and the process's memory
     # can be watched while the model loads (the engine's gauges join once it exists).
     registry = new_registry()
-    metrics_server = start_service_metrics(registry, kind, args.metrics_host, args.metrics_port)
+    metrics_server = serve_metrics(registry, kind, args.metrics_host, args.metrics_port)
     try:
         spec = ModelSpec(args.model, args.gguf_file, args.num_layers, args.trust_remote_code)
         started = time.perf_counter()
