@@ -88,6 +88,10 @@ class Server:
         for name in self.service_names:
             self.health.set(name, status)
 
+    def set_not_serving(self) -> None:
+        """Health says NOT_SERVING (probes and clients go elsewhere) while calls still run."""
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
     def stop(self, grace: float = 5.0) -> None:
         if self.stopped.is_set():
             return
