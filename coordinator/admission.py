@@ -28,6 +28,7 @@ class Limits:
     max_context: int
     max_new_tokens: int
     eos_token_ids: frozenset[int]
+    max_prompt_tokens: int | None = None  # None: whatever fits the context
 
 
 def prompt_tokens(message: pb.GenerateRequest, tokenizer) -> list[int]:
@@ -66,6 +67,8 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
     bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
     if bad:
         raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
+    if limits.max_prompt_tokens is not None and len(prompt) > limits.max_prompt_tokens:
+        raise InvalidRequest(f"the prompt has {len(prompt)} tokens; the limit is {limits.max_prompt_tokens}")
     if not 1 <= message.max_new_tokens <= limits.max_new_tokens:
         raise InvalidRequest(f"max_new_tokens must be in [1, {limits.max_new_tokens}] (got {message.max_new_tokens})")
     if len(prompt) + message.max_new_tokens > limits.max_context:

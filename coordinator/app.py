@@ -100,7 +100,8 @@ def eos_token_ids(tokenizer, tokenizer_source: str | None) -> frozenset[int]:
 
 def build_coordinator(target_address: str, draft_address: str | None, tokenizer, *, policy: str = "fixed:3",
                       host: str = "127.0.0.1", port: int = 0, max_batch_size: int = 32, max_queue: int = 256,
-                      max_new_tokens: int = 1024, timeout: float = 120.0, draft_timeout: float = 10.0,
+                      max_new_tokens: int = 1024, max_prompt_tokens: int | None = None, timeout: float = 120.0,
+                      draft_timeout: float = 10.0,
                       eos_ids: frozenset[int] | None = None, tokenizer_name: str = "",
                       profile: str | ProfileFile | None = None, profile_poll_seconds: float = 2.0,
                       credentials=None, server_credentials=None, refresh_seconds: float = 10.0,
@@ -145,7 +146,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
             replicas.close()
         raise
     limits = Limits(target_stats.vocab_size, max_context, max_new_tokens,
-                    eos_ids if eos_ids is not None else eos_token_ids(tokenizer, None))
+                    eos_ids if eos_ids is not None else eos_token_ids(tokenizer, None), max_prompt_tokens)
     metrics.set_policy(k_policy.describe())
     scheduler = Scheduler(targets, drafts, k_policy, max_batch_size, max_queue, max_context, feature_size,
                           metrics=metrics, draft_timeout=draft_timeout)
@@ -184,7 +185,8 @@ def main(argv=None) -> None:
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests waiting for a batch slot; past it, RESOURCE_EXHAUSTED with a retry hint")
-    parser.add_argument("--max-new-tokens-limit", type=int, default=1024)
+    parser.add_argument("--max-new-tokens-limit", type=int, default=1024, help="the most max_new_tokens a request may ask")
+    parser.add_argument("--max-prompt-tokens", type=int, help="the longest prompt accepted (default: what fits the context)")
     parser.add_argument("--timeout", type=float, default=120.0, help="longest target call, seconds")
     parser.add_argument("--draft-timeout", type=float, default=10.0,
                         help="longest draft call, seconds: a slower draft is set aside and steps run target-only")
@@ -215,7 +217,8 @@ def main(argv=None) -> None:
     coordinator = build_coordinator(
         args.target, None if args.draft == "none" else args.draft, tokenizer, policy=args.k_policy, host=args.host,
         port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-        max_new_tokens=args.max_new_tokens_limit, timeout=args.timeout, draft_timeout=args.draft_timeout,
+        max_new_tokens=args.max_new_tokens_limit, max_prompt_tokens=args.max_prompt_tokens, timeout=args.timeout,
+        draft_timeout=args.draft_timeout,
         eos_ids=eos_token_ids(tokenizer, source), tokenizer_name=spec.describe(), profile=profile_file,
         credentials=credentials, server_credentials=server_credentials, refresh_seconds=args.discovery_seconds,
         wait_seconds=args.wait_for_services, metrics_host=args.metrics_host, metrics_port=args.metrics_port,

@@ -10,6 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specbatch import __version__
 from specbatch.client import generate, make_request
+from specbatch.local import start_local_stack
 from specbatch.v1 import generation_pb2 as pb
 from specbatch.v1 import model_services_pb2 as mpb
 from specbatch.v1 import model_services_pb2_grpc as mpb_grpc
@@ -302,3 +303,15 @@ def test_health_reports_serving(stack):
             for service in services:
                 reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
                 assert reply.status == health_pb2.HealthCheckResponse.SERVING, (port, service)
+
+
+def test_prompt_token_limit(target_model, draft_model, tokenizer):
+    """--max-prompt-tokens: one token over is INVALID_ARGUMENT, the limit itself is served."""
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_prompt_tokens=6)
+    try:
+        error = refusal(stack.client(), make_request([1, 5, 6, 7, 8, 9, 10], 4))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "limit is 6" in error.details()
+        result = generate(stack.client(), make_request([1, 5, 6, 7, 8, 9], 4, ignore_eos=True), timeout=30)
+        assert result.token_ids == greedy_reference(target_model, [1, 5, 6, 7, 8, 9], 4)
+    finally:
+        stack.stop()
