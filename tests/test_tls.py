@@ -210,3 +210,33 @@ def test_target_service_refuses_half_tls_flags(pki):
     done = subprocess.run([sys.executable, "-m", "target_service", "--tls-cert", pki.server_cert],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--tls-cert and --tls-key go together" in done.stderr
+
+
+def test_whole_stack_over_mtls(pki, target_model, draft_model, tokenizer):
+    """Coordinator → target and draft over mTLS, client → coordinator over TLS: output exact; a
+    coordinator without the client certificate is refused by the services at start."""
+    from coordinator.app import build_coordinator
+    from draft_service.servicer import DraftServicer
+    from specbatch.client import connect, generate, make_request
+    from tiny import greedy_reference
+
+    mtls = server_credentials(pki.server_cert, pki.server_key, pki.ca)
+    target = serve_target(target_model, mtls)
+    draft = Server("127.0.0.1:0", max_workers=4, credentials=mtls)
+    DraftServicer.serve_on(draft, Engine(draft_model), "tiny-draft")
+    draft.start()
+    addresses = (f"127.0.0.1:{target.port}", f"127.0.0.1:{draft.port}")
+    coordinator = build_coordinator(*addresses, tokenizer, eos_ids=frozenset(),
+                                    credentials=channel_credentials(pki.ca, pki.client_cert, pki.client_key),
+                                    server_credentials=server_credentials(pki.server_cert, pki.server_key))
+    try:
+        client = connect(f"127.0.0.1:{coordinator.port}", channel_credentials(pki.ca))
+        result = generate(client, make_request([1, 7, 22, 9], 20, k=3, ignore_eos=True), timeout=60)
+        assert result.token_ids == greedy_reference(target_model, [1, 7, 22, 9], 20)
+        assert result.stats.draft_tokens_proposed > 0
+        with pytest.raises(TimeoutError):  # no client certificate: no replica ever becomes healthy
+            build_coordinator(*addresses, tokenizer, credentials=channel_credentials(pki.ca), wait_seconds=1.0)
+    finally:
+        coordinator.stop(grace=0)
+        target.stop(grace=0)
+        draft.stop(grace=0)
