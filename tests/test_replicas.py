@@ -95,6 +95,9 @@ def test_target_replica_stopped_mid_run_moves_its_sequences(target_model, draft_
         status = {r.address: r for r in info(stack).replicas if r.service == "target"}
         stopped = status[f"127.0.0.1:{stack.targets[1].port}"]
         assert not stopped.healthy and stopped.failures == 1 and stopped.sequences == 0
+        registry = stack.coordinator.scheduler.metrics.registry
+        assert registry.get_sample_value("specbatch_replica_failovers_total", {"service": "target"}) >= 1
+        assert registry.get_sample_value("specbatch_replica_up", {"service": "target", "address": stopped.address}) == 0
     finally:
         stack.stop()
 
@@ -141,6 +144,8 @@ def test_draft_down_runs_target_only_and_resumes(target_model, draft_model, toke
         port = stack.draft.port
         stack.draft.stop(grace=0)
         wait_for(lambda: info(stack).totals.k_histogram[0] > 8, what="target-only steps")
+        registry = stack.coordinator.scheduler.metrics.registry
+        assert registry.get_sample_value("specbatch_draft_fallback_steps_total") > 0
         from draft_service.servicer import DraftServicer
 
         engine = Engine(stack.draft_engine.model)
