@@ -45,10 +45,15 @@ def channel_credentials(ca_file: str | Path | None = None, cert_file: str | Path
 
 
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None,
-                 options=CHANNEL_OPTIONS) -> grpc.Channel:
-    """A TLS channel with ``credentials``, else a plaintext one; the message limits either way."""
+                 options=CHANNEL_OPTIONS, server_name: str | None = None) -> grpc.Channel:
+    """A TLS channel with ``credentials``, else a plaintext one; the message limits either way.
+
+    ``server_name``: the name the server's certificate must carry, where it is not the host in
+    ``address`` (a replica dialled by its pod IP after DNS discovery, say)."""
     if credentials is None:
         return grpc.insecure_channel(address, options=options)
+    if server_name:
+        options = [*options, ("grpc.ssl_target_name_override", server_name)]
     return grpc.secure_channel(address, credentials, options=options)
 
 
@@ -96,6 +101,9 @@ def add_client_tls_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--service-tls-cert", metavar="PEM",
                        help="client certificate for services that require one (mTLS); needs --service-tls-key")
     group.add_argument("--service-tls-key", metavar="PEM", help="the client certificate's private key")
+    group.add_argument("--service-tls-server-name", metavar="NAME",
+                       help="the name the services' certificates carry, when it is not the host dialled "
+                            "(dns: discovery dials each replica by IP); pass to open_channel(server_name=)")
 
 
 def channel_credentials_from_args(args, parser: argparse.ArgumentParser) -> grpc.ChannelCredentials | None:
@@ -103,6 +111,8 @@ def channel_credentials_from_args(args, parser: argparse.ArgumentParser) -> grpc
     (plaintext). A client certificate alone also means TLS, trusting the system roots."""
     ca, cert, key = args.service_tls_ca, args.service_tls_cert, args.service_tls_key
     if ca is None and cert is None and key is None:
+        if getattr(args, "service_tls_server_name", None):
+            parser.error("--service-tls-server-name needs --service-tls-ca (it only applies to TLS)")
         return None
     if (cert is None) != (key is None):
         parser.error("--service-tls-cert and --service-tls-key go together")

@@ -240,3 +240,32 @@ def test_whole_stack_over_mtls(pki, target_model, draft_model, tokenizer):
         coordinator.stop(grace=0)
         target.stop(grace=0)
         draft.stop(grace=0)
+
+
+def test_server_name_when_dialling_by_ip(tmp_path, target_model, capsys):
+    """A replica found by DNS is dialled by its IP, but its certificate names the service:
+    open_channel(server_name=) says which name to expect (--service-tls-server-name)."""
+    ca = trustme.CA()
+    cert = ca.issue_cert("target.specbatch.test")
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    (tmp_path / "cert.pem").write_bytes(b"".join(pem.bytes() for pem in cert.cert_chain_pems))
+    cert.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    server = serve_target(target_model, server_credentials(tmp_path / "cert.pem", tmp_path / "key.pem"))
+    address = f"127.0.0.1:{server.port}"
+    credentials = channel_credentials(tmp_path / "ca.pem")
+    try:
+        assert refused(address, credentials).code() == grpc.StatusCode.UNAVAILABLE  # 127.0.0.1 is not in it
+        for name, works in (("target.specbatch.test", True), ("draft.specbatch.test", False)):
+            with open_channel(address, credentials, server_name=name) as channel:
+                call = lambda: mpb_grpc.TargetStub(channel).CacheStats(mpb.CacheStatsRequest(), timeout=10)  # noqa: E731
+                if works:
+                    assert call().model == "tiny-target"
+                else:
+                    with pytest.raises(grpc.RpcError) as caught:
+                        call()
+                    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(grace=0)
+    with pytest.raises(SystemExit):
+        parse(add_client_tls_flags, channel_credentials_from_args, ["--service-tls-server-name", "x"])
+    assert "needs --service-tls-ca" in capsys.readouterr().err
