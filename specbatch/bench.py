@@ -15,7 +15,6 @@ and written with PNG plots and the raw numbers to --out.
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import threading
 import time
@@ -24,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .client import connect, generate, make_request
-from .launcher import LocalProcesses, stack_options
+from .launcher import LocalProcesses, free_port, stack_options
 from .prompts import CHAT_PROMPTS
 from .traffic import DEFAULT_TRACE, Trace, poisson_arrivals, prompt_order, run_closed_loop, run_open_loop, stream
 from .v1 import generation_pb2 as pb
@@ -269,11 +268,6 @@ def add_bench_flags(parser) -> None:
     parser.add_argument("--out", default="bench-out", help="folder for results.md, results.json and the plots")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def run_bench(args) -> int:
     fixed = [int(k) for k in args.fixed_k.split(",")] if args.fixed_k else [args.k]
@@ -311,7 +305,7 @@ def run_bench(args) -> int:
     context = nullcontext() if args.address else LocalProcesses(stack_options(args))
     with context as processes:
         main_stub = connect(args.address or processes.address)
-        addresses = {p: given.get(p) or processes.add_coordinator(p, _free_port(), args.profile) for p in policies}
+        addresses = {p: given.get(p) or processes.add_coordinator(p, free_port(), args.profile) for p in policies}
         modes = [Mode("k=0 (target only)", main_stub, 0)] + [Mode(f"k={k}", main_stub, k) for k in fixed if k]
         modes += [Mode(p, connect(address), None) for p, address in addresses.items()]
         info = main_stub.Info(pb.InfoRequest())

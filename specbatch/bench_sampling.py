@@ -18,22 +18,16 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import socket
 import time
 from pathlib import Path
 
 from coordinator.app import build_coordinator
 
 from .client import connect, generate, generate_all, make_request
-from .launcher import LocalProcesses, add_stack_flags, stack_options
+from .launcher import LocalProcesses, add_stack_flags, free_port, stack_options
 from .models import EMBEDDED, ModelSpec, load_tokenizer
 from .prompts import CHAT_PROMPTS
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _snapshot(coordinator) -> dict:
@@ -88,7 +82,7 @@ def main(argv=None) -> int:
 
     options = stack_options(args)
     options.coordinator = False
-    options.ports = {"coordinator": 0, "target": _free_port(), "draft": _free_port()}
+    options.ports = {"coordinator": 0, "target": free_port(), "draft": free_port()}
     temperatures = [float(t) for t in args.temperatures.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
     rows = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,6 +12,13 @@ from dataclasses import dataclass, field
 
 from .metrics import DEFAULT_METRICS_PORTS
 from .serving import DEFAULT_PORTS, wait_until_serving
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now on ``host`` (for a process to bind in a moment)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass
@@ -32,6 +40,7 @@ class StackOptions:
     log_level: str = "WARNING"
     # Prometheus /metrics port of each service; None: no endpoint (tests run many stacks at once).
     metrics_ports: dict | None = None
+    coordinator_flags: list = field(default_factory=list)  # more flags for the coordinator (--max-queue 64 …)
 
 
 def add_stack_flags(parser) -> None:
@@ -144,7 +153,7 @@ class LocalProcesses:
             flags += ["--tokenizer", o.target_model]
         if o.target_gguf_file:
             flags += ["--gguf-file", o.target_gguf_file]
-        self._spawn(name, "coordinator", flags)
+        self._spawn(name, "coordinator", flags + list(o.coordinator_flags))
 
     def add_coordinator(self, policy: str, port: int, profile: str | None = None, timeout: float = 600.0) -> str:
         """One more coordinator over the same target and draft (the benchmark runs one per k

@@ -183,7 +183,7 @@ def test_draft_service_process_serves_the_distilled_folder(distilled, target_mod
     from specbatch.client import connect
     from specbatch.launcher import LocalProcesses, StackOptions
     from specbatch.v1 import generation_pb2 as gpb
-    from test_processes import free_port
+    from specbatch.launcher import free_port
 
     target_model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)

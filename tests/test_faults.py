@@ -15,12 +15,12 @@ import grpc
 import pytest
 
 from specbatch.client import connect, generate, make_request
+from specbatch.launcher import free_port
 from specbatch.serving import wait_until_serving
 from specbatch.v1 import generation_pb2 as gen_pb
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 from test_exactness import prompts_of_lengths
-from test_processes import free_port
 from tiny import greedy_reference
 
 NEW_TOKENS = 100

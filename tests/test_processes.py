@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 
 import grpc
 import pytest
@@ -11,14 +10,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specbatch import cli
 from specbatch.client import connect, generate, make_request
-from specbatch.launcher import LocalProcesses, StackOptions
+from specbatch.launcher import LocalProcesses, StackOptions, free_port
 from tiny import greedy_reference
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

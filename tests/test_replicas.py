@@ -15,6 +15,7 @@ from specbatch.client import generate, generate_all, make_request
 from specbatch.engine import Engine
 from specbatch.local import serve_engine, start_local_stack
 from specbatch.v1 import generation_pb2 as gen_pb
+from draft_service.servicer import DraftServicer
 from target_service.servicer import TargetServicer
 from tiny import greedy_reference
 from test_exactness import prompts_of_lengths
@@ -102,13 +103,13 @@ def test_target_replica_stopped_mid_run_moves_its_sequences(target_model, draft_
         stack.stop()
 
 
-def restart_target_on(port: int, model) -> tuple:
+def restart_on(port: int, model, servicer, name: str) -> tuple:
+    """A fresh service (empty caches) on the address a stopped one had, serving ``name``."""
     engine = Engine(model)
     deadline = time.monotonic() + 10
     while True:
         try:
-            server = serve_engine(engine, TargetServicer.serve_on, "target", f"127.0.0.1:{port}")
-            return server, engine
+            return serve_engine(engine, servicer.serve_on, name, f"127.0.0.1:{port}"), engine
         except RuntimeError:  # the old socket is still closing
             if time.monotonic() > deadline:
                 raise
@@ -127,7 +128,7 @@ def test_only_target_down_then_back_costs_time_not_requests(target_model, draft_
         stack.target.stop(grace=0)
         time.sleep(1.0)
         assert not running.done()  # waiting, not failed
-        server, engine = restart_target_on(port, target_model)
+        server, engine = restart_on(port, target_model, TargetServicer, "target")
         stack.targets[0], stack.target_engines[0] = server, engine
         assert_exact(running.result(), prompts, target_model, 100)
         assert engine.sequences_created == len(prompts)
@@ -146,22 +147,14 @@ def test_draft_down_runs_target_only_and_resumes(target_model, draft_model, toke
         wait_for(lambda: info(stack).totals.k_histogram[0] > 8, what="target-only steps")
         registry = stack.coordinator.scheduler.metrics.registry
         assert registry.get_sample_value("specbatch_draft_fallback_steps_total") > 0
-        from draft_service.servicer import DraftServicer
-
-        engine = Engine(stack.draft_engine.model)
-        server = None
-        deadline = time.monotonic() + 10
-        while server is None:
-            try:
-                server = serve_engine(engine, DraftServicer.serve_on, "draft", f"127.0.0.1:{port}")
-            except RuntimeError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        server, engine = restart_on(port, stack.draft_engine.model, DraftServicer, "draft")
         stack.drafts[0], stack.draft_engines[0] = server, engine
-        results = running.result()
-        assert_exact(results, prompts, target_model, 150)
-        assert engine.sequences_created > 0  # speculation resumed on the restarted draft
-        assert sum(r.stats.draft_tokens_proposed for r in results) > 0
+        assert_exact(running.result(), prompts, target_model, 150)
+        # The probes find the new draft (backoff at most 5 s) and speculation resumes on it.
+        wait_for(lambda: all(r.healthy for r in info(stack).replicas), what="the draft back")
+        result = generate(stack.client(), make_request(prompts[0], 30, k=3, ignore_eos=True), timeout=30)
+        assert result.token_ids == greedy_reference(target_model, prompts[0], 30)
+        assert result.stats.draft_tokens_proposed > 0 and engine.sequences_created > 0
     finally:
         stack.stop()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ import trustme
 
 from specbatch import cli
 from specbatch.engine import Engine
+from specbatch.launcher import free_port
 from specbatch.serving import Server, wait_until_serving
 from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials,
                            channel_credentials_from_args, open_channel, server_credentials,
@@ -26,11 +26,6 @@ from specbatch.v1 import model_services_pb2_grpc as mpb_grpc
 from target_service.servicer import TargetServicer
 from tiny import VOCAB
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Pki:
