@@ -250,3 +250,65 @@ def test_queue_full_gives_resource_exhausted_with_retry_hint(target_model, draft
     finally:
         stack.stop()
 
+
+
+def test_dns_discovery_adds_and_removes_replicas(monkeypatch, target_model, draft_model, tokenizer):
+    """Endpoints re-resolved while requests run: a replica that appears takes new sequences only
+    (the running ones keep theirs); one that disappears has its sequences moved; output exact."""
+    import coordinator.replicas as replicas_module
+
+    extra = start_local_stack(target_model, None, tokenizer)  # a second target server to discover
+    answer = {"dns:targets:0": []}
+    real_resolve = replicas_module.resolve
+    monkeypatch.setattr(replicas_module, "resolve", lambda spec: list(answer[spec]) if spec in answer
+                        else real_resolve(spec))
+    first = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8)
+    first_address, second_address = f"127.0.0.1:{first.target.port}", f"127.0.0.1:{extra.target.port}"
+    answer["dns:targets:0"] = [first_address]
+    from coordinator.app import build_coordinator
+
+    coordinator = build_coordinator("dns:targets:0", f"127.0.0.1:{first.draft.port}", tokenizer, eos_ids=frozenset(),
+                                    refresh_seconds=0.1, max_batch_size=8)
+    try:
+        from specbatch.client import connect
+
+        stub = connect(f"127.0.0.1:{coordinator.port}")
+        prompts = prompts_of_lengths([5, 9, 13, 7], seed=17)
+        requests = [make_request(p, 120, k=3, ignore_eos=True) for p in prompts]
+        slow_down(first.target_engine, 0.01)
+        running = futures.ThreadPoolExecutor(1).submit(generate_all, stub, requests, None, 120)
+        wait_for(lambda: first.target_engine.sequences_created == 4, what="the first wave placed")
+        answer["dns:targets:0"] = [first_address, second_address]  # scale-up
+        wait_for(lambda: sum(r.healthy for r in stub.Info(gen_pb.InfoRequest()).replicas) == 3, what="joined")
+        late = generate(stub, make_request(prompts[0], 20, k=3, ignore_eos=True), timeout=60)
+        assert late.token_ids == greedy_reference(target_model, prompts[0], 20)
+        assert extra.target_engine.sequences_created == 1  # the new request went to the idle replica
+        assert first.target_engine.sequences_created == 4  # the running ones did not move
+        answer["dns:targets:0"] = [second_address]  # the first replica leaves discovery mid-run
+        assert_exact(running.result(), prompts, target_model, 120)
+        assert extra.target_engine.sequences_created == 1 + 4  # all four moved there
+    finally:
+        coordinator.stop(grace=0)
+        first.stop()
+        extra.stop()
+
+
+def test_two_coordinators_share_one_draft_and_target(target_model, draft_model, tokenizer):
+    from coordinator.app import build_coordinator
+    from specbatch.client import connect
+
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8)
+    other = build_coordinator(f"127.0.0.1:{stack.target.port}", f"127.0.0.1:{stack.draft.port}", tokenizer,
+                              eos_ids=frozenset(), max_batch_size=8)
+    try:
+        prompts = prompts_of_lengths([5, 9, 13, 7, 11, 6], seed=19)
+        requests = [make_request(p, 60, k=3, ignore_eos=True) for p in prompts]
+        with futures.ThreadPoolExecutor(2) as pool:
+            a = pool.submit(generate_all, stack.client(), requests[:3], None, 120)
+            b = pool.submit(generate_all, connect(f"127.0.0.1:{other.port}"), requests[3:], None, 120)
+            results = a.result() + b.result()
+        assert_exact(results, prompts, target_model, 60)
+        assert stack.draft_engine.sequences_created == len(prompts) and not stack.draft_engine.sequences
+    finally:
+        other.stop(grace=0)
+        stack.stop()
