@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 
 import grpc
 import pytest
@@ -10,6 +11,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specbatch import cli
 from specbatch.client import connect, generate, make_request
+from specbatch.v1 import generation_pb2 as gpb
 from specbatch.launcher import LocalProcesses, StackOptions, free_port
 from tiny import greedy_reference
 
@@ -61,5 +63,15 @@ def test_stop_is_clean(tmp_path_factory, target_model, tokenizer):
     children = [p for _, p in stack.processes]
     result = generate(connect(stack.address), make_request([1, 5, 6], 4, ignore_eos=True))
     assert len(result.token_ids) == 4
+    # SIGTERM to the coordinator mid-stream: the stream still finishes (drain), then it exits 0.
+    coordinator = dict(stack.processes)["coordinator"]
+    stream = connect(stack.address).Generate(make_request([1, 5, 6], 200, ignore_eos=True), timeout=120)
+    tokens = list(next(stream).token_ids)
+    coordinator.send_signal(signal.SIGTERM)
+    responses = list(stream)
+    tokens += [t for r in responses for t in r.token_ids]
+    assert responses[-1].finish_reason == gpb.FINISH_REASON_LENGTH
+    assert tokens == greedy_reference(target_model, [1, 5, 6], 200)
+    assert coordinator.wait(30) == 0
     stack.stop()
     assert [p.returncode for p in children] == [0, 0]  # SIGTERM → graceful exit, not killed
