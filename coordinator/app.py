@@ -104,27 +104,38 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
                       draft_timeout: float = 10.0,
                       eos_ids: frozenset[int] | None = None, tokenizer_name: str = "",
                       profile: str | ProfileFile | None = None, profile_poll_seconds: float = 2.0,
-                      credentials=None, server_credentials=None, refresh_seconds: float = 10.0,
+                      credentials=None, tls_server_name: str | None = None, server_credentials=None,
+                      refresh_seconds: float = 10.0,
                       wait_seconds: float = 30.0, metrics_host: str = "127.0.0.1",
                       metrics_port: int | None = 0) -> Coordinator:
     """``target_address``/``draft_address``: one address, a comma-separated list of replicas, or
     ``dns:NAME:PORT`` (re-resolved every ``refresh_seconds``). ``profile``: a path (read now,
     re-read when it changes) or a ProfileFile already open. ``credentials``: TLS for the calls to
-    the services; ``server_credentials``: TLS for the coordinator's own port. ``metrics_port``:
+    the services (``tls_server_name``: the name their certificates carry, when replicas are dialled
+    by IP); ``server_credentials``: TLS for the coordinator's own port. ``metrics_port``:
     Prometheus /metrics (0: none; None: the default port, skipped if taken). A profile that
     cannot be used, or services that do not fit together, raise ValueError before serving."""
     profile_file = ProfileFile(profile, profile_poll_seconds) if isinstance(profile, (str, Path)) else profile
     k_policy = parse_policy(policy, MAX_K, profile_file)
     metrics = CoordinatorMetrics(new_registry())
-    targets = ReplicaSet("target", target_address, lambda a: TargetClient(a, timeout, credentials),
-                         SameModel("target"), health_service="specbatch.v1.Target", refresh_seconds=refresh_seconds,
-                         on_health=lambda r: metrics.set_replica_up(r.service, r.address, r.healthy)).start()
+
+    def health_changed(replica) -> None:
+        if replica.removed:  # gone from discovery: its series goes too
+            metrics.forget_replica(replica.service, replica.address)
+        else:
+            metrics.set_replica_up(replica.service, replica.address, replica.healthy)
+
+    def replicas(service: str, spec: str, make_client) -> ReplicaSet:
+        return ReplicaSet(service, spec, make_client, SameModel(service), health_service=f"specbatch.v1.{service.title()}",
+                          refresh_seconds=refresh_seconds, on_health=health_changed).start()
+
+    targets = replicas("target", target_address,
+                       lambda address: TargetClient(address, timeout, credentials, server_name=tls_server_name))
     drafts = None
     if draft_address:
         # A draft call gets one retry: with the draft down, steps go on target-only at once.
-        drafts = ReplicaSet("draft", draft_address, lambda a: DraftClient(a, draft_timeout, credentials, attempts=2),
-                            SameModel("draft"), health_service="specbatch.v1.Draft", refresh_seconds=refresh_seconds,
-                            on_health=lambda r: metrics.set_replica_up(r.service, r.address, r.healthy)).start()
+        drafts = replicas("draft", draft_address, lambda address: DraftClient(
+            address, draft_timeout, credentials, attempts=2, server_name=tls_server_name))
     try:
         target_stats = targets.wait_healthy(wait_seconds).client.cache_stats()
         max_context = target_stats.max_context
@@ -154,9 +165,13 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     scheduler.start()
     if profile_file is not None:
         profile_file.start()
-    # One thread per open stream: room for a full batch, a full queue, and Info calls.
-    server = Server(f"{host}:{port}", max_workers=max_batch_size + max_queue + 8,
-                    maximum_concurrent_rpcs=max_batch_size + max_queue + 8, credentials=server_credentials)
+    # One thread per open stream: room for a full batch, a full queue, Info calls, and refusals.
+    # gRPC's own cap sits well above that, so a stream past the queue reaches the scheduler and
+    # gets its RESOURCE_EXHAUSTED with a retry hint (gRPC's "Concurrent RPC limit" has none);
+    # the cap only bounds what a flood can hold in memory.
+    workers = max_batch_size + max_queue + 32
+    server = Server(f"{host}:{port}", max_workers=workers, maximum_concurrent_rpcs=4 * workers,
+                    credentials=server_credentials)
     servicer = GenerationServicer(scheduler, tokenizer, limits, target_stats.model, draft_model, tokenizer_name,
                                   profile_file)
     server.add(pb_grpc.add_GenerationServicer_to_server, servicer, "specbatch.v1.Generation")
@@ -220,7 +235,8 @@ def main(argv=None) -> None:
         max_new_tokens=args.max_new_tokens_limit, max_prompt_tokens=args.max_prompt_tokens, timeout=args.timeout,
         draft_timeout=args.draft_timeout,
         eos_ids=eos_token_ids(tokenizer, source), tokenizer_name=spec.describe(), profile=profile_file,
-        credentials=credentials, server_credentials=server_credentials, refresh_seconds=args.discovery_seconds,
+        credentials=credentials, tls_server_name=args.service_tls_server_name,
+        server_credentials=server_credentials, refresh_seconds=args.discovery_seconds,
         wait_seconds=args.wait_for_services, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
     )
     log.info("coordinator serving on %s:%d (k policy %s)", args.host, coordinator.port, args.k_policy)

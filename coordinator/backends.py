@@ -99,10 +99,10 @@ class ServiceClient:
     stub_class = None
 
     def __init__(self, address: str, timeout: float, credentials: grpc.ChannelCredentials | None = None,
-                 attempts: int = 4):
+                 attempts: int = 4, server_name: str | None = None):
         self.address = address
         self.timeout = timeout
-        self.channel = open_channel(address, credentials)
+        self.channel = open_channel(address, credentials, server_name=server_name)
         self.stub = self.stub_class(self.channel)
         self.traffic = Traffic()
         self.retry = retrying(attempts)
