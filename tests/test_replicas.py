@@ -82,8 +82,9 @@ def test_sequences_stay_on_their_replicas_and_spread(target_model, draft_model, 
         stack.stop()
 
 
-def test_target_replica_stopped_mid_run_moves_its_sequences(target_model, draft_model, tokenizer):
+def test_target_replica_stopped_mid_run_moves_its_sequences(target_model, draft_model, tokenizer, caplog):
     stack = start_local_stack(target_model, draft_model, tokenizer, target_replicas=2, max_batch_size=8)
+    caplog.set_level("INFO", logger="coordinator")
     try:
         prompts = prompts_of_lengths([5, 9, 13, 7, 11, 6, 8, 10], seed=5)
         running = run_in_background(stack, prompts, 120)
@@ -98,6 +99,9 @@ def test_target_replica_stopped_mid_run_moves_its_sequences(target_model, draft_
         assert not stopped.healthy and stopped.failures == 1 and stopped.sequences == 0
         registry = stack.coordinator.scheduler.metrics.registry
         assert registry.get_sample_value("specbatch_replica_failovers_total", {"service": "target"}) >= 1
+        # Each move is logged with the request's and the sequence's ids (fields of JSON logs).
+        moves = [r for r in caplog.records if r.getMessage().startswith("moving off target replica")]
+        assert moves and all(r.request_id and r.seq_id for r in moves)
         assert registry.get_sample_value("specbatch_replica_up", {"service": "target", "address": stopped.address}) == 0
     finally:
         stack.stop()
