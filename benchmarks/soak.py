@@ -34,7 +34,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from specbatch.bench import percentiles
+from specbatch.bench import PeriodicSampler, percentiles
 from specbatch.client import make_request
 from specbatch.launcher import LocalProcesses, StackOptions, free_port
 from specbatch.tls import open_channel
@@ -259,27 +259,15 @@ def process_sample(processes: LocalProcesses) -> dict:
     return sample
 
 
-class Sampler:
+class Sampler(PeriodicSampler):
     """RSS of every service process every few seconds, for the peak and the curve."""
 
     def __init__(self, processes: LocalProcesses, every: float = 5.0):
-        self.processes, self.every = processes, every
-        self.samples: list[dict] = []
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.start = time.monotonic()
+        super().__init__(every)
+        self.processes = processes
 
-    def _run(self) -> None:
-        while not self.stopping.wait(self.every):
-            self.samples.append({"t": round(time.monotonic() - self.start, 1), **process_sample(self.processes)})
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.stopping.set()
-        self.thread.join()
+    def sample(self, elapsed: float) -> dict:
+        return {"t": round(elapsed, 1), **process_sample(self.processes)}
 
 
 def wait_idle(stub, services: dict[str, str], timeout: float = 60.0) -> dict:

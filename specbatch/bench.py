@@ -59,21 +59,23 @@ def percentiles(values: list[float], scale: float = 1.0) -> dict:
     return {"mean": statistics.fmean(ordered), "p50": at(0.5), "p99": at(0.99)}
 
 
-class InfoSampler:
-    """Polls the coordinator's Info while a run lasts: live batch and k used over time."""
+class PeriodicSampler:
+    """Calls ``sample(seconds since start)`` every ``every`` seconds on a thread while a ``with``
+    block lasts; what it returns is appended to ``samples``."""
 
-    def __init__(self, stub, every: float = 0.25):
-        self.stub, self.every = stub, every
-        self.samples: list[tuple[float, int, int, list[int]]] = []  # (t, running, waiting, k_histogram)
+    def __init__(self, every: float):
+        self.every = every
+        self.samples: list = []
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self, elapsed: float):
+        raise NotImplementedError
 
     def _run(self):
         start = time.monotonic()
         while not self.stopping.is_set():
-            info = self.stub.Info(pb.InfoRequest())
-            self.samples.append((time.monotonic() - start, info.running, info.waiting,
-                                 list(info.totals.k_histogram)))
+            self.samples.append(self.sample(time.monotonic() - start))
             self.stopping.wait(self.every)
 
     def __enter__(self):
@@ -83,6 +85,19 @@ class InfoSampler:
     def __exit__(self, *exc):
         self.stopping.set()
         self.thread.join()
+
+
+class InfoSampler(PeriodicSampler):
+    """Polls the coordinator's Info while a run lasts: live batch and k used over time.
+    Samples: (t, running, waiting, k_histogram)."""
+
+    def __init__(self, stub, every: float = 0.25):
+        super().__init__(every)
+        self.stub = stub
+
+    def sample(self, elapsed: float) -> tuple[float, int, int, list[int]]:
+        info = self.stub.Info(pb.InfoRequest())
+        return elapsed, info.running, info.waiting, list(info.totals.k_histogram)
 
     def timeline(self) -> list[dict]:
         """Per interval: time, requests running, mean k used over the interval's sequence-steps."""
