@@ -296,26 +296,29 @@ class Scheduler:
         start = time.perf_counter()
         for request in admitted:
             request.admitted = request.admitted or time.monotonic()
-        calls = {}
         # The draft caches the prompt while the target prefills it and picks the first token. A
         # draft that reads target features needs the target's first: its first Propose does it.
+        # Groups are fixed before any reply is handled (handling one can detach requests).
+        groups = {("target", replica): [admitted[i] for i in idx]
+                  for replica, idx in by_replica(admitted, "target").items()}
         if self.drafts is not None and not self.feature_row_bytes:
-            for replica, idx in by_replica(admitted, "draft").items():
-                if replica is not None:
-                    group = [admitted[i] for i in idx]
-                    calls["draft", replica] = lambda replica=replica, group=group: replica.client.prefill(
-                        [Call(r.seq_id, 0, r.history) for r in group], self._call_timeout(group, self.draft_timeout)[0])
-        for replica, idx in by_replica(admitted, "target").items():
-            group = [admitted[i] for i in idx]
-            calls["target", replica] = lambda replica=replica, group=group: replica.client.verify(
-                [Call(r.seq_id, 0, r.history) for r in group], [[] for _ in group], [r.sampling for r in group],
-                create=True, return_features=bool(self.feature_row_bytes),
-                timeout=self._call_timeout(group, replica.client.timeout)[0])
-        results = self._fan_out(calls)
+            groups.update({("draft", replica): [admitted[i] for i in idx]
+                           for replica, idx in by_replica(admitted, "draft").items() if replica is not None})
+
+        def prefill(which: str, replica: Replica, group: list[Request]):
+            calls = [Call(r.seq_id, 0, r.history) for r in group]
+            if which == "draft":
+                return replica.client.prefill(calls, self._call_timeout(group, self.draft_timeout)[0])
+            return replica.client.verify(calls, [[] for _ in group], [r.sampling for r in group], create=True,
+                                         return_features=bool(self.feature_row_bytes),
+                                         timeout=self._call_timeout(group, replica.client.timeout)[0])
+
+        results = self._fan_out({key: (lambda key=key, group=group: prefill(*key, group))
+                                 for key, group in groups.items()})
         entered = []
         for (which, replica), result in results.items():
+            group = groups[which, replica]
             if which == "target":
-                group = [r for r in admitted if r.target_replica is replica]
                 if isinstance(result, grpc.RpcError):
                     self._prefill_refused(replica, group, result)
                     continue
@@ -326,18 +329,14 @@ class Scheduler:
                         request.features.store(0, verdict.features)
                     request.take([verdict.next_token])
                     entered.append(request)
-        for (which, replica), result in results.items():
-            if which != "draft":
-                continue
-            group = [r for r in admitted if r.draft_replica is replica]
-            if isinstance(result, grpc.RpcError):
+            elif isinstance(result, grpc.RpcError):
                 log.warning("draft prefill on %s failed (%s): rebuilt at its first Propose", replica.address,
                             result.code())
                 if unreachable(result):
                     self._replica_failed(self.drafts, replica, result, self._call_timeout(group, self.draft_timeout)[1])
-                continue
-            for request, seq in zip(group, result.sequences):
-                request.draft_len = seq.cached_len
+            else:
+                for request, seq in zip(group, result.sequences):
+                    request.draft_len = seq.cached_len
         if entered:
             self.admit_one_at_a_time = False
         self.running.extend(r for r in admitted if r in entered)
