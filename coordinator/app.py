@@ -160,7 +160,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
                     eos_ids if eos_ids is not None else eos_token_ids(tokenizer, None), max_prompt_tokens)
     metrics.set_policy(k_policy.describe())
     scheduler = Scheduler(targets, drafts, k_policy, max_batch_size, max_queue, max_context, feature_size,
-                          metrics=metrics, draft_timeout=draft_timeout)
+                          metrics=metrics)
     metrics.track_load(scheduler.load, max_batch_size)
     scheduler.start()
     if profile_file is not None:

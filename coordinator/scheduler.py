@@ -62,27 +62,26 @@ def log_fields(request: Request) -> dict:
     return {"extra": {"request_id": request.id, "seq_id": request.seq_id}}
 
 
-def by_replica(requests: list[Request], which: str) -> dict[Replica, list[int]]:
-    """Indices of ``requests`` grouped by their target or draft replica (None: no replica)."""
+def by_replica(requests: list[Request], which: str, indices=None) -> dict[Replica, list[int]]:
+    """Indices of ``requests`` (all, or those in ``indices``) grouped by their target or draft
+    replica (None: no replica)."""
     groups: dict[Replica, list[int]] = defaultdict(list)
-    for i, request in enumerate(requests):
-        groups[getattr(request, f"{which}_replica")].append(i)
+    for i in range(len(requests)) if indices is None else indices:
+        groups[getattr(requests[i], f"{which}_replica")].append(i)
     return groups
 
 
 class Scheduler:
     def __init__(self, targets: ReplicaSet, drafts: ReplicaSet | None, policy, max_batch_size: int,
-                 max_queue: int, max_context: int, draft_feature_size: int = 0, metrics=None,
-                 draft_timeout: float = 10.0):
-        """``draft_timeout``: the longest a Propose call may take; a draft slower than that is
-        set aside for a while (steps run target-only) rather than slowing every step."""
+                 max_queue: int, max_context: int, draft_feature_size: int = 0, metrics=None):
+        """Each replica's client timeout is the longest one call to it may take; a draft slower
+        than that is set aside for a while (steps run target-only) rather than slowing every step."""
         self.targets, self.drafts = targets, drafts
         # An EAGLE-style draft reads the target's final hidden states: the target returns them
         # with every verdict, and each request keeps them beside its history (float16 rows).
         self.feature_row_bytes = 2 * draft_feature_size if drafts is not None else 0
         self.policy = policy
         self.metrics = metrics  # coordinator metrics (specbatch.metrics.CoordinatorMetrics) or None
-        self.draft_timeout = draft_timeout
         self.max_batch_size, self.max_queue, self.max_context = max_batch_size, max_queue, max_context
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -192,23 +191,21 @@ class Scheduler:
     def _release(self, requests: list[Request]) -> None:
         """Free the sequences on every replica that holds them (in parallel) before anything is
         admitted in their place, so that admission never counts memory about to be freed."""
-        held: dict[tuple[ReplicaSet, Replica], list[str]] = defaultdict(list)
+        held: dict[Replica, list[str]] = defaultdict(list)
         for request in requests:
             for replicas, which in ((self.targets, "target"), (self.drafts, "draft")):
                 replica = getattr(request, f"{which}_replica")
                 if replica is not None:
                     replicas.detach(replica, request.seq_id)
                     if replica.healthy:
-                        held[replicas, replica].append(request.seq_id)
+                        held[replica].append(request.seq_id)
                     setattr(request, f"{which}_replica", None)
-        jobs = {self.pool.submit(replica.client.release, seq_ids): (replica, seq_ids)
-                for (_, replica), seq_ids in held.items()}
-        for job, (replica, seq_ids) in jobs.items():
-            try:
-                job.result()
-            except grpc.RpcError as error:  # released once it answers again (or it restarted)
-                log.warning("release on %s failed: %s", replica.address, error.code())
-                replica.orphans.update(seq_ids)
+        results = self._fan_out({replica: (lambda r=replica, ids=seq_ids: r.client.release(ids))
+                                 for replica, seq_ids in held.items()})
+        for replica, result in results.items():
+            if isinstance(result, grpc.RpcError):  # released once it answers again (or it restarted)
+                log.warning("release on %s failed: %s", replica.address, result.code())
+                replica.orphans.update(held[replica])
 
     # ---- placement -------------------------------------------------------------------------------
 
@@ -256,15 +253,18 @@ class Scheduler:
         jobs = {key: self.pool.submit(attempt, thunk) for key, thunk in calls.items()}
         return {key: job.result() for key, job in jobs.items()}
 
-    def _replica_failed(self, replicas: ReplicaSet, replica: Replica, error: grpc.RpcError,
-                        client_deadline: bool, slow_cooldown: float = 0.0) -> bool:
-        """Mark a replica down after an unreachable error; False when the requests' own deadline
-        ran out instead (the replica is fine: those requests are about to be retired)."""
-        if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and client_deadline:
-            return False
-        cooldown = slow_cooldown if error.code() == grpc.StatusCode.DEADLINE_EXCEEDED else 0.0
+    def _replica_failed(self, replicas: ReplicaSet, replica: Replica, group: list[Request], error: grpc.RpcError,
+                        set_aside_if_slow: bool = False) -> None:
+        """Mark a replica down after an unreachable error on a call for ``group``, unless the
+        requests' own deadline ran out instead (the replica is fine: they are about to be retired).
+        ``set_aside_if_slow``: a replica that ran past its own timeout stays down for a cool-down
+        that grows with repeats (timeout × 2^failures, at most 30 s)."""
+        timeout, client_deadline = self._call_timeout(group, replica.client.timeout)
+        slow = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        if slow and client_deadline:
+            return
+        cooldown = min(30.0, timeout * 2 ** replica.failures) if slow and set_aside_if_slow else 0.0
         replicas.mark_down(replica, f"{error.code().name}: {error.details()}", cooldown)
-        return True
 
     # ---- admission -------------------------------------------------------------------------------
 
@@ -308,7 +308,7 @@ class Scheduler:
         def prefill(which: str, replica: Replica, group: list[Request]):
             calls = [Call(r.seq_id, 0, r.history) for r in group]
             if which == "draft":
-                return replica.client.prefill(calls, self._call_timeout(group, self.draft_timeout)[0])
+                return replica.client.prefill(calls, self._call_timeout(group, replica.client.timeout)[0])
             return replica.client.verify(calls, [[] for _ in group], [r.sampling for r in group], create=True,
                                          return_features=bool(self.feature_row_bytes),
                                          timeout=self._call_timeout(group, replica.client.timeout)[0])
@@ -333,7 +333,7 @@ class Scheduler:
                 log.warning("draft prefill on %s failed (%s): rebuilt at its first Propose", replica.address,
                             result.code())
                 if unreachable(result):
-                    self._replica_failed(self.drafts, replica, result, self._call_timeout(group, self.draft_timeout)[1])
+                    self._replica_failed(self.drafts, replica, group, result)
             else:
                 for request, seq in zip(group, result.sequences):
                     request.draft_len = seq.cached_len
@@ -356,7 +356,7 @@ class Scheduler:
             self.admit_one_at_a_time = False
             return
         if unreachable(error):
-            self._replica_failed(self.targets, replica, error, self._call_timeout(group, replica.client.timeout)[1])
+            self._replica_failed(self.targets, replica, group, error)
         elif refusal(error) and not alone:
             # Out of room while others run (wait for them), or one of several is refused:
             # admit one at a time until the refused one is found.
@@ -465,7 +465,7 @@ class Scheduler:
             for request in group:
                 request.target_len = 0
         elif unreachable(error):  # the next step moves them to a healthy replica, or they wait
-            self._replica_failed(self.targets, replica, error, self._call_timeout(group, replica.client.timeout)[1])
+            self._replica_failed(self.targets, replica, group, error)
         else:
             # The service refuses the batch (out of KV memory, say): shed the newest request of
             # it with the service's status so the others can go on.
@@ -487,9 +487,7 @@ class Scheduler:
         speculating = [i for i, k in enumerate(ks) if k > 0 and self._can_draft(batch[i])]
         if not speculating or self.drafts is None:
             return drafts, draft_q, cached
-        groups: dict[Replica, list[int]] = defaultdict(list)
-        for i in speculating:
-            groups[batch[i].draft_replica].append(i)
+        groups = by_replica(batch, "draft", speculating)
         if None in groups:  # no healthy draft replica for these: target-only, lossless
             groups.pop(None)
             if self.metrics:
@@ -502,11 +500,8 @@ class Scheduler:
             if isinstance(result, grpc.RpcError):
                 # Lossless without the draft: these run target-only this step.
                 log.warning("draft %s unavailable (%s): target-only step", replica.address, result.code().name)
-                if unreachable(result):
-                    timeout, client_deadline = self._call_timeout([batch[i] for i in idx], self.draft_timeout)
-                    # Slower than its deadline: set it aside for a while, growing with repeats.
-                    self._replica_failed(self.drafts, replica, result, client_deadline,
-                                         slow_cooldown=min(30.0, timeout * 2 ** replica.failures))
+                if unreachable(result):  # down, or slower than its deadline: set aside for a while
+                    self._replica_failed(self.drafts, replica, [batch[i] for i in idx], result, set_aside_if_slow=True)
                 for i in idx:
                     batch[i].draft_len = 0
                 continue
@@ -527,7 +522,7 @@ class Scheduler:
             try:
                 return replica.client.propose([self._draft_call(r) for r in group], [ks[i] for i in idx],
                                               [r.sampling for r in group],
-                                              timeout=self._call_timeout(group, self.draft_timeout)[0])
+                                              timeout=self._call_timeout(group, replica.client.timeout)[0])
             except grpc.RpcError as error:
                 if attempt or not lost_state(error):
                     raise
