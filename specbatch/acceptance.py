@@ -21,6 +21,10 @@ import torch
 
 from .sampling import Distributions, sample
 
+# The most tokens a draft may propose per sequence and step: the draft service enforces it, the
+# coordinator's admission and policies bound k by it, metrics keep one series per position.
+MAX_K = 16
+
 
 def greedy_accept(predicted: list[int], drafts: list[int]) -> tuple[int, int]:
     """``predicted``: the target's argmax after the last accepted token, then after each draft.

@@ -21,17 +21,13 @@ import grpc
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector,
                                start_http_server)
 
-from .acceptance import tally_positions
+from .acceptance import MAX_K, tally_positions
 
 log = logging.getLogger(__name__)
 
 # The HTTP port of /metrics, one per role so that all three fit on one host side by side; a
 # Kubernetes pod has its own network namespace, and deploy/ uses 9090 for each. 0 turns it off.
 DEFAULT_METRICS_PORTS = {"coordinator": 9090, "target": 9091, "draft": 9092}
-
-# The largest k (draft_service/proposer.py's MAX_K, which admission enforces; a test checks they
-# agree). Repeated rather than imported: specbatch/ does not import the services' packages.
-MAX_K = 16
 
 # Buckets. Latencies follow vLLM's so that dashboards made for vLLM read these too; batch sizes
 # double up to the services' default --max-sequences (256) and beyond.
