@@ -93,9 +93,6 @@ class ReplicaSet:
     def start(self) -> "ReplicaSet":
         """Resolve and probe every endpoint once now, then keep re-resolving DNS endpoints."""
         self.refresh()
-        for replica in list(self.replicas.values()):
-            if replica.prober is None and not replica.healthy:
-                self._start_prober(replica)
         if self.spec.strip().startswith(DNS_PREFIX):
             self.discovery = threading.Thread(target=self._discover, name=f"discover-{self.service}", daemon=True)
             self.discovery.start()
@@ -121,8 +118,8 @@ class ReplicaSet:
             self.on_health(replica)
         for address in addresses:
             replica = self.replicas.get(address)
-            if replica is not None and not replica.healthy and replica.prober is None and self.discovery is not None:
-                self._start_prober(replica)
+            if replica is not None and not replica.healthy and replica.prober is None:
+                self._start_prober(replica)  # a new one: it joins once a probe finds it serving
 
     def _discover(self) -> None:
         while not self.closed.wait(self.refresh_seconds):
