@@ -19,7 +19,7 @@ from specbatch.engine import (
 )
 from specbatch.sampling import SamplingParams
 from target_service.verifier import VerifyItem, verify
-from tiny import VOCAB, greedy_reference
+from tiny import VOCAB, greedy_reference, hooked_forwards
 
 
 def random_prompts(lengths, seed):
@@ -106,18 +106,11 @@ def assert_unchanged(engine: Engine, before: dict[str, tuple[int, torch.Tensor]]
         assert torch.equal(cache.kv[:, :, :, :length], kv), sid
 
 
-def record_forwards(model):
-    """Record what each forward of `model` is fed; returns (records, hook handle)."""
+def record_forwards(engine):
+    """Record what each forward of `engine` is fed; returns (records, a context that records)."""
     records = []
-
-    def hook(module, args, kwargs):
-        records.append({
-            "input_ids": kwargs["input_ids"].detach().cpu().clone(),
-            "attention_mask": kwargs["attention_mask"].detach().cpu().clone(),
-            "position_ids": kwargs["position_ids"].detach().cpu().clone(),
-        })
-
-    return records, model.register_forward_pre_hook(hook, with_kwargs=True)
+    return records, hooked_forwards(engine, lambda fed: records.append({k: v.detach().cpu().clone()
+                                                                        for k, v in fed.items()}))
 
 
 # ---- exactness over a ragged batch ---------------------------------------------------------------
@@ -229,8 +222,8 @@ def test_steps_feed_only_new_tokens_and_drafts(target_model):
     engine = Engine(target_model)
     prompts = random_prompts([5, 12, 20], seed=5)
     refs = [greedy_reference(target_model, p, 10) for p in prompts]
-    records, handle = record_forwards(target_model)
-    try:
+    records, recording = record_forwards(engine)
+    with recording:
         engine.prefill([SequenceInput(f"s{i}", 0, p[:-1]) for i, p in enumerate(prompts)])
         assert len(records) == 1
         assert tuple(records[0]["input_ids"].shape) == (3, 19)
@@ -280,8 +273,6 @@ def test_steps_feed_only_new_tokens_and_drafts(target_model):
             assert int(rec["attention_mask"][row, 0, width - n].sum()) == keeps[row] + 1
             assert int(rec["attention_mask"][row, 0, -1].sum()) == keeps[row] + n
             assert rec["position_ids"][row, -n:].tolist() == list(range(keeps[row], keeps[row] + n))
-    finally:
-        handle.remove()
 
 
 # ---- the draft's proposals -----------------------------------------------------------------------
@@ -297,11 +288,9 @@ def test_propose_matches_draft_greedy_with_mixed_k(draft_model):
             SequenceInput("p2", 0, prompts[2]),  # not cached yet: created by the call
             SequenceInput("p3", 19, prompts[3][19:])]
     ks = [1, 4, 3, 6]
-    records, handle = record_forwards(draft_model)
-    try:
+    records, recording = record_forwards(engine)
+    with recording:
         drafts = propose(engine, [ProposeItem(s, k) for s, k in zip(seqs, ks)])
-    finally:
-        handle.remove()
     assert drafts == [r[:k] for r, k in zip(refs, ks)]
     # One ragged forward, then one one-token forward per further drafted position.
     assert [tuple(r["input_ids"].shape) for r in records] == [(4, 3)] + [(4, 1)] * (max(ks) - 1)
