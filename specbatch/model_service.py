@@ -143,7 +143,7 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
     parser.add_argument("--gguf-file", help="GGUF file name inside --model")
     parser.add_argument("--num-layers", type=int, help="keep only the first N decoder layers (a self-speculative draft)")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda if available)")
-    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (auto: bfloat16 on GPUs and on CPUs with native bf16, else float32)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     parser.add_argument("--port", type=int, default=port)
     parser.add_argument("--max-sequences", type=int, default=256, help="sequences cached at once")
