@@ -10,10 +10,10 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from draft_service.proposer import MAX_K
-from specbatch.engine import InvalidRequest
+from specbatch.errors import InvalidRequest
 from specbatch.prompts import chat_token_ids
 from specbatch.sampling import SamplingParams
+from specbatch.speculation import MAX_K
 from specbatch.v1 import generation_pb2 as pb
 
 from .requests import Request, TextStream

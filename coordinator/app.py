@@ -8,10 +8,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from draft_service.proposer import MAX_K
 from specbatch.models import EMBEDDED, ModelSpec, load_tokenizer, model_source
 from specbatch.metrics import CoordinatorMetrics, new_registry, serve_metrics
 from specbatch.serving import DEFAULT_PORTS, Server, configure_logging
+from specbatch.speculation import MAX_K
 from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials_from_args,
                            server_credentials_from_args)
 from specbatch.v1 import generation_pb2_grpc as pb_grpc

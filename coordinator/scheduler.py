@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from draft_service.proposer import MAX_K
-from specbatch.acceptance import tally_positions
+from specbatch.speculation import MAX_K, tally_positions
 
 from .backends import Call, lost_state, refusal, unreachable
 from .replicas import Replica, ReplicaSet

@@ -21,10 +21,6 @@ import torch
 
 from .sampling import Distributions, sample
 
-# The most tokens a draft may propose per sequence and step: the draft service enforces it, the
-# coordinator's admission and policies bound k by it, metrics keep one series per position.
-MAX_K = 16
-
 
 def greedy_accept(predicted: list[int], drafts: list[int]) -> tuple[int, int]:
     """``predicted``: the target's argmax after the last accepted token, then after each draft.
@@ -97,14 +93,3 @@ def rejection_sample(p: Distributions, drafts: SampledDrafts, accept_u: torch.Te
         final[rejected] = residual_distribution(final[rejected], *drafts.q_at(rejected, accepted[rejected]))
     next_token = sample(final, target_u[rows, accepted])
     return accepted, next_token
-
-
-def tally_positions(outcomes: list[tuple[int, int]], positions: int) -> tuple[list[int], list[int]]:
-    """Per draft position i: how many drafts reached it (drafted past i with every earlier
-    position accepted) and how many of those were accepted there."""
-    reached, accepted = [0] * positions, [0] * positions
-    for drafted, kept in outcomes:
-        for i in range(min(drafted, kept + 1, positions)):
-            reached[i] += 1
-            accepted[i] += i < kept
-    return reached, accepted

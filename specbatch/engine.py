@@ -34,30 +34,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from .eagle import reads_target_features
-
-
-class EngineError(Exception):
-    """A request the engine refuses; ``code`` names the gRPC status the servicers map it to."""
-
-    code = "INVALID_ARGUMENT"
-
-
-class InvalidRequest(EngineError):
-    code = "INVALID_ARGUMENT"
-
-
-class UnknownSequence(EngineError):
-    code = "NOT_FOUND"
-
-
-class CapacityExceeded(EngineError):
-    code = "RESOURCE_EXHAUSTED"
-
-
-class StaleCache(EngineError):
-    """The caller believes more tokens are cached than the service holds (e.g. it restarted)."""
-
-    code = "FAILED_PRECONDITION"
+# The refusals live in a torch-free module; imported here too, where callers have long found them.
+from .errors import CapacityExceeded, EngineError, InvalidRequest, StaleCache, UnknownSequence  # noqa: F401
 
 
 @dataclass

@@ -21,7 +21,7 @@ import grpc
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector,
                                start_http_server)
 
-from .acceptance import MAX_K, tally_positions
+from .speculation import MAX_K, tally_positions
 
 log = logging.getLogger(__name__)
 
