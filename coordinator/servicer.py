@@ -86,5 +86,5 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             waiting=scheduler.load()[1],
             replicas=[pb.ReplicaStatus(service=r.service, address=r.address, healthy=r.healthy,
                                        sequences=len(r.assigned), failures=r.failures)
-                      for replicas in filter(None, (scheduler.targets, scheduler.drafts)) for r in replicas.all()],
+                      for replicas in filter(None, (scheduler.placement.target_replicas, scheduler.placement.draft_replicas)) for r in replicas.all()],
         )

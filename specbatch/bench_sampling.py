@@ -32,7 +32,7 @@ from .prompts import CHAT_PROMPTS
 
 def _snapshot(coordinator) -> dict:
     scheduler = coordinator.scheduler
-    services = {"target": scheduler.targets, "draft": scheduler.drafts}
+    services = {"target": scheduler.placement.target_replicas, "draft": scheduler.placement.draft_replicas}
     return {"totals": copy.deepcopy(scheduler.totals),
             **{f"{name}_{way}": sum(getattr(r.client.traffic, f"{way}_bytes") for r in replicas.all()) if replicas else 0
                for name, replicas in services.items() for way in ("sent", "received")},

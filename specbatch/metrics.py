@@ -21,7 +21,7 @@ import grpc
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector,
                                start_http_server)
 
-from .speculation import MAX_K, tally_positions
+from .speculation import MAX_K
 
 log = logging.getLogger(__name__)
 
@@ -159,31 +159,26 @@ class CoordinatorMetrics:
         self.waiting.set_function(lambda: load_fn()[1])
         self.occupancy.set_function(lambda: load_fn()[0] / max_batch_size if max_batch_size else 0.0)
 
-    def observe_step(self, batch_size: int, ks: list[int], outcomes: list[tuple[int, int]],
-                     draft_seconds: float, target_seconds: float, step_seconds: float) -> None:
-        """One decode step.
-
-        ``ks``: the k chosen for each sequence of the batch (0 where it ran target-only).
-        ``outcomes``: (drafted, accepted) for each sequence that drafted (drafted > 0); drafted may
-        be below its k where the draft stopped early. Times are wall seconds of the step's Propose
-        calls, its Verify calls, and the whole step; the coordinator's own share is the rest.
-        """
-        self.batch_size.observe(batch_size)
-        for k in ks:
+    def observe_step(self, step) -> None:
+        """One decode step, as the scheduler recorded it (coordinator.stats.StepStats): the k of
+        each sequence that stepped (0 where it ran target-only), (drafted, accepted) of each that
+        drafted, and wall seconds of the step's Propose calls, its Verify calls and the whole
+        step; the coordinator's own share is the rest."""
+        self.batch_size.observe(step.batch_size)
+        for k in step.ks:
             self.k.observe(k)
-        drafts = [(d, a) for d, a in outcomes if d > 0]
-        self.num_drafts.inc(len(drafts))
-        self.num_draft_tokens.inc(sum(d for d, _ in drafts))
-        self.num_accepted_tokens.inc(sum(a for _, a in drafts))
-        reached, accepted = tally_positions(drafts, MAX_K)
-        for i, (n_reached, n_accepted) in enumerate(zip(reached, accepted)):
+        self.num_drafts.inc(len(step.outcomes))
+        self.num_draft_tokens.inc(step.draft_tokens)
+        self.num_accepted_tokens.inc(step.accepted_tokens)
+        for i, (n_reached, n_accepted) in enumerate(zip(step.reached_by_position, step.accepted_by_position)):
             if n_reached:  # no series for positions never drafted: k=3 shows three, not sixteen
                 self.reached_per_pos.labels(position=str(i)).inc(n_reached)
                 self.accepted_per_pos.labels(position=str(i)).inc(n_accepted)
-        self.step_seconds.labels(phase="draft").observe(draft_seconds)
-        self.step_seconds.labels(phase="target").observe(target_seconds)
+        self.step_seconds.labels(phase="draft").observe(step.draft_seconds)
+        self.step_seconds.labels(phase="target").observe(step.target_seconds)
         # Clamped: the phases are timed separately, and rounding must not make a negative sample.
-        self.step_seconds.labels(phase="coordinator").observe(max(0.0, step_seconds - draft_seconds - target_seconds))
+        self.step_seconds.labels(phase="coordinator").observe(
+            max(0.0, step.step_seconds - step.draft_seconds - step.target_seconds))
 
     def observe_finished(self, finished_reason: str, queue_seconds: float, first_token_seconds: float | None,
                          total_seconds: float, prompt_tokens: int, generated_tokens: int) -> None:

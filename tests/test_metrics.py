@@ -16,6 +16,7 @@ import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from coordinator.stats import StepStats
 from specbatch import metrics as metrics_module
 from specbatch.engine import Engine
 from specbatch.logs import configure_logging
@@ -37,7 +38,8 @@ def value(registry: CollectorRegistry, name: str, **labels) -> float | None:
 def test_step_counts_drafts_per_position():
     m = CoordinatorMetrics(CollectorRegistry())
     # Three sequences: k 3 (1 accepted), k 2 (both accepted), k 0 (target-only: no draft).
-    m.observe_step(3, [3, 2, 0], [(3, 1), (2, 2)], draft_seconds=0.010, target_seconds=0.030, step_seconds=0.045)
+    m.observe_step(StepStats(3, [3, 2, 0], [(3, 1), (2, 2)], draft_seconds=0.010, target_seconds=0.030,
+                             step_seconds=0.045))
     r = m.registry
     assert value(r, "specbatch_spec_decode_num_drafts_total") == 2
     assert value(r, "specbatch_spec_decode_num_draft_tokens_total") == 5
@@ -58,7 +60,7 @@ def test_step_counts_drafts_per_position():
     assert value(r, "specbatch_step_seconds_sum", phase="coordinator") == pytest.approx(0.005)
 
     # A second step adds up; a draft of 0 tokens counts as no draft.
-    m.observe_step(1, [4], [(4, 4), (0, 0)], 0.0, 0.0, 0.0)
+    m.observe_step(StepStats(1, [4], [(4, 4), (0, 0)], 0.0, 0.0, 0.0))
     assert value(r, "specbatch_spec_decode_num_drafts_total") == 3
     assert value(r, "specbatch_spec_decode_num_draft_tokens_per_pos_total", position="3") == 1
     assert value(r, "specbatch_spec_decode_num_accepted_tokens_per_pos_total", position="3") == 1

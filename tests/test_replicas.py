@@ -10,6 +10,7 @@ from concurrent import futures
 import grpc
 import pytest
 
+from coordinator.placement import call_timeout
 from coordinator.replicas import resolve
 from specbatch.client import generate, generate_all, make_request
 from specbatch.engine import Engine
@@ -199,13 +200,12 @@ def test_client_deadline_ends_request_and_frees_caches(target_model, draft_model
 def test_call_timeout_is_what_the_requests_have_left(target_model, draft_model, tokenizer):
     stack = start_local_stack(target_model, draft_model, tokenizer)
     try:
-        scheduler = stack.coordinator.scheduler
         now = time.monotonic()
         a, b = (make_stub_request(now + 2.0), make_stub_request(now + 5.0))
-        timeout, limited = scheduler._call_timeout([a, b], 120.0)
+        timeout, limited = call_timeout([a, b], 120.0)
         assert limited and 4.5 < timeout <= 5.0  # the call serves both: the longer one's time
-        assert scheduler._call_timeout([a, make_stub_request(None)], 120.0) == (120.0, False)
-        assert scheduler._call_timeout([make_stub_request(now + 500)], 120.0) == (120.0, False)
+        assert call_timeout([a, make_stub_request(None)], 120.0) == (120.0, False)
+        assert call_timeout([make_stub_request(now + 500)], 120.0) == (120.0, False)
     finally:
         stack.stop()
 
