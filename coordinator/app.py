@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specbatch.models import EMBEDDED, ModelSpec, load_tokenizer, model_source
-from specbatch.metrics import CoordinatorMetrics, new_registry, serve_metrics
+from specbatch.metrics import new_registry, serve_metrics
 from specbatch.serving import DEFAULT_PORTS, Server, configure_logging
 from specbatch.speculation import MAX_K
 from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials_from_args,
@@ -18,6 +18,7 @@ from specbatch.v1 import generation_pb2_grpc as pb_grpc
 
 from .admission import Limits
 from .backends import DraftClient, TargetClient
+from .metrics import CoordinatorMetrics
 from .replicas import NotReady, ReplicaSet
 from .policy import KNOWN as KNOWN_POLICIES
 from .policy import parse_policy

@@ -15,9 +15,10 @@ import torch
 
 from .engine import Engine, SequenceInput
 from .logs import LOG_FORMATS
-from .metrics import DEFAULT_METRICS_PORTS, ServiceMetrics, new_registry, serve_metrics
+from .metrics import DEFAULT_METRICS_PORTS, new_registry, serve_metrics
 from .models import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, load_model
 from .sampling import SamplingParams, SparseDistribution
+from .service_metrics import ServiceMetrics
 from .serving import Server, configure_logging, engine_errors_to_status
 from .tls import add_server_tls_flags, server_credentials_from_args
 from .v1 import model_services_pb2 as pb

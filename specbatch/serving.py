@@ -50,7 +50,7 @@ class Server:
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             options=CHANNEL_OPTIONS,
-            interceptors=list(interceptors),  # e.g. specbatch.metrics.ServiceMetrics.interceptor()
+            interceptors=list(interceptors),  # e.g. specbatch.service_metrics.ServiceMetrics.interceptor()
             maximum_concurrent_rpcs=maximum_concurrent_rpcs,
         )
         self.health = health.HealthServicer()
