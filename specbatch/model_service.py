@@ -108,9 +108,9 @@ class CacheServicer:
     def Rollback(self, request, context):
         def rollback():
             for item in request.sequences:  # check all first: a bad item changes nothing
-                self.engine.validate_rollback(item.seq_id, item.cached_len)
+                self.engine.check_rollback(item.seq_id, item.cached_len)
             for item in request.sequences:
-                self.engine.truncate(item.seq_id, item.cached_len)
+                self.engine.rollback(item.seq_id, item.cached_len)
 
         self.timed(rollback)
         return pb.RollbackResponse()
