@@ -3,7 +3,7 @@
 in specbatch/service_metrics.py. Here: registries, buckets they share, and the /metrics server.
 
 Every object here takes (or makes) its own ``CollectorRegistry`` and never touches
-prometheus_client's global default registry: tests and ``specbatch.local`` run the coordinator,
+prometheus_client's global default registry: tests and ``specbatch.commands.local`` run the coordinator,
 the draft and the target in one process, and on a shared registry their metrics of the same name
 would collide (or, worse, silently mix).
 

@@ -72,7 +72,7 @@ def test_mixed_k_and_sampled_neighbours_leave_greedy_exact(stack, target_model):
 
 
 def test_eos_stops_and_is_reported(target_model, draft_model, tokenizer):
-    from specbatch.local import start_local_stack
+    from specbatch.commands.local import start_local_stack
 
     prompt = prompts_of_lengths([6], seed=3)[0]
     reference = greedy_reference(target_model, prompt, 40)

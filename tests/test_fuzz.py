@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specbatch.client import generate, make_request
-from specbatch.local import start_local_stack
+from specbatch.commands.local import start_local_stack
 from specbatch.prompts import chat_token_ids
 from specbatch.v1 import generation_pb2 as pb
 from tiny import EOS, VOCAB, greedy_reference

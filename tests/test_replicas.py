@@ -14,7 +14,7 @@ from coordinator.placement import call_timeout
 from coordinator.replicas import resolve
 from specbatch.client import generate, generate_all, make_request
 from specbatch.engine import Engine
-from specbatch.local import serve_engine, start_local_stack
+from specbatch.commands.local import serve_engine, start_local_stack
 from specbatch.v1 import generation_pb2 as gen_pb
 from draft_service.servicer import DraftServicer
 from target_service.servicer import TargetServicer

@@ -12,9 +12,9 @@ import grpc
 import pytest
 import trustme
 
-from specbatch import cli
+from specbatch.commands import cli
 from specbatch.engine import Engine
-from specbatch.launcher import free_port
+from specbatch.commands.launcher import free_port
 from specbatch.serving import Server, wait_until_serving
 from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials,
                            channel_credentials_from_args, open_channel, server_credentials,

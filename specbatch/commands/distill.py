@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .eagle import EagleDraftForCausalLM, draft_from_target
-from .engine import Engine, SequenceInput
-from .prompts import chat_token_ids, sharegpt_exchanges, sharegpt_prompts
+from ..eagle import EagleDraftForCausalLM, draft_from_target
+from ..engine import Engine, SequenceInput
+from ..prompts import chat_token_ids, sharegpt_exchanges, sharegpt_prompts
 
 log = logging.getLogger(__name__)
 
@@ -467,7 +467,7 @@ def add_distill_flags(parser) -> None:
 
 
 def run_distill(args) -> int:
-    from .models import EMBEDDED, ModelSpec, load_model, load_tokenizer
+    from ..models import EMBEDDED, ModelSpec, load_model, load_tokenizer
 
     cfg = DistillConfig(**{name: getattr(args, name) for name in asdict(DistillConfig())})
     spec = ModelSpec(args.target or EMBEDDED, args.gguf_file)

@@ -14,9 +14,9 @@ from coordinator.app import Coordinator, build_coordinator
 from draft_service.servicer import DraftServicer
 from target_service.servicer import TargetServicer
 
-from .engine import Engine
-from .serving import Server
-from .v1 import generation_pb2_grpc
+from ..engine import Engine
+from ..serving import Server
+from ..v1 import generation_pb2_grpc
 
 
 def serve_engine(engine: Engine, add_servicer, name: str, address: str = "127.0.0.1:0") -> Server:

@@ -28,9 +28,9 @@ from coordinator.requests import Request, TextStream
 from coordinator.replicas import ReplicaSet
 from coordinator.scheduler import Scheduler
 
-from .profile import Profile, build_profile
-from .prompts import chat_token_ids, sharegpt_prompts
-from .sampling import SamplingParams
+from ..profile import Profile, build_profile
+from ..prompts import chat_token_ids, sharegpt_prompts
+from ..sampling import SamplingParams
 
 
 @dataclass
@@ -231,7 +231,7 @@ def run_profile(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from .launcher import LocalProcesses, stack_options
-    from .models import EMBEDDED, ModelSpec, load_tokenizer, parse_dtype, default_device
+    from ..models import EMBEDDED, ModelSpec, load_tokenizer, parse_dtype, default_device
 
     remote = bool(args.target)
     if remote and not args.draft:
