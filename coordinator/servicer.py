@@ -69,6 +69,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def Info(self, message, context):
         target, draft, tokenizer = self.names
         scheduler = self.scheduler
+        placement = scheduler.placement
         return pb.InfoResponse(
             target_model=target,
             draft_model=draft,
@@ -86,5 +87,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             waiting=scheduler.load()[1],
             replicas=[pb.ReplicaStatus(service=r.service, address=r.address, healthy=r.healthy,
                                        sequences=len(r.assigned), failures=r.failures)
-                      for replicas in filter(None, (scheduler.placement.target_replicas, scheduler.placement.draft_replicas)) for r in replicas.all()],
+                      for replicas in filter(None, (placement.target_replicas, placement.draft_replicas))
+                      for r in replicas.all()],
         )

@@ -43,7 +43,7 @@ def features_from_bytes(data: bytes, width: int) -> torch.Tensor | None:
     return torch.from_numpy(values.astype(np.float32).reshape(-1, width))
 
 
-def sampling_params(message: pb.Sampling) -> SamplingParams:
+def sampling_from_proto(message: pb.Sampling) -> SamplingParams:
     return SamplingParams(message.temperature, message.top_p or 1.0, message.top_k, message.seed)
 
 

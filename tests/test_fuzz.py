@@ -208,7 +208,7 @@ def oracle(message: pb.GenerateRequest, tokenizer) -> tuple[list[int] | None, st
 
 @pytest.fixture(scope="module")
 def fuzz_stack(target_model, draft_model, tokenizer):
-    stack = start_local_stack(target_model, draft_model, tokenizer, eos_ids=frozenset({EOS}), max_batch_size=8,
+    stack = start_local_stack(target_model, draft_model, tokenizer, eos_token_ids=frozenset({EOS}), max_batch_size=8,
                               max_new_tokens=LIMIT)
     yield stack
     stack.stop()

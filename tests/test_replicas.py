@@ -271,7 +271,7 @@ def test_dns_discovery_adds_and_removes_replicas(monkeypatch, target_model, draf
     answer["dns:targets:0"] = [first_address]
     from coordinator.app import build_coordinator
 
-    coordinator = build_coordinator("dns:targets:0", f"127.0.0.1:{first.draft.port}", tokenizer, eos_ids=frozenset(),
+    coordinator = build_coordinator("dns:targets:0", f"127.0.0.1:{first.draft.port}", tokenizer, eos_token_ids=frozenset(),
                                     refresh_seconds=0.1, max_batch_size=8)
     try:
         from specbatch.client import connect
@@ -303,7 +303,7 @@ def test_two_coordinators_share_one_draft_and_target(target_model, draft_model, 
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8)
     other = build_coordinator(f"127.0.0.1:{stack.target.port}", f"127.0.0.1:{stack.draft.port}", tokenizer,
-                              eos_ids=frozenset(), max_batch_size=8)
+                              eos_token_ids=frozenset(), max_batch_size=8)
     try:
         prompts = prompts_of_lengths([5, 9, 13, 7, 11, 6], seed=19)
         requests = [make_request(p, 60, k=3, ignore_eos=True) for p in prompts]

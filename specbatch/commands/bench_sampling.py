@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         tokenizer = load_tokenizer(ModelSpec(args.target_model or EMBEDDED, args.target_gguf_file))
         coordinator = build_coordinator(services.target_address, services.draft_address, tokenizer,
                                         policy=f"fixed:{args.k}", max_batch_size=args.max_batch_size,
-                                        eos_ids=frozenset())
+                                        eos_token_ids=frozenset())
         try:
             stub = connect(f"127.0.0.1:{coordinator.port}")
             info = f"target {args.target_model or EMBEDDED} | draft {coordinator_draft(args)} | k={args.k} vs k=0"

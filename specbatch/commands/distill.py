@@ -396,7 +396,7 @@ def _target_forward_ms(engine: Engine, context: int = 128, repeats: int = 20) ->
 
 # ---- the command -----------------------------------------------------------------------------------
 
-def eos_ids(tokenizer, target) -> set[int]:
+def find_eos_token_ids(tokenizer, target) -> set[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     eos = getattr(target.generation_config, "eos_token_id", None) if getattr(target, "generation_config", None) else None
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -410,7 +410,7 @@ def distill(target, tokenizer, out: Path, cfg: DistillConfig) -> Evaluation:
         log.warning("settings differ from those %s was started with; resuming with the new ones", out)
     settings.write_text(json.dumps(asdict(cfg), indent=2))
     torch.manual_seed(cfg.seed)
-    eos = eos_ids(tokenizer, target)
+    eos = find_eos_token_ids(tokenizer, target)
     data = collect_data(target, tokenizer, out, cfg, eos)
     answers = len(data)
     data += collect_corpus(target, tokenizer, out, cfg)
