@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from specbatch.errors import InvalidRequest
 from specbatch.prompts import chat_token_ids
-from specbatch.sampling import SamplingParams
+from specbatch.sampling_params import SamplingParams
 from specbatch.speculation import MAX_K
 from specbatch.v1 import generation_pb2 as pb
 
