@@ -190,8 +190,12 @@ class Scheduler:
         if unplaced:  # every target replica went down just now
             self._requeue(unplaced)
             admitted = [r for r in admitted if r not in unplaced]
-        if not admitted:
-            return
+        if admitted:
+            self._prefill(admitted)
+
+    def _prefill(self, admitted: list[Request]) -> None:
+        """Prefill newly placed requests on their replicas, at once; those the target took join
+        the running batch with their first token."""
         start = time.perf_counter()
         for request in admitted:
             request.admitted = request.admitted or time.monotonic()
