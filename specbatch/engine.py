@@ -35,30 +35,8 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from . import llama
 from .eagle import reads_target_features
-
-
-class EngineError(Exception):
-    """A request the engine refuses; ``code`` names the gRPC status the servicers map it to."""
-
-    code = "INVALID_ARGUMENT"
-
-
-class InvalidRequest(EngineError):
-    code = "INVALID_ARGUMENT"
-
-
-class UnknownSequence(EngineError):
-    code = "NOT_FOUND"
-
-
-class CapacityExceeded(EngineError):
-    code = "RESOURCE_EXHAUSTED"
-
-
-class StaleCache(EngineError):
-    """The caller believes more tokens are cached than the service holds (e.g. it restarted)."""
-
-    code = "FAILED_PRECONDITION"
+# The refusals live in a torch-free module; imported here too, where callers have long found them.
+from .errors import CapacityExceeded, EngineError, InvalidRequest, StaleCache, UnknownSequence  # noqa: F401
 
 
 @dataclass
@@ -227,8 +205,8 @@ class RaggedBatch:
         longest = int((self.kept + self.fed).max()) + decode_steps
         pool = engine.pool
         pool.ensure(len(engine.sequences), longest + 1, engine.max_context + 1)
-        for cache, item in zip(self.caches, self.inputs):
-            cache.length = item.keep_len  # the caller dropped the rest; from here on it is overwritten
+        for item in self.inputs:  # only now: a call refused above (no room in the pool) changes nothing
+            engine.rollback(item.seq_id, item.keep_len)  # the caller dropped the rest; it gets overwritten
         slots = [cache.slot for cache in self.caches]
         self.contiguous = slots == list(range(slots[0], slots[0] + batch))
         if self.contiguous:  # a view: writes land in the pool directly
@@ -381,15 +359,18 @@ class Engine:
         slot = next(i for i in range(len(used) + 1) if i not in used)
         return SequenceCache(self.pool, slot)
 
-    def validate_rollback(self, seq_id: str, length: int) -> SequenceCache:
+    def check_rollback(self, seq_id: str, length: int) -> SequenceCache:
+        """Refuse a rollback that ``rollback`` would refuse, changing nothing."""
         cache = self._get(seq_id)
         if not 0 <= length <= cache.length:
             raise InvalidRequest(f"sequence {seq_id!r} holds {cache.length} tokens; cannot roll back to {length}")
         return cache
 
-    def truncate(self, seq_id: str, length: int) -> int:
-        """Roll a sequence back to its first ``length`` tokens."""
-        self.validate_rollback(seq_id, length).length = length
+    def rollback(self, seq_id: str, length: int) -> int:
+        """Roll a sequence back to its first ``length`` tokens: O(1), the columns past it are
+        masked and later overwritten. Every call does this for each of its sequences, to the
+        ``keep_len`` it names (RaggedBatch); the Rollback RPC does it alone."""
+        self.check_rollback(seq_id, length).length = length
         return length
 
     def release(self, seq_ids: list[str]) -> int:

@@ -15,9 +15,10 @@ import torch
 
 from .engine import Engine, SequenceInput
 from .logs import LOG_FORMATS
-from .metrics import DEFAULT_METRICS_PORTS, ServiceMetrics, new_registry, serve_metrics
+from .metrics import DEFAULT_METRICS_PORTS, new_registry, serve_metrics
 from .models import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, load_model
 from .sampling import SamplingParams, SparseDistribution
+from .service_metrics import ServiceMetrics
 from .serving import Server, configure_logging, engine_errors_to_status
 from .tls import add_server_tls_flags, server_credentials_from_args
 from .v1 import model_services_pb2 as pb
@@ -42,7 +43,7 @@ def features_from_bytes(data: bytes, width: int) -> torch.Tensor | None:
     return torch.from_numpy(values.astype(np.float32).reshape(-1, width))
 
 
-def sampling_params(message: pb.Sampling) -> SamplingParams:
+def sampling_from_proto(message: pb.Sampling) -> SamplingParams:
     return SamplingParams(message.temperature, message.top_p or 1.0, message.top_k, message.seed)
 
 
@@ -107,9 +108,9 @@ class CacheServicer:
     def Rollback(self, request, context):
         def rollback():
             for item in request.sequences:  # check all first: a bad item changes nothing
-                self.engine.validate_rollback(item.seq_id, item.cached_len)
+                self.engine.check_rollback(item.seq_id, item.cached_len)
             for item in request.sequences:
-                self.engine.truncate(item.seq_id, item.cached_len)
+                self.engine.rollback(item.seq_id, item.cached_len)
 
         self.timed(rollback)
         return pb.RollbackResponse()

@@ -154,7 +154,7 @@ def logits_of(engine: Engine, seq_id: str, keep_len: int, tokens: list[int]) -> 
     return logits[0]
 
 
-def test_truncate_then_continue_equals_never_going_further(target_model):
+def test_rollback_then_continue_equals_never_going_further(target_model):
     engine = Engine(target_model)
     prompt = random_prompts([12], seed=3)[0]
     ref = greedy_reference(target_model, prompt, 20)
@@ -163,7 +163,7 @@ def test_truncate_then_continue_equals_never_going_further(target_model):
     engine.prefill([SequenceInput("went_further", 0, prompt + junk)])
     engine.prefill([SequenceInput("never", 0, prompt[:-1])])
     assert engine.length("went_further") == len(prompt) + len(junk)
-    assert engine.truncate("went_further", len(prompt) - 1) == len(prompt) - 1
+    assert engine.rollback("went_further", len(prompt) - 1) == len(prompt) - 1
     assert engine.length("went_further") == len(prompt) - 1
 
     cont = [prompt[-1]] + ref[:5]
@@ -173,7 +173,7 @@ def test_truncate_then_continue_equals_never_going_further(target_model):
     assert torch.allclose(rolled, straight, atol=1e-5)
     assert rolled.argmax(-1).tolist() == ref[:6]
 
-    # Rolling back through keep_len (no truncate call) works the same: go 4 tokens too far, then
+    # Rolling back through keep_len (no rollback call) works the same: go 4 tokens too far, then
     # keep only the real history and continue decoding to the reference's end.
     assert engine.length("went_further") == len(prompt) + 5
     engine.prefill([SequenceInput("went_further", len(prompt) + 5, junk[:4])])
@@ -184,7 +184,7 @@ def test_truncate_then_continue_equals_never_going_further(target_model):
     assert d.generated == ref
 
     # Truncating to 0 and refeeding the prompt from scratch also matches.
-    engine.truncate("never", 0)
+    engine.rollback("never", 0)
     assert engine.length("never") == 0
     verdict, = verify(engine, [VerifyItem(SequenceInput("never", 0, prompt), ref[:3])])
     assert (verdict.accepted, verdict.next_token, verdict.cached_len) == (3, ref[3], len(prompt) + 3)
@@ -197,10 +197,10 @@ def test_rollback_beyond_cached_is_refused(target_model):
     before = snapshot(engine)
     for bad in (len(prompt) + 1, 100, -1):
         with pytest.raises(InvalidRequest, match="roll back"):
-            engine.truncate("a", bad)
+            engine.rollback("a", bad)
         assert_unchanged(engine, before)
     with pytest.raises(UnknownSequence):
-        engine.truncate("ghost", 0)
+        engine.rollback("ghost", 0)
     # keep_len beyond what is cached: the caller's view is stale.
     with pytest.raises(StaleCache, match="keep_len"):
         engine.validate([SequenceInput("a", len(prompt) + 1, [5])], [0], create=False)
@@ -212,7 +212,7 @@ def test_rollback_beyond_cached_is_refused(target_model):
     assert_unchanged(engine, before)
     # keep_len equal to the cached length is fine.
     engine.validate([SequenceInput("a", len(prompt), [5])], [0], create=False)
-    assert engine.truncate("a", len(prompt)) == len(prompt)
+    assert engine.rollback("a", len(prompt)) == len(prompt)
 
 
 # ---- no prefix recompute -------------------------------------------------------------------------
@@ -437,7 +437,7 @@ def test_release_is_idempotent_and_frees(target_model):
     with pytest.raises(UnknownSequence):
         engine.length("a")
     with pytest.raises(UnknownSequence):
-        engine.truncate("a", 0)
+        engine.rollback("a", 0)
     with pytest.raises(UnknownSequence):
         verify(engine, [VerifyItem(SequenceInput("a", 0, prompts[0]))])
     with pytest.raises(StaleCache):  # released state is gone: it cannot be kept

@@ -9,10 +9,10 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from specbatch import cli
+from specbatch.commands import cli
 from specbatch.client import connect, generate, make_request
 from specbatch.v1 import generation_pb2 as gpb
-from specbatch.launcher import LocalProcesses, StackOptions, free_port
+from specbatch.commands.launcher import LocalProcesses, StackOptions, free_port
 from tiny import greedy_reference
 
 

@@ -26,7 +26,7 @@ def real():
 
 @pytest.fixture(scope="module")
 def real_stack(real):
-    from specbatch.local import start_local_stack
+    from specbatch.commands.local import start_local_stack
 
     target, draft, tokenizer = real
     stack = start_local_stack(target, draft, tokenizer, max_batch_size=4)

@@ -28,9 +28,9 @@ from coordinator.requests import Request, TextStream
 from coordinator.replicas import ReplicaSet
 from coordinator.scheduler import Scheduler
 
-from .profile import Profile, build_profile
-from .prompts import chat_token_ids, sharegpt_prompts
-from .sampling import SamplingParams
+from ..profile import Profile, build_profile
+from ..prompts import chat_token_ids, sharegpt_prompts
+from ..sampling import SamplingParams
 
 
 @dataclass
@@ -64,12 +64,6 @@ def chat_prompts(tokenizer, texts: list[str], max_tokens: int) -> list[list[int]
     return prompts
 
 
-def _snapshot(scheduler: Scheduler) -> tuple:
-    t = scheduler.totals
-    return (t.step_seconds, t.draft_seconds, t.target_seconds, list(t.reached_by_position),
-            list(t.accepted_by_position), sum(r.accepted for r in scheduler.running))
-
-
 def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[list[int]], sweep: Sweep,
             progress=None) -> tuple[dict, list[float]]:
     """Step times per (batch size, k) and the pooled acceptance per draft position.
@@ -99,7 +93,7 @@ def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[l
                 scheduler.submit(request)
             # The scheduler's own admission and step, called by hand instead of by its loop
             # thread: the profile measures exactly the serving code path, one step at a time.
-            scheduler._admit()  # prefill all B at once, as the coordinator admits a burst
+            scheduler.admit()  # prefill all B at once, as the coordinator admits a burst
             if len(scheduler.running) != b:
                 raise RuntimeError(f"the services admitted {len(scheduler.running)} of {b} sequences "
                                    "(KV cache budget or --max-sequences too small?)")
@@ -107,9 +101,9 @@ def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[l
                 scheduler.policy = FixedK(k)
                 steps = []
                 for i in range(sweep.warmup_steps + sweep.steps):
-                    before = _snapshot(scheduler)
-                    scheduler._step()
-                    after = _snapshot(scheduler)
+                    stats = scheduler.step()
+                    if stats is None:
+                        raise RuntimeError("the target service went down mid-profile")
                     if any(r.finish is not None for r in batch):
                         raise RuntimeError("a sequence finished mid-profile (context limit?)")
                     done += 1
@@ -117,10 +111,10 @@ def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[l
                         progress(f"batch {b:>3}, k={k}", done)
                     if i < sweep.warmup_steps:
                         continue
-                    steps.append([a - z for a, z in zip(after[:3], before[:3])] + [after[5] - before[5]])
+                    steps.append([stats.step_seconds, stats.draft_seconds, stats.target_seconds, stats.accepted_tokens])
                     for p in range(sweep.max_k):
-                        reached[p] += after[3][p] - before[3][p]
-                        accepted[p] += after[4][p] - before[4][p]
+                        reached[p] += stats.reached_by_position[p]
+                        accepted[p] += stats.accepted_by_position[p]
                 step_s, draft_s, target_s, kept = zip(*steps)
                 times[b, k] = {"step_ms": 1000 * statistics.median(step_s),
                                "draft_ms": 1000 * statistics.median(draft_s),
@@ -129,8 +123,8 @@ def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[l
         finally:
             for request in batch:
                 request.cancel()
-            scheduler._retire()  # releases the sequences on both services
-            scheduler.pool.shutdown(wait=False)
+            scheduler.retire()  # releases the sequences on both services
+            scheduler.placement.close()
     # Acceptance at a position nothing reached does not matter (every path to it has a 0 before).
     acceptance = [accepted[p] / reached[p] if reached[p] else 0.0 for p in range(sweep.max_k)]
     return times, acceptance
@@ -237,7 +231,7 @@ def run_profile(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from .launcher import LocalProcesses, stack_options
-    from .models import EMBEDDED, ModelSpec, load_tokenizer, parse_dtype, default_device
+    from ..models import EMBEDDED, ModelSpec, load_tokenizer, parse_dtype, default_device
 
     remote = bool(args.target)
     if remote and not args.draft:

@@ -10,7 +10,7 @@ import threading
 
 from google.protobuf.json_format import MessageToDict
 
-from .serving import DEFAULT_PORTS
+from ..serving import DEFAULT_PORTS
 
 DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORTS['coordinator']}"
 
@@ -51,7 +51,7 @@ def add_sampling_flags(parser) -> None:
 def cmd_generate(args) -> int:
     import grpc
 
-    from .client import connect, generate, make_request
+    from ..client import connect, generate, make_request
 
     if args.token_ids:
         prompt = [int(t) for t in args.token_ids.split(",") if t.strip()]
@@ -72,7 +72,7 @@ def cmd_generate(args) -> int:
 
     credentials = None
     if args.tls_ca or args.tls_cert or args.tls_key:
-        from .tls import channel_credentials
+        from ..tls import channel_credentials
 
         try:
             credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)

@@ -10,8 +10,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .metrics import DEFAULT_METRICS_PORTS
-from .serving import DEFAULT_PORTS, wait_until_serving
+from ..metrics import DEFAULT_METRICS_PORTS
+from ..serving import DEFAULT_PORTS, wait_until_serving
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -108,7 +108,7 @@ class LocalProcesses:
         if o.target_model is None:
             # The services would convert the embedded GGUF (and assemble the embedded draft) on
             # first use, each on its own; do it once, up front.
-            from .models import embedded_draft_folder, embedded_model_folder
+            from ..models import embedded_draft_folder, embedded_model_folder
 
             embedded_model_folder()
             if not o.no_draft and o.draft_model is None and o.draft_layers is None:
@@ -121,7 +121,7 @@ class LocalProcesses:
             # or the target's own first --draft-layers layers.
             draft_model = o.draft_model or o.target_model
             if draft_model is None and o.draft_layers:
-                from .models import EMBEDDED
+                from ..models import EMBEDDED
 
                 draft_model = EMBEDDED
             self._spawn("draft", "draft_service",

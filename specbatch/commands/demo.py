@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .client import connect, generate, generate_all, make_request
+from ..client import connect, generate, generate_all, make_request
 from .launcher import LocalProcesses, stack_options
-from .prompts import CHAT_PROMPTS
+from ..prompts import CHAT_PROMPTS
 
 
 def _report(result) -> str:
