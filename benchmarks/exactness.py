@@ -21,7 +21,7 @@ import torch
 
 from specbatch.client import generate, generate_all, make_request
 from specbatch.exactness import NEAR_TIE, first_mismatch, row_dependence, target_only
-from specbatch.local import start_local_stack
+from specbatch.commands.local import start_local_stack
 from specbatch.models import EMBEDDED_DRAFT, ModelSpec, load_model, load_tokenizer
 from specbatch.prompts import chat_token_ids, sharegpt_prompts
 

@@ -80,7 +80,7 @@ def test_chat_prompt_is_rendered_with_the_template(real, real_stack):
 
 @pytest.fixture(scope="module")
 def bf16_stack():
-    from specbatch.local import start_local_stack
+    from specbatch.commands.local import start_local_stack
 
     target = load_model(ModelSpec(), device="cpu", dtype=torch.bfloat16)
     draft = load_model(ModelSpec(EMBEDDED_DRAFT), device="cpu", dtype=torch.bfloat16)
