@@ -332,6 +332,7 @@ def run_profile(args) -> int:
         draft={"model": names[1], "dtype": dtype or "unknown"},
         workload=workload,
     )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     profile.save(args.out)
     image = args.heatmap or str(Path(args.out).with_suffix(".png"))
     heatmap(profile, image)
