@@ -70,7 +70,7 @@ def default_bandwidth_gbs(device: torch.device) -> tuple[float | None, str]:
             if key in name:
                 return gbs, f"data sheet of {name}"
         return None, f"unknown for {name}: pass --bandwidth-gbs"
-    return CPU_BANDWIDTH_GBS, "a rough CPU figure (pass --bandwidth-gbs for this machine's)"
+    return CPU_BANDWIDTH_GBS, "a rough CPU figure; pass --bandwidth-gbs for this machine's"
 
 
 @dataclass(frozen=True)
