@@ -199,27 +199,29 @@ def _with_limit(ms: float, limit: float | None) -> str:
     return _ms(ms) + (f" ({_ms(limit)})" if limit is not None else "")
 
 
+def _table(title: str, rows: list[dict], column: str, header: str, columns: list[int], batch_sizes: list[int],
+           value: str, limit: str) -> list[str]:
+    """One markdown table: a row per batch size, a column per value of ``column``."""
+    cells = {(c["batch_size"], c[column]): c for c in rows}
+    lines = [title, "", f"| batch \\ {header} | " + " | ".join(str(x) for x in columns) + " |",
+             "|---" * (len(columns) + 1) + "|"]
+    for b in batch_sizes:
+        lines.append(f"| {b} | " + " | ".join(_with_limit(cells[b, x][value], cells[b, x][limit]) for x in columns) + " |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     grid = report["grid"]
-    lines = [f"ms per verify step (bandwidth limit), context {grid['context']}, target "
-             f"{report['target']['model']} ({report['target']['dtype']}):", "",
-             "| batch \\ tokens per sequence | " + " | ".join(str(t) for t in grid["tokens"]) + " |",
-             "|---" * (len(grid["tokens"]) + 1) + "|"]
-    cells = {(c["batch_size"], c["tokens"]): c for c in report["verify"]}
-    for b in grid["batch_sizes"]:
-        lines.append(f"| {b} | " + " | ".join(_with_limit(cells[b, t]["ms"], cells[b, t]["limit_ms"])
-                                               for t in grid["tokens"]) + " |")
+    target = report["target"]
+    lines = _table(f"ms per verify step (bandwidth limit), context {grid['context']}, target {target['model']} "
+                   f"({target['dtype']}):", report["verify"], "tokens", "tokens per sequence", grid["tokens"], grid["batch_sizes"],
+                   "ms", "limit_ms")
     if report["draft"]:
-        lines += ["", f"ms per drafted token (bandwidth limit), draft {report['draft_model']['model']}:", "",
-                  "| batch \\ k | " + " | ".join(str(k) for k in grid["ks"]) + " |",
-                  "|---" * (len(grid["ks"]) + 1) + "|"]
-        cells = {(c["batch_size"], c["k"]): c for c in report["draft"]}
-        for b in grid["batch_sizes"]:
-            lines.append(f"| {b} | " + " | ".join(_with_limit(cells[b, k]["ms_per_token"], cells[b, k]["limit_ms_per_token"])
-                                                   for k in grid["ks"]) + " |")
-    bandwidth = report["bandwidth_gbs"]
-    lines += ["", f"bandwidth: {bandwidth} GB/s ({report['bandwidth_source']}); median of {grid['repeats']} calls "
-              f"after {grid['warmup']} warm-up calls"]
+        lines += [""] + _table(f"ms per drafted token (bandwidth limit), draft {report['draft_model']['model']}:",
+                               report["draft"], "k", "k", grid["ks"], grid["batch_sizes"], "ms_per_token",
+                               "limit_ms_per_token")
+    lines += ["", f"bandwidth: {report['bandwidth_gbs']} GB/s ({report['bandwidth_source']}); median of "
+              f"{grid['repeats']} calls after {grid['warmup']} warm-up calls"]
     return "\n".join(lines)
 
 
