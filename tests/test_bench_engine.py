@@ -74,8 +74,8 @@ def test_default_bandwidth_by_device_name(monkeypatch):
 def test_command_writes_json_with_every_cell_and_markdown(shapes, tmp_path, capsys):
     out = tmp_path / "bench"
     code = cli.main(["bench-engine", "--target-model", shapes[0], "--draft-model", shapes[1], "--random-weights",
-                     "--device", "cpu", "--batch-sizes", "1,2", "--tokens", "1,3", "--ks", "1,2", "--context", "8",
-                     "--repeats", "1", "--warmup", "0", "--bandwidth-gbs", "20", "--out", str(out)])
+                     "--device", "cpu", "--dtype", "float32", "--batch-sizes", "1,2", "--tokens", "1,3", "--ks", "1,2",
+                     "--context", "8", "--repeats", "1", "--warmup", "0", "--bandwidth-gbs", "20", "--out", str(out)])
     assert code == 0
     report = json.loads((out / "bench-engine.json").read_text())
     assert report["format"] == "specbatch-bench-engine" and report["bandwidth_gbs"] == 20
