@@ -157,8 +157,8 @@ def random_processes(tmp_path_factory, tokenizer):
     target = tiny_shape(root / "target", layers=2, tokenizer=tokenizer)
     draft = tiny_shape(root / "draft", layers=1, hidden=32)
     ports = {"coordinator": free_port(), "target": free_port(), "draft": free_port()}
-    options = StackOptions(target_model=target, draft_model=draft, random_weights=True, device="cpu", ports=ports,
-                           max_batch_size=4, kv_cache_gb=0.01)
+    options = StackOptions(target_model=target, draft_model=draft, random_weights=True, device="cpu", dtype="float32",
+                           ports=ports, max_batch_size=4, kv_cache_gb=0.01)  # float32: compared with a float32 reference
     stack = LocalProcesses(options).start(timeout=180)
     yield stack, target
     stack.stop()
