@@ -59,7 +59,10 @@ def random_config(name: str):
     from transformers import AutoConfig
 
     from . import eagle  # noqa: F401 - a draft folder may hold an EAGLE-style config
+    from .models import EMBEDDED_DRAFT, SHIPPED_DRAFT
 
+    if name == EMBEDDED_DRAFT:  # the services' default draft: its shipped config says what it is
+        name = str(SHIPPED_DRAFT)
     known = known_name(name)
     if known:
         values = dict(KNOWN_CONFIGS[known])

@@ -15,7 +15,7 @@ from specbatch.client import connect, generate, make_request
 from specbatch.engine import Engine, SequenceInput
 from specbatch.launcher import LocalProcesses, StackOptions, _model_flags, free_port
 from specbatch.model_service import model_service_parser
-from specbatch.models import EMBEDDED, ModelSpec, cache_root, load_model, load_tokenizer
+from specbatch.models import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, cache_root, load_model, load_tokenizer
 from specbatch.profile import expected_tokens, load_profile
 from specbatch.profiler import given_acceptance
 from specbatch.random_weights import KNOWN_CONFIGS, fit_vocab, random_config, random_model, tokenizer_source
@@ -58,9 +58,11 @@ def test_smollm2_shape_is_the_embedded_models_config():
         assert math.isclose(real[key], value, rel_tol=1e-6) if isinstance(value, float) else real[key] == value, key
 
 
-def test_unknown_shape_is_refused():
+def test_unknown_shape_and_the_eagle_draft_are_refused():
     with pytest.raises(ValueError, match="opt-6.7b"):
         random_config("no-such-model")
+    with pytest.raises(ValueError, match="no random-weights form"):
+        random_model(EMBEDDED_DRAFT, "cpu", torch.float32)
 
 
 def test_random_model_is_small_finite_seeded_and_on_the_device(tmp_path):
