@@ -143,6 +143,9 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
                         help=f"HF hub id, local folder, '{EMBEDDED}' or '{EMBEDDED_DRAFT}' (default {default_model})")
     parser.add_argument("--gguf-file", help="GGUF file name inside --model")
     parser.add_argument("--num-layers", type=int, help="keep only the first N decoder layers (a self-speculative draft)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="only --model's shape (a folder with config.json, or opt-6.7b, opt-125m, llama-3-8b, "
+                             "smollm2-135m): random weights built on the device, no download")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (auto: bfloat16 on GPUs and on CPUs with native bf16, else float32)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -174,7 +177,7 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
     registry = new_registry()
     metrics_server = serve_metrics(registry, kind, args.metrics_host, args.metrics_port)
     try:
-        spec = ModelSpec(args.model, args.gguf_file, args.num_layers, args.trust_remote_code)
+        spec = ModelSpec(args.model, args.gguf_file, args.num_layers, args.trust_remote_code, args.random_weights)
         started = time.perf_counter()
         model = load_model(spec, args.device, args.dtype)
         engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,

@@ -1,4 +1,4 @@
-"""The ``specbatch`` command: up, generate, demo, bench, profile, distill."""
+"""The ``specbatch`` command: up, generate, demo, bench, profile, bench-engine, distill."""
 
 from __future__ import annotations
 
@@ -110,6 +110,12 @@ def cmd_profile(args) -> int:
     return run_profile(args)
 
 
+def cmd_bench_engine(args) -> int:
+    from .bench_engine import run_bench_engine
+
+    return run_bench_engine(args)
+
+
 def cmd_distill(args) -> int:
     from .distill import run_distill
 
@@ -156,6 +162,13 @@ def main(argv=None) -> int:
     add_stack_flags(profile)
     add_profile_flags(profile)
     profile.set_defaults(fn=cmd_profile)
+
+    from .bench_engine import add_bench_engine_flags
+
+    bench_engine = sub.add_parser("bench-engine", help="ms per verify step and per drafted token over batch x tokens, "
+                                  "beside the bandwidth limit")
+    add_bench_engine_flags(bench_engine)
+    bench_engine.set_defaults(fn=cmd_bench_engine)
 
     from .distill import add_distill_flags
 
