@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from specbatch import cli
+from specbatch.commands import cli
 from specbatch.commands.bench_engine import CPU_BANDWIDTH_GBS, Grid, Traffic, bench_engine, default_bandwidth_gbs, limit_ms
 from specbatch.engine import Engine
 from specbatch.models import ModelSpec, load_model
