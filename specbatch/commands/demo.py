@@ -20,7 +20,7 @@ def run_demo(args) -> int:
           flush=True)
     with LocalProcesses(stack_options(args)) as processes:
         stub = connect(processes.address)
-        print(f"serving on {processes.address}, k policy {args.k_policy}\n", flush=True)
+        print(f"serving on {processes.address}, k policy {processes.options.k_policy}\n", flush=True)
         rows = []
         for prompt in prompts:
             print(f"> {prompt}\n", flush=True)

@@ -8,7 +8,8 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from ..metrics import DEFAULT_METRICS_PORTS
 from ..serving import DEFAULT_PORTS, wait_until_serving
@@ -33,7 +34,7 @@ class StackOptions:
     device: str | None = None
     dtype: str | None = None
     kv_cache_gb: float | None = None  # each model service's KV budget; None: the services' default
-    k_policy: str = "fixed:3"
+    k_policy: str | None = None  # None: default_k_policy
     profile: str | None = None  # the coordinator's --profile
     max_batch_size: int = 32
     coordinator: bool = True  # False: only the two model services (specbatch profile)
@@ -43,6 +44,24 @@ class StackOptions:
     # Prometheus /metrics port of each service; None: no endpoint (tests run many stacks at once).
     metrics_ports: dict | None = None
     coordinator_flags: list = field(default_factory=list)  # more flags for the coordinator (--max-queue 64 …)
+
+
+# The embedded models' profile, measured on this project's reference machine (2 cores of an AMD
+# EPYC Zen 4, bf16; docs/profile.md), and the adaptive policy that served best on it there.
+EMBEDDED_PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "embedded-cpu.json"
+EMBEDDED_POLICY = "profile"
+
+
+def default_k_policy(options: StackOptions) -> tuple[str, str | None]:
+    """The k policy and profile when none is asked for: the shipped profile for the embedded target
+    and draft on a CPU (where it was measured), else a fixed k of 3."""
+    if options.k_policy:
+        return options.k_policy, options.profile
+    embedded = not (options.target_model or options.draft_model or options.draft_layers or options.no_draft
+                    or options.random_weights) and options.device in (None, "cpu")
+    if embedded and EMBEDDED_PROFILE.exists():
+        return EMBEDDED_POLICY, options.profile or str(EMBEDDED_PROFILE)
+    return "fixed:3", options.profile
 
 
 def add_stack_flags(parser) -> None:
@@ -59,7 +78,8 @@ def add_stack_flags(parser) -> None:
     parser.add_argument("--device")
     parser.add_argument("--dtype")
     parser.add_argument("--kv-cache-gb", type=float, help="KV cache budget of each model service in GiB (default 8)")
-    parser.add_argument("--k-policy", default="fixed:3", help="fixed:K, profile or goodput (the last two need --profile)")
+    parser.add_argument("--k-policy", help="fixed:K, profile or goodput (the last two need --profile); default: "
+                        "the shipped profile's policy for the embedded models on a CPU, else fixed:3")
     parser.add_argument("--profile", help="the coordinator's profile JSON (made by `specbatch profile`)")
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--host", default="127.0.0.1")
@@ -97,7 +117,8 @@ class LocalProcesses:
     """The target, draft and coordinator as child processes; stopped with SIGTERM, in reverse."""
 
     def __init__(self, options: StackOptions):
-        self.options = options
+        policy, profile = default_k_policy(options)
+        self.options = replace(options, k_policy=policy, profile=profile)
         self.processes: list[tuple[str, subprocess.Popen]] = []
 
     @property

@@ -1,0 +1,104 @@
+"""Batch 1, greedy, held-out ShareGPT prompts: speculative serving against its two baselines (issue 15).
+
+In one run, on the same prompts and token counts:
+1. plain transformers ``generate()`` of the embedded target in float32, in this process (the
+   services are not running yet, so it has the machine to itself);
+2. the three services as processes (``specbatch up``'s launcher, threads pinned per service),
+   each prompt sent target-only (``k = 0``) and then under the coordinator's k policy.
+Prints tokens/s of each and the ratios, and writes JSON.
+
+    .venv/bin/python benchmarks/batch1.py [--prompts 24] [--tokens 96] [--k-policy profile --profile P]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from specbatch.client import connect, generate, make_request
+from specbatch.commands.launcher import LocalProcesses, StackOptions
+from specbatch.models import ModelSpec, load_model, load_tokenizer
+from specbatch.prompts import chat_token_ids, sharegpt_prompts
+
+
+def transformers_generate(prompts: list[list[int]], tokens: int, threads: int) -> float:
+    """tokens/s of ``model.generate`` (greedy, fp32, its own KV cache), one prompt at a time."""
+    torch.set_num_threads(threads)
+    model = load_model(ModelSpec(), "cpu", torch.float32)
+    model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)  # warm-up
+    generated, seconds = 0, 0.0
+    for prompt in prompts:
+        start = time.perf_counter()
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+        seconds += time.perf_counter() - start
+        generated += out.shape[1] - len(prompt)
+    del model
+    return generated / seconds
+
+
+def served(address: str, prompts: list[list[int]], tokens: int, k: int | None) -> dict:
+    stub = connect(address)
+    generate(stub, make_request(prompts[0], 4, k=k, ignore_eos=True))  # warm-up
+    generated, seconds, proposed, accepted, steps = 0, 0.0, 0, 0, 0
+    for prompt in prompts:
+        result = generate(stub, make_request(prompt, tokens, k=k, ignore_eos=True), timeout=600)
+        generated += len(result.token_ids)
+        seconds += result.seconds
+        proposed += result.stats.draft_tokens_proposed
+        accepted += result.stats.draft_tokens_accepted
+        steps += result.stats.steps
+    return {"tokens_per_second": generated / seconds, "acceptance": accepted / proposed if proposed else 0.0,
+            "tokens_per_step": generated / steps if steps else 0.0}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--tokens", type=int, default=96)
+    parser.add_argument("--prompt-start", type=int, default=16000)
+    parser.add_argument("--max-prompt-tokens", type=int, default=256)
+    parser.add_argument("--k-policy", default=None, help="the coordinator's policy (default: the launcher's default)")
+    parser.add_argument("--profile", default=None)
+    parser.add_argument("--threads", type=int, default=2, help="threads of the transformers baseline")
+    parser.add_argument("--out", default="bench-out/batch1.json")
+    args = parser.parse_args()
+
+    tokenizer = load_tokenizer(ModelSpec())
+    prompts = [ids for text in sharegpt_prompts(4 * args.prompts, args.prompt_start)
+               if len(ids := chat_token_ids(tokenizer, [{"role": "user", "content": text}])) <= args.max_prompt_tokens]
+    prompts = prompts[: args.prompts]
+    baseline = transformers_generate(prompts, args.tokens, args.threads)
+    print(f"transformers generate(), fp32: {baseline:.1f} tok/s", flush=True)
+    options = StackOptions(max_batch_size=8)
+    if args.k_policy:
+        options.k_policy, options.profile = args.k_policy, args.profile
+    with LocalProcesses(options) as stack:
+        target_only = served(stack.address, prompts, args.tokens, k=0)
+        print(f"services, target-only (k=0): {target_only['tokens_per_second']:.1f} tok/s", flush=True)
+        speculative = served(stack.address, prompts, args.tokens, k=None)
+        print(f"services, k policy {stack.options.k_policy}: {speculative['tokens_per_second']:.1f} tok/s", flush=True)
+    rows = {
+        "transformers generate(), fp32": baseline,
+        "services, target-only (k=0)": target_only["tokens_per_second"],
+        f"services, {stack.options.k_policy}": speculative["tokens_per_second"],
+    }
+    print(f"\n## batch 1, greedy, {len(prompts)} held-out ShareGPT prompts x {args.tokens} tokens\n")
+    print("| mode | tok/s | speculative / this |\n|---|---|---|")
+    for name, tps in rows.items():
+        print(f"| {name} | {tps:.1f} | {speculative['tokens_per_second'] / tps:.2f}x |")
+    print(f"\nacceptance {speculative['acceptance']:.2f}, tokens per step {speculative['tokens_per_step']:.2f} "
+          f"(targets: >= 1.5x target-only through the services, >= 1.5x transformers generate())")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"tokens_per_second": rows, "speculative": speculative,
+                                          "k_policy": stack.options.k_policy, "profile": stack.options.profile,
+                                          "prompts": len(prompts), "tokens": args.tokens}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

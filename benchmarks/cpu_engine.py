@@ -1,0 +1,143 @@
+"""The target's verify step on this CPU: today's fp32 engine against the bf16 prepacked one (issue 15).
+
+Times ``target_service.verifier.verify`` (what the target service runs per step) on the embedded
+SmolLM2-135M at context 128, median of repeats, for batch × new tokens per sequence, with:
+- ``fp32-transformers``: the engine before issue 15 (float32, transformers' forward);
+- ``fp32-specbatch``: float32 through the engine's own forward (specbatch.llama);
+- ``bf16-specbatch``: bf16 with oneDNN-prepacked weights through the engine's own forward
+  (the default on CPUs with native bf16);
+- ``bf16-compiled`` (with --compile): the same forward through torch.compile (inductor, freezing).
+Then the ratios the issue sets as targets, and where a one-token bf16 step's time goes.
+
+    .venv/bin/python benchmarks/cpu_engine.py [--threads 2] [--repeats 20] [--compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specbatch.engine import Engine, SequenceInput
+from specbatch.models import ModelSpec, load_model
+from target_service.verifier import VerifyItem, verify
+
+CONTEXT = 128
+SHAPES = [(1, 1), (1, 2), (1, 4), (1, 5), (1, 6), (8, 1), (8, 2), (8, 4), (32, 1), (32, 2)]
+
+
+def step_ms(engine: Engine, batch: int, new_tokens: int, repeats: int) -> float:
+    """Median ms of a verify of ``new_tokens`` per sequence (1 uncached + drafts) over ``batch``
+    sequences holding CONTEXT tokens; each call keeps CONTEXT, so the context stays fixed."""
+    ids = [f"bench-{i}" for i in range(batch)]
+    engine.prefill([SequenceInput(s, 0, [(7 * i + j) % 5000 + 100 for j in range(CONTEXT)]) for i, s in enumerate(ids)])
+    items = [VerifyItem(SequenceInput(s, CONTEXT, [11]), drafts=[13] * (new_tokens - 1)) for s in ids]
+    times = []
+    try:
+        for i in range(repeats + 3):
+            start = time.perf_counter()
+            verify(engine, items)
+            if i >= 3:
+                times.append(time.perf_counter() - start)
+    finally:
+        engine.release(ids)
+    return 1000 * statistics.median(times)
+
+
+def time_split(engine: Engine, repeats: int = 10) -> dict:
+    """Where a batch-1 one-token step's time goes: matrix multiplies, attention, other operators,
+    and the rest (Python between operators), from the PyTorch profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.prefill([SequenceInput("split", 0, list(range(100, 100 + CONTEXT)))])
+    items = [VerifyItem(SequenceInput("split", CONTEXT, [11]))]
+    for _ in range(3):
+        verify(engine, items)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeats):
+            verify(engine, items)
+    wall = (time.perf_counter() - start) / repeats * 1000
+    engine.release(["split"])
+    split = {"matmul": 0.0, "attention": 0.0, "other operators": 0.0}
+    for event in prof.key_averages():
+        ms = event.self_cpu_time_total / 1000 / repeats
+        if any(name in event.key for name in ("linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm")):
+            split["matmul"] += ms
+        elif "scaled_dot_product" in event.key:
+            split["attention"] += ms
+        else:
+            split["other operators"] += ms
+    split["Python and the rest"] = max(wall - sum(split.values()), 0.0)
+    split["wall (under the profiler)"] = wall
+    return split
+
+
+def compiled_engine(model) -> Engine:
+    import torch._inductor.config as inductor_config
+
+    inductor_config.freezing = True
+    engine = Engine(model)
+    engine.forward = torch.compile(engine.forward.__call__, dynamic=True)
+    return engine
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile (inductor, freezing)")
+    parser.add_argument("--out", default="bench-out/cpu_engine.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    fp32 = load_model(ModelSpec(), "cpu", torch.float32)
+    bf16 = load_model(ModelSpec(), "cpu", torch.bfloat16)
+    engines = {"fp32-transformers": Engine(fp32, implementation="transformers"),
+               "fp32-specbatch": Engine(fp32, implementation="specbatch"),
+               "bf16-specbatch": Engine(bf16)}
+    if args.compile:
+        start = time.perf_counter()
+        engines["bf16-compiled"] = compiled_engine(bf16)
+        step_ms(engines["bf16-compiled"], 1, 1, 1)
+        print(f"torch.compile: first call {time.perf_counter() - start:.0f} s", flush=True)
+    table = {name: {} for name in engines}
+    for batch, new in SHAPES:
+        for name, engine in engines.items():
+            table[name][f"{batch}x{new}"] = step_ms(engine, batch, new, args.repeats)
+        print(f"batch {batch} x {new} new: " + ", ".join(f"{n} {t[f'{batch}x{new}']:.1f} ms" for n, t in table.items()),
+              flush=True)
+
+    print(f"\n## verify step, ms (SmolLM2-135M, context {CONTEXT}, {args.threads} threads, median of {args.repeats})\n")
+    print("| batch × new tokens | " + " | ".join(engines) + " |")
+    print("|---|" + "---|" * len(engines))
+    for batch, new in SHAPES:
+        print(f"| {batch} × {new} | " + " | ".join(f"{table[n][f'{batch}x{new}']:.1f}" for n in engines) + " |")
+    best = "bf16-specbatch"
+    ratios = {
+        "one token at batch 1: fp32-transformers / bf16 (target >= 1.4)":
+            table["fp32-transformers"]["1x1"] / table[best]["1x1"],
+        "5 new tokens / 1 at batch 1, bf16 (target <= 1.15)": table[best]["1x5"] / table[best]["1x1"],
+        "4 new tokens / 1 at batch 8, bf16 (target <= 1.3)": table[best]["8x4"] / table[best]["8x1"],
+        "5 new tokens / 1 at batch 1, fp32-transformers (before)":
+            table["fp32-transformers"]["1x5"] / table["fp32-transformers"]["1x1"],
+    }
+    print("\n| ratio | measured |\n|---|---|")
+    for name, value in ratios.items():
+        print(f"| {name} | {value:.2f} |")
+    split = time_split(engines[best])
+    print("\n## where a bf16 one-token step goes (batch 1, under the profiler)\n\n| part | ms |\n|---|---|")
+    for name, ms in split.items():
+        print(f"| {name} | {ms:.1f} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"ms": table, "ratios": ratios, "split_ms": split, "threads": args.threads},
+                                         indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
