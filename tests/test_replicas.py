@@ -237,23 +237,46 @@ def test_drain_finishes_in_flight_and_refuses_new(target_model, draft_model, tok
         stack.stop()
 
 
+def hold_after(engine, calls: int) -> threading.Event:
+    """Let ``calls`` calls through this engine, then hold every later one until the returned
+    event is set: the scheduler stays inside that step, so what is running stays running."""
+    passed, release = [0], threading.Event()
+    original = engine.start
+
+    def gated_start(*args, **kwargs):
+        passed[0] += 1
+        if passed[0] > calls:
+            release.wait(60)
+        return original(*args, **kwargs)
+
+    engine.start = gated_start
+    return release
+
+
 def test_queue_full_gives_resource_exhausted_with_retry_hint(target_model, draft_model, tokenizer):
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=1, max_queue=1)
+    release = hold_after(stack.target_engine, 1)
     try:
-        slow_down(stack.target_engine, 0.02)
+        # The first request's prefill passes; its first Verify is held. So it is running before
+        # the second is sent (sent together, the second could find the first still queued and
+        # be refused itself), and it cannot finish before the third is refused.
         prompt = prompts_of_lengths([6])[0]
-        running = run_in_background(stack, [prompt, prompt], 150)  # one runs, one waits
-        wait_for(lambda: info(stack).running == 1 and info(stack).waiting == 1, what="a full queue")
+        first = run_in_background(stack, [prompt], 150)
+        wait_for(lambda: info(stack).running == 1, what="the first running")
+        second = run_in_background(stack, [prompt], 150)
+        wait_for(lambda: info(stack).waiting == 1, what="the second queued")
+        assert info(stack).running == 1
         call = stack.client().Generate(make_request(prompt, 5))
         with pytest.raises(grpc.RpcError) as raised:
             list(call)
         assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         hint = dict(raised.value.trailing_metadata())["retry-after-ms"]
         assert 250 <= int(hint) <= 30_000
-        assert_exact(running.result(), [prompt, prompt], target_model, 150)
+        release.set()
+        assert_exact(first.result() + second.result(), [prompt, prompt], target_model, 150)
     finally:
+        release.set()
         stack.stop()
-
 
 
 def test_dns_discovery_adds_and_removes_replicas(monkeypatch, target_model, draft_model, tokenizer):
