@@ -7,10 +7,12 @@ import signal
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specbatch import cli
 from specbatch.client import connect, generate, make_request
+from specbatch.reflection import register_v1_descriptor
 from specbatch.v1 import generation_pb2 as gpb
 from specbatch.launcher import LocalProcesses, StackOptions, free_port
 from tiny import greedy_reference
@@ -41,7 +43,32 @@ def test_reflection_lists_services(processes):
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in reply.list_services_response.service}
-    assert {"specbatch.v1.Generation", "grpc.health.v1.Health"} <= names
+    assert {"specbatch.v1.Generation", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names
+
+
+def test_reflection_v1(processes):
+    """A client of reflection v1 (its own message types, the v1 method path) lists the services
+    and gets descriptors, the v1 reflection service's own included."""
+    pool = descriptor_pool.DescriptorPool()  # the client's own, as generated v1 code would have
+    register_v1_descriptor(pool)
+    request_type = message_factory.GetMessageClass(pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionRequest"))
+    response_type = message_factory.GetMessageClass(pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionResponse"))
+    assert request_type is not reflection_pb2.ServerReflectionRequest
+    with grpc.insecure_channel(processes.address) as channel:
+        info = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                     request_serializer=request_type.SerializeToString,
+                                     response_deserializer=response_type.FromString)
+        replies = list(info(iter([request_type(list_services=""),
+                                  request_type(file_containing_symbol="specbatch.v1.Generation"),
+                                  request_type(file_containing_symbol="grpc.reflection.v1.ServerReflection")]),
+                            timeout=10))
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert {"specbatch.v1.Generation", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"} <= names
+    files = [[descriptor_pb2.FileDescriptorProto.FromString(b) for b in reply.file_descriptor_response.file_descriptor_proto]
+             for reply in replies[1:]]
+    assert any(f.package == "specbatch.v1" and any(s.name == "Generation" for s in f.service) for f in files[0])
+    assert [(f.name, f.package) for f in files[1]] == [("grpc/reflection/v1/reflection.proto", "grpc.reflection.v1")]
 
 
 def test_generate_command_json(processes, capsys):

@@ -154,7 +154,7 @@ def test_draft_down_runs_target_only_and_resumes(target_model, draft_model, toke
         server, engine = restart_on(port, stack.draft_engine.model, DraftServicer, "draft")
         stack.drafts[0], stack.draft_engines[0] = server, engine
         assert_exact(running.result(), prompts, target_model, 150)
-        # The probes find the new draft (backoff at most 5 s) and speculation resumes on it.
+        # The probes find the new draft (within about 6 s: docs/operations.md) and speculation resumes on it.
         wait_for(lambda: all(r.healthy for r in info(stack).replicas), what="the draft back")
         result = generate(stack.client(), make_request(prompts[0], 30, k=3, ignore_eos=True), timeout=30)
         assert result.token_ids == greedy_reference(target_model, prompts[0], 30)
@@ -339,3 +339,26 @@ def test_two_coordinators_share_one_draft_and_target(target_model, draft_model, 
     finally:
         other.stop(grace=0)
         stack.stop()
+
+
+def test_probe_gaps_and_reconnect_backoff_are_capped(monkeypatch):
+    """The two waits that bound how long a replica that serves again stays marked down: the gap
+    between probes (≤ 5 s at any attempt) and the channel's own reconnect backoff (≤ 1 s; gRPC's
+    default grows to 120 s, during which every probe fails at once)."""
+    from tenacity import RetryCallState
+
+    import coordinator.backends as backends
+    from coordinator.replicas import ReplicaSet
+
+    replicas = ReplicaSet("target", "127.0.0.1:1", lambda address: None)
+    gaps = []
+    for attempt in range(1, 60):
+        state = RetryCallState(None, None, (), {})
+        state.attempt_number = attempt
+        gaps.append(replicas.backoff(state))
+    assert gaps[0] == pytest.approx(0.1) and max(gaps) == 5.0 and gaps == sorted(gaps)
+    opened = {}
+    monkeypatch.setattr(backends, "open_channel",
+                        lambda address, credentials, options, server_name: opened.update(options) or grpc.insecure_channel(address))
+    backends.TargetClient("127.0.0.1:1", 1.0).close()
+    assert opened["grpc.max_reconnect_backoff_ms"] <= 1000 and opened["grpc.initial_reconnect_backoff_ms"] <= 1000
