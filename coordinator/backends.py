@@ -128,8 +128,8 @@ class ServiceClient:
     def prefill(self, calls: list[Call], timeout: float | None = None) -> pb.PrefillResponse:
         return self._call(self.stub.Prefill, pb.PrefillRequest(sequences=[_seq(c) for c in calls]), timeout)
 
-    def release(self, seq_ids: list[str]) -> None:
-        self.retry(self.stub.Release)(pb.ReleaseRequest(seq_ids=seq_ids), timeout=self.timeout)
+    def release(self, seq_ids: list[str], timeout: float | None = None) -> None:
+        self.retry(self.stub.Release)(pb.ReleaseRequest(seq_ids=seq_ids), timeout=self._deadline(timeout))
 
     def cache_stats(self) -> pb.CacheStatsResponse:
         return self.retry(self.stub.CacheStats)(pb.CacheStatsRequest(), timeout=self.timeout)

@@ -31,6 +31,11 @@ from .requests import FINISH_CANCELLED, FeatureLog, Request
 log = logging.getLogger(__name__)
 
 
+# How long a stopping coordinator waits for each service to release its sequences: a service
+# that does not answer by then reclaims them when their lease runs out.
+RELEASE_ON_STOP_SECONDS = 5.0
+
+
 class QueueFull(Exception):
     pass
 
@@ -127,14 +132,26 @@ class Scheduler:
         self.stop()
 
     def stop(self) -> None:
-        """Stop stepping; every request still held is closed as cancelled."""
+        """Stop stepping; every request still held is closed as cancelled, and its sequences are
+        released on the services (those a drain failed included: the loop ends before retiring
+        them). What cannot be released now (a service down, or the loop stuck in a call) the
+        services reclaim when its lease runs out (--sequence-lease-seconds)."""
+        if self.stopping.is_set() and not self.thread.is_alive():
+            return  # stopped already (drain stops, then Coordinator.stop stops again)
         self.stopping.set()
         with self.wakeup:
             self.wakeup.notify()
         self.thread.join(timeout=30)
-        for request in list(self.running) + list(self.waiting):
+        held = list(self.running) + list(self.waiting)
+        for request in held:
             if request.finish is None:
                 request.close(FINISH_CANCELLED)
+        if self.thread.is_alive():
+            log.warning("the step loop did not stop within 30 s: %d requests' sequences are left to the services' "
+                        "leases", len(held))
+        else:
+            self.running = []
+            self._release([r for r in held if r.target_replica or r.draft_replica], timeout=RELEASE_ON_STOP_SECONDS)
         self.pool.shutdown(wait=False)
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -188,9 +205,10 @@ class Scheduler:
                 None if request.first_token is None else request.first_token - request.arrival,
                 now - request.arrival, len(request.prompt), request.generated)
 
-    def _release(self, requests: list[Request]) -> None:
+    def _release(self, requests: list[Request], timeout: float | None = None) -> None:
         """Free the sequences on every replica that holds them (in parallel) before anything is
-        admitted in their place, so that admission never counts memory about to be freed."""
+        admitted in their place, so that admission never counts memory about to be freed.
+        ``timeout``: of each Release call (default: the replica client's own)."""
         held: dict[Replica, list[str]] = defaultdict(list)
         for request in requests:
             for replicas, which in ((self.targets, "target"), (self.drafts, "draft")):
@@ -200,7 +218,7 @@ class Scheduler:
                     if replica.healthy:
                         held[replica].append(request.seq_id)
                     setattr(request, f"{which}_replica", None)
-        results = self._fan_out({replica: (lambda r=replica, ids=seq_ids: r.client.release(ids))
+        results = self._fan_out({replica: (lambda r=replica, ids=seq_ids: r.client.release(ids, timeout))
                                  for replica, seq_ids in held.items()})
         for replica, result in results.items():
             if isinstance(result, grpc.RpcError):  # released once it answers again (or it restarted)

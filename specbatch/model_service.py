@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 import time
 
 import numpy as np
@@ -136,6 +137,48 @@ class CacheServicer:
         return self.engine.feature_size
 
 
+# A coordinator touches each of its sequences at every step (milliseconds to seconds apart) and
+# releases them when done. One that dies, or stops with requests still running, leaves them here:
+# after this long untouched they are reclaimed, so a lost coordinator costs memory for a while,
+# never the sequence budget for good.
+DEFAULT_SEQUENCE_LEASE_SECONDS = 300.0
+
+
+class SequenceLeases:
+    """Reclaims the sequences of an engine that no call touched for ``lease_seconds``: sweeps
+    every quarter lease (at most every 30 s), on the engine's model thread, so a sweep never
+    lands inside a forward. Each reclaim is logged and counted."""
+
+    def __init__(self, engine: Engine, lease_seconds: float, metrics: ServiceMetrics | None = None):
+        self.engine, self.lease_seconds, self.metrics = engine, lease_seconds, metrics
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="sequence-leases", daemon=True)
+
+    def sweep(self) -> list[str]:
+        reclaimed = self.engine.run(self.engine.reclaim_idle, self.lease_seconds)
+        if reclaimed:
+            log.warning("reclaimed %d sequences untouched for over %.0f s (their coordinator is gone): %s",
+                        len(reclaimed), self.lease_seconds, ", ".join(reclaimed[:8]) + (" …" if len(reclaimed) > 8 else ""))
+            if self.metrics is not None:
+                self.metrics.sequences_reclaimed.inc(len(reclaimed))
+        return reclaimed
+
+    def _run(self) -> None:
+        interval = min(30.0, self.lease_seconds / 4)
+        while not self.stopped.wait(interval):
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001 - a failed sweep is retried at the next one
+                log.exception("sequence lease sweep failed")
+
+    def start(self) -> "SequenceLeases":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
 def model_service_parser(kind: str, port: int, default_model: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"python -m {kind}_service", description=f"specbatch {kind} service")
     parser.add_argument("--model", default=default_model,
@@ -149,6 +192,9 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
     parser.add_argument("--max-sequences", type=int, default=256, help="sequences cached at once")
     parser.add_argument("--max-context", type=int, help="tokens per sequence (default: the model's)")
     parser.add_argument("--kv-cache-gb", type=float, default=8.0, help="KV cache budget in GiB (default 8)")
+    parser.add_argument("--sequence-lease-seconds", type=float, default=DEFAULT_SEQUENCE_LEASE_SECONDS,
+                        help="reclaim a sequence no call touched for this long: its coordinator is gone "
+                             f"(default {DEFAULT_SEQUENCE_LEASE_SECONDS:.0f}; 0 keeps sequences until released)")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
@@ -166,6 +212,8 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
     """Parse flags, load the model, serve until SIGTERM/SIGINT."""
     parser = model_service_parser(kind, port, default_model)
     args = parser.parse_args(argv)
+    if args.sequence_lease_seconds < 0:
+        parser.error("--sequence-lease-seconds must be 0 (no lease) or more")
     credentials = server_credentials_from_args(args, parser)  # bad TLS flags: refused before loading
     configure_logging(args.log_level, args.log_format)
     # /metrics first: a taken port fails before a model load of minutes, and the process's memory
@@ -184,8 +232,11 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
         server = Server(f"{args.host}:{args.port}", max_workers=8, credentials=credentials,
                         interceptors=[metrics.interceptor()])
         add_servicer(server, engine, spec.describe(), metrics=metrics)
+        leases = SequenceLeases(engine, args.sequence_lease_seconds, metrics) if args.sequence_lease_seconds > 0 else None
         server.start()
-        server.run_until_signal()
+        if leases is not None:
+            leases.start()
+        server.run_until_signal(on_stop=leases.stop if leases is not None else None)
     finally:
         if metrics_server is not None:
             metrics_server.stop()
