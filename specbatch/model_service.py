@@ -195,6 +195,10 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
     parser.add_argument("--sequence-lease-seconds", type=float, default=DEFAULT_SEQUENCE_LEASE_SECONDS,
                         help="reclaim a sequence no call touched for this long: its coordinator is gone "
                              f"(default {DEFAULT_SEQUENCE_LEASE_SECONDS:.0f}; 0 keeps sequences until released)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="intra-op threads (torch.set_num_threads; default: OMP_NUM_THREADS, else torch's, one "
+                             "per core). Where several services share cores, give each its share: "
+                             "docs/operations.md#threads")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
@@ -214,6 +218,8 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
     args = parser.parse_args(argv)
     if args.sequence_lease_seconds < 0:
         parser.error("--sequence-lease-seconds must be 0 (no lease) or more")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be 1 or more")
     credentials = server_credentials_from_args(args, parser)  # bad TLS flags: refused before loading
     configure_logging(args.log_level, args.log_format)
     # /metrics first: a taken port fails before a model load of minutes, and the process's memory
@@ -221,13 +227,15 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
     registry = new_registry()
     metrics_server = serve_metrics(registry, kind, args.metrics_host, args.metrics_port)
     try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
         spec = ModelSpec(args.model, args.gguf_file, args.num_layers, args.trust_remote_code)
         started = time.perf_counter()
         model = load_model(spec, args.device, args.dtype)
         engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,
                         max_cache_bytes=int(args.kv_cache_gb * 2**30))
-        log.info("%s service: loaded %s in %.1fs on %s/%s", kind, spec.describe(), time.perf_counter() - started,
-                 engine.device, engine.dtype)
+        log.info("%s service: loaded %s in %.1fs on %s/%s, %d threads", kind, spec.describe(),
+                 time.perf_counter() - started, engine.device, engine.dtype, torch.get_num_threads())
         metrics = ServiceMetrics(kind, engine, registry)
         server = Server(f"{args.host}:{args.port}", max_workers=8, credentials=credentials,
                         interceptors=[metrics.interceptor()])

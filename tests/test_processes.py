@@ -14,7 +14,7 @@ from specbatch import cli
 from specbatch.client import connect, generate, make_request
 from specbatch.reflection import register_v1_descriptor
 from specbatch.v1 import generation_pb2 as gpb
-from specbatch.launcher import LocalProcesses, StackOptions, free_port
+from specbatch.launcher import LocalProcesses, StackOptions, free_port, threads_per_service
 from tiny import greedy_reference
 
 
@@ -102,3 +102,40 @@ def test_stop_is_clean(tmp_path_factory, target_model, tokenizer):
     assert coordinator.wait(30) == 0
     stack.stop()
     assert [p.returncode for p in children] == [0, 0]  # SIGTERM → graceful exit, not killed
+
+
+def test_threads_per_service_is_half_the_cores():
+    assert [threads_per_service(cores) for cores in (1, 2, 3, 4, 8, 16)] == [1, 1, 1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("chosen, cores, service_threads", [(None, 8, "4"), (None, 2, "1"), (3, 8, "3"), (0, 8, None)])
+def test_launcher_pins_each_services_threads(monkeypatch, chosen, cores, service_threads):
+    """`specbatch up` gives each model service its threads (flag and OMP_NUM_THREADS), the
+    coordinator one; 0 leaves torch's default and the environment alone."""
+    import specbatch.launcher as launcher
+
+    spawned = {}
+    monkeypatch.setattr(launcher, "available_cores", lambda: cores)
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda command, env: spawned.setdefault(command[2], (command, env)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    stack = LocalProcesses(StackOptions(threads_per_service=chosen))
+    for name, module in (("target", "target_service"), ("draft", "draft_service"), ("coordinator", "coordinator")):
+        stack._spawn(name, module, [])
+    for module in ("target_service", "draft_service"):
+        command, env = spawned[module]
+        if service_threads is None:
+            assert "--threads" not in command and env["OMP_NUM_THREADS"] == "7"
+        else:
+            assert command[command.index("--threads") + 1] == service_threads == env["OMP_NUM_THREADS"]
+    command, env = spawned["coordinator"]
+    assert "--threads" not in command and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_services_take_a_thread_count():
+    from specbatch.model_service import model_service_parser
+
+    assert model_service_parser("target", 50052, "x").parse_args(["--threads", "3"]).threads == 3
+    with pytest.raises(SystemExit):  # refused before any model loads
+        from target_service.__main__ import main
+
+        main(["--threads", "0", "--metrics-port", "0"])
