@@ -23,10 +23,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(PY) -m specbatch.cli demo
+	$(PY) -m specbatch.commands.cli demo
 
 up: setup
-	$(PY) -m specbatch.cli up
+	$(PY) -m specbatch.commands.cli up
 
 test: setup
 	$(PY) -m pytest
@@ -38,7 +38,7 @@ test-real: setup
 	$(PY) -m pytest -m real_model
 
 bench: setup
-	$(PY) -m specbatch.cli bench
+	$(PY) -m specbatch.commands.cli bench
 
 protos: setup
 	$(PY) -m specbatch.protogen

@@ -1,6 +1,6 @@
 """A bounded soak test of the whole stack as processes on loopback (not part of CI).
 
-Starts target, draft and coordinator (specbatch.launcher), warms up, then keeps N concurrent
+Starts target, draft and coordinator (specbatch.commands.launcher), warms up, then keeps N concurrent
 client streams busy with short requests for a fixed time, stepping N through 64, 128 and 256 (or
 a fixed --concurrency). The coordinator gets a small queue (--max-queue), so the highest levels do
 overflow it: clients then wait as long as the ``retry-after-ms`` trailer of RESOURCE_EXHAUSTED says
@@ -34,9 +34,9 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from specbatch.bench import PeriodicSampler, percentiles
+from specbatch.commands.bench import PeriodicSampler, percentiles
 from specbatch.client import make_request
-from specbatch.launcher import LocalProcesses, StackOptions, free_port
+from specbatch.commands.launcher import LocalProcesses, StackOptions, free_port
 from specbatch.tls import open_channel
 from specbatch.v1 import generation_pb2 as pb
 from specbatch.v1 import generation_pb2_grpc as pb_grpc

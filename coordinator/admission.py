@@ -10,10 +10,10 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from draft_service.proposer import MAX_K
-from specbatch.engine import InvalidRequest
+from specbatch.errors import InvalidRequest
 from specbatch.prompts import chat_token_ids
-from specbatch.sampling import SamplingParams
+from specbatch.sampling_params import SamplingParams
+from specbatch.speculation import MAX_K
 from specbatch.v1 import generation_pb2 as pb
 
 from .requests import Request, TextStream
@@ -50,7 +50,7 @@ def prompt_tokens(message: pb.GenerateRequest, tokenizer) -> list[int]:
     raise InvalidRequest("the request has no prompt: set text, token_ids or chat")
 
 
-def sampling_params(message: pb.SamplingParameters) -> SamplingParams:
+def sampling_from_request(message: pb.SamplingParameters) -> SamplingParams:
     top_p = message.top_p if message.top_p != 0 else 1.0  # proto3 default 0 means unset
     seed = message.seed if message.HasField("seed") else secrets.randbits(63)
     params = SamplingParams(message.temperature, top_p, message.top_k, seed)
@@ -91,7 +91,7 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
         id=message.request_id or uuid.uuid4().hex,
         prompt=prompt,
         max_new_tokens=message.max_new_tokens,
-        sampling=sampling_params(message.sampling),
+        sampling=sampling_from_request(message.sampling),
         stop_token_ids=frozenset(stop_ids),
         text=TextStream(tokenizer, stops),
         fixed_k=fixed_k,

@@ -8,16 +8,17 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from draft_service.proposer import MAX_K
 from specbatch.models import EMBEDDED, ModelSpec, load_tokenizer, model_source
-from specbatch.metrics import CoordinatorMetrics, new_registry, serve_metrics
+from specbatch.metrics import new_registry, serve_metrics
 from specbatch.serving import DEFAULT_PORTS, Server, configure_logging
+from specbatch.speculation import MAX_K
 from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials_from_args,
                            server_credentials_from_args)
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
 
 from .admission import Limits
 from .backends import DraftClient, TargetClient
+from .metrics import CoordinatorMetrics
 from .replicas import NotReady, ReplicaSet
 from .policy import KNOWN as KNOWN_POLICIES
 from .policy import parse_policy
@@ -83,7 +84,7 @@ class SameModel:
             raise NotReady(f"serves {mine}, expected {first}")
 
 
-def eos_token_ids(tokenizer, tokenizer_source: str | None) -> frozenset[int]:
+def find_eos_token_ids(tokenizer, tokenizer_source: str | None) -> frozenset[int]:
     ids = set()
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
@@ -102,7 +103,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
                       host: str = "127.0.0.1", port: int = 0, max_batch_size: int = 32, max_queue: int = 256,
                       max_new_tokens: int = 1024, max_prompt_tokens: int | None = None, timeout: float = 120.0,
                       draft_timeout: float = 10.0,
-                      eos_ids: frozenset[int] | None = None, tokenizer_name: str = "",
+                      eos_token_ids: frozenset[int] | None = None, tokenizer_name: str = "",
                       profile: str | ProfileFile | None = None, profile_poll_seconds: float = 2.0,
                       credentials=None, tls_server_name: str | None = None, server_credentials=None,
                       refresh_seconds: float = 10.0,
@@ -156,8 +157,9 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
         for replicas in filter(None, (targets, drafts)):
             replicas.close()
         raise
-    limits = Limits(target_stats.vocab_size, max_context, max_new_tokens,
-                    eos_ids if eos_ids is not None else eos_token_ids(tokenizer, None), max_prompt_tokens)
+    if eos_token_ids is None:
+        eos_token_ids = find_eos_token_ids(tokenizer, None)
+    limits = Limits(target_stats.vocab_size, max_context, max_new_tokens, eos_token_ids, max_prompt_tokens)
     metrics.set_policy(k_policy.describe())
     scheduler = Scheduler(targets, drafts, k_policy, max_batch_size, max_queue, max_context, feature_size,
                           metrics=metrics)
@@ -234,7 +236,7 @@ def main(argv=None) -> None:
         port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
         max_new_tokens=args.max_new_tokens_limit, max_prompt_tokens=args.max_prompt_tokens, timeout=args.timeout,
         draft_timeout=args.draft_timeout,
-        eos_ids=eos_token_ids(tokenizer, source), tokenizer_name=spec.describe(), profile=profile_file,
+        eos_token_ids=find_eos_token_ids(tokenizer, source), tokenizer_name=spec.describe(), profile=profile_file,
         credentials=credentials, tls_server_name=args.service_tls_server_name,
         server_credentials=server_credentials, refresh_seconds=args.discovery_seconds,
         wait_seconds=args.wait_for_services, metrics_host=args.metrics_host, metrics_port=args.metrics_port,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
-from specbatch.sampling import SamplingParams
+from specbatch.sampling_params import SamplingParams
 from specbatch.serving import CHANNEL_OPTIONS
 from specbatch.tls import open_channel
 from specbatch.v1 import model_services_pb2 as pb
@@ -80,7 +80,7 @@ def _seq(call: Call) -> pb.SequenceInput:
     return pb.SequenceInput(seq_id=call.seq_id, keep_len=call.keep_len, tokens=call.tokens, features=call.features)
 
 
-def _sampling(params: SamplingParams) -> pb.Sampling:
+def _sampling_to_proto(params: SamplingParams) -> pb.Sampling:
     return pb.Sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed)
 
 
@@ -147,7 +147,7 @@ class TargetClient(ServiceClient):
         """``distributions``: per sequence, the draft's q' of each draft token (the Proposal's
         DraftDistribution messages, passed through untouched); needed where sampling is not greedy."""
         distributions = distributions or [()] * len(calls)
-        items = [pb.VerifyItem(sequence=_seq(c), draft_tokens=d, sampling=_sampling(s), draft_distributions=q)
+        items = [pb.VerifyItem(sequence=_seq(c), draft_tokens=d, sampling=_sampling_to_proto(s), draft_distributions=q)
                  for c, d, s, q in zip(calls, drafts, sampling, distributions)]
         return self._call(self.stub.Verify, pb.VerifyRequest(items=items, create=create,
                                                              return_features=return_features), timeout)
@@ -158,5 +158,5 @@ class DraftClient(ServiceClient):
 
     def propose(self, calls: list[Call], ks: list[int], sampling: list[SamplingParams],
                 timeout: float | None = None) -> pb.ProposeResponse:
-        items = [pb.ProposeItem(sequence=_seq(c), k=k, sampling=_sampling(s)) for c, k, s in zip(calls, ks, sampling)]
+        items = [pb.ProposeItem(sequence=_seq(c), k=k, sampling=_sampling_to_proto(s)) for c, k, s in zip(calls, ks, sampling)]
         return self._call(self.stub.Propose, pb.ProposeRequest(items=items), timeout)

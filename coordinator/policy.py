@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specbatch.acceptance import tally_positions
+from specbatch.speculation import tally_positions
 from specbatch.profile import expected_tokens
 
 from .profile_file import ProfileFile

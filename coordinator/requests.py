@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from specbatch.sampling import SamplingParams
+from specbatch.sampling_params import SamplingParams
 from specbatch.v1 import generation_pb2 as pb
 
 FINISH_LENGTH = pb.FINISH_REASON_LENGTH

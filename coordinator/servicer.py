@@ -9,7 +9,7 @@ import time
 import grpc
 
 from specbatch import __version__
-from specbatch.engine import InvalidRequest
+from specbatch.errors import InvalidRequest
 from specbatch.v1 import generation_pb2 as pb
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
 
@@ -69,6 +69,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def Info(self, message, context):
         target, draft, tokenizer = self.names
         scheduler = self.scheduler
+        placement = scheduler.placement
         return pb.InfoResponse(
             target_model=target,
             draft_model=draft,
@@ -86,5 +87,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             waiting=scheduler.load()[1],
             replicas=[pb.ReplicaStatus(service=r.service, address=r.address, healthy=r.healthy,
                                        sequences=len(r.assigned), failures=r.failures)
-                      for replicas in filter(None, (scheduler.targets, scheduler.drafts)) for r in replicas.all()],
+                      for replicas in filter(None, (placement.target_replicas, placement.draft_replicas))
+                      for r in replicas.all()],
         )

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specbatch.acceptance import MAX_K
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
 from specbatch.sampling import (DRAW_DRAFT, MAX_SUPPORT, SamplingParams, SparseDistribution, distributions,
                                 params_tensors, sample, uniforms)
+from specbatch.speculation import MAX_K
 
 # How many of its most likely tokens the draft samples among, for a sampled request: q' is q cut
 # to them. Exact whatever the size (the target is told q'); larger keeps more of q's tail, which

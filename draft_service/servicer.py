@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specbatch.model_service import CacheServicer, distribution_to_proto, sampling_params, sequence_inputs
+from specbatch.model_service import CacheServicer, distribution_to_proto, sampling_from_proto, sequence_inputs
 from specbatch.serving import engine_errors_to_status
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
@@ -17,7 +17,7 @@ class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
     @engine_errors_to_status
     def Propose(self, request, context):
         seqs = sequence_inputs((item.sequence for item in request.items), self.engine.feature_size)
-        items = [ProposeItem(seq, item.k, sampling_params(item.sampling)) for seq, item in zip(seqs, request.items)]
+        items = [ProposeItem(seq, item.k, sampling_from_proto(item.sampling)) for seq, item in zip(seqs, request.items)]
         drafts, seconds = self.observed("Propose", len(items), proposals, self.engine, items)
         return pb.ProposeResponse(
             proposals=[

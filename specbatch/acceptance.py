@@ -10,20 +10,19 @@ at the first rejection the token is drawn instead from the residual norm(max(0, 
 all drafts are kept, one more token is drawn from p. Every emitted token then follows p exactly,
 whatever q was: P(x kept) + P(rejected, residual gives x) = min(p, q)(x) + (p - q)+(x) = p(x).
 p and q are each model's distribution after the request's temperature/top-k/top-p; q is the
-truncated q' the draft really sampled from (specbatch.sampling.SparseDistribution).
+truncated q' the draft really sampled from (specbatch.sampling.SparseDistribution); a q' that
+cannot be what the draft sampled from is refused before anything runs (``sampled_drafts``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .sampling import Distributions, sample
-
-# The most tokens a draft may propose per sequence and step: the draft service enforces it, the
-# coordinator's admission and policies bound k by it, metrics keep one series per position.
-MAX_K = 16
+from .errors import InvalidRequest
+from .sampling import MAX_SUPPORT, Distributions, SparseDistribution, sample
 
 
 def greedy_accept(predicted: list[int], drafts: list[int]) -> tuple[int, int]:
@@ -74,6 +73,62 @@ class SampledDrafts:
         return self.q_ids[rows, position], self.q_probs[rows, position]
 
 
+def sampled_drafts(seq_ids: list[str], drafts: list[list[int]], draft_distributions: list[list[SparseDistribution]],
+                   vocab_size: int) -> SampledDrafts:
+    """Pad B sampled sequences' drafts and the q' each was drawn from into tensors, refusing any
+    q' that cannot be what the draft sampled from (the acceptance test would then be wrong, not
+    just slow)."""
+    for seq_id, row_tokens, row_dists in zip(seq_ids, drafts, draft_distributions):
+        if len(row_dists) != len(row_tokens):
+            raise InvalidRequest(f"sequence {seq_id!r}: sampled requests need the draft's distribution of "
+                                 f"each draft token ({len(row_dists)} for {len(row_tokens)} drafts)")
+    rows_count = len(seq_ids)
+    k = max(len(tokens) for tokens in drafts)
+    dists = [(row, j, dist) for row, row_dists in enumerate(draft_distributions) for j, dist in enumerate(row_dists)]
+    sizes = np.array([len(dist.token_ids) for _, _, dist in dists], dtype=np.int64)
+    n = int(sizes.max(initial=1))
+    tokens = np.zeros((rows_count, k), dtype=np.int64)
+    for row, row_tokens in enumerate(drafts):
+        tokens[row, : len(row_tokens)] = row_tokens
+    ids = np.zeros((rows_count, k, n), dtype=np.int64)
+    probs = np.zeros((rows_count, k, n), dtype=np.float64)
+    present = np.zeros((rows_count, k, n), dtype=bool)
+    for (row, j, dist), size in zip(dists, sizes):
+        if not 0 < size <= MAX_SUPPORT or len(dist.probs) != size:
+            raise InvalidRequest(f"sequence {seq_ids[row]!r}: draft distribution {j} has {size} token ids "
+                                 f"and {len(dist.probs)} probabilities (1 to {MAX_SUPPORT} of each, as many of both)")
+    if dists:  # scatter every q' into the padded arrays at once
+        rows = np.repeat([row for row, _, _ in dists], sizes)
+        positions = np.repeat([j for _, j, _ in dists], sizes)
+        slots = np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+        ids[rows, positions, slots] = np.concatenate([dist.token_ids for _, _, dist in dists])
+        probs[rows, positions, slots] = np.concatenate([dist.probs for _, _, dist in dists])
+        present[rows, positions, slots] = True
+
+    def refuse(bad: np.ndarray, what: str):
+        row = int(np.argwhere(bad)[0][0])
+        raise InvalidRequest(f"sequence {seq_ids[row]!r}: draft distribution {what}")
+
+    if ((ids < 0) | (ids >= vocab_size)).any():
+        refuse((ids < 0) | (ids >= vocab_size), f"has token ids outside [0, {vocab_size})")
+    if (~np.isfinite(probs) | (probs < 0)).any():
+        refuse(~np.isfinite(probs) | (probs < 0), "has probabilities that are negative or not finite")
+    total = probs.sum(-1, keepdims=True)
+    counts = [len(row_tokens) for row_tokens in drafts]
+    drafted = np.arange(k)[None, :] < np.array(counts)[:, None]
+    if (drafted & (total[..., 0] <= 0)).any():
+        refuse(drafted & (total[..., 0] <= 0), "has no probability mass")
+    ordered = np.sort(np.where(present, ids, -1 - np.arange(n)), axis=-1)  # padding never repeats
+    if (ordered[..., 1:] == ordered[..., :-1]).any():
+        refuse((ordered[..., 1:] == ordered[..., :-1]).any(-1), "lists a token id twice")
+    probs = np.divide(probs, total, out=np.zeros_like(probs), where=total > 0)
+    result = SampledDrafts(torch.from_numpy(tokens), torch.tensor(counts),
+                           torch.from_numpy(ids), torch.from_numpy(probs))
+    if (torch.from_numpy(drafted) & (result.prob_of_drafts() <= 0)).any():
+        refuse(drafted & (result.prob_of_drafts() <= 0).numpy(), "gives its draft token no probability")
+    return result
+
+
 def rejection_sample(p: Distributions, drafts: SampledDrafts, accept_u: torch.Tensor,
                      target_u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling for B sequences at once.
@@ -97,14 +152,3 @@ def rejection_sample(p: Distributions, drafts: SampledDrafts, accept_u: torch.Te
         final[rejected] = residual_distribution(final[rejected], *drafts.q_at(rejected, accepted[rejected]))
     next_token = sample(final, target_u[rows, accepted])
     return accepted, next_token
-
-
-def tally_positions(outcomes: list[tuple[int, int]], positions: int) -> tuple[list[int], list[int]]:
-    """Per draft position i: how many drafts reached it (drafted past i with every earlier
-    position accepted) and how many of those were accepted there."""
-    reached, accepted = [0] * positions, [0] * positions
-    for drafted, kept in outcomes:
-        for i in range(min(drafted, kept + 1, positions)):
-            reached[i] += 1
-            accepted[i] += i < kept
-    return reached, accepted

@@ -35,31 +35,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from . import llama
 from .eagle import reads_target_features
-
-
-class EngineError(Exception):
-    """A request the engine refuses; ``code`` names the gRPC status the servicers map it to."""
-
-    code = "INVALID_ARGUMENT"
-
-
-class InvalidRequest(EngineError):
-    code = "INVALID_ARGUMENT"
-
-
-class UnknownSequence(EngineError):
-    code = "NOT_FOUND"
-
-
-class CapacityExceeded(EngineError):
-    code = "RESOURCE_EXHAUSTED"
-
-
-class StaleCache(EngineError):
-    """The caller believes more tokens are cached than the service holds (e.g. it restarted)."""
-
-    code = "FAILED_PRECONDITION"
+# The refusals live in a torch-free module; imported here too, where callers have long found them.
+from .errors import CapacityExceeded, EngineError, InvalidRequest, StaleCache, UnknownSequence  # noqa: F401
 
 
 @dataclass
@@ -145,27 +124,67 @@ class SequenceCache:
 
 
 class _BatchLayer(DynamicLayer):
-    """One layer of a call's batch cache: new keys/values are scattered into each row's own
-    next columns, and attention sees the first ``end`` columns of every row."""
+    """One layer of a call's batch cache for transformers' forward: new keys/values are written
+    into each row's own next columns, and attention sees the first ``end`` columns of every row."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, batch: "RaggedBatch"):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, write_columns: torch.Tensor, end: int):
         super().__init__()
-        self.keys_buffer, self.values_buffer, self.batch = keys, values, batch
+        self.keys_buffer, self.values_buffer, self.end = keys, values, end
+        self.rows = torch.arange(keys.shape[0], device=keys.device)[:, None]
+        self.write_columns = write_columns
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        index = self.batch.write_index.expand_as(key_states)
-        self.keys_buffer.scatter_(2, index, key_states)
-        self.values_buffer.scatter_(2, index, value_states)
-        end = self.batch.end
-        return self.keys_buffer[:, :, :end], self.values_buffer[:, :, :end]
+        # One indexed copy per tensor ([batch, width] positions); a scatter_ with an expanded
+        # index cost ~120 µs a layer on the CPU.
+        self.keys_buffer[self.rows, :, self.write_columns] = key_states.transpose(1, 2)
+        self.values_buffer[self.rows, :, self.write_columns] = value_states.transpose(1, 2)
+        return self.keys_buffer[:, :, : self.end], self.values_buffer[:, :, : self.end]
 
     def get_seq_length(self) -> int:
-        return self.batch.end
+        return self.end
 
     def get_mask_sizes(self, query_length, *args, **kwargs):
-        return self.batch.end, 0
+        return self.end, 0
+
+
+class TransformersForward:
+    """The model's own transformers forward over a call's pool view: the path for every model
+    that ``specbatch.llama`` does not cover. Same contract as ``LlamaForward.__call__``."""
+
+    def __init__(self, model):
+        self.model = model
+        self.mask_kind = model.config._attn_implementation
+        if self.mask_kind not in ("sdpa", "eager"):
+            raise ValueError(f"attention implementation {self.mask_kind!r} is not supported: load with sdpa or eager")
+        self.dtype = next(model.parameters()).dtype
+
+    def attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """The 4D mask in the form the model's attention takes: boolean for SDPA, additive for eager."""
+        if self.mask_kind == "sdpa":
+            return allowed
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(
+            ~allowed, torch.finfo(self.dtype).min
+        )
+
+    @torch.inference_mode()
+    def __call__(self, input_ids, positions, write_columns, kv, mask, logits_to_keep, features=None):
+        end = mask.shape[-1]
+        cache = Cache(layers=[_BatchLayer(kv[i, 0], kv[i, 1], write_columns, end) for i in range(kv.shape[0])])
+        hidden = []
+        extra = {} if features is None else {"target_features": features}
+        # Hooked for this call only: a hook left on the model would outlive the engine (and
+        # stop the model from being copied).
+        hook = self.model.get_decoder().register_forward_hook(
+            lambda module, args, output: hidden.append(
+                output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]))
+        try:
+            out = self.model(input_ids=input_ids, attention_mask=self.attention_mask(mask), position_ids=positions,
+                             past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep, **extra)
+        finally:
+            hook.remove()
+        return out.logits.float(), hidden[0]
 
 
 class RaggedBatch:
@@ -189,8 +208,8 @@ class RaggedBatch:
         longest = int((self.kept + self.fed).max()) + decode_steps
         pool = engine.pool
         pool.ensure(len(engine.sequences), longest + 1, engine.max_context + 1)
-        for cache, item in zip(self.caches, self.inputs):
-            cache.length = item.keep_len  # the caller dropped the rest; from here on it is overwritten
+        for item in self.inputs:  # only now: a call refused above (no room in the pool) changes nothing
+            engine.rollback(item.seq_id, item.keep_len)  # the caller dropped the rest; it gets overwritten
         slots = [cache.slot for cache in self.caches]
         self.contiguous = slots == list(range(slots[0], slots[0] + batch))
         if self.contiguous:  # a view: writes land in the pool directly
@@ -198,7 +217,6 @@ class RaggedBatch:
         else:  # gather the slots (up to the longest row, plus scratch), write back on commit
             self.kv = pool.kv[:, :, slots, :, : longest + 1]
         self.scratch = self.kv.shape[4] - 1
-        self.cache = Cache(layers=[_BatchLayer(self.kv[i, 0], self.kv[i, 1], self) for i in range(pool.layers)])
         # Right-aligned new tokens: row r's token j sits at column kept+j-(width-fed).
         offsets = torch.arange(width)[None, :] - (width - self.fed)[:, None]
         self.valid = offsets >= 0
@@ -213,37 +231,19 @@ class RaggedBatch:
                 features[row, width - len(item.tokens) :] = item.features
         self._pending = (input_ids, positions, features)
         self.decoded = 0
-        self.end = 0
         self.hidden: torch.Tensor | None = None  # the decoder's final hidden states of the last forward
 
     def _forward(self, input_ids, positions, valid, logits_to_keep: int, features=None) -> torch.Tensor:
         device = self.engine.device
         columns = torch.where(valid, positions, torch.full_like(positions, self.scratch))
-        self.write_index = columns[:, None, :, None].to(device)
-        self.end = int(positions[valid].max()) + 1  # every row feeds at least one token
-        seen = torch.arange(self.end)[None, None, :]
+        end = int(positions[valid].max()) + 1  # every row feeds at least one token
+        seen = torch.arange(end)[None, None, :]
         # Each token sees its own row's columns up to itself; padding tokens see column 0 only.
         mask = torch.where(valid[:, :, None], seen <= positions[:, :, None], seen == 0)[:, None]
-        extra = {} if features is None else {"target_features": features.to(device)}
-        # Hooked for this call only: a hook left on the model would outlive the engine (and
-        # stop the model from being copied).
-        hook = self.engine.model.get_decoder().register_forward_hook(self._keep_hidden)
-        try:
-            out = self.engine.model(
-                input_ids=input_ids.to(device),
-                attention_mask=self.engine.attention_mask(mask.to(device)),
-                position_ids=positions.to(device),
-                past_key_values=self.cache,
-                use_cache=True,
-                logits_to_keep=logits_to_keep,
-                **extra,
-            )
-        finally:
-            hook.remove()
-        return out.logits.float()
-
-    def _keep_hidden(self, module, args, output) -> None:
-        self.hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+        logits, self.hidden = self.engine.forward(
+            input_ids.to(device), positions.to(device), columns.to(device), self.kv, mask.to(device), logits_to_keep,
+            None if features is None else features.to(device))
+        return logits
 
     def _unsort(self, rows: torch.Tensor) -> torch.Tensor:
         return rows[self.inverse]
@@ -299,6 +299,10 @@ class Engine:
     # (measured: 1.5-1.7x slower steps on 2 cores when calls hop between threads).
     model_thread: futures.ThreadPoolExecutor = field(
         default_factory=lambda: futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model"))
+    # Which forward runs the model: "specbatch" (specbatch.llama: Llama-family models and the
+    # EAGLE draft, weights prepacked), "transformers" (the model's own forward, any model), or
+    # "auto": the first where it covers the model. After start-up it names the one in use.
+    implementation: str = "auto"
     clock: Callable[[], float] = time.monotonic  # for sequence leases (``reclaim_idle``); tests pass their own
 
     def __post_init__(self):
@@ -314,9 +318,12 @@ class Engine:
         self.device, self.dtype = param.device, param.dtype
         self.kv_shape = self.run(self._probe_kv_shape)
         self.pool = KVPool(self.kv_shape, self.dtype, self.device, self.max_cache_bytes)
-        self._mask_kind = config._attn_implementation
-        if self._mask_kind not in ("sdpa", "eager"):
-            raise ValueError(f"attention implementation {self._mask_kind!r} is not supported: load with sdpa or eager")
+        if self.implementation not in ("auto", "specbatch", "transformers"):
+            raise ValueError(f"unknown forward implementation {self.implementation!r}")
+        own = self.implementation == "specbatch" or (self.implementation == "auto" and llama.supports(self.model))
+        # The forward of one ragged batch (see RaggedBatch); LlamaForward.__call__ is the contract.
+        self.forward = llama.LlamaForward(self.model) if own else TransformersForward(self.model)
+        self.implementation = "specbatch" if own else "transformers"
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise ValueError("models with sliding-window attention layers are not supported yet")
 
@@ -328,14 +335,6 @@ class Engine:
                 return fn(*args, **kwargs)
 
         return self.model_thread.submit(locked).result()
-
-    def attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """The 4D mask in the form the model's attention takes: boolean for SDPA, additive for eager."""
-        if self._mask_kind == "sdpa":
-            return allowed
-        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(self.dtype).min
-        )
 
     @torch.inference_mode()
     def _probe_kv_shape(self) -> tuple[int, int, int]:
@@ -364,15 +363,18 @@ class Engine:
         slot = next(i for i in range(len(used) + 1) if i not in used)
         return SequenceCache(self.pool, slot)
 
-    def validate_rollback(self, seq_id: str, length: int) -> SequenceCache:
+    def check_rollback(self, seq_id: str, length: int) -> SequenceCache:
+        """Refuse a rollback that ``rollback`` would refuse, changing nothing."""
         cache = self._get(seq_id)
         if not 0 <= length <= cache.length:
             raise InvalidRequest(f"sequence {seq_id!r} holds {cache.length} tokens; cannot roll back to {length}")
         return cache
 
-    def truncate(self, seq_id: str, length: int) -> int:
-        """Roll a sequence back to its first ``length`` tokens."""
-        cache = self.validate_rollback(seq_id, length)
+    def rollback(self, seq_id: str, length: int) -> int:
+        """Roll a sequence back to its first ``length`` tokens: O(1), the columns past it are
+        masked and later overwritten. Every call does this for each of its sequences, to the
+        ``keep_len`` it names (RaggedBatch); the Rollback RPC does it alone."""
+        cache = self.check_rollback(seq_id, length)
         cache.length, cache.last_used = length, self.clock()
         return length
 

@@ -16,9 +16,10 @@ import torch
 
 from .engine import Engine, SequenceInput
 from .logs import LOG_FORMATS
-from .metrics import DEFAULT_METRICS_PORTS, ServiceMetrics, new_registry, serve_metrics
+from .metrics import DEFAULT_METRICS_PORTS, new_registry, serve_metrics
 from .models import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, load_model
 from .sampling import SamplingParams, SparseDistribution
+from .service_metrics import ServiceMetrics
 from .serving import Server, configure_logging, engine_errors_to_status
 from .tls import add_server_tls_flags, server_credentials_from_args
 from .v1 import model_services_pb2 as pb
@@ -43,7 +44,7 @@ def features_from_bytes(data: bytes, width: int) -> torch.Tensor | None:
     return torch.from_numpy(values.astype(np.float32).reshape(-1, width))
 
 
-def sampling_params(message: pb.Sampling) -> SamplingParams:
+def sampling_from_proto(message: pb.Sampling) -> SamplingParams:
     return SamplingParams(message.temperature, message.top_p or 1.0, message.top_k, message.seed)
 
 
@@ -108,9 +109,9 @@ class CacheServicer:
     def Rollback(self, request, context):
         def rollback():
             for item in request.sequences:  # check all first: a bad item changes nothing
-                self.engine.validate_rollback(item.seq_id, item.cached_len)
+                self.engine.check_rollback(item.seq_id, item.cached_len)
             for item in request.sequences:
-                self.engine.truncate(item.seq_id, item.cached_len)
+                self.engine.rollback(item.seq_id, item.cached_len)
 
         self.timed(rollback)
         return pb.RollbackResponse()
@@ -185,8 +186,11 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
                         help=f"HF hub id, local folder, '{EMBEDDED}' or '{EMBEDDED_DRAFT}' (default {default_model})")
     parser.add_argument("--gguf-file", help="GGUF file name inside --model")
     parser.add_argument("--num-layers", type=int, help="keep only the first N decoder layers (a self-speculative draft)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="only --model's shape (a folder with config.json, or opt-6.7b, opt-125m, llama-3-8b, "
+                             "smollm2-135m): random weights built on the device, no download")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda if available)")
-    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on GPU)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (auto: bfloat16 on GPUs and on CPUs with native bf16, else float32)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     parser.add_argument("--port", type=int, default=port)
     parser.add_argument("--max-sequences", type=int, default=256, help="sequences cached at once")
@@ -229,7 +233,7 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
     try:
         if args.threads:
             torch.set_num_threads(args.threads)
-        spec = ModelSpec(args.model, args.gguf_file, args.num_layers, args.trust_remote_code)
+        spec = ModelSpec(args.model, args.gguf_file, args.num_layers, args.trust_remote_code, args.random_weights)
         started = time.perf_counter()
         model = load_model(spec, args.device, args.dtype)
         engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,

@@ -38,10 +38,14 @@ class ModelSpec:
     gguf_file: str | None = None
     num_layers: int | None = None  # keep only the first N decoder layers (a self-speculative draft)
     trust_remote_code: bool = False
+    # Only the shape of ``name`` (a config folder or a known name): random weights, no download
+    # (specbatch/random_weights.py).
+    random_weights: bool = False
 
     def describe(self) -> str:
         text = self.name + (f" ({self.gguf_file})" if self.gguf_file else "")
-        return text + (f" [first {self.num_layers} layers]" if self.num_layers else "")
+        text += f" [first {self.num_layers} layers]" if self.num_layers else ""
+        return text + (" [random weights]" if self.random_weights else "")
 
 
 def _embedded_gguf_folder() -> Path:
@@ -147,8 +151,13 @@ def default_device() -> str:
 
 
 def parse_dtype(name: str | None, device: str) -> torch.dtype:
+    """``auto``: bfloat16 on GPUs and on CPUs that multiply bf16 natively (AVX512_BF16 or AMX),
+    where the engine's prepacked bf16 weights make a step ~2.5x cheaper than float32 and verifying
+    several tokens nearly as cheap as one (docs/engine.md); float32 on other CPUs."""
     if not name or name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        from .linear import onednn_bf16_available
+
+        return torch.bfloat16 if device.startswith("cuda") or onednn_bf16_available() else torch.float32
     try:
         return {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
                 "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}[name]
@@ -163,8 +172,13 @@ def load_model(spec: ModelSpec, device: str | None = None, dtype: str | torch.dt
 
     device = device or default_device()
     dtype = dtype if isinstance(dtype, torch.dtype) else parse_dtype(dtype, device)
-    source, kwargs = model_source(spec)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
+    if spec.random_weights:
+        from .random_weights import random_model
+
+        model = random_model(spec.name, device, dtype)  # built on the device, no copy
+    else:
+        source, kwargs = model_source(spec)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
     if spec.num_layers:
         keep_first_layers(model, spec.num_layers)
     return model.to(device).eval()
@@ -173,6 +187,10 @@ def load_model(spec: ModelSpec, device: str | None = None, dtype: str | torch.dt
 def load_tokenizer(spec: ModelSpec):
     from transformers import AutoTokenizer
 
+    if spec.random_weights:
+        from .random_weights import tokenizer_source
+
+        spec = ModelSpec(tokenizer_source(spec.name))
     source, kwargs = model_source(spec)
     return AutoTokenizer.from_pretrained(source, **kwargs)
 

@@ -1,5 +1,5 @@
 """The profile: measured step times over batch size × k for one deployment, and the best k per
-batch size. ``specbatch profile`` writes it (specbatch/profiler.py); the coordinator reads it
+batch size. ``specbatch profile`` writes it (specbatch/commands/profiler.py); the coordinator reads it
 (``--profile``) for the ``profile`` and ``goodput`` k policies (coordinator/policy.py).
 
 The document is versioned JSON (docs/profile.md describes every field):

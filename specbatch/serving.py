@@ -12,19 +12,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from . import reflection
-from .engine import EngineError
+from .errors import EngineError
 from .logs import configure_logging  # noqa: F401  (re-exported: the servers import it from here)
+from .tls import CHANNEL_OPTIONS, open_channel
 
 log = logging.getLogger(__name__)
-
-# Deliberate message limits: a step for 256 sequences with k=16 is a few hundred KB; prompts are
-# capped by the context. 64 MiB leaves room for long re-prefills without letting a client send
-# anything unbounded.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 
 DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
 
@@ -58,7 +50,7 @@ class Server:
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             options=CHANNEL_OPTIONS,
-            interceptors=list(interceptors),  # e.g. specbatch.metrics.ServiceMetrics.interceptor()
+            interceptors=list(interceptors),  # e.g. specbatch.service_metrics.ServiceMetrics.interceptor()
             maximum_concurrent_rpcs=maximum_concurrent_rpcs,
         )
         self.health = health.HealthServicer()
@@ -117,8 +109,6 @@ def wait_until_serving(address: str, timeout: float, service: str = "",
                        credentials: grpc.ChannelCredentials | None = None) -> None:
     """Poll a server's health service until it answers SERVING (over TLS with ``credentials``)."""
     import time
-
-    from .tls import open_channel
 
     deadline = time.monotonic() + timeout
     with open_channel(address, credentials) as channel:

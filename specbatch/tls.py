@@ -16,7 +16,15 @@ from pathlib import Path
 
 import grpc
 
-from .serving import CHANNEL_OPTIONS
+
+# Deliberate message limits, on every channel and server: a step for 256 sequences with k=16 is a
+# few hundred KB; prompts are capped by the context. 64 MiB leaves room for long re-prefills
+# without letting a client send anything unbounded.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
 
 
 def _read(path: str | Path | None) -> bytes | None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specbatch.model_service import (CacheServicer, distribution_from_proto, features_to_bytes, sampling_params,
+from specbatch.model_service import (CacheServicer, distribution_from_proto, features_to_bytes, sampling_from_proto,
                                      sequence_inputs)
 from specbatch.serving import engine_errors_to_status
 from specbatch.v1 import model_services_pb2 as pb
@@ -18,7 +18,7 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
     @engine_errors_to_status
     def Verify(self, request, context):
         seqs = sequence_inputs(item.sequence for item in request.items)
-        items = [VerifyItem(seq, list(item.draft_tokens), sampling_params(item.sampling),
+        items = [VerifyItem(seq, list(item.draft_tokens), sampling_from_proto(item.sampling),
                             [distribution_from_proto(d) for d in item.draft_distributions])
                  for seq, item in zip(seqs, request.items)]
         verdicts, seconds = self.observed("Verify", len(items), verify, self.engine, items, request.create,

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from specbatch.acceptance import SampledDrafts, greedy_accept, rejection_sample
+from specbatch.acceptance import SampledDrafts, greedy_accept, rejection_sample, sampled_drafts
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
-from specbatch.sampling import (DRAW_ACCEPT, DRAW_TARGET, MAX_SUPPORT, SamplingParams, SparseDistribution,
-                                distributions, params_tensors, uniforms)
+from specbatch.sampling import (DRAW_ACCEPT, DRAW_TARGET, SamplingParams, SparseDistribution, distributions,
+                                params_tensors, uniforms)
 
 
 @dataclass
@@ -47,7 +46,8 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
             raise InvalidRequest(f"sequence {item.seq.seq_id!r}: " + "; ".join(problems))
     sampled = [i for i, item in enumerate(items) if not item.sampling.greedy]
     # Checked before anything runs, so a malformed q' changes no state.
-    drafts_q = sampled_drafts([items[i] for i in sampled], engine.vocab_size) if sampled else None
+    drafts_q = sampled_drafts([items[i].seq.seq_id for i in sampled], [items[i].drafts for i in sampled],
+                              [items[i].draft_distributions for i in sampled], engine.vocab_size) if sampled else None
     fed = [SequenceInput(i.seq.seq_id, i.seq.keep_len, i.seq.tokens + i.drafts) for i in items]
     batch = engine.start(fed, create=create)
     width = max(len(i.drafts) for i in items) + 1
@@ -98,55 +98,3 @@ def _rejection_sample(items: list[VerifyItem], logits: torch.Tensor, drafts: Sam
     target_u = uniforms(seeds, positions, DRAW_TARGET)
     accepted, next_token = rejection_sample(p, drafts, accept_u, target_u)
     return list(zip(accepted.tolist(), next_token.tolist()))
-
-
-def sampled_drafts(items: list[VerifyItem], vocab_size: int) -> SampledDrafts:
-    """Pad the sampled items' drafts and their q' into tensors, refusing any q' that cannot be
-    what the draft sampled from (the acceptance test would then be wrong, not just slow)."""
-    for item in items:
-        if len(item.draft_distributions) != len(item.drafts):
-            raise InvalidRequest(f"sequence {item.seq.seq_id!r}: sampled requests need the draft's distribution of "
-                                 f"each draft token ({len(item.draft_distributions)} for {len(item.drafts)} drafts)")
-    k = max(len(item.drafts) for item in items)
-    dists = [(row, j, dist) for row, item in enumerate(items) for j, dist in enumerate(item.draft_distributions)]
-    sizes = np.array([len(dist.token_ids) for _, _, dist in dists], dtype=np.int64)
-    n = int(sizes.max(initial=1))
-    tokens = np.zeros((len(items), k), dtype=np.int64)
-    for row, item in enumerate(items):
-        tokens[row, : len(item.drafts)] = item.drafts
-    ids = np.zeros((len(items), k, n), dtype=np.int64)
-    probs = np.zeros((len(items), k, n), dtype=np.float64)
-    present = np.zeros((len(items), k, n), dtype=bool)
-    for (row, j, dist), size in zip(dists, sizes):
-        if not 0 < size <= MAX_SUPPORT or len(dist.probs) != size:
-            raise InvalidRequest(f"sequence {items[row].seq.seq_id!r}: draft distribution {j} has {size} token ids "
-                                 f"and {len(dist.probs)} probabilities (1 to {MAX_SUPPORT} of each, as many of both)")
-    if dists:  # scatter every q' into the padded arrays at once
-        rows = np.repeat([row for row, _, _ in dists], sizes)
-        positions = np.repeat([j for _, j, _ in dists], sizes)
-        slots = np.arange(sizes.sum()) - np.repeat(np.cumsum(sizes) - sizes, sizes)
-        ids[rows, positions, slots] = np.concatenate([dist.token_ids for _, _, dist in dists])
-        probs[rows, positions, slots] = np.concatenate([dist.probs for _, _, dist in dists])
-        present[rows, positions, slots] = True
-
-    def refuse(bad: np.ndarray, what: str):
-        row = int(np.argwhere(bad)[0][0])
-        raise InvalidRequest(f"sequence {items[row].seq.seq_id!r}: draft distribution {what}")
-
-    if ((ids < 0) | (ids >= vocab_size)).any():
-        refuse((ids < 0) | (ids >= vocab_size), f"has token ids outside [0, {vocab_size})")
-    if (~np.isfinite(probs) | (probs < 0)).any():
-        refuse(~np.isfinite(probs) | (probs < 0), "has probabilities that are negative or not finite")
-    total = probs.sum(-1, keepdims=True)
-    drafted = np.arange(k)[None, :] < np.array([len(item.drafts) for item in items])[:, None]
-    if (drafted & (total[..., 0] <= 0)).any():
-        refuse(drafted & (total[..., 0] <= 0), "has no probability mass")
-    ordered = np.sort(np.where(present, ids, -1 - np.arange(n)), axis=-1)  # padding never repeats
-    if (ordered[..., 1:] == ordered[..., :-1]).any():
-        refuse((ordered[..., 1:] == ordered[..., :-1]).any(-1), "lists a token id twice")
-    probs = np.divide(probs, total, out=np.zeros_like(probs), where=total > 0)
-    result = SampledDrafts(torch.from_numpy(tokens), torch.tensor([len(item.drafts) for item in items]),
-                           torch.from_numpy(ids), torch.from_numpy(probs))
-    if (torch.from_numpy(drafted) & (result.prob_of_drafts() <= 0)).any():
-        refuse(drafted & (result.prob_of_drafts() <= 0).numpy(), "gives its draft token no probability")
-    return result

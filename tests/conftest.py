@@ -35,7 +35,7 @@ def draft_model(target_model):
 
 @pytest.fixture
 def stack(target_model, draft_model, tokenizer):
-    from specbatch.local import start_local_stack
+    from specbatch.commands.local import start_local_stack
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=128)
     yield stack

@@ -10,11 +10,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specbatch import __version__
 from specbatch.client import generate, make_request
-from specbatch.local import start_local_stack
+from specbatch.commands.local import start_local_stack
 from specbatch.v1 import generation_pb2 as pb
 from specbatch.v1 import model_services_pb2 as mpb
 from specbatch.v1 import model_services_pb2_grpc as mpb_grpc
-from tiny import VOCAB, greedy_reference
+from tiny import VOCAB, greedy_reference, hooked_forwards
 
 MAX_NEW_TOKENS = 128  # the stack fixture's limit
 CONTEXT = 256  # the tiny models' max_position_embeddings
@@ -124,13 +124,12 @@ def test_bad_requests_do_not_disturb_a_running_request(stack, target_model):
     # request has been refused, so they are provably sent while that request is mid-stream.
     forwards, reached, gate = [0], threading.Event(), threading.Event()
 
-    def hold(module, args, kwargs):
+    def hold(fed):
         forwards[0] += 1
         if forwards[0] == 3:
             reached.set()
             gate.wait(30)
 
-    handle = target_model.register_forward_pre_hook(hold, with_kwargs=True)
     streamed: list[int] = []
     result = {}
 
@@ -139,22 +138,22 @@ def test_bad_requests_do_not_disturb_a_running_request(stack, target_model):
                                    on_response=lambda r: streamed.extend(r.token_ids), timeout=120)
 
     thread = threading.Thread(target=run)
-    try:
-        thread.start()
-        assert reached.wait(30), "the valid request never reached a decode step"
-        client = stack.client()
-        codes = {}
-        for name, make, words in BAD_REQUESTS:
-            error = refusal(client, make())
-            codes[name] = (error.code(), words in error.details())
-        info = client.Info(pb.InfoRequest(), timeout=10)
-        assert (info.running, info.waiting) == (1, 0)  # the bad ones never joined the batch
-        assert thread.is_alive() and "valid" not in result
-        assert 0 < len(streamed) < 100
-    finally:
-        gate.set()
-        handle.remove()
-        thread.join(timeout=120)
+    with hooked_forwards(stack.target_engine, hold):
+        try:
+            thread.start()
+            assert reached.wait(30), "the valid request never reached a decode step"
+            client = stack.client()
+            codes = {}
+            for name, make, words in BAD_REQUESTS:
+                error = refusal(client, make())
+                codes[name] = (error.code(), words in error.details())
+            info = client.Info(pb.InfoRequest(), timeout=10)
+            assert (info.running, info.waiting) == (1, 0)  # the bad ones never joined the batch
+            assert thread.is_alive() and "valid" not in result
+            assert 0 < len(streamed) < 100
+        finally:
+            gate.set()
+            thread.join(timeout=120)
     assert codes == {name: (grpc.StatusCode.INVALID_ARGUMENT, True) for name, _, _ in BAD_REQUESTS}
     valid = result["valid"]
     assert valid.finish == "length"

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from coordinator.app import build_coordinator
-from specbatch import cli
-from specbatch.bench import percentiles
+from specbatch.commands import cli
+from specbatch.commands.bench import percentiles
 from specbatch.traffic import (DEFAULT_TRACE, Record, Trace, poisson_arrivals, prompt_order, run_closed_loop,
                                run_open_loop)
 from test_profile import gpu_like, synthetic_profile

@@ -1,6 +1,6 @@
 """The specbatch command against an in-process stack."""
 
-from specbatch import cli
+from specbatch.commands import cli
 
 
 def test_generate_text_prompt_streams_text(stack, capsys):

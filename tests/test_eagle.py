@@ -12,7 +12,7 @@ import torch
 
 from draft_service.proposer import ProposeItem, propose
 from specbatch.client import generate, generate_all, make_request
-from specbatch.distill import DistillConfig, distill
+from specbatch.commands.distill import DistillConfig, distill
 from specbatch.eagle import draft_from_target, reads_target_features
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
 from target_service.verifier import VerifyItem, verify
@@ -121,7 +121,7 @@ def test_feature_shape_is_checked(eagle_draft):
 
 @pytest.fixture
 def eagle_stack(target_model, eagle_draft, tokenizer):
-    from specbatch.local import start_local_stack
+    from specbatch.commands.local import start_local_stack
 
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=128)
     yield stack
@@ -164,7 +164,7 @@ def test_eagle_draft_rebuilt_after_losing_its_state(eagle_stack, target_model, t
 def test_trained_only_export_reassembles_with_the_target(eagle_draft, target_model, tmp_path):
     """The embedded default ships only its trained weights; adding the target's embeddings and
     head rows back gives the same draft (to float16 rounding) and the same proposals."""
-    from specbatch.distill import export_trained_only
+    from specbatch.commands.distill import export_trained_only
     from specbatch.models import TRAINED_WEIGHTS, assemble_draft
 
     export_trained_only(eagle_draft, tmp_path)
@@ -181,9 +181,9 @@ def test_trained_only_export_reassembles_with_the_target(eagle_draft, target_mod
 def test_draft_service_process_serves_the_distilled_folder(distilled, target_model, tokenizer, tmp_path):
     """``python -m draft_service --model OUT/draft``: the checkpoint loads like any model."""
     from specbatch.client import connect
-    from specbatch.launcher import LocalProcesses, StackOptions
+    from specbatch.commands.launcher import LocalProcesses, StackOptions
     from specbatch.v1 import generation_pb2 as gpb
-    from specbatch.launcher import free_port
+    from specbatch.commands.launcher import free_port
 
     target_model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)

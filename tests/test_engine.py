@@ -19,7 +19,7 @@ from specbatch.engine import (
 )
 from specbatch.sampling import SamplingParams
 from target_service.verifier import VerifyItem, verify
-from tiny import VOCAB, greedy_reference
+from tiny import VOCAB, greedy_reference, hooked_forwards
 
 
 def random_prompts(lengths, seed):
@@ -106,18 +106,11 @@ def assert_unchanged(engine: Engine, before: dict[str, tuple[int, torch.Tensor]]
         assert torch.equal(cache.kv[:, :, :, :length], kv), sid
 
 
-def record_forwards(model):
-    """Record what each forward of `model` is fed; returns (records, hook handle)."""
+def record_forwards(engine):
+    """Record what each forward of `engine` is fed; returns (records, a context that records)."""
     records = []
-
-    def hook(module, args, kwargs):
-        records.append({
-            "input_ids": kwargs["input_ids"].detach().cpu().clone(),
-            "attention_mask": kwargs["attention_mask"].detach().cpu().clone(),
-            "position_ids": kwargs["position_ids"].detach().cpu().clone(),
-        })
-
-    return records, model.register_forward_pre_hook(hook, with_kwargs=True)
+    return records, hooked_forwards(engine, lambda fed: records.append({k: v.detach().cpu().clone()
+                                                                        for k, v in fed.items()}))
 
 
 # ---- exactness over a ragged batch ---------------------------------------------------------------
@@ -161,7 +154,7 @@ def logits_of(engine: Engine, seq_id: str, keep_len: int, tokens: list[int]) -> 
     return logits[0]
 
 
-def test_truncate_then_continue_equals_never_going_further(target_model):
+def test_rollback_then_continue_equals_never_going_further(target_model):
     engine = Engine(target_model)
     prompt = random_prompts([12], seed=3)[0]
     ref = greedy_reference(target_model, prompt, 20)
@@ -170,7 +163,7 @@ def test_truncate_then_continue_equals_never_going_further(target_model):
     engine.prefill([SequenceInput("went_further", 0, prompt + junk)])
     engine.prefill([SequenceInput("never", 0, prompt[:-1])])
     assert engine.length("went_further") == len(prompt) + len(junk)
-    assert engine.truncate("went_further", len(prompt) - 1) == len(prompt) - 1
+    assert engine.rollback("went_further", len(prompt) - 1) == len(prompt) - 1
     assert engine.length("went_further") == len(prompt) - 1
 
     cont = [prompt[-1]] + ref[:5]
@@ -180,7 +173,7 @@ def test_truncate_then_continue_equals_never_going_further(target_model):
     assert torch.allclose(rolled, straight, atol=1e-5)
     assert rolled.argmax(-1).tolist() == ref[:6]
 
-    # Rolling back through keep_len (no truncate call) works the same: go 4 tokens too far, then
+    # Rolling back through keep_len (no rollback call) works the same: go 4 tokens too far, then
     # keep only the real history and continue decoding to the reference's end.
     assert engine.length("went_further") == len(prompt) + 5
     engine.prefill([SequenceInput("went_further", len(prompt) + 5, junk[:4])])
@@ -191,7 +184,7 @@ def test_truncate_then_continue_equals_never_going_further(target_model):
     assert d.generated == ref
 
     # Truncating to 0 and refeeding the prompt from scratch also matches.
-    engine.truncate("never", 0)
+    engine.rollback("never", 0)
     assert engine.length("never") == 0
     verdict, = verify(engine, [VerifyItem(SequenceInput("never", 0, prompt), ref[:3])])
     assert (verdict.accepted, verdict.next_token, verdict.cached_len) == (3, ref[3], len(prompt) + 3)
@@ -204,10 +197,10 @@ def test_rollback_beyond_cached_is_refused(target_model):
     before = snapshot(engine)
     for bad in (len(prompt) + 1, 100, -1):
         with pytest.raises(InvalidRequest, match="roll back"):
-            engine.truncate("a", bad)
+            engine.rollback("a", bad)
         assert_unchanged(engine, before)
     with pytest.raises(UnknownSequence):
-        engine.truncate("ghost", 0)
+        engine.rollback("ghost", 0)
     # keep_len beyond what is cached: the caller's view is stale.
     with pytest.raises(StaleCache, match="keep_len"):
         engine.validate([SequenceInput("a", len(prompt) + 1, [5])], [0], create=False)
@@ -219,7 +212,7 @@ def test_rollback_beyond_cached_is_refused(target_model):
     assert_unchanged(engine, before)
     # keep_len equal to the cached length is fine.
     engine.validate([SequenceInput("a", len(prompt), [5])], [0], create=False)
-    assert engine.truncate("a", len(prompt)) == len(prompt)
+    assert engine.rollback("a", len(prompt)) == len(prompt)
 
 
 # ---- no prefix recompute -------------------------------------------------------------------------
@@ -229,8 +222,8 @@ def test_steps_feed_only_new_tokens_and_drafts(target_model):
     engine = Engine(target_model)
     prompts = random_prompts([5, 12, 20], seed=5)
     refs = [greedy_reference(target_model, p, 10) for p in prompts]
-    records, handle = record_forwards(target_model)
-    try:
+    records, recording = record_forwards(engine)
+    with recording:
         engine.prefill([SequenceInput(f"s{i}", 0, p[:-1]) for i, p in enumerate(prompts)])
         assert len(records) == 1
         assert tuple(records[0]["input_ids"].shape) == (3, 19)
@@ -280,8 +273,6 @@ def test_steps_feed_only_new_tokens_and_drafts(target_model):
             assert int(rec["attention_mask"][row, 0, width - n].sum()) == keeps[row] + 1
             assert int(rec["attention_mask"][row, 0, -1].sum()) == keeps[row] + n
             assert rec["position_ids"][row, -n:].tolist() == list(range(keeps[row], keeps[row] + n))
-    finally:
-        handle.remove()
 
 
 # ---- the draft's proposals -----------------------------------------------------------------------
@@ -297,11 +288,9 @@ def test_propose_matches_draft_greedy_with_mixed_k(draft_model):
             SequenceInput("p2", 0, prompts[2]),  # not cached yet: created by the call
             SequenceInput("p3", 19, prompts[3][19:])]
     ks = [1, 4, 3, 6]
-    records, handle = record_forwards(draft_model)
-    try:
+    records, recording = record_forwards(engine)
+    with recording:
         drafts = propose(engine, [ProposeItem(s, k) for s, k in zip(seqs, ks)])
-    finally:
-        handle.remove()
     assert drafts == [r[:k] for r, k in zip(refs, ks)]
     # One ragged forward, then one one-token forward per further drafted position.
     assert [tuple(r["input_ids"].shape) for r in records] == [(4, 3)] + [(4, 1)] * (max(ks) - 1)
@@ -448,7 +437,7 @@ def test_release_is_idempotent_and_frees(target_model):
     with pytest.raises(UnknownSequence):
         engine.length("a")
     with pytest.raises(UnknownSequence):
-        engine.truncate("a", 0)
+        engine.rollback("a", 0)
     with pytest.raises(UnknownSequence):
         verify(engine, [VerifyItem(SequenceInput("a", 0, prompts[0]))])
     with pytest.raises(StaleCache):  # released state is gone: it cannot be kept
@@ -479,7 +468,7 @@ def test_idle_sequences_are_reclaimed_and_every_call_renews_the_lease(target_mod
     clock.now += 50  # a and b: 100 s untouched, c: 50 s
     verify(engine, [VerifyItem(SequenceInput("a", 6, [prompts[0][-1]]))])  # a verify renews a
     clock.now += 20
-    engine.truncate("b", 3)  # a rollback renews b
+    engine.rollback("b", 3)  # a rollback renews b
     clock.now += 20  # untouched for: a 40 s, b 20 s, c 90 s
     assert engine.reclaim_idle(90.0) == []  # not over the lease yet
     assert engine.reclaim_idle(89.0) == ["c"]

@@ -72,12 +72,12 @@ def test_mixed_k_and_sampled_neighbours_leave_greedy_exact(stack, target_model):
 
 
 def test_eos_stops_and_is_reported(target_model, draft_model, tokenizer):
-    from specbatch.local import start_local_stack
+    from specbatch.commands.local import start_local_stack
 
     prompt = prompts_of_lengths([6], seed=3)[0]
     reference = greedy_reference(target_model, prompt, 40)
     eos = reference[10]  # pretend this token is EOS: generation must stop right after it
-    stack = start_local_stack(target_model, draft_model, tokenizer, eos_ids=frozenset({eos}))
+    stack = start_local_stack(target_model, draft_model, tokenizer, eos_token_ids=frozenset({eos}))
     try:
         result = generate(stack.client(), make_request(prompt, 40, k=4))
         assert result.finish == "eos"

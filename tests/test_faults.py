@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from specbatch.client import connect, generate, make_request
-from specbatch.launcher import free_port
+from specbatch.commands.launcher import free_port
 from specbatch.serving import wait_until_serving
 from specbatch.v1 import generation_pb2 as gen_pb
 from specbatch.v1 import model_services_pb2 as pb

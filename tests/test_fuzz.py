@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specbatch.client import generate, make_request
-from specbatch.local import start_local_stack
+from specbatch.commands.local import start_local_stack
 from specbatch.prompts import chat_token_ids
 from specbatch.v1 import generation_pb2 as pb
 from tiny import EOS, VOCAB, greedy_reference
@@ -208,7 +208,7 @@ def oracle(message: pb.GenerateRequest, tokenizer) -> tuple[list[int] | None, st
 
 @pytest.fixture(scope="module")
 def fuzz_stack(target_model, draft_model, tokenizer):
-    stack = start_local_stack(target_model, draft_model, tokenizer, eos_ids=frozenset({EOS}), max_batch_size=8,
+    stack = start_local_stack(target_model, draft_model, tokenizer, eos_token_ids=frozenset({EOS}), max_batch_size=8,
                               max_new_tokens=LIMIT)
     yield stack
     stack.stop()

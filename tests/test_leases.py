@@ -11,8 +11,8 @@ from concurrent import futures
 
 from specbatch.client import generate_all, make_request
 from specbatch.engine import Engine, SequenceInput
-from specbatch.local import start_local_stack
-from specbatch.metrics import ServiceMetrics
+from specbatch.commands.local import start_local_stack
+from specbatch.service_metrics import ServiceMetrics
 from specbatch.model_service import SequenceLeases, model_service_parser
 from test_engine import FakeClock
 from test_exactness import prompts_of_lengths

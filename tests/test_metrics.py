@@ -1,6 +1,6 @@
-"""specbatch/metrics.py and specbatch/logs.py: the coordinator's metric arithmetic, a real target
-service's /metrics over HTTP (engine gauges, per-method counts with status codes), the services'
-metric and log flags, and JSON log lines."""
+"""coordinator/metrics.py, specbatch/service_metrics.py, specbatch/metrics.py and specbatch/logs.py:
+the coordinator's metric arithmetic, a real target service's /metrics over HTTP (engine gauges,
+per-method counts with status codes), the services' metric and log flags, and JSON log lines."""
 
 from __future__ import annotations
 
@@ -16,12 +16,16 @@ import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from coordinator import metrics as coordinator_metrics
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.stats import StepStats
 from specbatch import metrics as metrics_module
 from specbatch.engine import Engine
 from specbatch.logs import configure_logging
-from specbatch.metrics import CoordinatorMetrics, ServiceMetrics, start_metrics_server
+from specbatch.metrics import start_metrics_server
 from specbatch.metrics import serve_metrics
 from specbatch.model_service import model_service_parser
+from specbatch.service_metrics import ServiceMetrics
 from specbatch.serving import Server
 from specbatch.v1 import model_services_pb2 as mpb
 from specbatch.v1 import model_services_pb2_grpc as mpb_grpc
@@ -37,7 +41,8 @@ def value(registry: CollectorRegistry, name: str, **labels) -> float | None:
 def test_step_counts_drafts_per_position():
     m = CoordinatorMetrics(CollectorRegistry())
     # Three sequences: k 3 (1 accepted), k 2 (both accepted), k 0 (target-only: no draft).
-    m.observe_step(3, [3, 2, 0], [(3, 1), (2, 2)], draft_seconds=0.010, target_seconds=0.030, step_seconds=0.045)
+    m.observe_step(StepStats(3, [3, 2, 0], [(3, 1), (2, 2)], draft_seconds=0.010, target_seconds=0.030,
+                             step_seconds=0.045))
     r = m.registry
     assert value(r, "specbatch_spec_decode_num_drafts_total") == 2
     assert value(r, "specbatch_spec_decode_num_draft_tokens_total") == 5
@@ -58,7 +63,7 @@ def test_step_counts_drafts_per_position():
     assert value(r, "specbatch_step_seconds_sum", phase="coordinator") == pytest.approx(0.005)
 
     # A second step adds up; a draft of 0 tokens counts as no draft.
-    m.observe_step(1, [4], [(4, 4), (0, 0)], 0.0, 0.0, 0.0)
+    m.observe_step(StepStats(1, [4], [(4, 4), (0, 0)], 0.0, 0.0, 0.0))
     assert value(r, "specbatch_spec_decode_num_drafts_total") == 3
     assert value(r, "specbatch_spec_decode_num_draft_tokens_per_pos_total", position="3") == 1
     assert value(r, "specbatch_spec_decode_num_accepted_tokens_per_pos_total", position="3") == 1
@@ -69,8 +74,8 @@ def test_step_counts_drafts_per_position():
 def test_max_k_agrees_with_the_draft_service():
     from draft_service.proposer import MAX_K
 
-    assert metrics_module.MAX_K == MAX_K
-    assert metrics_module.K_BUCKETS == tuple(range(MAX_K + 1))
+    assert coordinator_metrics.MAX_K == MAX_K
+    assert coordinator_metrics.K_BUCKETS == tuple(range(MAX_K + 1))
 
 
 def test_finished_request_latencies():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.policy import FixedK, Goodput, LiveAcceptance, ProfileK, parse_policy
-from specbatch.acceptance import tally_positions
+from specbatch.speculation import tally_positions
 from coordinator.profile_file import ProfileFile
 from test_profile import gpu_like, synthetic_profile
 

@@ -10,11 +10,11 @@ import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from specbatch import cli
+from specbatch.commands import cli
 from specbatch.client import connect, generate, make_request
 from specbatch.reflection import register_v1_descriptor
 from specbatch.v1 import generation_pb2 as gpb
-from specbatch.launcher import LocalProcesses, StackOptions, free_port, threads_per_service
+from specbatch.commands.launcher import LocalProcesses, StackOptions, free_port, threads_per_service
 from tiny import greedy_reference
 
 
@@ -112,7 +112,7 @@ def test_threads_per_service_is_half_the_cores():
 def test_launcher_pins_each_services_threads(monkeypatch, chosen, cores, service_threads):
     """`specbatch up` gives each model service its threads (flag and OMP_NUM_THREADS), the
     coordinator one; 0 leaves torch's default and the environment alone."""
-    import specbatch.launcher as launcher
+    import specbatch.commands.launcher as launcher
 
     spawned = {}
     monkeypatch.setattr(launcher, "available_cores", lambda: cores)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import copy
 
-from specbatch import cli
-from specbatch.local import start_local_stack
+from specbatch.commands import cli
+from specbatch.commands.local import start_local_stack
 from specbatch.profile import load_profile
-from specbatch.profiler import Sweep, measure, powers_of_two
+from specbatch.commands.profiler import Sweep, measure, powers_of_two
 from test_exactness import prompts_of_lengths
 
 

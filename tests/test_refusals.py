@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from specbatch.client import generate, make_request
-from specbatch.local import start_local_stack
+from specbatch.commands.local import start_local_stack
 from tiny import greedy_reference
 
 

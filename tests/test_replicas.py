@@ -10,10 +10,11 @@ from concurrent import futures
 import grpc
 import pytest
 
+from coordinator.placement import call_timeout
 from coordinator.replicas import resolve
 from specbatch.client import generate, generate_all, make_request
 from specbatch.engine import Engine
-from specbatch.local import serve_engine, start_local_stack
+from specbatch.commands.local import serve_engine, start_local_stack
 from specbatch.v1 import generation_pb2 as gen_pb
 from draft_service.servicer import DraftServicer
 from target_service.servicer import TargetServicer
@@ -199,13 +200,12 @@ def test_client_deadline_ends_request_and_frees_caches(target_model, draft_model
 def test_call_timeout_is_what_the_requests_have_left(target_model, draft_model, tokenizer):
     stack = start_local_stack(target_model, draft_model, tokenizer)
     try:
-        scheduler = stack.coordinator.scheduler
         now = time.monotonic()
         a, b = (make_stub_request(now + 2.0), make_stub_request(now + 5.0))
-        timeout, limited = scheduler._call_timeout([a, b], 120.0)
+        timeout, limited = call_timeout([a, b], 120.0)
         assert limited and 4.5 < timeout <= 5.0  # the call serves both: the longer one's time
-        assert scheduler._call_timeout([a, make_stub_request(None)], 120.0) == (120.0, False)
-        assert scheduler._call_timeout([make_stub_request(now + 500)], 120.0) == (120.0, False)
+        assert call_timeout([a, make_stub_request(None)], 120.0) == (120.0, False)
+        assert call_timeout([make_stub_request(now + 500)], 120.0) == (120.0, False)
     finally:
         stack.stop()
 
@@ -294,7 +294,7 @@ def test_dns_discovery_adds_and_removes_replicas(monkeypatch, target_model, draf
     answer["dns:targets:0"] = [first_address]
     from coordinator.app import build_coordinator
 
-    coordinator = build_coordinator("dns:targets:0", f"127.0.0.1:{first.draft.port}", tokenizer, eos_ids=frozenset(),
+    coordinator = build_coordinator("dns:targets:0", f"127.0.0.1:{first.draft.port}", tokenizer, eos_token_ids=frozenset(),
                                     refresh_seconds=0.1, max_batch_size=8)
     try:
         from specbatch.client import connect
@@ -326,7 +326,7 @@ def test_two_coordinators_share_one_draft_and_target(target_model, draft_model, 
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8)
     other = build_coordinator(f"127.0.0.1:{stack.target.port}", f"127.0.0.1:{stack.draft.port}", tokenizer,
-                              eos_ids=frozenset(), max_batch_size=8)
+                              eos_token_ids=frozenset(), max_batch_size=8)
     try:
         prompts = prompts_of_lengths([5, 9, 13, 7, 11, 6], seed=19)
         requests = [make_request(p, 60, k=3, ignore_eos=True) for p in prompts]

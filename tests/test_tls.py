@@ -12,9 +12,9 @@ import grpc
 import pytest
 import trustme
 
-from specbatch import cli
+from specbatch.commands import cli
 from specbatch.engine import Engine
-from specbatch.launcher import free_port
+from specbatch.commands.launcher import free_port
 from specbatch.serving import Server, wait_until_serving
 from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials,
                            channel_credentials_from_args, open_channel, server_credentials,
@@ -221,7 +221,7 @@ def test_whole_stack_over_mtls(pki, target_model, draft_model, tokenizer):
     DraftServicer.serve_on(draft, Engine(draft_model), "tiny-draft")
     draft.start()
     addresses = (f"127.0.0.1:{target.port}", f"127.0.0.1:{draft.port}")
-    coordinator = build_coordinator(*addresses, tokenizer, eos_ids=frozenset(),
+    coordinator = build_coordinator(*addresses, tokenizer, eos_token_ids=frozenset(),
                                     credentials=channel_credentials(pki.ca, pki.client_cert, pki.client_key),
                                     server_credentials=server_credentials(pki.server_cert, pki.server_key))
     try:

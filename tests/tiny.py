@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -45,3 +47,20 @@ def greedy_reference(model, prompt: list[int], max_new_tokens: int, eos: int | N
                          max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos,
                          pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+@contextmanager
+def hooked_forwards(engine, before):
+    """Call ``before(inputs)`` ahead of every forward the engine runs, with what the forward is fed
+    (``input_ids``, ``position_ids``, ``attention_mask``: the engine's boolean 4D mask)."""
+    forward = engine.forward
+
+    def hooked(input_ids, positions, write_columns, kv, mask, logits_to_keep, features=None):
+        before({"input_ids": input_ids, "position_ids": positions, "attention_mask": mask})
+        return forward(input_ids, positions, write_columns, kv, mask, logits_to_keep, features)
+
+    engine.forward = hooked
+    try:
+        yield
+    finally:
+        engine.forward = forward

@@ -1,4 +1,4 @@
-"""The ``specbatch`` command: up, generate, demo, bench, profile, distill."""
+"""The ``specbatch`` command: up, generate, demo, bench, profile, bench-engine, distill."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import threading
 
 from google.protobuf.json_format import MessageToDict
 
-from .serving import DEFAULT_PORTS
+from ..serving import DEFAULT_PORTS
 
 DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORTS['coordinator']}"
 
@@ -51,7 +51,7 @@ def add_sampling_flags(parser) -> None:
 def cmd_generate(args) -> int:
     import grpc
 
-    from .client import connect, generate, make_request
+    from ..client import connect, generate, make_request
 
     if args.token_ids:
         prompt = [int(t) for t in args.token_ids.split(",") if t.strip()]
@@ -72,7 +72,7 @@ def cmd_generate(args) -> int:
 
     credentials = None
     if args.tls_ca or args.tls_cert or args.tls_key:
-        from .tls import channel_credentials
+        from ..tls import channel_credentials
 
         try:
             credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
@@ -108,6 +108,12 @@ def cmd_profile(args) -> int:
     from .profiler import run_profile
 
     return run_profile(args)
+
+
+def cmd_bench_engine(args) -> int:
+    from .bench_engine import run_bench_engine
+
+    return run_bench_engine(args)
 
 
 def cmd_distill(args) -> int:
@@ -156,6 +162,13 @@ def main(argv=None) -> int:
     add_stack_flags(profile)
     add_profile_flags(profile)
     profile.set_defaults(fn=cmd_profile)
+
+    from .bench_engine import add_bench_engine_flags
+
+    bench_engine = sub.add_parser("bench-engine", help="ms per verify step and per drafted token over batch x tokens, "
+                                  "beside the bandwidth limit")
+    add_bench_engine_flags(bench_engine)
+    bench_engine.set_defaults(fn=cmd_bench_engine)
 
     from .distill import add_distill_flags
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from .client import connect, generate, generate_all, make_request
+from ..client import connect, generate, generate_all, make_request
 from .launcher import LocalProcesses, stack_options
-from .prompts import CHAT_PROMPTS
+from ..prompts import CHAT_PROMPTS
 
 
 def _report(result) -> str:
@@ -21,11 +21,22 @@ def run_demo(args) -> int:
     with LocalProcesses(stack_options(args)) as processes:
         stub = connect(processes.address)
         print(f"serving on {processes.address}, k policy {args.k_policy}\n", flush=True)
+        rows = []
         for prompt in prompts:
             print(f"> {prompt}\n", flush=True)
             result = generate(stub, make_request(prompt, args.max_new_tokens, chat=True),
                               on_response=lambda r: print(r.text, end="", flush=True))
-            print(f"\n  [{_report(result)}]\n", flush=True)
+            print(f"\n  [{_report(result)}]", flush=True)
+            # The same prompt target-only (k = 0) through the same services: the baseline.
+            alone = generate(stub, make_request(prompt, args.max_new_tokens, chat=True, k=0))
+            print(f"  [target-only: {alone.tokens_per_second:.1f} tok/s]\n", flush=True)
+            rows.append((prompt, alone, result))
+        print("| prompt | target-only tok/s | speculative tok/s | speed-up | same tokens |\n|---|---|---|---|---|")
+        for prompt, alone, result in rows:
+            speedup = result.tokens_per_second / alone.tokens_per_second if alone.tokens_per_second else 0.0
+            print(f"| {prompt[:40]} | {alone.tokens_per_second:.1f} | {result.tokens_per_second:.1f} | {speedup:.2f}x | "
+                  f"{'yes' if alone.token_ids == result.token_ids else 'no'} |", flush=True)
+        print("(in bf16 the two may part where the target's two best tokens nearly tie: docs/engine.md)\n", flush=True)
         print(f"the same {len(prompts)} prompts at once, batched by the coordinator:", flush=True)
         results = generate_all(stub, [make_request(p, args.max_new_tokens, chat=True) for p in prompts])
         for prompt, result in zip(prompts, results):

@@ -22,11 +22,11 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .client import connect, generate, make_request
+from ..client import connect, generate, make_request
 from .launcher import LocalProcesses, free_port, stack_options
-from .prompts import CHAT_PROMPTS
-from .traffic import DEFAULT_TRACE, Trace, poisson_arrivals, prompt_order, run_closed_loop, run_open_loop, stream
-from .v1 import generation_pb2 as pb
+from ..prompts import CHAT_PROMPTS
+from ..traffic import DEFAULT_TRACE, Trace, poisson_arrivals, prompt_order, run_closed_loop, run_open_loop, stream
+from ..v1 import generation_pb2 as pb
 
 
 @dataclass
@@ -314,7 +314,7 @@ def run_bench(args) -> int:
     if args.prompts == "chat":
         prompts = list(CHAT_PROMPTS)
     else:
-        from .prompts import sharegpt_prompts
+        from ..prompts import sharegpt_prompts
 
         prompts = sharegpt_prompts(args.prompt_count, args.prompt_start)
     context = nullcontext() if args.address else LocalProcesses(stack_options(args))

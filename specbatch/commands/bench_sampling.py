@@ -1,6 +1,6 @@
 """Speculative sampling beside target-only sampling: acceptance, tokens/s, and bytes between services.
 
-    python -m specbatch.bench_sampling [--temperatures 0.7,1.0] [--concurrency 1,8] [--k 3]
+    python -m specbatch.commands.bench_sampling [--temperatures 0.7,1.0] [--concurrency 1,8] [--k 3]
                                        [--draft-layers N | --draft-model DIR] [--out FILE.json]
 
 Starts the target and draft services as processes (as ``specbatch up`` does) and runs the
@@ -23,16 +23,16 @@ from pathlib import Path
 
 from coordinator.app import build_coordinator
 
-from .client import connect, generate, generate_all, make_request
+from ..client import connect, generate, generate_all, make_request
 from .launcher import LocalProcesses, add_stack_flags, free_port, stack_options
-from .models import EMBEDDED, ModelSpec, load_tokenizer
-from .prompts import CHAT_PROMPTS
+from ..models import EMBEDDED, ModelSpec, load_tokenizer
+from ..prompts import CHAT_PROMPTS
 
 
 
 def _snapshot(coordinator) -> dict:
     scheduler = coordinator.scheduler
-    services = {"target": scheduler.targets, "draft": scheduler.drafts}
+    services = {"target": scheduler.placement.target_replicas, "draft": scheduler.placement.draft_replicas}
     return {"totals": copy.deepcopy(scheduler.totals),
             **{f"{name}_{way}": sum(getattr(r.client.traffic, f"{way}_bytes") for r in replicas.all()) if replicas else 0
                for name, replicas in services.items() for way in ("sent", "received")},
@@ -68,7 +68,7 @@ def _row(coordinator, stub, requests, concurrency: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m specbatch.bench_sampling", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m specbatch.commands.bench_sampling", description=__doc__.split("\n")[0])
     add_stack_flags(parser)
     parser.add_argument("--temperatures", default="0.7,1.0", help="comma-separated; 0 adds a greedy reference")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         tokenizer = load_tokenizer(ModelSpec(args.target_model or EMBEDDED, args.target_gguf_file))
         coordinator = build_coordinator(services.target_address, services.draft_address, tokenizer,
                                         policy=f"fixed:{args.k}", max_batch_size=args.max_batch_size,
-                                        eos_ids=frozenset())
+                                        eos_token_ids=frozenset())
         try:
             stub = connect(f"127.0.0.1:{coordinator.port}")
             info = f"target {args.target_model or EMBEDDED} | draft {coordinator_draft(args)} | k={args.k} vs k=0"

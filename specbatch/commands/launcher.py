@@ -10,8 +10,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from .metrics import DEFAULT_METRICS_PORTS
-from .serving import DEFAULT_PORTS, wait_until_serving
+from ..metrics import DEFAULT_METRICS_PORTS
+from ..serving import DEFAULT_PORTS, wait_until_serving
 
 
 def available_cores() -> int:
@@ -46,8 +46,10 @@ class StackOptions:
     draft_gguf_file: str | None = None
     draft_layers: int | None = None
     no_draft: bool = False
+    random_weights: bool = False  # only the models' shapes (specbatch/random_weights.py)
     device: str | None = None
     dtype: str | None = None
+    kv_cache_gb: float | None = None  # each model service's KV budget; None: the services' default
     k_policy: str = "fixed:3"
     profile: str | None = None  # the coordinator's --profile
     max_batch_size: int = 32
@@ -70,8 +72,13 @@ def add_stack_flags(parser) -> None:
     parser.add_argument("--draft-gguf-file")
     parser.add_argument("--draft-layers", type=int, help="keep only the draft's first N layers")
     parser.add_argument("--no-draft", action="store_true", help="run without a draft service (target-only)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="models of the named shapes (config folders, or opt-6.7b, opt-125m, llama-3-8b, "
+                             "smollm2-135m) with random weights, no download; prompts use the embedded tokenizer "
+                             "unless the folder has one")
     parser.add_argument("--device")
     parser.add_argument("--dtype")
+    parser.add_argument("--kv-cache-gb", type=float, help="KV cache budget of each model service in GiB (default 8)")
     parser.add_argument("--k-policy", default="fixed:3", help="fixed:K, profile or goodput (the last two need --profile)")
     parser.add_argument("--profile", help="the coordinator's profile JSON (made by `specbatch profile`)")
     parser.add_argument("--max-batch-size", type=int, default=32)
@@ -91,7 +98,8 @@ def stack_options(args) -> StackOptions:
     return StackOptions(
         target_model=args.target_model, target_gguf_file=args.target_gguf_file, draft_model=args.draft_model,
         draft_gguf_file=args.draft_gguf_file, draft_layers=args.draft_layers, no_draft=args.no_draft,
-        device=args.device, dtype=args.dtype, k_policy=args.k_policy, profile=args.profile,
+        random_weights=args.random_weights,
+        device=args.device, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb, k_policy=args.k_policy, profile=args.profile,
         max_batch_size=args.max_batch_size,
         host=args.host, ports={"coordinator": args.port, "target": args.target_port, "draft": args.draft_port},
         log_level=args.log_level, metrics_ports=dict(DEFAULT_METRICS_PORTS) if args.metrics else None,
@@ -102,10 +110,11 @@ def stack_options(args) -> StackOptions:
 def _model_flags(model, gguf_file, layers, options: StackOptions) -> list[str]:
     flags = []
     for name, value in (("--model", model), ("--gguf-file", gguf_file), ("--num-layers", layers),
-                        ("--device", options.device), ("--dtype", options.dtype)):
+                        ("--device", options.device), ("--dtype", options.dtype),
+                        ("--kv-cache-gb", options.kv_cache_gb)):
         if value is not None:
             flags += [name, str(value)]
-    return flags
+    return flags + (["--random-weights"] if options.random_weights else [])
 
 
 class LocalProcesses:
@@ -144,10 +153,10 @@ class LocalProcesses:
         if o.target_model is None:
             # The services would convert the embedded GGUF (and assemble the embedded draft) on
             # first use, each on its own; do it once, up front.
-            from .models import embedded_draft_folder, embedded_model_folder
+            from ..models import embedded_draft_folder, embedded_model_folder
 
             embedded_model_folder()
-            if not o.no_draft and o.draft_model is None and o.draft_layers is None:
+            if not o.no_draft and o.draft_model is None and o.draft_layers is None and not o.random_weights:
                 embedded_draft_folder()
         self._spawn("target", "target_service",
                     _model_flags(o.target_model, o.target_gguf_file, None, o) + host + ["--port", str(o.ports["target"])])
@@ -157,7 +166,7 @@ class LocalProcesses:
             # or the target's own first --draft-layers layers.
             draft_model = o.draft_model or o.target_model
             if draft_model is None and o.draft_layers:
-                from .models import EMBEDDED
+                from ..models import EMBEDDED
 
                 draft_model = EMBEDDED
             self._spawn("draft", "draft_service",
@@ -185,9 +194,14 @@ class LocalProcesses:
                  "--max-batch-size", str(o.max_batch_size), "--port", str(port), "--host", o.host]
         if profile:
             flags += ["--profile", profile]
-        if o.target_model:
+        if o.random_weights:
+            from ..models import EMBEDDED
+            from ..random_weights import tokenizer_source
+
+            flags += ["--tokenizer", tokenizer_source(o.target_model or EMBEDDED)]
+        elif o.target_model:
             flags += ["--tokenizer", o.target_model]
-        if o.target_gguf_file:
+        if o.target_gguf_file and not o.random_weights:
             flags += ["--gguf-file", o.target_gguf_file]
         self._spawn(name, "coordinator", flags + list(o.coordinator_flags))
 

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .eagle import EagleDraftForCausalLM, draft_from_target
-from .engine import Engine, SequenceInput
-from .prompts import chat_token_ids, sharegpt_exchanges, sharegpt_prompts
+from ..eagle import EagleDraftForCausalLM, draft_from_target
+from ..engine import Engine, SequenceInput
+from ..prompts import chat_token_ids, sharegpt_exchanges, sharegpt_prompts
 
 log = logging.getLogger(__name__)
 
@@ -396,7 +396,7 @@ def _target_forward_ms(engine: Engine, context: int = 128, repeats: int = 20) ->
 
 # ---- the command -----------------------------------------------------------------------------------
 
-def eos_ids(tokenizer, target) -> set[int]:
+def find_eos_token_ids(tokenizer, target) -> set[int]:
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     eos = getattr(target.generation_config, "eos_token_id", None) if getattr(target, "generation_config", None) else None
     ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -410,7 +410,7 @@ def distill(target, tokenizer, out: Path, cfg: DistillConfig) -> Evaluation:
         log.warning("settings differ from those %s was started with; resuming with the new ones", out)
     settings.write_text(json.dumps(asdict(cfg), indent=2))
     torch.manual_seed(cfg.seed)
-    eos = eos_ids(tokenizer, target)
+    eos = find_eos_token_ids(tokenizer, target)
     data = collect_data(target, tokenizer, out, cfg, eos)
     answers = len(data)
     data += collect_corpus(target, tokenizer, out, cfg)
@@ -467,7 +467,7 @@ def add_distill_flags(parser) -> None:
 
 
 def run_distill(args) -> int:
-    from .models import EMBEDDED, ModelSpec, load_model, load_tokenizer
+    from ..models import EMBEDDED, ModelSpec, load_model, load_tokenizer
 
     cfg = DistillConfig(**{name: getattr(args, name) for name in asdict(DistillConfig())})
     spec = ModelSpec(args.target or EMBEDDED, args.gguf_file)

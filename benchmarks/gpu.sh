@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The engine and the paper's profile on a GPU, in one go from a fresh checkout (issue 16):
+#   1. set up .venv (CUDA torch where nvidia-smi exists: see the Makefile's TORCH_SPEC);
+#   2. specbatch bench-engine for SmolLM2-135M (the embedded model and draft, real weights);
+#   3. specbatch bench-engine for the OPT-6.7B / OPT-125M shapes (random weights);
+#   4. specbatch profile of the OPT-6.7B / OPT-125M shapes with the acceptance given below,
+#      written with its heat map into docs/profile/ (on CUDA; elsewhere into the run folder).
+# Every table is printed, and kept under $OUT.
+#
+#   benchmarks/gpu.sh                      # cuda, bfloat16, the default grids (about 10 minutes on one H100)
+#   DEVICE=cpu benchmarks/gpu.sh           # the same commands with small grids and shapes, to check the script
+#
+# The acceptance per draft position is an assumption, not a measurement: random weights accept
+# nothing, so the profile combines its measured step times with ACCEPTANCE (conditional, per
+# position). A constant 0.7 is the i.i.d. model of Leviathan et al.; to use a real pair's, set
+# ACCEPTANCE_FROM to a profile measured with real weights.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DEVICE=${DEVICE:-cuda}
+DTYPE=${DTYPE:-bfloat16}
+OUT=${OUT:-runs/gpu-$(date -u +%Y%m%dT%H%M%SZ)}
+ACCEPTANCE=${ACCEPTANCE:-0.7,0.7,0.7,0.7,0.7,0.7}
+ACCEPTANCE_FROM=${ACCEPTANCE_FROM:-}
+
+if [[ $DEVICE == cuda* ]]; then
+    TARGET_SHAPE=opt-6.7b DRAFT_SHAPE=opt-125m
+    ENGINE_GRID=()  # bench-engine's defaults: batch 1…64 × tokens 1,2,4,8 and k 1…6 at context 512
+    PROFILE_GRID=(--batch-sizes 1,2,4,8,16,32,64 --max-k 6 --steps 16)
+    KV_GB=32  # per service: batch 64 × ~520 tokens of OPT-6.7B keys and values is 16 GiB
+    PROFILE_OUT=docs/profile/gpu-opt-6.7b.json
+else
+    # A 6.7B shape does not fit a small CPU box: the draft's shape stands in for the target. Equal
+    # shapes get equal (seeded) weights, so this draft agrees with its target: the given
+    # acceptance is what the profile uses either way.
+    TARGET_SHAPE=opt-125m DRAFT_SHAPE=opt-125m
+    ENGINE_GRID=(--batch-sizes 1,2 --tokens 1,4 --ks 1,3 --context 64 --repeats 3 --warmup 1)
+    PROFILE_GRID=(--batch-sizes 1,2 --max-k 2 --steps 2 --warmup-steps 1 --max-prompt-tokens 64)
+    KV_GB=1
+    PROFILE_OUT=$OUT/profile-$TARGET_SHAPE.json
+fi
+if [[ -n $ACCEPTANCE_FROM ]]; then
+    GIVEN=(--acceptance-from "$ACCEPTANCE_FROM")
+else
+    GIVEN=(--acceptance "$ACCEPTANCE")
+fi
+
+# SKIP_SETUP=1 uses the VENV as it is (a machine without PyPI access, with torch already there).
+VENV=${VENV:-.venv}
+if [[ ${SKIP_SETUP:-0} != 1 ]]; then
+    make setup VENV="$VENV"
+fi
+SPECBATCH=$VENV/bin/specbatch
+mkdir -p "$OUT"
+"$VENV/bin/python" -c "import torch; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(),
+      '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$OUT/device.txt"
+
+echo "== bench-engine: SmolLM2-135M-Instruct and its embedded draft (real weights) =="
+"$SPECBATCH" bench-engine --device "$DEVICE" --dtype "$DTYPE" \
+    --target-model smollm2-135m-instruct --draft-model smollm2-135m-instruct-draft \
+    "${ENGINE_GRID[@]}" --out "$OUT/engine-smollm2-135m"
+
+echo "== bench-engine: $TARGET_SHAPE / $DRAFT_SHAPE shapes (random weights) =="
+"$SPECBATCH" bench-engine --device "$DEVICE" --dtype "$DTYPE" --random-weights --kv-cache-gb "$KV_GB" \
+    --target-model "$TARGET_SHAPE" --draft-model "$DRAFT_SHAPE" \
+    "${ENGINE_GRID[@]}" --out "$OUT/engine-$TARGET_SHAPE"
+
+echo "== profile: $TARGET_SHAPE / $DRAFT_SHAPE shapes, measured step times, given acceptance =="
+"$SPECBATCH" profile --device "$DEVICE" --dtype "$DTYPE" --random-weights --kv-cache-gb "$KV_GB" \
+    --target-model "$TARGET_SHAPE" --draft-model "$DRAFT_SHAPE" \
+    "${PROFILE_GRID[@]}" "${GIVEN[@]}" --out "$PROFILE_OUT" --heatmap "${PROFILE_OUT%.json}.png" \
+    | tee "$OUT/profile.txt"
+
+echo "results in $OUT; profile: $PROFILE_OUT and ${PROFILE_OUT%.json}.png"

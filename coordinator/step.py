@@ -1,0 +1,187 @@
+"""One speculative decode step over the running batch: choose k per sequence, draft (one Propose
+per draft replica), verify (one Verify per target replica), append what was accepted to each
+request's history and stream it out.
+
+A draft that fails or is missing makes its sequences target-only for the step (k = 0), which is
+lossless; a target replica that fails leaves its sequences out of the step (they move and run
+again next step).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from specbatch.speculation import MAX_K
+
+from .backends import Call, lost_state, unreachable
+from .placement import Placement, by_draft_replica, by_target_replica, call_timeout
+from .replicas import Replica
+from .requests import Request
+from .stats import StepStats
+
+log = logging.getLogger(__name__)
+
+
+class DecodeStep:
+    def __init__(self, placement: Placement, policy, max_context: int, feature_row_bytes: int, metrics=None):
+        self.placement = placement
+        self.policy = policy
+        self.max_context = max_context
+        self.feature_row_bytes = feature_row_bytes  # 0 unless the draft reads target features
+        self.metrics = metrics
+
+    def k_for(self, request: Request, batch_size: int) -> int:
+        """The k this request drafts this step: its own fixed k or the policy's, within its limits.
+        Greedy and sampled requests alike (sampled ones are verified by rejection sampling)."""
+        k = request.fixed_k if request.fixed_k is not None else self.policy.k_for(batch_size)
+        # Each step yields accepted + 1 tokens; draft no more than the request can still use.
+        k = min(k, request.max_new_tokens - request.generated - 1, self.max_context - len(request.history) - 1, MAX_K)
+        return max(k, 0)
+
+    def run(self, batch: list[Request]) -> StepStats:
+        """One draft → verify → accept step over ``batch`` (every request placed on a target)."""
+        start = time.perf_counter()
+        ks = [self.k_for(r, len(batch)) for r in batch]
+        proposed, proposed_q, draft_cached_len, draft_compute = self._propose(batch, ks)
+        drafted = time.perf_counter()
+        calls = [Call(r.seq_id, r.target_len, r.history[r.target_len :]) for r in batch]
+        verdicts, target_compute = self._verify(batch, calls, proposed, proposed_q)
+        verified = time.perf_counter()
+        outcomes = []  # (drafted, accepted) of each sequence that drafted: what the policy learns from
+        stepped_ks = []  # the k each stepped sequence drafted
+        for request, call, tokens, cached_len, verdict in zip(batch, calls, proposed, draft_cached_len, verdicts):
+            if verdict is None:  # its target replica failed this step: it runs again once placed
+                continue
+            stepped_ks.append(len(tokens))
+            before = len(request.history)
+            accepted = verdict.accepted
+            request.target_len = verdict.cached_len
+            if request.features is not None:
+                request.features.store(call.keep_len, verdict.features)
+            if tokens:
+                # What the draft cached past the history is valid as far as its drafts were accepted
+                # (a plain draft fed itself its first k-1 proposals; an EAGLE-style one keeps none).
+                request.draft_len = min(cached_len, before + accepted)
+            request.steps += 1
+            request.proposed += len(tokens)
+            request.accepted += accepted
+            request.take(tokens[:accepted] + [verdict.next_token])
+            if tokens:
+                outcomes.append((len(tokens), accepted))
+        self.policy.observe(outcomes)
+        return StepStats(len(stepped_ks), stepped_ks, outcomes, drafted - start, verified - drafted,
+                         time.perf_counter() - start, draft_compute, target_compute)
+
+    # ---- verify ------------------------------------------------------------------------------------
+
+    def _verify(self, batch: list[Request], calls: list[Call], proposed: list[list[int]],
+                proposed_q: list) -> tuple[list, float]:
+        """One Verify per target replica, at once. Verdicts in batch order; None for requests
+        whose replica failed (they move) or lost them (they are re-prefilled next step). And the
+        target compute seconds (replicas side by side: the slowest one's)."""
+        groups = by_target_replica(batch)
+
+        def verify_on(replica: Replica, idx: list[int]):
+            group = [batch[i] for i in idx]
+            return replica.client.verify(
+                [calls[i] for i in idx], [proposed[i] for i in idx], [r.sampling for r in group],
+                create=any(r.target_len == 0 for r in group), return_features=bool(self.feature_row_bytes),
+                distributions=[proposed_q[i] for i in idx], timeout=call_timeout(group, replica.client.timeout)[0])
+
+        results = self.placement.fan_out({replica: (lambda r=replica, i=idx: verify_on(r, i))
+                                          for replica, idx in groups.items()})
+        verdicts: list = [None] * len(batch)
+        compute = 0.0
+        for replica, result in results.items():
+            idx = groups[replica]
+            group = [batch[i] for i in idx]
+            if isinstance(result, grpc.RpcError):
+                self._verify_failed(replica, group, result)
+                continue
+            compute = max(compute, result.compute_seconds)  # replicas run side by side
+            for i, verdict in zip(idx, result.verdicts):
+                verdicts[i] = verdict
+        return verdicts, compute
+
+    def _verify_failed(self, replica: Replica, group: list[Request], error: grpc.RpcError) -> None:
+        log.warning("verify on %s failed: %s %s", replica.address, error.code().name, error.details())
+        if lost_state(error):  # it restarted: rebuild these sequences from history next step
+            for request in group:
+                request.target_len = 0
+        elif unreachable(error):  # the next step moves them to a healthy replica, or they wait
+            self.placement.replica_failed(self.placement.target_replicas, replica, group, error)
+        else:
+            # The service refuses the batch (out of KV memory, say): shed the newest request of
+            # it with the service's status so the others can go on.
+            newest = max(group, key=lambda r: r.arrival)
+            newest.fail(error.code(), f"a model service refused: {error.details()}")
+
+    # ---- propose -----------------------------------------------------------------------------------
+
+    def _propose(self, batch: list[Request], ks: list[int]) -> tuple[list[list[int]], list, list[int], float]:
+        """Draft tokens per request (empty where it does not speculate), the q' each sampled
+        request's tokens were drawn from (DraftDistribution messages, passed on to the target as
+        they came), the draft's cached lengths, and the draft compute seconds. One Propose per
+        draft replica, at once."""
+        proposed: list[list[int]] = [[] for _ in batch]
+        proposed_q: list = [() for _ in batch]
+        cached_len = [0] * len(batch)
+        speculating = [i for i, k in enumerate(ks) if k > 0 and self._can_draft(batch[i])]
+        if not speculating or self.placement.draft_replicas is None:
+            return proposed, proposed_q, cached_len, 0.0
+        groups = by_draft_replica(batch, speculating)
+        if None in groups:  # no healthy draft replica for these: target-only, lossless
+            groups.pop(None)
+            if self.metrics:
+                self.metrics.count_draft_fallback()
+        results = self.placement.fan_out({replica: (lambda r=replica, i=idx: self._propose_rebuilding(r, batch, i, ks))
+                                          for replica, idx in groups.items()})
+        compute = 0.0
+        for replica, result in results.items():
+            idx = groups[replica]
+            if isinstance(result, grpc.RpcError):
+                # Lossless without the draft: these run target-only this step.
+                log.warning("draft %s unavailable (%s): target-only step", replica.address, result.code().name)
+                if unreachable(result):  # down, or slower than its deadline: set aside for a while
+                    self.placement.replica_failed(self.placement.draft_replicas, replica, [batch[i] for i in idx],
+                                                  result, set_aside_if_slow=True)
+                for i in idx:
+                    batch[i].draft_len = 0
+                continue
+            compute = max(compute, result.compute_seconds)
+            for i, proposal in zip(idx, result.proposals):
+                proposed[i] = list(proposal.tokens)
+                proposed_q[i] = proposal.distributions
+                cached_len[i] = proposal.cached_len
+        return proposed, proposed_q, cached_len, compute
+
+    def _propose_rebuilding(self, replica: Replica, batch: list[Request], idx: list[int], ks: list[int]):
+        """Propose; a draft that lost these sequences (it restarted) is rebuilt from history within
+        this step, so the step still drafts what it would have: a seeded sampled request's tokens
+        depend on which positions were drafted, and stay the same across a draft restart."""
+        group = [batch[i] for i in idx]
+        for attempt in range(2):
+            try:
+                return replica.client.propose([self._draft_call(r) for r in group], [ks[i] for i in idx],
+                                              [r.sampling for r in group],
+                                              timeout=call_timeout(group, replica.client.timeout)[0])
+            except grpc.RpcError as error:
+                if attempt or not lost_state(error):
+                    raise
+                for request in group:
+                    request.draft_len = 0
+
+    @staticmethod
+    def _draft_call(request: Request) -> Call:
+        start, end = request.draft_len, len(request.history)
+        features = request.features.for_tokens(start, end) if request.features is not None else b""
+        return Call(request.seq_id, start, request.history[start:], features)
+
+    @staticmethod
+    def _can_draft(request: Request) -> bool:
+        """A draft that reads target features needs them up to the history's second-last token
+        (the target has fed everything but the last one)."""
+        return request.features is None or request.features.rows >= len(request.history) - 1

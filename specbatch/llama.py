@@ -1,0 +1,120 @@
+"""The engine's own forward for Llama-family models (and the EAGLE-style draft), over its KV pool.
+
+transformers' forward spends most of a one-token CPU step outside the matrix multiplies: cache
+objects, mask builders, attention dispatch and a scatter per layer (docs/engine.md measures it).
+This forward does the same arithmetic as ``LlamaForCausalLM`` in as few operations as it can:
+fused QKV and gate/up projections with weights prepared once (``specbatch.linear``), new
+keys/values written straight into the pool with one indexed copy, and one SDPA call per layer
+over the rows' own pool columns with the engine's 4D mask. The parameters stay the model's own;
+only the projections are repacked.
+
+Models it does not cover run through transformers (``TransformersForward`` in the engine).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .eagle import reads_target_features
+from .linear import PackedLinear, fused
+
+# Architectures whose decoder layers are LlamaDecoderLayer as this forward computes them.
+SUPPORTED_MODEL_TYPES = ("llama", "specbatch_eagle")
+
+
+def supports(model) -> bool:
+    config = model.config
+    return (getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES and config.hidden_act == "silu"
+            and getattr(config, "pretraining_tp", 1) == 1)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As LlamaRMSNorm: the statistics in float32, the scaling in the model's dtype.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class _Layer:
+    def __init__(self, layer, config):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o = PackedLinear(attn.o_proj.weight, attn.o_proj.bias)
+        self.gate_up = fused(mlp.gate_proj, mlp.up_proj)
+        self.down = PackedLinear(mlp.down_proj.weight, mlp.down_proj.bias)
+        self.norm_in, self.norm_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.variance_epsilon
+        self.head_dim = attn.head_dim
+        self.q_size = attn.q_proj.out_features
+        self.kv_size = attn.k_proj.out_features
+        self.intermediate = mlp.gate_proj.out_features
+        self.scaling = attn.scaling
+
+
+class LlamaForward:
+    """``__call__`` runs one ragged batch: see ``specbatch.engine.RaggedBatch`` for the layout."""
+
+    def __init__(self, model):
+        if not supports(model):
+            raise ValueError(f"{type(model).__name__} is not a Llama-family model this forward covers")
+        base = model.get_decoder()
+        self.embed = base.embed_tokens.weight
+        self.fuse = PackedLinear(base.fc.weight) if reads_target_features(model) else None
+        self.rotary = base.rotary_emb
+        self.layers = [_Layer(layer, model.config) for layer in base.layers]
+        self.norm, self.eps = base.norm.weight, base.norm.variance_epsilon
+        self.head = PackedLinear(model.get_output_embeddings().weight)
+        # PyTorch's CPU SDPA in bf16 is slow with one query row per head: batch 8, 9 heads over
+        # 3 KV heads, 1 token, 129 columns takes 435 µs, against 84 µs with the 3 query heads of
+        # each KV head folded into one head of 3 query rows. In fp32 folding is slower (54 vs 91).
+        self.fold_groups = self.embed.device.type == "cpu" and self.embed.dtype != torch.float32
+
+    def _attention(self, q, keys, values, mask, scale):
+        """SDPA over the rows' pool columns; q ``[batch, heads, width, head_dim]``."""
+        batch, heads, width, head_dim = q.shape
+        groups = heads // keys.shape[1]
+        if not self.fold_groups or groups == 1:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        # The query heads that share a key/value head become one head with groups × width query
+        # rows (heads are grouped consecutively, as transformers' repeat_kv has them).
+        out = F.scaled_dot_product_attention(q.reshape(batch, heads // groups, groups * width, head_dim), keys, values,
+                                             attn_mask=mask.repeat(1, 1, groups, 1), scale=scale)
+        return out.view(batch, heads, width, head_dim)
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, write_columns: torch.Tensor,
+                 kv: torch.Tensor, mask: torch.Tensor, logits_to_keep: int,
+                 features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions, write_columns: ``[batch, width]``; kv: ``[layers, 2, batch, kv_heads,
+        columns, head_dim]`` (written in place); mask: ``[batch, 1, width, end]``, True where a token
+        may attend. Returns float32 logits of the last ``logits_to_keep`` columns and the final
+        hidden states ``[batch, width, hidden]``."""
+        batch, width = input_ids.shape
+        x = F.embedding(input_ids, self.embed)
+        if self.fuse is not None:
+            x = self.fuse(torch.cat([x, features.to(x.dtype)], dim=-1))
+        cos, sin = self.rotary(x, positions)
+        cos, sin = cos[:, None], sin[:, None]
+        rows = torch.arange(batch, device=input_ids.device)[:, None]
+        end = mask.shape[-1]
+        for i, layer in enumerate(self.layers):
+            hd = layer.head_dim
+            h = _rms_norm(x, layer.norm_in, layer.eps)
+            q, k, v = layer.qkv(h).split((layer.q_size, layer.kv_size, layer.kv_size), dim=-1)
+            q = _rotate(q.view(batch, width, -1, hd).transpose(1, 2), cos, sin)
+            k = _rotate(k.view(batch, width, -1, hd).transpose(1, 2), cos, sin)
+            keys, values = kv[i, 0], kv[i, 1]  # [batch, kv_heads, columns, head_dim]
+            keys[rows, :, write_columns] = k.transpose(1, 2)
+            values[rows, :, write_columns] = v.view(batch, width, -1, hd)
+            attn = self._attention(q, keys[:, :, :end], values[:, :, :end], mask, layer.scaling)
+            x = x + layer.o(attn.transpose(1, 2).reshape(batch, width, -1))
+            h = layer.gate_up(_rms_norm(x, layer.norm_post, layer.eps))
+            x = x + layer.down(F.silu(h[..., : layer.intermediate]) * h[..., layer.intermediate :])
+        hidden = _rms_norm(x, self.norm, self.eps)
+        return self.head(hidden[:, -logits_to_keep:]).float(), hidden

@@ -1,0 +1,188 @@
+"""Models of any shape with random weights (--random-weights), and a profile that combines measured
+step times with a given acceptance (--acceptance, --acceptance-from)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from specbatch.commands import cli
+from specbatch.client import connect, generate, make_request
+from specbatch.engine import Engine, SequenceInput
+from specbatch.commands.launcher import LocalProcesses, StackOptions, _model_flags, free_port
+from specbatch.model_service import model_service_parser
+from specbatch.models import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, cache_root, load_model, load_tokenizer
+from specbatch.profile import expected_tokens, load_profile
+from specbatch.commands.profiler import given_acceptance
+from specbatch.random_weights import KNOWN_CONFIGS, fit_vocab, random_config, random_model, tokenizer_source
+from target_service.verifier import VerifyItem, verify
+from tiny import VOCAB, greedy_reference
+
+
+def tiny_shape(folder, model_type: str = "llama", layers: int = 2, hidden: int = 64, tokenizer=None) -> str:
+    """A config folder of a tiny shape (and a tokenizer, if given): what --random-weights reads."""
+    shapes = {"llama": dict(intermediate_size=2 * hidden, num_key_value_heads=2, max_position_embeddings=256),
+              "opt": dict(ffn_dim=2 * hidden, word_embed_proj_dim=hidden, max_position_embeddings=256)}
+    config = AutoConfig.for_model(model_type, vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
+                                  num_attention_heads=4, **shapes[model_type])
+    config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+# ---- the shapes -------------------------------------------------------------------------------------
+
+def test_known_shapes_are_the_published_ones():
+    opt = random_config("facebook/opt-6.7b")
+    assert (opt.model_type, opt.hidden_size, opt.num_hidden_layers, opt.num_attention_heads, opt.ffn_dim,
+            opt.vocab_size, opt.max_position_embeddings) == ("opt", 4096, 32, 32, 16384, 50272, 2048)
+    small = random_config("opt-125m")
+    assert (small.hidden_size, small.num_hidden_layers, small.num_attention_heads, small.ffn_dim) == (768, 12, 12, 3072)
+    llama = random_config("llama-3-8b")
+    assert (llama.hidden_size, llama.num_hidden_layers, llama.num_key_value_heads, llama.intermediate_size,
+            llama.vocab_size, llama.rope_parameters["rope_theta"]) == (4096, 32, 8, 14336, 128256, 500000.0)
+
+
+def test_smollm2_shape_is_the_embedded_models_config():
+    embedded = cache_root() / "models" / EMBEDDED / "config.json"
+    if not embedded.exists():
+        pytest.skip("the embedded model has not been converted on this machine")
+    real = json.loads(embedded.read_text())
+    for key, value in KNOWN_CONFIGS["smollm2-135m"].items():
+        # The converted GGUF stores its floats in float32 (rms_norm_eps 9.9999997e-06).
+        assert math.isclose(real[key], value, rel_tol=1e-6) if isinstance(value, float) else real[key] == value, key
+
+
+def test_unknown_shape_and_the_eagle_draft_are_refused():
+    with pytest.raises(ValueError, match="opt-6.7b"):
+        random_config("no-such-model")
+    with pytest.raises(ValueError, match="no random-weights form"):
+        random_model(EMBEDDED_DRAFT, "cpu", torch.float32)
+
+
+def test_random_model_is_small_finite_seeded_and_on_the_device(tmp_path):
+    folder = tiny_shape(tmp_path / "shape", "opt")
+    model = random_model(folder, "cpu", torch.bfloat16)
+    assert type(model).__name__ == "OPTForCausalLM" and model.config._attn_implementation == "sdpa"
+    assert all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in model.parameters())
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # tied, as the config says
+    matrices = [p.float() for p in model.parameters() if p.dim() == 2]
+    assert all(0.015 < m.std() < 0.025 for m in matrices)
+    norms = [p for name, p in model.named_parameters() if p.dim() == 1 and name.endswith("weight")]
+    assert norms and all(bool((p == 1).all()) for p in norms)
+    logits = model(torch.tensor([[5, 6, 7, 8]])).logits
+    assert bool(torch.isfinite(logits).all())
+    again = random_model(folder, "cpu", torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "opt"])
+def test_random_shape_through_the_engine(tmp_path, model_type):
+    """Greedy verify through the engine equals the model's own greedy decoding."""
+    folder = tiny_shape(tmp_path / "shape", model_type)
+    model = load_model(ModelSpec(folder, random_weights=True), "cpu", "float32")
+    engine = Engine(model, max_sequences=4)
+    prompt = [3, 17, 40, 9]
+    reference = greedy_reference(model, prompt, 4)
+    verdict = engine.run(verify, engine, [VerifyItem(SequenceInput("s", 0, prompt), reference[:3])], True)[0]
+    assert (verdict.accepted, verdict.next_token) == (3, reference[3])
+
+
+def test_tokenizer_for_random_weights(tmp_path, tokenizer):
+    with_tokenizer = tiny_shape(tmp_path / "with", tokenizer=tokenizer)
+    assert tokenizer_source(with_tokenizer) == with_tokenizer
+    assert tokenizer_source(tiny_shape(tmp_path / "without")) == EMBEDDED
+    assert tokenizer_source("opt-6.7b") == EMBEDDED
+    loaded = load_tokenizer(ModelSpec(with_tokenizer, random_weights=True))
+    assert loaded.encode("w1 w2", add_special_tokens=False) == tokenizer.encode("w1 w2", add_special_tokens=False)
+    assert fit_vocab([5, 96, 200], 96) == [5, 0, 8]
+
+
+def test_flags_reach_the_services():
+    args = model_service_parser("target", 50052, EMBEDDED).parse_args(["--model", "opt-6.7b", "--random-weights"])
+    assert args.random_weights and args.model == "opt-6.7b"
+    options = StackOptions(random_weights=True, kv_cache_gb=40.0)
+    flags = _model_flags("opt-125m", None, None, options)
+    assert flags[-1] == "--random-weights" and flags[flags.index("--kv-cache-gb") + 1] == "40.0"
+    assert ModelSpec("opt-125m", random_weights=True).describe() == "opt-125m [random weights]"
+
+
+# ---- given acceptance -------------------------------------------------------------------------------
+
+def test_given_acceptance(tmp_path):
+    assert given_acceptance(None, None, 3) is None
+    assert given_acceptance("0.8, 0.7,0.6,0.5", None, 3) == [0.8, 0.7, 0.6]
+    with pytest.raises(ValueError, match="--max-k 3 needs 3"):
+        given_acceptance("0.8,0.7", None, 3)
+    with pytest.raises(ValueError, match=r"in \[0, 1\]"):
+        given_acceptance("0.8,1.7", None, 2)
+    with pytest.raises(ValueError, match="comma-separated"):
+        given_acceptance("0.8,x", None, 2)
+
+
+def test_profile_with_given_acceptance(stack, tokenizer, tmp_path, capsys):
+    """Measured step times, the given acceptance: ms per token and best k follow from both, and the
+    measured acceptance is kept beside it; a profile's acceptance can be taken by another."""
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    common = ["--target", f"127.0.0.1:{stack.target.port}", "--draft", f"127.0.0.1:{stack.draft.port}",
+              "--tokenizer", str(tmp_path / "tokenizer"), "--batch-sizes", "1,2", "--max-k", "2", "--steps", "2",
+              "--warmup-steps", "1", "--max-prompt-tokens", "64"]
+    first = tmp_path / "given.json"
+    assert cli.main(["profile", *common, "--acceptance", "0.9,0.5,0.1", "--out", str(first)]) == 0
+    profile = load_profile(first)
+    assert profile.acceptance_by_position == (0.9, 0.5)
+    assert profile.workload["acceptance"]["source"] == "--acceptance"
+    assert len(profile.workload["acceptance"]["measured"]) == 2
+    for (b, k), cell in profile.cells.items():
+        assert math.isclose(cell.ms_per_token, cell.step_ms / (b * expected_tokens([0.9, 0.5], k)), rel_tol=1e-3)
+    for b in profile.batch_sizes:
+        assert profile.best_k[b] == min(range(3), key=lambda k: (profile.cells[b, k].ms_per_token, k))
+    assert "acceptance given by --acceptance" in capsys.readouterr().out
+
+    second = tmp_path / "taken.json"
+    assert cli.main(["profile", *common, "--acceptance-from", str(first), "--out", str(second)]) == 0
+    assert load_profile(second).acceptance_by_position == (0.9, 0.5)
+    assert load_profile(second).workload["acceptance"]["source"] == str(first)
+    assert cli.main(["profile", *common, "--acceptance", "0.9", "--out", str(second)]) == 2
+
+
+# ---- the services as processes ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def random_processes(tmp_path_factory, tokenizer):
+    root = tmp_path_factory.mktemp("random-shapes")
+    target = tiny_shape(root / "target", layers=2, tokenizer=tokenizer)
+    draft = tiny_shape(root / "draft", layers=1, hidden=32)
+    ports = {"coordinator": free_port(), "target": free_port(), "draft": free_port()}
+    options = StackOptions(target_model=target, draft_model=draft, random_weights=True, device="cpu", dtype="float32",
+                           ports=ports, max_batch_size=4, kv_cache_gb=0.01)  # float32: compared with a float32 reference
+    stack = LocalProcesses(options).start(timeout=180)
+    yield stack, target
+    stack.stop()
+
+
+def test_up_with_random_weights(random_processes):
+    """`specbatch up --random-weights`: the services build the same seeded weights as here, so
+    greedy output through the stack equals this process's own decoding of the shape."""
+    stack, target = random_processes
+    prompt = [1, 7, 22, 9, 40]
+    result = generate(connect(stack.address), make_request(prompt, 12, k=2, ignore_eos=True))
+    assert result.token_ids == greedy_reference(random_model(target, "cpu", torch.float32), prompt, 12)
+
+
+def test_profile_of_random_shapes(random_processes, tmp_path):
+    stack, target = random_processes
+    out = tmp_path / "profile.json"
+    code = cli.main(["profile", "--random-weights", "--target-model", target, "--target", stack.target_address,
+                     "--draft", stack.draft_address, "--batch-sizes", "1,2", "--max-k", "2", "--steps", "2",
+                     "--warmup-steps", "1", "--max-prompt-tokens", "64", "--acceptance", "0.8,0.6", "--out", str(out)])
+    assert code == 0
+    profile = load_profile(out)
+    assert profile.acceptance_by_position == (0.8, 0.6)
+    assert profile.target["model"].endswith("[random weights]")
+    assert "random" in profile.workload["weights"]

@@ -1,0 +1,252 @@
+"""The scheduler on its own: queue, placement, one step and failover, over fake replica clients
+(no gRPC, no model). The fake target predicts token t+1 after token t; the fake draft proposes
+t+1, t+2, … (always right) unless told to be wrong from some position on."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from coordinator.placement import Placement, by_draft_replica, by_target_replica
+from coordinator.policy import FixedK
+from coordinator.replicas import Replica, ReplicaSet
+from coordinator.requests import Request, TextStream
+from coordinator.scheduler import Draining, QueueFull, Scheduler
+from coordinator.stats import StepStats, StepTotals
+from specbatch.sampling_params import SamplingParams
+
+VOCAB = 1000
+
+
+class Unreachable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "fake replica is down"
+
+
+class FakeClient:
+    def close(self):
+        pass
+
+
+class FakeTarget(FakeClient):
+    def __init__(self, address: str):
+        self.address, self.timeout = address, 30.0
+        self.down = False
+        self.calls: list[list] = []
+        self.released: list[str] = []
+
+    def verify(self, calls, drafts, sampling, create=False, return_features=False, distributions=(), timeout=None):
+        if self.down:
+            raise Unreachable()
+        self.calls.append(calls)
+        verdicts = []
+        for call, proposed in zip(calls, drafts):
+            last = call.tokens[-1]
+            accepted = 0
+            while accepted < len(proposed) and proposed[accepted] == (last + accepted + 1) % VOCAB:
+                accepted += 1
+            next_token = (last + accepted + 1) % VOCAB
+            verdicts.append(SimpleNamespace(accepted=accepted, next_token=next_token, features=b"",
+                                            cached_len=call.keep_len + len(call.tokens) + accepted))
+        return SimpleNamespace(verdicts=verdicts, compute_seconds=0.001)
+
+    def release(self, seq_ids):
+        self.released.extend(seq_ids)
+
+
+class FakeDraft(FakeClient):
+    def __init__(self, address: str, wrong_from: int | None = None):
+        self.address, self.timeout = address, 10.0
+        self.wrong_from = wrong_from  # draft position from which it proposes wrong tokens
+        self.down = False
+        self.released: list[str] = []
+
+    def prefill(self, calls, timeout=None):
+        if self.down:
+            raise Unreachable()
+        return SimpleNamespace(sequences=[SimpleNamespace(cached_len=c.keep_len + len(c.tokens)) for c in calls])
+
+    def propose(self, calls, ks, sampling, timeout=None):
+        if self.down:
+            raise Unreachable()
+        proposals = []
+        for call, k in zip(calls, ks):
+            last = call.tokens[-1]
+            tokens = [(last + i + 1) % VOCAB if self.wrong_from is None or i < self.wrong_from else 0
+                      for i in range(k)]
+            proposals.append(SimpleNamespace(tokens=tokens, distributions=(),
+                                             cached_len=call.keep_len + len(call.tokens) + k - 1))
+        return SimpleNamespace(proposals=proposals, compute_seconds=0.0005)
+
+    def release(self, seq_ids):
+        self.released.extend(seq_ids)
+
+
+class WordTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{i}>" for i in ids)
+
+
+def replica_set(service: str, *clients) -> ReplicaSet:
+    replicas = ReplicaSet(service, ",".join(c.address for c in clients), lambda address: None)
+    for client in clients:
+        replicas.replicas[client.address] = Replica(service, client.address, client, healthy=True)
+    return replicas
+
+
+def make_request(prompt=(1, 2, 3), max_new_tokens=20, k=None) -> Request:
+    return Request(id="r", prompt=list(prompt), max_new_tokens=max_new_tokens, sampling=SamplingParams(),
+                   stop_token_ids=frozenset(), text=TextStream(WordTokenizer(), []), fixed_k=k)
+
+
+@pytest.fixture
+def scheduler_of():
+    made = []
+
+    def make(targets, drafts=None, k=3, max_batch_size=8, max_queue=8):
+        scheduler = Scheduler(targets, drafts, FixedK(k), max_batch_size, max_queue, max_context=512)
+        made.append((scheduler, targets, drafts))
+        return scheduler
+
+    yield make
+    for scheduler, targets, drafts in made:
+        scheduler.placement.close()
+        for replicas in filter(None, (targets, drafts)):
+            replicas.close()
+
+
+def test_admit_then_step_accepts_drafts_and_counts_them_once(scheduler_of):
+    target, draft = FakeTarget("t"), FakeDraft("d", wrong_from=2)
+    scheduler = scheduler_of(replica_set("target", target), replica_set("draft", draft), k=3)
+    request = make_request()
+    scheduler.submit(request)
+    scheduler.admit()
+    assert scheduler.running == [request]
+    assert request.history == [1, 2, 3, 4]  # the prefill's verdict gives the first token
+    assert (request.target_len, request.draft_len) == (3, 3)
+
+    stats = scheduler.step()
+    # Drafts 5, 6 right, the third wrong: two accepted, then the target's 7.
+    assert request.history == [1, 2, 3, 4, 5, 6, 7]
+    assert isinstance(stats, StepStats)
+    assert (stats.batch_size, stats.ks, stats.outcomes) == (1, [3], [(3, 2)])
+    assert stats.reached_by_position[:4] == [1, 1, 1, 0]
+    assert stats.accepted_by_position[:4] == [1, 1, 0, 0]
+    assert request.target_len == 6  # 4 + two accepted drafts; 7 is the next step's first input
+    assert request.draft_len == 6  # the draft cached 4 + 5, 6 (its first k-1), valid as far as accepted
+    totals = scheduler.totals
+    assert (totals.steps, totals.sequence_steps, totals.k_histogram[3]) == (1, 1, 1)
+    assert totals.reached_by_position == stats.reached_by_position
+    assert totals.accepted_by_position == stats.accepted_by_position
+
+
+def test_totals_add_up_step_records():
+    totals = StepTotals()
+    totals.add(StepStats(2, [3, 0], [(3, 1)], 0.01, 0.02, 0.04, 0.005, 0.015))
+    totals.add(StepStats(1, [2], [(2, 2), (0, 0)], 0.01, 0.02, 0.03))
+    assert (totals.steps, totals.sequence_steps) == (2, 3)
+    assert totals.k_histogram[:4] == [1, 0, 1, 1]
+    # (3, 1) reached positions 0 and 1 (a rejection at 1 ends it); (2, 2) reached both and kept both.
+    assert totals.reached_by_position[:3] == [2, 2, 0]
+    assert totals.accepted_by_position[:3] == [2, 1, 0]
+    assert totals.step_seconds == pytest.approx(0.07)
+    assert totals.target_compute_seconds == pytest.approx(0.015)
+
+
+def test_a_failed_draft_makes_the_step_target_only(scheduler_of):
+    target, draft = FakeTarget("t"), FakeDraft("d")
+    drafts = replica_set("draft", draft)
+    scheduler = scheduler_of(replica_set("target", target), drafts, k=3)
+    request = make_request()
+    scheduler.submit(request)
+    scheduler.admit()
+    draft.down = True
+    stats = scheduler.step()
+    assert stats.ks == [0] and stats.outcomes == []
+    assert request.history == [1, 2, 3, 4, 5]  # one token, still exact
+    assert request.draft_len == 0
+    assert not drafts.all()[0].healthy
+
+
+def test_a_request_moves_off_a_target_replica_that_fails(scheduler_of):
+    first, second = FakeTarget("t1"), FakeTarget("t2")
+    targets = replica_set("target", first, second)
+    scheduler = scheduler_of(targets, None, k=0)
+    request = make_request()
+    scheduler.submit(request)
+    scheduler.admit()
+    home = request.target_replica
+    home.client.down = True
+    stats = scheduler.step()  # its verify fails: it is left out of this step
+    assert stats.batch_size == 0 and request.history == [1, 2, 3, 4]
+    assert not home.healthy
+    scheduler.step()  # placed on the other replica, re-prefilled there from its history
+    assert request.target_replica is not home
+    assert request.target_replica.client.calls[-1][0].keep_len == 0
+    assert request.target_replica.client.calls[-1][0].tokens == [1, 2, 3, 4]
+    assert request.history == [1, 2, 3, 4, 5]
+    assert request.seq_id in home.orphans  # released once it answers again
+
+
+def test_no_healthy_target_means_no_step(scheduler_of):
+    target = FakeTarget("t")
+    targets = replica_set("target", target)
+    scheduler = scheduler_of(targets, None)
+    request = make_request()
+    scheduler.submit(request)
+    scheduler.admit()
+    targets.all()[0].healthy = False
+    assert scheduler.step() is None
+
+
+def test_retire_releases_finished_requests_on_both_services(scheduler_of):
+    target, draft = FakeTarget("t"), FakeDraft("d")
+    scheduler = scheduler_of(replica_set("target", target), replica_set("draft", draft), k=2)
+    request = make_request(max_new_tokens=3)
+    scheduler.submit(request)
+    scheduler.admit()
+    scheduler.step()
+    assert request.finish is not None  # 1 + 3 tokens reached max_new_tokens
+    scheduler.retire()
+    assert scheduler.running == []
+    assert target.released == [request.seq_id] and draft.released == [request.seq_id]
+    assert request.target_replica is None and request.draft_replica is None
+
+
+def test_queue_limit_and_draining(scheduler_of):
+    scheduler = scheduler_of(replica_set("target", FakeTarget("t")), None, max_queue=1)
+    scheduler.submit(make_request())
+    with pytest.raises(QueueFull):
+        scheduler.submit(make_request())
+    scheduler.draining.set()
+    with pytest.raises(Draining):
+        scheduler.submit(make_request())
+
+
+def test_k_is_bounded_by_what_the_request_can_still_use(scheduler_of):
+    scheduler = scheduler_of(replica_set("target", FakeTarget("t")), None, k=8)
+    request = make_request(max_new_tokens=4)
+    assert scheduler.decode.k_for(request, 1) == 3  # each step yields accepted + 1 tokens
+    assert scheduler.decode.k_for(make_request(k=2), 1) == 2  # the request's own k wins
+    scheduler.policy = FixedK(1)  # the profiler swaps policies between sweeps
+    assert scheduler.decode.k_for(make_request(), 1) == 1
+
+
+def test_placement_groups_requests_by_replica():
+    targets = replica_set("target", FakeTarget("t1"), FakeTarget("t2"))
+    placement = Placement(targets, None)
+    try:
+        requests = [make_request() for _ in range(4)]
+        for request in requests:
+            assert placement.place(request)
+        groups = by_target_replica(requests)
+        assert sorted(len(idx) for idx in groups.values()) == [2, 2]  # balanced by load
+        assert by_draft_replica(requests, [0, 2]) == {None: [0, 2]}
+    finally:
+        placement.close()
+        targets.close()
