@@ -14,8 +14,7 @@ import grpc
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from specbatch.sampling_params import SamplingParams
-from specbatch.serving import CHANNEL_OPTIONS
-from specbatch.tls import open_channel
+from specbatch.tls import CHANNEL_OPTIONS, open_channel
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 

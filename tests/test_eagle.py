@@ -188,7 +188,7 @@ def test_draft_service_process_serves_the_distilled_folder(distilled, target_mod
     target_model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     ports = {"coordinator": free_port(), "target": free_port(), "draft": free_port()}
-    options = StackOptions(target_model=str(tmp_path), draft_model=str(distilled[0] / "draft"), ports=ports,
+    options = StackOptions(target_model=str(tmp_path), dtype="float32", draft_model=str(distilled[0] / "draft"), ports=ports,
                            max_batch_size=4)
     with LocalProcesses(options) as stack:
         stub = connect(stack.address)

@@ -51,7 +51,8 @@ class Processes:
 
     def model(self, name: str, kind: str, port: int, *flags: str) -> str:
         layers = ["--num-layers", "2"] if kind == "draft" else []
-        self.spawn(name, f"{kind}_service", "--model", self.folder, "--port", str(port), *layers, *flags)
+        self.spawn(name, f"{kind}_service", "--model", self.folder, "--dtype", "float32", "--port", str(port), *layers,
+                   *flags)
         return f"127.0.0.1:{port}"
 
     def coordinator(self, targets: list[str], drafts: list[str], *flags: str) -> str:

@@ -25,7 +25,7 @@ def processes(tmp_path_factory, target_model, tokenizer):
     target_model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     ports = {"coordinator": free_port(), "target": free_port(), "draft": free_port()}
-    options = StackOptions(target_model=str(folder), draft_model=str(folder), draft_layers=2, ports=ports,
+    options = StackOptions(target_model=str(folder), dtype="float32", draft_model=str(folder), draft_layers=2, ports=ports,
                            max_batch_size=4)
     stack = LocalProcesses(options).start(timeout=180)
     yield stack
@@ -86,7 +86,7 @@ def test_stop_is_clean(tmp_path_factory, target_model, tokenizer):
     target_model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     ports = {"coordinator": free_port(), "target": free_port(), "draft": free_port()}
-    stack = LocalProcesses(StackOptions(target_model=str(folder), no_draft=True, ports=ports)).start(timeout=180)
+    stack = LocalProcesses(StackOptions(target_model=str(folder), dtype="float32", no_draft=True, ports=ports)).start(timeout=180)
     children = [p for _, p in stack.processes]
     result = generate(connect(stack.address), make_request([1, 5, 6], 4, ignore_eos=True))
     assert len(result.token_ids) == 4
