@@ -14,7 +14,7 @@ import grpc
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from specbatch.sampling_params import SamplingParams
-from specbatch.tls import open_channel
+from specbatch.tls import CHANNEL_OPTIONS, open_channel
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 
@@ -24,6 +24,15 @@ log = logging.getLogger(__name__)
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE}
 # The service no longer holds what we think it holds (it restarted): rebuild from history.
 LOST_STATE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}
+
+# gRPC's own reconnect backoff grows to 120 s by default (×1.6 per failed attempt, ±20 %
+# jitter), and while it waits every call on the channel fails at once. A replica back after a
+# 15 s outage stayed unreachable for 7 s more, whatever the probes' own backoff (5 s cap).
+# Capped at 1 s, a replica that serves again is reconnected within 1.2 s, so the next probe
+# (replicas.py) finds it.
+MAX_RECONNECT_BACKOFF_MS = 1000
+SERVICE_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100),
+                           ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
 
 
 def _transient(error: BaseException) -> bool:
@@ -102,7 +111,7 @@ class ServiceClient:
                  attempts: int = 4, server_name: str | None = None):
         self.address = address
         self.timeout = timeout
-        self.channel = open_channel(address, credentials, server_name=server_name)
+        self.channel = open_channel(address, credentials, SERVICE_CHANNEL_OPTIONS, server_name)
         self.stub = self.stub_class(self.channel)
         self.traffic = Traffic()
         self.retry = retrying(attempts)
@@ -118,8 +127,8 @@ class ServiceClient:
     def prefill(self, calls: list[Call], timeout: float | None = None) -> pb.PrefillResponse:
         return self._call(self.stub.Prefill, pb.PrefillRequest(sequences=[_seq(c) for c in calls]), timeout)
 
-    def release(self, seq_ids: list[str]) -> None:
-        self.retry(self.stub.Release)(pb.ReleaseRequest(seq_ids=seq_ids), timeout=self.timeout)
+    def release(self, seq_ids: list[str], timeout: float | None = None) -> None:
+        self.retry(self.stub.Release)(pb.ReleaseRequest(seq_ids=seq_ids), timeout=self._deadline(timeout))
 
     def cache_stats(self) -> pb.CacheStatsResponse:
         return self.retry(self.stub.CacheStats)(pb.CacheStatsRequest(), timeout=self.timeout)

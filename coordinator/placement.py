@@ -88,9 +88,10 @@ class Placement:
             replicas.attach(replica, request.seq_id)
         return replica
 
-    def release(self, requests: list[Request]) -> None:
+    def release(self, requests: list[Request], timeout: float | None = None) -> None:
         """Free the sequences on every replica that holds them (in parallel) before anything is
-        admitted in their place, so that admission never counts memory about to be freed."""
+        admitted in their place, so that admission never counts memory about to be freed.
+        ``timeout``: of each Release call (default: the replica client's own)."""
         held: dict[Replica, list[str]] = defaultdict(list)
         for request in requests:
             for replicas, replica in ((self.target_replicas, request.target_replica),
@@ -100,7 +101,7 @@ class Placement:
                     if replica.healthy:
                         held[replica].append(request.seq_id)
             request.target_replica = request.draft_replica = None
-        results = self.fan_out({replica: (lambda r=replica, ids=seq_ids: r.client.release(ids))
+        results = self.fan_out({replica: (lambda r=replica, ids=seq_ids: r.client.release(ids, timeout))
                                 for replica, seq_ids in held.items()})
         for replica, result in results.items():
             if isinstance(result, grpc.RpcError):  # released once it answers again (or it restarted)

@@ -30,6 +30,11 @@ from .step import DecodeStep
 log = logging.getLogger(__name__)
 
 
+# How long a stopping coordinator waits for each service to release its sequences: a service
+# that does not answer by then reclaims them when their lease runs out.
+RELEASE_ON_STOP_SECONDS = 5.0
+
+
 class QueueFull(Exception):
     pass
 
@@ -101,14 +106,27 @@ class Scheduler:
         self.stop()
 
     def stop(self) -> None:
-        """Stop stepping; every request still held is closed as cancelled."""
+        """Stop stepping; every request still held is closed as cancelled, and its sequences are
+        released on the services (those a drain failed included: the loop ends before retiring
+        them). What cannot be released now (a service down, or the loop stuck in a call) the
+        services reclaim when its lease runs out (--sequence-lease-seconds)."""
+        if self.stopping.is_set() and not self.thread.is_alive():
+            return  # stopped already (drain stops, then Coordinator.stop stops again)
         self.stopping.set()
         with self.wakeup:
             self.wakeup.notify()
         self.thread.join(timeout=30)
-        for request in list(self.running) + list(self.waiting):
+        held = list(self.running) + list(self.waiting)
+        for request in held:
             if request.finish is None:
                 request.close(FINISH_CANCELLED)
+        if self.thread.is_alive():
+            log.warning("the step loop did not stop within 30 s: %d requests' sequences are left to the services' "
+                        "leases", len(held))
+        else:
+            self.running = []
+            self.placement.release([r for r in held if r.target_replica or r.draft_replica],
+                                   timeout=RELEASE_ON_STOP_SECONDS)
         self.placement.close()
 
     # ---- the loop --------------------------------------------------------------------------------

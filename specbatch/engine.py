@@ -27,6 +27,8 @@ such a draft takes one feature vector per fed token as a second input.
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass, field
 
@@ -113,6 +115,7 @@ class SequenceCache:
     pool: KVPool
     slot: int
     length: int = 0
+    last_used: float = 0.0  # the engine's clock at the last call that touched it (its lease)
 
     @property
     def kv(self) -> torch.Tensor:
@@ -300,6 +303,7 @@ class Engine:
     # EAGLE draft, weights prepacked), "transformers" (the model's own forward, any model), or
     # "auto": the first where it covers the model. After start-up it names the one in use.
     implementation: str = "auto"
+    clock: Callable[[], float] = time.monotonic  # for sequence leases (``reclaim_idle``); tests pass their own
 
     def __post_init__(self):
         self.model.eval()
@@ -370,8 +374,19 @@ class Engine:
         """Roll a sequence back to its first ``length`` tokens: O(1), the columns past it are
         masked and later overwritten. Every call does this for each of its sequences, to the
         ``keep_len`` it names (RaggedBatch); the Rollback RPC does it alone."""
-        self.check_rollback(seq_id, length).length = length
+        cache = self.check_rollback(seq_id, length)
+        cache.length, cache.last_used = length, self.clock()
         return length
+
+    def reclaim_idle(self, max_idle: float) -> list[str]:
+        """Release the sequences no call has touched for more than ``max_idle`` seconds (their
+        caller is gone: a coordinator killed or stopped before it released them); their ids.
+        Run it through ``run``, so it never lands inside a call. A caller that was only slow gets
+        NOT_FOUND next time and rebuilds the sequence from its history."""
+        idle_since = self.clock() - max_idle
+        idle = [seq_id for seq_id, cache in self.sequences.items() if cache.last_used < idle_since]
+        self.release(idle)
+        return idle
 
     def release(self, seq_ids: list[str]) -> int:
         """Forget sequences; unknown ids are ignored so that release is idempotent.
@@ -437,6 +452,9 @@ class Engine:
         created = [item.seq_id for item in inputs if item.seq_id not in self.sequences]
         for seq_id in created:
             self.sequences[seq_id] = self._new_cache()
+        now = self.clock()
+        for item in inputs:
+            self.sequences[item.seq_id].last_used = now
         try:
             batch = RaggedBatch(self, inputs, decode_steps)
         except BaseException:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 import time
 
 import numpy as np
@@ -137,6 +138,48 @@ class CacheServicer:
         return self.engine.feature_size
 
 
+# A coordinator touches each of its sequences at every step (milliseconds to seconds apart) and
+# releases them when done. One that dies, or stops with requests still running, leaves them here:
+# after this long untouched they are reclaimed, so a lost coordinator costs memory for a while,
+# never the sequence budget for good.
+DEFAULT_SEQUENCE_LEASE_SECONDS = 300.0
+
+
+class SequenceLeases:
+    """Reclaims the sequences of an engine that no call touched for ``lease_seconds``: sweeps
+    every quarter lease (at most every 30 s), on the engine's model thread, so a sweep never
+    lands inside a forward. Each reclaim is logged and counted."""
+
+    def __init__(self, engine: Engine, lease_seconds: float, metrics: ServiceMetrics | None = None):
+        self.engine, self.lease_seconds, self.metrics = engine, lease_seconds, metrics
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="sequence-leases", daemon=True)
+
+    def sweep(self) -> list[str]:
+        reclaimed = self.engine.run(self.engine.reclaim_idle, self.lease_seconds)
+        if reclaimed:
+            log.warning("reclaimed %d sequences untouched for over %.0f s (their coordinator is gone): %s",
+                        len(reclaimed), self.lease_seconds, ", ".join(reclaimed[:8]) + (" …" if len(reclaimed) > 8 else ""))
+            if self.metrics is not None:
+                self.metrics.sequences_reclaimed.inc(len(reclaimed))
+        return reclaimed
+
+    def _run(self) -> None:
+        interval = min(30.0, self.lease_seconds / 4)
+        while not self.stopped.wait(interval):
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001 - a failed sweep is retried at the next one
+                log.exception("sequence lease sweep failed")
+
+    def start(self) -> "SequenceLeases":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
 def model_service_parser(kind: str, port: int, default_model: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"python -m {kind}_service", description=f"specbatch {kind} service")
     parser.add_argument("--model", default=default_model,
@@ -153,6 +196,13 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
     parser.add_argument("--max-sequences", type=int, default=256, help="sequences cached at once")
     parser.add_argument("--max-context", type=int, help="tokens per sequence (default: the model's)")
     parser.add_argument("--kv-cache-gb", type=float, default=8.0, help="KV cache budget in GiB (default 8)")
+    parser.add_argument("--sequence-lease-seconds", type=float, default=DEFAULT_SEQUENCE_LEASE_SECONDS,
+                        help="reclaim a sequence no call touched for this long: its coordinator is gone "
+                             f"(default {DEFAULT_SEQUENCE_LEASE_SECONDS:.0f}; 0 keeps sequences until released)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="intra-op threads (torch.set_num_threads; default: OMP_NUM_THREADS, else torch's, one "
+                             "per core). Where several services share cores, give each its share: "
+                             "docs/operations.md#threads")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
@@ -170,6 +220,10 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
     """Parse flags, load the model, serve until SIGTERM/SIGINT."""
     parser = model_service_parser(kind, port, default_model)
     args = parser.parse_args(argv)
+    if args.sequence_lease_seconds < 0:
+        parser.error("--sequence-lease-seconds must be 0 (no lease) or more")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be 1 or more")
     credentials = server_credentials_from_args(args, parser)  # bad TLS flags: refused before loading
     configure_logging(args.log_level, args.log_format)
     # /metrics first: a taken port fails before a model load of minutes, and the process's memory
@@ -177,19 +231,24 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
     registry = new_registry()
     metrics_server = serve_metrics(registry, kind, args.metrics_host, args.metrics_port)
     try:
+        if args.threads:
+            torch.set_num_threads(args.threads)
         spec = ModelSpec(args.model, args.gguf_file, args.num_layers, args.trust_remote_code, args.random_weights)
         started = time.perf_counter()
         model = load_model(spec, args.device, args.dtype)
         engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,
                         max_cache_bytes=int(args.kv_cache_gb * 2**30))
-        log.info("%s service: loaded %s in %.1fs on %s/%s", kind, spec.describe(), time.perf_counter() - started,
-                 engine.device, engine.dtype)
+        log.info("%s service: loaded %s in %.1fs on %s/%s, %d threads", kind, spec.describe(),
+                 time.perf_counter() - started, engine.device, engine.dtype, torch.get_num_threads())
         metrics = ServiceMetrics(kind, engine, registry)
         server = Server(f"{args.host}:{args.port}", max_workers=8, credentials=credentials,
                         interceptors=[metrics.interceptor()])
         add_servicer(server, engine, spec.describe(), metrics=metrics)
+        leases = SequenceLeases(engine, args.sequence_lease_seconds, metrics) if args.sequence_lease_seconds > 0 else None
         server.start()
-        server.run_until_signal()
+        if leases is not None:
+            leases.start()
+        server.run_until_signal(on_stop=leases.stop if leases is not None else None)
     finally:
         if metrics_server is not None:
             metrics_server.stop()

@@ -50,6 +50,9 @@ class ServiceMetrics:
         self.request_seconds = Histogram("specbatch_service_request_seconds",
                                          "Unary RPC time in the server: handler start to reply, lock wait included.",
                                          ["method"], buckets=STEP_BUCKETS, registry=r)
+        self.sequences_reclaimed = Counter(
+            "specbatch_sequences_reclaimed", "Sequences released because no call touched them for "
+            "--sequence-lease-seconds (their coordinator stopped or died without releasing them).", registry=r)
 
     def observe_call(self, method: str, batch_size: int, compute_seconds: float) -> None:
         """One engine call of a Prefill, Propose or Verify that succeeded."""

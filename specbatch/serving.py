@@ -10,8 +10,8 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from . import reflection
 from .errors import EngineError
 from .logs import configure_logging  # noqa: F401  (re-exported: the servers import it from here)
 from .tls import CHANNEL_OPTIONS, open_channel
@@ -39,7 +39,7 @@ def engine_errors_to_status(method):
 
 
 class Server:
-    """A gRPC server with the standard health service and server reflection.
+    """A gRPC server with the standard health service and server reflection (v1 and v1alpha).
 
     ``stop`` flips every service to NOT_SERVING first, so load balancers and the coordinator stop
     sending work, then lets in-flight calls finish within the grace period.
@@ -55,7 +55,7 @@ class Server:
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
-        self.service_names: list[str] = [health.SERVICE_NAME, reflection.SERVICE_NAME]
+        self.service_names: list[str] = [health.SERVICE_NAME, *reflection.SERVICE_NAMES]
         # credentials (specbatch.tls.server_credentials): TLS, or mTLS with a client CA; else plaintext.
         self.tls = credentials is not None
         self.port = (self.grpc_server.add_secure_port(address, credentials) if credentials is not None

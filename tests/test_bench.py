@@ -87,14 +87,41 @@ def test_uniform_closed_loop_sends_count_at_concurrency():
     assert len(records) == 10 and max(n for _, n in log) == 3
 
 
-def test_open_loop_sends_on_schedule():
-    log, lock, in_flight = [], threading.Lock(), [0]
+def test_open_loop_sends_on_schedule(monkeypatch):
+    """On a fake clock that only the loop's own sleeps move: each request is sent at its arrival
+    time, and none waits for the ones before it (all four are in flight at once)."""
+    import types
+
+    import specbatch.traffic as traffic
+
     arrivals = [0.0, 0.1, 0.1, 0.3]
-    start = time.monotonic()
-    run_open_loop(_fake_send(0.3, log, lock, in_flight), arrivals)
-    starts = sorted(at - start for at, _ in log)
-    assert starts == pytest.approx(arrivals, abs=0.05)
-    assert max(n for _, n in log) >= 3  # open loop: arrivals do not wait for earlier requests
+    clock, started, lock = [0.0], [], threading.Lock()
+    everyone = threading.Event()
+
+    def sleep(seconds):
+        # Every request due by now has started (read the clock) before the clock moves on.
+        due = sum(at <= clock[0] + 1e-9 for at in arrivals)
+        deadline = time.monotonic() + 10
+        while len(started) < due and time.monotonic() < deadline:
+            time.sleep(0.001)
+        clock[0] += seconds
+
+    monkeypatch.setattr(traffic, "time", types.SimpleNamespace(monotonic=lambda: clock[0], sleep=sleep))
+
+    def send(i):
+        with lock:
+            started.append(clock[0])
+            if len(started) == len(arrivals):
+                everyone.set()
+        held_together = everyone.wait(10)  # a loop that waited for earlier requests never gets here
+        r = Record(i, 0.0)
+        r.first_token = r.finished = 0.0
+        r.error = "" if held_together else "not all in flight at once"
+        return r
+
+    records = traffic.run_open_loop(send, arrivals)
+    assert sorted(started) == pytest.approx(arrivals)
+    assert [r.error for r in records] == [""] * len(arrivals)
 
 
 def test_percentiles():

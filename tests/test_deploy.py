@@ -16,6 +16,7 @@ import fnmatch
 import functools
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -312,6 +313,26 @@ def test_every_flag_is_one_the_service_accepts(overlay):
             for module, args in service_args(container):
                 parsed = _parse_with_real_cli(module, args)
                 assert parsed.host == "0.0.0.0"
+
+
+def _cpus(quantity: str) -> float:
+    return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_threads_never_outnumber_the_cpus_requested(overlay):
+    """docs/operations.md#threads: each process's intra-op threads are its share of its
+    container's CPU request, so no OpenMP team waits on threads the node does not give it."""
+    for deployment in by_kind(rendered(overlay), "Deployment").values():
+        for container in pod(deployment)["containers"]:
+            omp = next(e for e in container["env"] if e["name"] == "OMP_NUM_THREADS")
+            assert omp["valueFrom"]["resourceFieldRef"]["resource"] == "requests.cpu", container["name"]
+            cpus = _cpus(str(container["resources"]["requests"]["cpu"]))
+            # OMP_NUM_THREADS takes the request rounded up (at least 1); --threads overrides it.
+            threads = [int(flag(args, "threads")) if any(a.startswith("--threads=") for a in args)
+                       else max(1, math.ceil(cpus))
+                       for module, args in service_args(container) if module != "coordinator"]
+            assert sum(threads) <= max(1, math.ceil(cpus)), (container["name"], threads, cpus)
 
 
 # ---- container files ----------------------------------------------------------------------------

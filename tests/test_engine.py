@@ -450,6 +450,47 @@ def test_release_is_idempotent_and_frees(target_model):
     assert (verdict.accepted, verdict.next_token, verdict.cached_len) == (4, refs[0][4], len(prompts[0]) + 4)
 
 
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_idle_sequences_are_reclaimed_and_every_call_renews_the_lease(target_model, draft_model):
+    clock = FakeClock()
+    engine = Engine(target_model, max_sequences=3, clock=clock)
+    prompts = random_prompts([7, 4, 5], seed=12)
+    engine.prefill([SequenceInput("a", 0, prompts[0]), SequenceInput("b", 0, prompts[1])])
+    clock.now += 50
+    engine.prefill([SequenceInput("c", 0, prompts[2])])
+    clock.now += 50  # a and b: 100 s untouched, c: 50 s
+    verify(engine, [VerifyItem(SequenceInput("a", 6, [prompts[0][-1]]))])  # a verify renews a
+    clock.now += 20
+    engine.rollback("b", 3)  # a rollback renews b
+    clock.now += 20  # untouched for: a 40 s, b 20 s, c 90 s
+    assert engine.reclaim_idle(90.0) == []  # not over the lease yet
+    assert engine.reclaim_idle(89.0) == ["c"]
+    assert set(engine.sequences) == {"a", "b"} and sorted(c.slot for c in engine.sequences.values()) == [0, 1]
+    with pytest.raises(UnknownSequence):  # what the coordinator rebuilds from its history
+        verify(engine, [VerifyItem(SequenceInput("c", 5, [prompts[2][-1]]))])
+    # A reclaimed sequence's slot serves a new one; the survivors' caches are intact.
+    engine.prefill([SequenceInput("d", 0, prompts[2])])
+    ref = greedy_reference(target_model, prompts[0], 4)
+    verdict, = verify(engine, [VerifyItem(SequenceInput("a", 7, [ref[0]]), ref[1:3])])
+    assert (verdict.accepted, verdict.next_token) == (2, ref[3])
+    clock.now += 1000
+    assert sorted(engine.reclaim_idle(60.0)) == ["a", "b", "d"] and not engine.sequences
+    # A draft's Propose renews its sequences too.
+    draft = Engine(draft_model, clock=clock)
+    propose(draft, [ProposeItem(SequenceInput("p", 0, prompts[0]), 3)])
+    clock.now += 30
+    propose(draft, [ProposeItem(SequenceInput("p", 7, [5]), 2)])
+    clock.now += 30
+    assert draft.reclaim_idle(45.0) == [] and draft.reclaim_idle(29.0) == ["p"]
+
+
 # ---- the KV pool: views, gathers and compaction --------------------------------------------------
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from concurrent import futures
 
 import grpc
@@ -42,21 +43,23 @@ class Processes:
         self.children: dict[str, subprocess.Popen] = {}
 
     def spawn(self, name: str, module: str, *flags: str) -> None:
-        command = [sys.executable, "-m", module, *flags, "--metrics-port", "0", "--log-level", "WARNING"]
+        # Defaults first: a flag given again in ``flags`` wins (argparse keeps the last).
+        command = [sys.executable, "-m", module, "--metrics-port", "0", "--log-level", "WARNING", *flags]
         # One thread each: five processes on a small machine, whose OpenMP teams would otherwise
         # spin against each other between calls.
         self.children[name] = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
-    def model(self, name: str, kind: str, port: int) -> str:
+    def model(self, name: str, kind: str, port: int, *flags: str) -> str:
         layers = ["--num-layers", "2"] if kind == "draft" else []
-        self.spawn(name, f"{kind}_service", "--model", self.folder, "--dtype", "float32", "--port", str(port), *layers)
+        self.spawn(name, f"{kind}_service", "--model", self.folder, "--dtype", "float32", "--port", str(port), *layers,
+                   *flags)
         return f"127.0.0.1:{port}"
 
-    def coordinator(self, targets: list[str], drafts: list[str]) -> str:
+    def coordinator(self, targets: list[str], drafts: list[str], *flags: str) -> str:
         port = free_port()
         self.spawn("coordinator", "coordinator", "--target", ",".join(targets), "--draft", ",".join(drafts),
                    "--tokenizer", self.folder, "--port", str(port), "--max-batch-size", "16",
-                   "--draft-timeout", "5")
+                   "--draft-timeout", "5", *flags)
         address = f"127.0.0.1:{port}"
         self.wait(address)
         return address
@@ -92,8 +95,8 @@ def processes(model_folder):
     procs.stop()
 
 
-def start_requests(address: str, prompts: list[list[int]]):
-    """Eight streams at once; returns (futures of Results, an event per stream set at its first token)."""
+def start_requests(address: str, prompts: list[list[int]], new_tokens: int = NEW_TOKENS):
+    """Eight streams at once; returns futures of their Results once every stream has its first token."""
     stub = connect(address)
     pool = futures.ThreadPoolExecutor(len(prompts))
     started = []
@@ -101,7 +104,7 @@ def start_requests(address: str, prompts: list[list[int]]):
     def run(prompt):
         seen = futures.Future()
         started.append(seen)
-        return generate(stub, make_request(prompt, NEW_TOKENS, k=3, ignore_eos=True),
+        return generate(stub, make_request(prompt, new_tokens, k=3, ignore_eos=True),
                         on_response=lambda r: seen.done() or seen.set_result(True), timeout=300)
 
     jobs = [pool.submit(run, p) for p in prompts]
@@ -112,10 +115,10 @@ def start_requests(address: str, prompts: list[list[int]]):
     return jobs
 
 
-def assert_exact(jobs, prompts, target_model) -> list:
+def assert_exact(jobs, prompts, target_model, new_tokens: int = NEW_TOKENS) -> list:
     results = [job.result(timeout=300) for job in jobs]
     for prompt, result in zip(prompts, results):
-        assert result.token_ids == greedy_reference(target_model, prompt, NEW_TOKENS)
+        assert result.token_ids == greedy_reference(target_model, prompt, new_tokens)
     return results
 
 
@@ -193,3 +196,65 @@ def test_two_targets_two_drafts_affinity_and_failover(processes, target_model):
     assert cache_stats(targets[0]).sequences_created - before == len(prompts)
     status = {r.address: r for r in info(coordinator).replicas}
     assert not status[targets[1]].healthy and status[targets[0]].healthy
+
+
+# ---- sequences left behind by a coordinator that stops or dies ------------------------------------
+
+BUDGET = "8"  # --max-sequences of each service: one full batch of the coordinator
+
+
+def serves_the_full_budget(processes, target: str, draft: str, target_model) -> None:
+    """A new coordinator against the same services: a full batch of requests all run, exact."""
+    coordinator = processes.coordinator([target], [draft], "--max-batch-size", BUDGET)
+    prompts = prompts_of_lengths([5, 9, 13, 7, 11, 6, 8, 10], seed=39)
+    assert_exact(start_requests(coordinator, prompts, 30), prompts, target_model, 30)
+
+
+def test_sigterm_with_a_short_drain_releases_everything(processes, target_model):
+    # The default lease (minutes): releasing them is the coordinator's doing.
+    target, draft = (processes.model(kind, kind, free_port(), "--max-sequences", BUDGET) for kind in ("target", "draft"))
+    for address in (target, draft):
+        processes.wait(address)
+    coordinator = processes.coordinator([target], [draft], "--max-batch-size", BUDGET, "--drain-seconds", "0.2")
+    prompts = prompts_of_lengths([5, 9, 13, 7, 11, 6, 8, 10], seed=37)
+    jobs = start_requests(coordinator, prompts, new_tokens=240)  # far more than 0.2 s of work
+    assert [cache_stats(a, kind).sequences for a, kind in ((target, "target"), (draft, "draft"))] == [8, 8]
+    processes.kill("coordinator", signal.SIGTERM)
+    codes = set()
+    for job in jobs:
+        with pytest.raises(grpc.RpcError) as raised:
+            job.result(timeout=60)
+        codes.add(raised.value.code())
+    assert codes == {grpc.StatusCode.UNAVAILABLE}  # cut by the drain: retry elsewhere
+    assert processes.children["coordinator (dead)"].returncode == 0
+    assert cache_stats(target).sequences == 0 and cache_stats(draft, "draft").sequences == 0
+    serves_the_full_budget(processes, target, draft, target_model)
+
+
+def reclaimed(metrics_port: int) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return next(float(line.split()[-1]) for line in text.splitlines()
+                if line.startswith("specbatch_sequences_reclaimed_total "))
+
+
+def test_kill_9_of_the_coordinator_costs_memory_for_a_lease_only(processes, target_model):
+    ports = {kind: free_port() for kind in ("target", "draft")}
+    target = processes.model("target", "target", free_port(), "--max-sequences", BUDGET,
+                             "--sequence-lease-seconds", "3", "--metrics-port", str(ports["target"]))
+    draft = processes.model("draft", "draft", free_port(), "--max-sequences", BUDGET,
+                            "--sequence-lease-seconds", "3", "--metrics-port", str(ports["draft"]))
+    for address in (target, draft):
+        processes.wait(address)
+    coordinator = processes.coordinator([target], [draft], "--max-batch-size", BUDGET)
+    prompts = prompts_of_lengths([5, 9, 13, 7, 11, 6, 8, 10], seed=38)
+    jobs = start_requests(coordinator, prompts, new_tokens=240)
+    assert [cache_stats(target).sequences, cache_stats(draft, "draft").sequences] == [8, 8]
+    processes.kill("coordinator")  # kill -9: nothing is released
+    for job in jobs:
+        with pytest.raises(grpc.RpcError):
+            job.result(timeout=60)
+    # Reclaimed once untouched for the lease (3 s; swept every 0.75 s): all 8 on each, none
+    # released (nobody was left to release them).
+    wait_for(lambda: cache_stats(target).sequences == 0 and cache_stats(draft, "draft").sequences == 0, 30)
+    assert [reclaimed(ports["target"]), reclaimed(ports["draft"])] == [8, 8]
+    serves_the_full_budget(processes, target, draft, target_model)

@@ -7,12 +7,14 @@ import signal
 
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specbatch.commands import cli
 from specbatch.client import connect, generate, make_request
+from specbatch.reflection import register_v1_descriptor
 from specbatch.v1 import generation_pb2 as gpb
-from specbatch.commands.launcher import LocalProcesses, StackOptions, free_port
+from specbatch.commands.launcher import LocalProcesses, StackOptions, free_port, threads_per_service
 from tiny import greedy_reference
 
 
@@ -41,7 +43,32 @@ def test_reflection_lists_services(processes):
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         reply = next(stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in reply.list_services_response.service}
-    assert {"specbatch.v1.Generation", "grpc.health.v1.Health"} <= names
+    assert {"specbatch.v1.Generation", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection"} <= names
+
+
+def test_reflection_v1(processes):
+    """A client of reflection v1 (its own message types, the v1 method path) lists the services
+    and gets descriptors, the v1 reflection service's own included."""
+    pool = descriptor_pool.DescriptorPool()  # the client's own, as generated v1 code would have
+    register_v1_descriptor(pool)
+    request_type = message_factory.GetMessageClass(pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionRequest"))
+    response_type = message_factory.GetMessageClass(pool.FindMessageTypeByName("grpc.reflection.v1.ServerReflectionResponse"))
+    assert request_type is not reflection_pb2.ServerReflectionRequest
+    with grpc.insecure_channel(processes.address) as channel:
+        info = channel.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                                     request_serializer=request_type.SerializeToString,
+                                     response_deserializer=response_type.FromString)
+        replies = list(info(iter([request_type(list_services=""),
+                                  request_type(file_containing_symbol="specbatch.v1.Generation"),
+                                  request_type(file_containing_symbol="grpc.reflection.v1.ServerReflection")]),
+                            timeout=10))
+    names = {s.name for s in replies[0].list_services_response.service}
+    assert {"specbatch.v1.Generation", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection"} <= names
+    files = [[descriptor_pb2.FileDescriptorProto.FromString(b) for b in reply.file_descriptor_response.file_descriptor_proto]
+             for reply in replies[1:]]
+    assert any(f.package == "specbatch.v1" and any(s.name == "Generation" for s in f.service) for f in files[0])
+    assert [(f.name, f.package) for f in files[1]] == [("grpc/reflection/v1/reflection.proto", "grpc.reflection.v1")]
 
 
 def test_generate_command_json(processes, capsys):
@@ -75,3 +102,40 @@ def test_stop_is_clean(tmp_path_factory, target_model, tokenizer):
     assert coordinator.wait(30) == 0
     stack.stop()
     assert [p.returncode for p in children] == [0, 0]  # SIGTERM → graceful exit, not killed
+
+
+def test_threads_per_service_is_half_the_cores():
+    assert [threads_per_service(cores) for cores in (1, 2, 3, 4, 8, 16)] == [1, 1, 1, 2, 4, 8]
+
+
+@pytest.mark.parametrize("chosen, cores, service_threads", [(None, 8, "4"), (None, 2, "1"), (3, 8, "3"), (0, 8, None)])
+def test_launcher_pins_each_services_threads(monkeypatch, chosen, cores, service_threads):
+    """`specbatch up` gives each model service its threads (flag and OMP_NUM_THREADS), the
+    coordinator one; 0 leaves torch's default and the environment alone."""
+    import specbatch.commands.launcher as launcher
+
+    spawned = {}
+    monkeypatch.setattr(launcher, "available_cores", lambda: cores)
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda command, env: spawned.setdefault(command[2], (command, env)))
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    stack = LocalProcesses(StackOptions(threads_per_service=chosen))
+    for name, module in (("target", "target_service"), ("draft", "draft_service"), ("coordinator", "coordinator")):
+        stack._spawn(name, module, [])
+    for module in ("target_service", "draft_service"):
+        command, env = spawned[module]
+        if service_threads is None:
+            assert "--threads" not in command and env["OMP_NUM_THREADS"] == "7"
+        else:
+            assert command[command.index("--threads") + 1] == service_threads == env["OMP_NUM_THREADS"]
+    command, env = spawned["coordinator"]
+    assert "--threads" not in command and env["OMP_NUM_THREADS"] == "1"
+
+
+def test_services_take_a_thread_count():
+    from specbatch.model_service import model_service_parser
+
+    assert model_service_parser("target", 50052, "x").parse_args(["--threads", "3"]).threads == 3
+    with pytest.raises(SystemExit):  # refused before any model loads
+        from target_service.__main__ import main
+
+        main(["--threads", "0", "--metrics-port", "0"])

@@ -155,7 +155,7 @@ def test_draft_down_runs_target_only_and_resumes(target_model, draft_model, toke
         server, engine = restart_on(port, stack.draft_engine.model, DraftServicer, "draft")
         stack.drafts[0], stack.draft_engines[0] = server, engine
         assert_exact(running.result(), prompts, target_model, 150)
-        # The probes find the new draft (backoff at most 5 s) and speculation resumes on it.
+        # The probes find the new draft (within about 6 s: docs/operations.md) and speculation resumes on it.
         wait_for(lambda: all(r.healthy for r in info(stack).replicas), what="the draft back")
         result = generate(stack.client(), make_request(prompts[0], 30, k=3, ignore_eos=True), timeout=30)
         assert result.token_ids == greedy_reference(target_model, prompts[0], 30)
@@ -237,23 +237,46 @@ def test_drain_finishes_in_flight_and_refuses_new(target_model, draft_model, tok
         stack.stop()
 
 
+def hold_after(engine, calls: int) -> threading.Event:
+    """Let ``calls`` calls through this engine, then hold every later one until the returned
+    event is set: the scheduler stays inside that step, so what is running stays running."""
+    passed, release = [0], threading.Event()
+    original = engine.start
+
+    def gated_start(*args, **kwargs):
+        passed[0] += 1
+        if passed[0] > calls:
+            release.wait(60)
+        return original(*args, **kwargs)
+
+    engine.start = gated_start
+    return release
+
+
 def test_queue_full_gives_resource_exhausted_with_retry_hint(target_model, draft_model, tokenizer):
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=1, max_queue=1)
+    release = hold_after(stack.target_engine, 1)
     try:
-        slow_down(stack.target_engine, 0.02)
+        # The first request's prefill passes; its first Verify is held. So it is running before
+        # the second is sent (sent together, the second could find the first still queued and
+        # be refused itself), and it cannot finish before the third is refused.
         prompt = prompts_of_lengths([6])[0]
-        running = run_in_background(stack, [prompt, prompt], 150)  # one runs, one waits
-        wait_for(lambda: info(stack).running == 1 and info(stack).waiting == 1, what="a full queue")
+        first = run_in_background(stack, [prompt], 150)
+        wait_for(lambda: info(stack).running == 1, what="the first running")
+        second = run_in_background(stack, [prompt], 150)
+        wait_for(lambda: info(stack).waiting == 1, what="the second queued")
+        assert info(stack).running == 1
         call = stack.client().Generate(make_request(prompt, 5))
         with pytest.raises(grpc.RpcError) as raised:
             list(call)
         assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         hint = dict(raised.value.trailing_metadata())["retry-after-ms"]
         assert 250 <= int(hint) <= 30_000
-        assert_exact(running.result(), [prompt, prompt], target_model, 150)
+        release.set()
+        assert_exact(first.result() + second.result(), [prompt, prompt], target_model, 150)
     finally:
+        release.set()
         stack.stop()
-
 
 
 def test_dns_discovery_adds_and_removes_replicas(monkeypatch, target_model, draft_model, tokenizer):
@@ -316,3 +339,26 @@ def test_two_coordinators_share_one_draft_and_target(target_model, draft_model, 
     finally:
         other.stop(grace=0)
         stack.stop()
+
+
+def test_probe_gaps_and_reconnect_backoff_are_capped(monkeypatch):
+    """The two waits that bound how long a replica that serves again stays marked down: the gap
+    between probes (≤ 5 s at any attempt) and the channel's own reconnect backoff (≤ 1 s; gRPC's
+    default grows to 120 s, during which every probe fails at once)."""
+    from tenacity import RetryCallState
+
+    import coordinator.backends as backends
+    from coordinator.replicas import ReplicaSet
+
+    replicas = ReplicaSet("target", "127.0.0.1:1", lambda address: None)
+    gaps = []
+    for attempt in range(1, 60):
+        state = RetryCallState(None, None, (), {})
+        state.attempt_number = attempt
+        gaps.append(replicas.backoff(state))
+    assert gaps[0] == pytest.approx(0.1) and max(gaps) == 5.0 and gaps == sorted(gaps)
+    opened = {}
+    monkeypatch.setattr(backends, "open_channel",
+                        lambda address, credentials, options, server_name: opened.update(options) or grpc.insecure_channel(address))
+    backends.TargetClient("127.0.0.1:1", 1.0).close()
+    assert opened["grpc.max_reconnect_backoff_ms"] <= 1000 and opened["grpc.initial_reconnect_backoff_ms"] <= 1000

@@ -15,6 +15,23 @@ from ..metrics import DEFAULT_METRICS_PORTS
 from ..serving import DEFAULT_PORTS, wait_until_serving
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity: a container's cpuset, taskset), which
+    os.cpu_count() and torch's default thread count ignore."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def threads_per_service(cores: int) -> int:
+    """Intra-op threads for each model service started on ``cores`` cores: half of them, at
+    least one. Within a step the draft computes, then the target, so the two never need the
+    cores at once; with half each, neither service's OpenMP team outnumbers the cores even when
+    another job holds some of them. A team larger than the cores it really gets waits at every
+    barrier for its descheduled threads: one 40-token request took 109.5 s with torch's default
+    threads and a CPU-bound job beside, 5.6 s with one thread per service (2 cores; issue 12).
+    docs/operations.md#threads."""
+    return max(1, cores // 2)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now on ``host`` (for a process to bind in a moment)."""
     with socket.socket() as s:
@@ -44,6 +61,9 @@ class StackOptions:
     # Prometheus /metrics port of each service; None: no endpoint (tests run many stacks at once).
     metrics_ports: dict | None = None
     coordinator_flags: list = field(default_factory=list)  # more flags for the coordinator (--max-queue 64 …)
+    # Intra-op threads of each model service: None = threads_per_service(available cores);
+    # 0 = torch's own default (the environment's OMP_NUM_THREADS, else one per core).
+    threads_per_service: int | None = None
 
 
 # The embedded models' profile, measured on this project's reference machine (2 cores of an AMD
@@ -89,6 +109,9 @@ def add_stack_flags(parser) -> None:
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--metrics", action="store_true",
                         help="serve Prometheus /metrics on loopback: coordinator 9090, target 9091, draft 9092")
+    parser.add_argument("--threads-per-service", type=int, metavar="N",
+                        help="intra-op threads of the target and of the draft service (default: half the cores "
+                             "this process may use, at least 1; 0: torch's own default)")
 
 
 def stack_options(args) -> StackOptions:
@@ -100,6 +123,7 @@ def stack_options(args) -> StackOptions:
         max_batch_size=args.max_batch_size,
         host=args.host, ports={"coordinator": args.port, "target": args.target_port, "draft": args.draft_port},
         log_level=args.log_level, metrics_ports=dict(DEFAULT_METRICS_PORTS) if args.metrics else None,
+        threads_per_service=args.threads_per_service,
     )
 
 
@@ -125,12 +149,24 @@ class LocalProcesses:
     def address(self) -> str:
         return f"{self.options.host}:{self.options.ports['coordinator']}"
 
+    @property
+    def threads(self) -> int:
+        """Intra-op threads of each model service; 0: torch's default."""
+        chosen = self.options.threads_per_service
+        return threads_per_service(available_cores()) if chosen is None else chosen
+
     def _spawn(self, name: str, module: str, flags: list[str]) -> None:
         service = module.removesuffix("_service")
         metrics_port = (self.options.metrics_ports or {}).get(service, 0) if name == service else 0
         command = [sys.executable, "-m", module, *flags, "--log-level", self.options.log_level,
                    "--metrics-port", str(metrics_port)]
-        self.processes.append((name, subprocess.Popen(command, env=os.environ.copy())))
+        env = os.environ.copy()
+        if module == "coordinator":
+            env["OMP_NUM_THREADS"] = "1"  # it tokenizes and schedules: no tensor math worth a team
+        elif self.threads:
+            command += ["--threads", str(self.threads)]
+            env["OMP_NUM_THREADS"] = str(self.threads)  # also sizes the OpenMP pool before torch starts
+        self.processes.append((name, subprocess.Popen(command, env=env)))
 
     def start(self, timeout: float = 600.0) -> "LocalProcesses":
         o = self.options
