@@ -65,6 +65,8 @@ def main() -> int:
     parser.add_argument("--k-policy", default=None, help="the coordinator's policy (default: the launcher's default)")
     parser.add_argument("--profile", default=None)
     parser.add_argument("--threads", type=int, default=2, help="threads of the transformers baseline")
+    parser.add_argument("--threads-per-service", type=int, default=None, help="as specbatch up's flag (default: its rule)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip transformers generate()")
     parser.add_argument("--out", default="bench-out/batch1.json")
     args = parser.parse_args()
 
@@ -72,9 +74,10 @@ def main() -> int:
     prompts = [ids for text in sharegpt_prompts(4 * args.prompts, args.prompt_start)
                if len(ids := chat_token_ids(tokenizer, [{"role": "user", "content": text}])) <= args.max_prompt_tokens]
     prompts = prompts[: args.prompts]
-    baseline = transformers_generate(prompts, args.tokens, args.threads)
-    print(f"transformers generate(), fp32: {baseline:.1f} tok/s", flush=True)
-    options = StackOptions(max_batch_size=8)
+    baseline = None if args.no_baseline else transformers_generate(prompts, args.tokens, args.threads)
+    if baseline:
+        print(f"transformers generate(), fp32: {baseline:.1f} tok/s", flush=True)
+    options = StackOptions(max_batch_size=8, threads_per_service=args.threads_per_service)
     if args.k_policy:
         options.k_policy, options.profile = args.k_policy, args.profile
     with LocalProcesses(options) as stack:
@@ -83,7 +86,7 @@ def main() -> int:
         speculative = served(stack.address, prompts, args.tokens, k=None)
         print(f"services, k policy {stack.options.k_policy}: {speculative['tokens_per_second']:.1f} tok/s", flush=True)
     rows = {
-        "transformers generate(), fp32": baseline,
+        **({"transformers generate(), fp32": baseline} if baseline else {}),
         "services, target-only (k=0)": target_only["tokens_per_second"],
         f"services, {stack.options.k_policy}": speculative["tokens_per_second"],
     }
