@@ -55,7 +55,7 @@ class FakeTarget(FakeClient):
                                             cached_len=call.keep_len + len(call.tokens) + accepted))
         return SimpleNamespace(verdicts=verdicts, compute_seconds=0.001)
 
-    def release(self, seq_ids):
+    def release(self, seq_ids, timeout=None):
         self.released.extend(seq_ids)
 
 
@@ -83,7 +83,7 @@ class FakeDraft(FakeClient):
                                              cached_len=call.keep_len + len(call.tokens) + k - 1))
         return SimpleNamespace(proposals=proposals, compute_seconds=0.0005)
 
-    def release(self, seq_ids):
+    def release(self, seq_ids, timeout=None):
         self.released.extend(seq_ids)
 
 
