@@ -92,7 +92,8 @@ def reads_target_features(model) -> bool:
 def draft_from_target(target, num_layers: int = 1, token_subset: torch.Tensor | None = None) -> EagleDraftForCausalLM:
     """A fresh draft for ``target`` (a Llama-like causal LM): its embeddings and the subset rows of
     its output head copied (and meant to stay frozen), its last ``num_layers`` layers as the start
-    of the draft's, and a fusion layer that starts out passing the feature through."""
+    of the draft's, and a fusion layer that starts out passing the feature through. The draft is
+    made on the target's device, in its dtype."""
     tc = target.config
     subset = token_subset if token_subset is not None else torch.arange(tc.vocab_size)
     config = EagleDraftConfig(
@@ -110,7 +111,8 @@ def draft_from_target(target, num_layers: int = 1, token_subset: torch.Tensor | 
     base = target.get_decoder()
     with torch.no_grad():
         draft.model.embed_tokens.weight.copy_(target.get_input_embeddings().weight)
-        draft.lm_head.weight.copy_(target.get_output_embeddings().weight[subset])
+        head = target.get_output_embeddings().weight
+        draft.lm_head.weight.copy_(head[subset.to(head.device)])
         draft.draft_to_target.copy_(subset)
         draft.model.norm.load_state_dict(base.norm.state_dict())
         for mine, theirs in zip(draft.model.layers, list(base.layers)[-num_layers:]):
@@ -120,4 +122,5 @@ def draft_from_target(target, num_layers: int = 1, token_subset: torch.Tensor | 
         draft.model.fc.weight.zero_()
         draft.model.fc.weight[:, hidden:] = torch.eye(hidden)
         draft.model.fc.weight[:, :hidden].normal_(0.0, 0.02)
-    return draft.to(next(target.parameters()).dtype)
+    param = next(target.parameters())
+    return draft.to(device=param.device, dtype=param.dtype)  # trained and evaluated beside the target

@@ -4,6 +4,7 @@ coordinator, and ``specbatch distill`` trains one that the draft service serves.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import random
 
@@ -197,3 +198,105 @@ def test_draft_service_process_serves_the_distilled_folder(distilled, target_mod
         assert "draft" in stub.Info(gpb.InfoRequest()).draft_model
     assert result.token_ids == greedy_reference(target_model, prompt, 30)
     assert result.stats.draft_tokens_proposed > 0
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_distill_trains_and_evaluates_on_the_targets_device(target_model, tokenizer, tmp_path, monkeypatch, device):
+    """The draft is made where the target is; every training batch and the evaluation's drafting
+    reach it there (a pre-hook on the draft records the device of what it is fed)."""
+    import specbatch.distill as distill_module
+
+    fed: dict[bool, set] = {True: set(), False: set()}  # draft.training -> devices of its inputs
+    made = []
+
+    def recorded_draft(*args, **kwargs):
+        draft = draft_from_target(*args, **kwargs)
+
+        def record(module, args, kwargs):
+            inputs = [kwargs.get("input_ids"), kwargs.get("target_features")]
+            fed[module.training].update(t.device for t in inputs if t is not None)
+
+        draft.register_forward_pre_hook(record, with_kwargs=True)
+        draft.model.register_forward_pre_hook(record, with_kwargs=True)
+        made.append(draft)
+        return draft
+
+    monkeypatch.setattr(distill_module, "draft_from_target", recorded_draft)
+    cfg = dataclasses.replace(SMALL, prompts=4, corpus_tokens=80, steps=3, eval_prompts=1, eval_new_tokens=6)
+    distill(copy.deepcopy(target_model).to(device), tokenizer, tmp_path, cfg)
+    expected = {torch.device(device).type}
+    assert {d.type for d in fed[True]} == expected  # training batches
+    assert {d.type for d in fed[False]} == expected  # evaluation
+    assert made[0].device.type == torch.device(device).type
+
+
+def test_bf16_autocast_is_a_flag(target_model, tokenizer, tmp_path, monkeypatch):
+    """``--amp bf16`` runs the draft's training forward under bf16 autocast (off by default on a CPU)."""
+    import specbatch.distill as distill_module
+
+    seen = []
+
+    def recorded_draft(*args, **kwargs):
+        draft = draft_from_target(*args, **kwargs)
+        draft.model.register_forward_pre_hook(
+            lambda module, args: seen.append((module.training, torch.is_autocast_enabled("cpu"))))
+        return draft
+
+    monkeypatch.setattr(distill_module, "draft_from_target", recorded_draft)
+    assert distill_module.amp_dtype("cpu", "auto") is None and distill_module.amp_dtype("cuda", "auto") == torch.bfloat16
+    cfg = dataclasses.replace(SMALL, prompts=4, corpus_tokens=80, steps=2, eval_prompts=1, eval_new_tokens=4, amp="bf16")
+    distill(copy.deepcopy(target_model), tokenizer, tmp_path, cfg)
+    assert {autocast for training, autocast in seen if training} == {True}
+    assert {autocast for training, autocast in seen if not training} == {False}  # drafting is not autocast
+
+
+def _random_sequences(rng: random.Random, count: int, fed_all: bool) -> list[dict]:
+    sequences = []
+    for _ in range(count):
+        n = rng.randrange(2, 12)
+        sequences.append({"tokens": torch.tensor([rng.randrange(VOCAB) for _ in range(n)], dtype=torch.int32),
+                          "features": torch.randn(n if fed_all else n - 1, 8).half()})
+    return sequences
+
+
+def test_feature_shards_read_back_what_was_written_one_shard_at_a_time(tmp_path):
+    """The data phase's shards hold the same sequences it made (answers: a feature per fed token,
+    one fewer than their tokens; corpus: one per token), read lazily: a sequence opens only its
+    own shard, and at most ``max_open`` stay open."""
+    from specbatch.distill import FeatureShards, _sharded
+
+    rng = random.Random(5)
+    made = {0: _random_sequences(rng, 3, False), 1: _random_sequences(rng, 4, True), 2: _random_sequences(rng, 2, False)}
+    # Shard 1 is left as a run started before this format would have left it: resuming converts it.
+    torch.save(made[1], tmp_path / "s-0001.pt")
+    paths = _sharded(tmp_path, "s", [None] * 3, "shards", lambda index, _: made[index])
+    expected = made[0] + made[1] + made[2]
+
+    data = FeatureShards(paths, max_open=2)
+    assert len(data) == len(expected) and not data.opened
+    fourth = data[4]  # in shard 1
+    assert list(data.opened) == [1]
+    assert torch.equal(fourth["tokens"], expected[4]["tokens"]) and torch.equal(fourth["features"], expected[4]["features"])
+    for got, want in zip(data, expected):
+        assert torch.equal(got["tokens"], want["tokens"]) and torch.equal(got["features"], want["features"])
+    assert len(data.opened) == 2
+    assert [t.tolist() for t in data.token_sequences()] == [s["tokens"].tolist() for s in expected]
+    # A re-run keeps the shards it finds: nothing is made again.
+    assert _sharded(tmp_path, "s", [None] * 3, "shards", lambda *_: pytest.fail("remade a shard")) == paths
+
+
+def test_training_batch_reads_each_feature_one_position_later(tmp_path):
+    from specbatch.distill import _batch
+
+    sequences = _random_sequences(random.Random(1), 3, False)
+    ids, inputs, labels, mask = _batch(sequences, 8)
+    for row, seq in enumerate(sequences):
+        n = len(seq["features"])
+        assert torch.equal(ids[row, :n], seq["tokens"][:n].long())
+        assert torch.equal(labels[row, :n], seq["features"].float())
+        assert torch.equal(inputs[row, 1:n], seq["features"][: n - 1].float())
+        assert not inputs[row, 0].any() and not inputs[row, n:].any()
+        assert mask[row].tolist() == [False] + [True] * (n - 1) + [False] * (ids.shape[1] - n)
