@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .eagle import EagleDraftForCausalLM, draft_from_target
+from .eagle import EagleDraftForCausalLM, draft_from_target, fuse_target_features, parse_feature_layers
 from .engine import Engine, SequenceInput
 from .prompts import chat_token_ids, sharegpt_exchanges, sharegpt_prompts
 
@@ -74,6 +74,10 @@ class DistillConfig:
     # the loss stay float32. On CUDA it is the usual, safe choice (EAGLE's own recipe trains in
     # bf16); on a CPU it is not faster for a draft this small, so it stays off there.
     amp: str = "auto"  # auto | bf16 | none
+    # EAGLE-3's fusion: the target also returns these decoder layers' outputs (0-based, comma
+    # separated, e.g. "2,15" for SmolLM2's 30 layers) beside its final hidden state; "" = EAGLE-1.
+    # The target service must then run with the same --feature-layers.
+    feature_layers: str = ""
 
 
 def amp_dtype(device: torch.device | str, amp: str) -> torch.dtype | None:
@@ -336,6 +340,7 @@ def distill_loss(draft: EagleDraftForCausalLM, ids, inputs, labels, mask, cfg: D
     from transformers.cache_utils import DynamicCache
 
     head = draft.lm_head
+    labels = labels[..., -draft.config.hidden_size :]  # the final hidden state (of fused features: the last slice)
     with torch.no_grad():  # the teacher in full precision, outside any autocast
         teacher = F.softmax(head(labels).float(), dim=-1)
     batch, width = ids.shape
@@ -519,6 +524,7 @@ def distill(target, tokenizer, out: Path, cfg: DistillConfig) -> Evaluation:
         log.warning("settings differ from those %s was started with; resuming with the new ones", out)
     settings.write_text(json.dumps(asdict(cfg), indent=2))
     torch.manual_seed(cfg.seed)
+    fuse_target_features(target, parse_feature_layers(cfg.feature_layers))
     eos = eos_ids(tokenizer, target)
     answer_shards = collect_data(target, tokenizer, out, cfg, eos)
     answers = FeatureShards(answer_shards)

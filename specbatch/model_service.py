@@ -142,6 +142,10 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
                         help=f"HF hub id, local folder, '{EMBEDDED}' or '{EMBEDDED_DRAFT}' (default {default_model})")
     parser.add_argument("--gguf-file", help="GGUF file name inside --model")
     parser.add_argument("--num-layers", type=int, help="keep only the first N decoder layers (a self-speculative draft)")
+    if kind == "target":
+        parser.add_argument("--feature-layers", default="",
+                            help="also return these decoder layers' outputs (0-based, e.g. 2,15) with the final "
+                                 "hidden state: the fused features of a draft distilled with the same --feature-layers")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on GPU)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -176,6 +180,10 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
         spec = ModelSpec(args.model, args.gguf_file, args.num_layers, args.trust_remote_code)
         started = time.perf_counter()
         model = load_model(spec, args.device, args.dtype)
+        if getattr(args, "feature_layers", ""):
+            from .eagle import fuse_target_features, parse_feature_layers
+
+            fuse_target_features(model, parse_feature_layers(args.feature_layers))
         engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,
                         max_cache_bytes=int(args.kv_cache_gb * 2**30))
         log.info("%s service: loaded %s in %.1fs on %s/%s", kind, spec.describe(), time.perf_counter() - started,
