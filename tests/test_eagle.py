@@ -382,3 +382,31 @@ def test_mt_bench_prompts_cover_every_category():
     prompts = mt_bench_prompts(per_category=3)
     assert len(prompts) == 24 and len(set(prompts)) == 24
     assert prompts[0].startswith("Compose an engaging travel blog post")
+
+
+def test_draft_eval_script_compares_drafts_in_one_run(distilled, eagle_draft, target_model, tokenizer, tmp_path):
+    """benchmarks/draft_eval.py on the tiny target: a model folder, a trained-only folder and a
+    draft on fused features, side by side; one row per draft and prompt source, in JSON too."""
+    import importlib.util
+    from pathlib import Path
+
+    from specbatch.distill import export_trained_only
+
+    target_model.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    export_trained_only(eagle_draft, tmp_path / "trained-only")
+    fused_cfg = dataclasses.replace(SMALL, feature_layers="1", steps=3, eval_prompts=1, eval_new_tokens=4)
+    distill(copy.deepcopy(target_model), tokenizer, tmp_path / "fused", fused_cfg)
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "draft_eval.py"
+    spec = importlib.util.spec_from_file_location("draft_eval", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    drafts = {"folder": distilled[0] / "draft", "trained-only": tmp_path / "trained-only", "fused": tmp_path / "fused" / "draft"}
+    argv = ["--target", str(tmp_path / "target"), "--sources", "sharegpt", "--prompts", "2", "--k", "3",
+            "--new-tokens", "8", "--device", "cpu", "--json", str(tmp_path / "eval.json")]
+    assert script.main(argv + [arg for label, folder in drafts.items() for arg in ("--draft", f"{label}={folder}")]) == 0
+    results = json.loads((tmp_path / "eval.json").read_text())["results"]
+    assert [r["draft"] for r in results] == list(drafts)
+    by_label = {r["draft"]: r["evaluation"] for r in results}
+    assert all(len(e["acceptance_by_position"]) == 3 and e["prompts"] == 2 for e in by_label.values())
+    assert by_label["folder"]["acceptance_by_position"] == by_label["trained-only"]["acceptance_by_position"]
