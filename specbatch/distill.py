@@ -1,16 +1,18 @@
 """``specbatch distill``: train an EAGLE-style draft (``specbatch.eagle``) for a target model.
 
-Four resumable phases, each leaving its result in the output folder:
+Four resumable phases, each leaving its result in the output folder, all on one device (the
+target's; ``--device``):
 
 1. **data**: the target answers real prompts (ShareGPT first turns) greedily, through the same
-   engine and verifier the target service runs, and every token's final hidden state is kept.
-   The draft learns the target's own outputs: the text it will draft for.
-2. **vocab**: the draft's output head covers the most frequent tokens of those answers, so that
+   engine and verifier the target service runs, and reads ShareGPT conversations; every token's
+   feature (final hidden state, or EAGLE-3's fused layers with ``--feature-layers``) is kept, in
+   safetensors shards that training reads lazily (``FeatureShards``).
+2. **vocab**: the draft's output head covers the most frequent tokens of that data, so that
    a drafted token costs a fraction of the target's full-vocabulary head.
 3. **train**: the draft reads (token ``x_i``, target feature ``f_{i-1}``) and learns to predict
    ``f_i``: the loss is the cross-entropy against the target's next-token distribution
-   (``softmax(head(f_i))`` on the subset) plus a feature regression. A second, unrolled pass
-   feeds the draft its own predicted features, as it will be fed when drafting token 2, 3, …
+   (``softmax(head(f_i))`` on the subset). Unrolled passes feed the draft its own predicted
+   features, as it will be fed when drafting token 2, 3, … (bf16 autocast on CUDA: ``--amp``).
 4. **evaluate**: greedy speculative decoding on held-out prompts with the service code, run
    in-process: acceptance per drafted position, and the draft's cost per token beside the
    target's one-token forward.
