@@ -174,8 +174,8 @@ def _sharded(folder: Path, prefix: str, batches: list, description: str, make) -
 
 
 def write_shard(path: Path, sequences: list[dict]) -> None:
-    """Sequences as one safetensors file: all tokens, all features, and where each sequence's
-    start (a sequence has a feature per token it fed, so one fewer than its tokens when the
+    """Sequences as one safetensors file: all tokens, all features, and where each sequence
+    starts (a sequence has a feature per token it fed, so one fewer than its tokens when the
     last, generated token was never fed). Written aside and renamed in: a shard is whole or absent."""
     from safetensors.torch import save_file
 
