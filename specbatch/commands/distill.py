@@ -1,16 +1,18 @@
 """``specbatch distill``: train an EAGLE-style draft (``specbatch.eagle``) for a target model.
 
-Four resumable phases, each leaving its result in the output folder:
+Four resumable phases, each leaving its result in the output folder, all on one device (the
+target's; ``--device``):
 
 1. **data**: the target answers real prompts (ShareGPT first turns) greedily, through the same
-   engine and verifier the target service runs, and every token's final hidden state is kept.
-   The draft learns the target's own outputs: the text it will draft for.
-2. **vocab**: the draft's output head covers the most frequent tokens of those answers, so that
+   engine and verifier the target service runs, and reads ShareGPT conversations; every token's
+   feature (final hidden state, or EAGLE-3's fused layers with ``--feature-layers``) is kept, in
+   safetensors shards that training reads lazily (``FeatureShards``).
+2. **vocab**: the draft's output head covers the most frequent tokens of that data, so that
    a drafted token costs a fraction of the target's full-vocabulary head.
 3. **train**: the draft reads (token ``x_i``, target feature ``f_{i-1}``) and learns to predict
    ``f_i``: the loss is the cross-entropy against the target's next-token distribution
-   (``softmax(head(f_i))`` on the subset) plus a feature regression. A second, unrolled pass
-   feeds the draft its own predicted features, as it will be fed when drafting token 2, 3, …
+   (``softmax(head(f_i))`` on the subset). Unrolled passes feed the draft its own predicted
+   features, as it will be fed when drafting token 2, 3, … (bf16 autocast on CUDA: ``--amp``).
 4. **evaluate**: greedy speculative decoding on held-out prompts with the service code, run
    in-process: acceptance per drafted position, and the draft's cost per token beside the
    target's one-token forward.
@@ -26,13 +28,15 @@ import logging
 import math
 import random
 import time
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from ..eagle import EagleDraftForCausalLM, draft_from_target
+from ..eagle import EagleDraftForCausalLM, draft_from_target, fuse_target_features, parse_feature_layers
 from ..engine import Engine, SequenceInput
 from ..prompts import chat_token_ids, sharegpt_exchanges, sharegpt_prompts
 
@@ -67,6 +71,29 @@ class DistillConfig:
     eval_k: int = 5
     eval_new_tokens: int = 96
     seed: int = 0
+    # Mixed precision of the draft's training forward: "auto" is bf16 on CUDA and none on a CPU.
+    # bf16 autocast keeps float32 master weights and optimizer state; the teacher distribution and
+    # the loss stay float32. On CUDA it is the usual, safe choice (EAGLE's own recipe trains in
+    # bf16). On a CPU with AVX512-BF16 it made a SmolLM2 draft's step 1.7x faster (docs/draft.md),
+    # but whether it costs agreement is unmeasured there, so a CPU keeps float32 unless asked.
+    amp: str = "auto"  # auto | bf16 | none
+    # EAGLE-3's fusion: the target also returns these decoder layers' outputs (0-based, comma
+    # separated, e.g. "2,15" for SmolLM2's 30 layers) beside its final hidden state; "" = EAGLE-1.
+    # The target service must then run with the same --feature-layers.
+    feature_layers: str = ""
+
+
+def amp_dtype(device: torch.device | str, amp: str) -> torch.dtype | None:
+    if amp not in ("auto", "bf16", "none"):
+        raise ValueError(f"--amp must be auto, bf16 or none (got {amp!r})")
+    if amp == "bf16" or (amp == "auto" and torch.device(device).type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+def autocast(device: torch.device | str, amp: str):
+    dtype = amp_dtype(device, amp)
+    return torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype is not None)
 
 
 def _progress(total: int, description: str):
@@ -117,10 +144,12 @@ def answer_with_features(engine: Engine, prompts: list[list[int]], max_new_token
             for s in seqs]
 
 
-def collect_data(target, tokenizer, out: Path, cfg: DistillConfig, eos: set[int]) -> list[dict]:
+def collect_data(target, tokenizer, out: Path, cfg: DistillConfig, eos: set[int]) -> list[Path]:
     folder = out / "data"
     folder.mkdir(parents=True, exist_ok=True)
-    texts = sharegpt_prompts(cfg.prompts, start=TRAIN_PROMPTS_FROM)
+    texts = sharegpt_prompts(cfg.prompts, start=TRAIN_PROMPTS_FROM, end=EVAL_PROMPTS_FROM)
+    if len(texts) < cfg.prompts:
+        log.warning("only %d ShareGPT prompts before the held-out conversations (%d asked)", len(texts), cfg.prompts)
     prompts = [chat_prompt_ids(tokenizer, t, cfg.max_prompt_tokens) for t in texts]
     waves = [prompts[i : i + cfg.data_batch] for i in range(0, len(prompts), cfg.data_batch)]
     engine = Engine(target, max_sequences=cfg.data_batch)
@@ -128,26 +157,96 @@ def collect_data(target, tokenizer, out: Path, cfg: DistillConfig, eos: set[int]
                     lambda w, wave: answer_with_features(engine, wave, cfg.max_new_tokens, eos, f"w{w}"))
 
 
-def _sharded(folder: Path, prefix: str, batches: list, description: str, make) -> list[dict]:
+def _sharded(folder: Path, prefix: str, batches: list, description: str, make) -> list[Path]:
     """``make(index, batch)`` for every batch, each result saved as a shard; a shard already
-    there is loaded instead, so an interrupted run resumes where it stopped."""
+    there is kept instead, so an interrupted run resumes where it stopped. Returns the shards'
+    paths: nothing is kept in memory (``FeatureShards`` reads them lazily)."""
     progress, task = _progress(len(batches), description)
-    data: list[dict] = []
+    paths: list[Path] = []
     with progress:
         for index, batch in enumerate(batches):
-            shard = folder / f"{prefix}-{index:04d}.pt"
-            if shard.exists():
-                sequences = torch.load(shard)
-            else:
-                sequences = make(index, batch)
-                torch.save(sequences, shard.with_suffix(".tmp"))
-                shard.with_suffix(".tmp").rename(shard)
-            data.extend(sequences)
+            shard = folder / f"{prefix}-{index:04d}.safetensors"
+            legacy = shard.with_suffix(".pt")  # a run started before shards were safetensors
+            if not shard.exists():
+                write_shard(shard, torch.load(legacy) if legacy.exists() else make(index, batch))
+            paths.append(shard)
             progress.advance(task)
-    return data
+    return paths
 
 
-def collect_corpus(target, tokenizer, out: Path, cfg: DistillConfig) -> list[dict]:
+def write_shard(path: Path, sequences: list[dict]) -> None:
+    """Sequences as one safetensors file: all tokens, all features, and where each sequence
+    starts (a sequence has a feature per token it fed, so one fewer than its tokens when the
+    last, generated token was never fed). Written aside and renamed in: a shard is whole or absent."""
+    from safetensors.torch import save_file
+
+    def offsets(lengths):
+        return torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+
+    tensors = {
+        "tokens": torch.cat([s["tokens"].to(torch.int32) for s in sequences]),
+        "features": torch.cat([s["features"].to(torch.float16) for s in sequences]),
+        "token_offsets": offsets([len(s["tokens"]) for s in sequences]),
+        "feature_offsets": offsets([len(s["features"]) for s in sequences]),
+    }
+    staging = path.with_suffix(".tmp")
+    save_file(tensors, staging)
+    staging.rename(path)
+
+
+class FeatureShards(Sequence):
+    """The data phase's sequences (``{"tokens", "features"}`` dicts), in shard order, read from
+    the shards on demand: a shard is memory-mapped the first time one of its sequences is asked
+    for, and only that sequence's rows are read. A 30 M-token run holds ~35 GB of float16
+    features; this keeps them on disk (the page cache does the rest) instead of in one list."""
+
+    def __init__(self, paths: list[Path], max_open: int = 64):
+        from safetensors import safe_open
+
+        self._open_file = lambda path: safe_open(str(path), framework="pt")
+        self.paths = list(paths)
+        self._rows: list[tuple[int, int]] = []  # sequence index -> (shard, row in shard)
+        self._offsets: list[tuple[list[int], list[int]]] = []  # per shard: token, feature offsets
+        for shard, path in enumerate(self.paths):
+            with self._open_file(path) as handle:
+                token_offsets = handle.get_tensor("token_offsets").tolist()
+                feature_offsets = handle.get_tensor("feature_offsets").tolist()
+            self._offsets.append((token_offsets, feature_offsets))
+            self._rows.extend((shard, row) for row in range(len(token_offsets) - 1))
+        self.max_open = max_open
+        self.opened: OrderedDict[int, object] = OrderedDict()  # shard -> open handle, least recent first
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def _handle(self, shard: int):
+        if shard in self.opened:
+            self.opened.move_to_end(shard)
+        else:
+            if len(self.opened) >= self.max_open:  # bounded: a long run must not hold every file open
+                self.opened.popitem(last=False)
+            self.opened[shard] = self._open_file(self.paths[shard])
+        return self.opened[shard]
+
+    def __getitem__(self, index: int) -> dict:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        shard, row = self._rows[index]
+        token_offsets, feature_offsets = self._offsets[shard]
+        handle = self._handle(shard)
+        return {"tokens": handle.get_slice("tokens")[token_offsets[row] : token_offsets[row + 1]],
+                "features": handle.get_slice("features")[feature_offsets[row] : feature_offsets[row + 1]]}
+
+    def token_sequences(self):
+        """Every sequence's tokens, one shard read at a time (no features): for the vocabulary."""
+        for path, (token_offsets, _) in zip(self.paths, self._offsets):
+            with self._open_file(path) as handle:
+                tokens = handle.get_tensor("tokens")
+            for start, end in zip(token_offsets, token_offsets[1:]):
+                yield tokens[start:end]
+
+
+def collect_corpus(target, tokenizer, out: Path, cfg: DistillConfig) -> list[Path]:
     """ShareGPT exchanges (a user turn and ChatGPT's answer) read by the target in one forward
     each: five times cheaper per token than the target's own answers on a CPU, and the draft
     learns the same function (token + target feature -> next target feature) from them."""
@@ -157,12 +256,12 @@ def collect_corpus(target, tokenizer, out: Path, cfg: DistillConfig) -> list[dic
         return []
     folder = out / "data"
     folder.mkdir(parents=True, exist_ok=True)
-    texts: list[list[int]] = []
+    texts: list[torch.Tensor] = []  # int32: a 30 M-token corpus in 120 MB, not a GB of Python ints
     total = 0
-    for user, answer in sharegpt_exchanges(cfg.corpus_tokens // 50 + 16, start=CORPUS_FROM):
+    for user, answer in sharegpt_exchanges(cfg.corpus_tokens // 50 + 16, start=CORPUS_FROM, end=EVAL_PROMPTS_FROM):
         messages = [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
         ids = chat_token_ids(tokenizer, messages, add_generation_prompt=False)[: cfg.corpus_max_tokens]
-        texts.append(ids)
+        texts.append(torch.tensor(ids, dtype=torch.int32))
         total += len(ids)
         if total >= cfg.corpus_tokens:
             break
@@ -170,12 +269,12 @@ def collect_corpus(target, tokenizer, out: Path, cfg: DistillConfig) -> list[dic
     batches = [texts[i : i + size] for i in range(0, len(texts), size)]
     engine = Engine(target, max_sequences=size)
 
-    def read(index: int, batch: list[list[int]]) -> list[dict]:
+    def read(index: int, batch: list[torch.Tensor]) -> list[dict]:
         ids = [f"c{index}-{i}" for i in range(len(batch))]
-        verdicts = verify(engine, [VerifyItem(SequenceInput(i, 0, t)) for i, t in zip(ids, batch)],
+        verdicts = verify(engine, [VerifyItem(SequenceInput(i, 0, t.tolist())) for i, t in zip(ids, batch)],
                           create=True, return_features=True)
         engine.release(ids)
-        return [{"tokens": torch.tensor(t, dtype=torch.int32), "features": v.features.clone()}
+        return [{"tokens": t, "features": v.features.clone()}
                 for t, v in zip(batch, verdicts)]
 
     return _sharded(folder, "corpus", batches, "data: target reads corpus", read)
@@ -183,22 +282,23 @@ def collect_corpus(target, tokenizer, out: Path, cfg: DistillConfig) -> list[dic
 
 # ---- 2. vocabulary ---------------------------------------------------------------------------------
 
-def token_subset(data: list[dict], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
-    """The ``size`` tokens the target most often produces (special tokens always in), sorted."""
+def token_subset(sequences, size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
+    """The ``size`` tokens the target most often produces (special tokens always in), sorted;
+    ``sequences``: the token tensors of the data."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    for seq in data:
-        counts += torch.bincount(seq["tokens"][1:].long(), minlength=vocab_size)
+    for tokens in sequences:
+        counts += torch.bincount(tokens[1:].long(), minlength=vocab_size)
     for token in always:
         counts[token] = counts.max() + 1
     return torch.topk(counts, min(size, vocab_size)).indices.sort().values
 
 
-def coverage(data: list[dict], subset: torch.Tensor, vocab_size: int) -> float:
+def coverage(sequences, subset: torch.Tensor, vocab_size: int) -> float:
     inside = torch.zeros(vocab_size, dtype=torch.bool)
     inside[subset] = True
     hits = total = 0
-    for seq in data:
-        tokens = seq["tokens"][1:].long()
+    for tokens in sequences:
+        tokens = tokens[1:].long()
         hits += int(inside[tokens].sum())
         total += len(tokens)
     return hits / max(total, 1)
@@ -206,21 +306,24 @@ def coverage(data: list[dict], subset: torch.Tensor, vocab_size: int) -> float:
 
 # ---- 3. training -----------------------------------------------------------------------------------
 
-def _batch(sequences: list[dict], feature_size: int):
-    """Pad a batch: inputs (x_i, f_{i-1}) and labels f_i for i = 0 … n-2 of each sequence."""
+def _batch(sequences: list[dict], feature_size: int, device: torch.device | str = "cpu"):
+    """Pad a batch: inputs (x_i, f_{i-1}) and labels f_i for i = 0 … n-2 of each sequence, on
+    ``device``. Assembled in float16 (the shards' precision) and widened there: a quarter of the
+    bytes to copy, and the same values as widening first."""
     lengths = [len(s["features"]) for s in sequences]  # features exist for tokens 0 … n-2
     width = max(lengths)
     ids = torch.zeros(len(sequences), width, dtype=torch.long)
-    inputs = torch.zeros(len(sequences), width, feature_size)
-    labels = torch.zeros(len(sequences), width, feature_size)
+    labels = torch.zeros(len(sequences), width, feature_size, dtype=torch.float16)
     mask = torch.zeros(len(sequences), width, dtype=torch.bool)
     for row, (seq, n) in enumerate(zip(sequences, lengths)):
         ids[row, :n] = seq["tokens"][:n].long()
-        feats = seq["features"].float()
-        inputs[row, 1:n] = feats[: n - 1]
-        labels[row, :n] = feats
+        labels[row, :n] = seq["features"]
         mask[row, 1:n] = True  # position 0 has no feature to read
-    return ids, inputs, labels, mask
+    labels = labels.to(device, non_blocking=True).float()
+    mask = mask.to(device)
+    inputs = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], dim=1)  # f_{i-1} at i
+    inputs = inputs * mask[..., None]  # a padding position reads zeros
+    return ids.to(device), inputs, labels, mask
 
 
 def unrolled_mask(key_valid: torch.Tensor, unroll: int) -> torch.Tensor:
@@ -231,8 +334,8 @@ def unrolled_mask(key_valid: torch.Tensor, unroll: int) -> torch.Tensor:
     pass p's row i sees pass-0 keys j ≤ i-p and pass-q key j = i-p+q (q = 1 … p): training sees
     exactly what drafting sees (the "training-time test" of EAGLE-3, arXiv 2503.01840)."""
     T = key_valid.shape[1]
-    i = torch.arange(T)[:, None]
-    j = torch.arange(T)[None, :]
+    i = torch.arange(T, device=key_valid.device)[:, None]
+    j = torch.arange(T, device=key_valid.device)[None, :]
     blocks = [j <= i - unroll] + [j == i - unroll + q for q in range(1, unroll + 1)]
     allowed = torch.cat(blocks, dim=1)[None] & key_valid.repeat(1, unroll + 1)[:, None, :]
     return allowed[:, None]  # [batch, 1, T, (unroll+1)·T]
@@ -242,21 +345,24 @@ def distill_loss(draft: EagleDraftForCausalLM, ids, inputs, labels, mask, cfg: D
     from transformers.cache_utils import DynamicCache
 
     head = draft.lm_head
-    with torch.no_grad():
+    labels = labels[..., -draft.config.hidden_size :]  # the final hidden state (of fused features: the last slice)
+    with torch.no_grad():  # the teacher in full precision, outside any autocast
         teacher = F.softmax(head(labels).float(), dim=-1)
     batch, width = ids.shape
     key_valid = mask.clone()
     key_valid[:, 0] = True
-    positions = torch.arange(width)[None].expand(batch, width)
+    positions = torch.arange(width, device=ids.device)[None].expand(batch, width)
     cache = DynamicCache(config=draft.config)
     total, stats = 0.0, {}
     features = inputs
     for unroll in range(cfg.unroll):
-        hidden = draft.model(input_ids=ids, target_features=features, position_ids=positions, past_key_values=cache,
-                             attention_mask=unrolled_mask(key_valid, unroll), use_cache=True).last_hidden_state
         scored = mask.clone()
         scored[:, : unroll + 1] = False  # the chain needs a true feature before it
-        logits = head(hidden[scored]).float()
+        with autocast(ids.device, cfg.amp):
+            hidden = draft.model(input_ids=ids, target_features=features, position_ids=positions, past_key_values=cache,
+                                 attention_mask=unrolled_mask(key_valid, unroll), use_cache=True).last_hidden_state
+            logits = head(hidden[scored])
+        logits, hidden = logits.float(), hidden.float()  # the loss in full precision
         ce = -(teacher[scored] * F.log_softmax(logits, dim=-1)).sum(-1).mean()
         regression = F.smooth_l1_loss(hidden[scored], labels[scored])
         total = total + ce + cfg.regression_weight * regression
@@ -266,8 +372,10 @@ def distill_loss(draft: EagleDraftForCausalLM, ids, inputs, labels, mask, cfg: D
     return total / cfg.unroll, stats
 
 
-def train(draft: EagleDraftForCausalLM, data: list[dict], out: Path, cfg: DistillConfig) -> None:
+def train(draft: EagleDraftForCausalLM, data: Sequence, out: Path, cfg: DistillConfig) -> None:
+    """Trains ``draft`` where it is: every batch is put on the draft's device."""
     folder = out / "checkpoint"
+    device = draft.device
     trainable = [p for name, p in draft.named_parameters() if not name.startswith(("lm_head", "model.embed_tokens"))]
     for name, p in draft.named_parameters():
         p.requires_grad_(not name.startswith(("lm_head", "model.embed_tokens")))
@@ -277,7 +385,7 @@ def train(draft: EagleDraftForCausalLM, data: list[dict], out: Path, cfg: Distil
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s / cfg.steps, 1)))))
     step = 0
     if (folder / "state.pt").exists():  # resume
-        state = torch.load(folder / "state.pt")
+        state = torch.load(folder / "state.pt", map_location=device)
         draft.load_state_dict(state["draft"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
@@ -291,7 +399,7 @@ def train(draft: EagleDraftForCausalLM, data: list[dict], out: Path, cfg: Distil
     with progress:
         while step < cfg.steps:
             batch = rng.sample(data, min(cfg.batch_sequences, len(data)))
-            loss, stats = distill_loss(draft, *_batch(batch, draft.config.feature_size), cfg)
+            loss, stats = distill_loss(draft, *_batch(batch, draft.config.feature_size, device), cfg)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -330,33 +438,44 @@ class Evaluation:
     cost_ratio: float
 
 
-@torch.inference_mode()
 def evaluate(target, draft, tokenizer, cfg: DistillConfig, eos: set[int]) -> Evaluation:
-    """Greedy speculative decoding at batch 1 on held-out prompts, with the services' code."""
+    """Greedy speculative decoding at batch 1 on held-out prompts (ShareGPT from conversation
+    ``EVAL_PROMPTS_FROM``), with the services' code."""
+    texts = sharegpt_prompts(cfg.eval_prompts, start=EVAL_PROMPTS_FROM)
+    prompts = [chat_prompt_ids(tokenizer, text, cfg.max_prompt_tokens) for text in texts]
+    return speculate(target, draft, prompts, cfg.eval_k, cfg.eval_new_tokens, eos, "evaluate: held-out prompts")
+
+
+@torch.inference_mode()
+def speculate(target, draft, prompts: list[list[int]], k: int, new_tokens: int, eos: set[int],
+              description: str = "speculate") -> Evaluation:
+    """Greedy speculative decoding at batch 1, one prompt after another, through the target
+    service's verifier and the draft service's proposer on engines of their own, each model on
+    the device it is on: acceptance per drafted position, tokens per target forward, and the
+    draft's time per drafted token (steady state: the call that reads the prompt is not timed)
+    beside one one-token target forward."""
     from draft_service.proposer import ProposeItem, propose
     from target_service.verifier import VerifyItem, verify
 
     target_engine, draft_engine = Engine(target, max_sequences=2), Engine(draft, max_sequences=2)
-    texts = sharegpt_prompts(cfg.eval_prompts, start=EVAL_PROMPTS_FROM)
-    k = cfg.eval_k
     reached = [0] * (k + 1)  # reached[j]: steps where positions 1..j were all accepted
     steps = tokens = 0
     draft_seconds = draft_tokens = 0.0
-    progress, task = _progress(len(texts), "evaluate: held-out prompts")
+    progress, task = _progress(len(prompts), description)
     with progress:
-        for n, text in enumerate(texts):
-            prompt = chat_prompt_ids(tokenizer, text, cfg.max_prompt_tokens)
+        for n, prompt in enumerate(prompts):
             seq = f"eval-{n}"
             (verdict,) = verify(target_engine, [VerifyItem(SequenceInput(seq, 0, prompt))], create=True, return_features=True)
             history, features = prompt + [verdict.next_token], [verdict.features]
             target_len, draft_len = verdict.cached_len, 0
-            while len(history) - len(prompt) < cfg.eval_new_tokens and history[-1] not in eos:
+            while len(history) - len(prompt) < new_tokens and history[-1] not in eos:
                 feats = torch.cat(features)
                 fed = torch.cat([torch.zeros(1, feats.shape[1]), feats])[draft_len : len(history)]
                 started = time.perf_counter()
                 (drafts,) = propose(draft_engine, [ProposeItem(SequenceInput(seq, draft_len, history[draft_len:], fed), k)])
-                draft_seconds += time.perf_counter() - started
-                draft_tokens += k
+                if draft_len:  # the first call also reads the prompt: a prefill, timed by neither side
+                    draft_seconds += time.perf_counter() - started
+                    draft_tokens += k
                 (verdict,) = verify(target_engine, [VerifyItem(SequenceInput(seq, target_len, history[target_len:]), drafts)],
                                     return_features=True)
                 for j in range(verdict.accepted + 1):
@@ -374,7 +493,7 @@ def evaluate(target, draft, tokenizer, cfg: DistillConfig, eos: set[int]) -> Eva
     accepted = sum(reached[1:])
     target_ms = _target_forward_ms(target_engine)
     draft_ms = 1000 * draft_seconds / max(draft_tokens, 1)
-    return Evaluation(len(texts), k, steps, tokens, accepted / max(steps * k, 1), by_position,
+    return Evaluation(len(prompts), k, steps, tokens, accepted / max(steps * k, 1), by_position,
                       tokens / max(steps, 1), draft_ms, target_ms, draft_ms / target_ms)
 
 
@@ -410,15 +529,17 @@ def distill(target, tokenizer, out: Path, cfg: DistillConfig) -> Evaluation:
         log.warning("settings differ from those %s was started with; resuming with the new ones", out)
     settings.write_text(json.dumps(asdict(cfg), indent=2))
     torch.manual_seed(cfg.seed)
+    fuse_target_features(target, parse_feature_layers(cfg.feature_layers))
     eos = find_eos_token_ids(tokenizer, target)
-    data = collect_data(target, tokenizer, out, cfg, eos)
-    answers = len(data)
-    data += collect_corpus(target, tokenizer, out, cfg)
-    tokens = sum(len(s["tokens"]) for s in data)
+    answer_shards = collect_data(target, tokenizer, out, cfg, eos)
+    answers = FeatureShards(answer_shards)
+    data = FeatureShards(answer_shards + collect_corpus(target, tokenizer, out, cfg))
+    tokens = sum(len(t) for t in data.token_sequences())
     vocab_size = target.get_input_embeddings().weight.shape[0]
-    subset = token_subset(data, cfg.draft_vocab, vocab_size, eos)
-    print(f"data: {answers} target answers and {len(data) - answers} corpus conversations, {tokens} tokens; head subset of {len(subset)} tokens covers "
-          f"{coverage(data, subset, vocab_size):.1%} of answer tokens", flush=True)
+    subset = token_subset(data.token_sequences(), cfg.draft_vocab, vocab_size, eos)
+    print(f"data: {len(answers)} target answers and {len(data) - len(answers)} corpus conversations, {tokens} tokens; "
+          f"head subset of {len(subset)} tokens covers {coverage(answers.token_sequences(), subset, vocab_size):.1%} "
+          f"of the target answers' tokens (prompts included)", flush=True)
     draft = draft_from_target(target, cfg.layers, subset)
     train(draft, data, out, cfg)
     final = out / "draft"
