@@ -69,7 +69,7 @@ class StackOptions:
 # The embedded models' profile, measured on this project's reference machine (2 cores of an AMD
 # EPYC Zen 4, bf16; docs/profile.md), and the adaptive policy that served best on it there.
 EMBEDDED_PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "embedded-cpu.json"
-EMBEDDED_POLICY = "profile"
+EMBEDDED_POLICY = "goodput"
 
 
 def default_k_policy(options: StackOptions) -> tuple[str, str | None]:
