@@ -19,9 +19,10 @@ Within a call, new tokens are right-aligned (so the last positions of every row 
 the logits); a padding token writes its keys/values to a scratch column past every row's end and
 attends only column 0, which keeps it finite.
 
-Features: every forward also keeps the model's final hidden states (what its output head reads),
-which the target service returns so that an EAGLE-style draft (``specbatch.eagle``) can read them;
-such a draft takes one feature vector per fed token as a second input.
+The forward itself is ``Engine.forward``: ``specbatch.llama`` (Llama-family models and the EAGLE
+draft, weights prepacked) or ``specbatch.transformers_forward`` (any other model). Both return the
+final hidden states beside the logits: the target service sends them to an EAGLE-style draft
+(``specbatch.eagle``), which reads one such feature per fed token as a second input.
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ from concurrent import futures
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
 from . import llama
 from .eagle import reads_target_features
+from .kv_pool import KVPool, SequenceCache
+from .transformers_forward import TransformersForward
 # The refusals live in a torch-free module; imported here too, where callers have long found them.
 from .errors import CapacityExceeded, EngineError, InvalidRequest, StaleCache, UnknownSequence  # noqa: F401
 
@@ -49,142 +52,6 @@ class SequenceInput:
     keep_len: int
     tokens: list[int]
     features: torch.Tensor | None = None  # [len(tokens), feature_size]: for drafts that read target features
-
-
-class KVPool:
-    """Keys and values of every sequence of an engine, one slot per sequence.
-
-    Grows by doubling (slots or context columns) with a copy, so growing is rare; the last column
-    of every slot is scratch for padding tokens and is never part of a sequence.
-    """
-
-    def __init__(self, kv_shape: tuple[int, int, int], dtype, device, max_bytes: int | None):
-        self.layers, self.kv_heads, self.head_dim = kv_shape
-        self.dtype, self.device, self.max_bytes = dtype, device, max_bytes
-        self.kv = self._zeros(0, 0)
-
-    def _zeros(self, slots: int, context: int) -> torch.Tensor:
-        # Zeros, not empty: masked columns still enter the attention product as `0 * value`,
-        # and a NaN from uninitialised memory would survive that.
-        return torch.zeros(self.layers, 2, slots, self.kv_heads, context, self.head_dim, dtype=self.dtype,
-                           device=self.device)
-
-    @property
-    def slots(self) -> int:
-        return self.kv.shape[2]
-
-    @property
-    def context(self) -> int:
-        return self.kv.shape[4]
-
-    def bytes_for(self, slots: int, context: int) -> int:
-        return self.layers * 2 * slots * self.kv_heads * context * self.head_dim * self.kv.element_size()
-
-    def ensure(self, slots: int, context: int, context_limit: int) -> None:
-        """Make room for ``slots`` slots of ``context`` columns (the scratch column included).
-
-        Live sequences always hold the slots below ``slots`` (slots are kept dense), so a
-        reallocation may drop the slots above it, never a live column.
-        """
-        if slots <= self.slots and context <= self.context:
-            return
-        doubled = (max(slots, 2 * self.slots, 8) if slots > self.slots else self.slots,
-                   min(max(context, 2 * self.context, 64), context_limit) if context > self.context else self.context)
-        exact = (slots, max(context, self.context))
-        for new_slots, new_context in (doubled, exact):
-            if self.max_bytes is None or self.bytes_for(new_slots, new_context) <= self.max_bytes:
-                break
-        else:
-            raise CapacityExceeded(
-                f"the KV cache would need {self.bytes_for(*exact) / 2**20:.2f} MiB for {slots} sequences of up to "
-                f"{context - 1} tokens; its budget is {self.max_bytes / 2**20:.2f} MiB"
-            )
-        kv = self._zeros(new_slots, new_context)
-        keep = min(self.slots, new_slots)
-        kv[:, :, :keep, :, : self.context] = self.kv[:, :, :keep]
-        self.kv = kv
-
-    def move(self, source: int, target: int, length: int) -> None:
-        self.kv[:, :, target, :, :length] = self.kv[:, :, source, :, :length]
-
-
-@dataclass
-class SequenceCache:
-    """One sequence's place in the pool: its slot and how many of its columns are valid."""
-
-    pool: KVPool
-    slot: int
-    length: int = 0
-    last_used: float = 0.0  # the engine's clock at the last call that touched it (its lease)
-
-    @property
-    def kv(self) -> torch.Tensor:
-        """This sequence's keys/values, ``[layers, 2, kv_heads, context, head_dim]`` (a view)."""
-        return self.pool.kv[:, :, self.slot]
-
-
-class _BatchLayer(DynamicLayer):
-    """One layer of a call's batch cache for transformers' forward: new keys/values are written
-    into each row's own next columns, and attention sees the first ``end`` columns of every row."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, write_columns: torch.Tensor, end: int):
-        super().__init__()
-        self.keys_buffer, self.values_buffer, self.end = keys, values, end
-        self.rows = torch.arange(keys.shape[0], device=keys.device)[:, None]
-        self.write_columns = write_columns
-        self.dtype, self.device = keys.dtype, keys.device
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        # One indexed copy per tensor ([batch, width] positions); a scatter_ with an expanded
-        # index cost ~120 µs a layer on the CPU.
-        self.keys_buffer[self.rows, :, self.write_columns] = key_states.transpose(1, 2)
-        self.values_buffer[self.rows, :, self.write_columns] = value_states.transpose(1, 2)
-        return self.keys_buffer[:, :, : self.end], self.values_buffer[:, :, : self.end]
-
-    def get_seq_length(self) -> int:
-        return self.end
-
-    def get_mask_sizes(self, query_length, *args, **kwargs):
-        return self.end, 0
-
-
-class TransformersForward:
-    """The model's own transformers forward over a call's pool view: the path for every model
-    that ``specbatch.llama`` does not cover. Same contract as ``LlamaForward.__call__``."""
-
-    def __init__(self, model):
-        self.model = model
-        self.mask_kind = model.config._attn_implementation
-        if self.mask_kind not in ("sdpa", "eager"):
-            raise ValueError(f"attention implementation {self.mask_kind!r} is not supported: load with sdpa or eager")
-        self.dtype = next(model.parameters()).dtype
-
-    def attention_mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        """The 4D mask in the form the model's attention takes: boolean for SDPA, additive for eager."""
-        if self.mask_kind == "sdpa":
-            return allowed
-        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill(
-            ~allowed, torch.finfo(self.dtype).min
-        )
-
-    @torch.inference_mode()
-    def __call__(self, input_ids, positions, write_columns, kv, mask, logits_to_keep, features=None):
-        end = mask.shape[-1]
-        cache = Cache(layers=[_BatchLayer(kv[i, 0], kv[i, 1], write_columns, end) for i in range(kv.shape[0])])
-        hidden = []
-        extra = {} if features is None else {"target_features": features}
-        # Hooked for this call only: a hook left on the model would outlive the engine (and
-        # stop the model from being copied).
-        hook = self.model.get_decoder().register_forward_hook(
-            lambda module, args, output: hidden.append(
-                output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]))
-        try:
-            out = self.model(input_ids=input_ids, attention_mask=self.attention_mask(mask), position_ids=positions,
-                             past_key_values=cache, use_cache=True, logits_to_keep=logits_to_keep, **extra)
-        finally:
-            hook.remove()
-        return out.logits.float(), hidden[0]
 
 
 class RaggedBatch:

@@ -1,0 +1,82 @@
+"""The KV pool of an engine: the keys and values of all its sequences, a slot each, kept across
+calls (see ``specbatch.engine``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import CapacityExceeded
+
+
+class KVPool:
+    """Keys and values of every sequence of an engine, one slot per sequence.
+
+    Grows by doubling (slots or context columns) with a copy, so growing is rare; the last column
+    of every slot is scratch for padding tokens and is never part of a sequence.
+    """
+
+    def __init__(self, kv_shape: tuple[int, int, int], dtype, device, max_bytes: int | None):
+        self.layers, self.kv_heads, self.head_dim = kv_shape
+        self.dtype, self.device, self.max_bytes = dtype, device, max_bytes
+        self.kv = self._zeros(0, 0)
+
+    def _zeros(self, slots: int, context: int) -> torch.Tensor:
+        # Zeros, not empty: masked columns still enter the attention product as `0 * value`,
+        # and a NaN from uninitialised memory would survive that.
+        return torch.zeros(self.layers, 2, slots, self.kv_heads, context, self.head_dim, dtype=self.dtype,
+                           device=self.device)
+
+    @property
+    def slots(self) -> int:
+        return self.kv.shape[2]
+
+    @property
+    def context(self) -> int:
+        return self.kv.shape[4]
+
+    def bytes_for(self, slots: int, context: int) -> int:
+        return self.layers * 2 * slots * self.kv_heads * context * self.head_dim * self.kv.element_size()
+
+    def ensure(self, slots: int, context: int, context_limit: int) -> None:
+        """Make room for ``slots`` slots of ``context`` columns (the scratch column included).
+
+        Live sequences always hold the slots below ``slots`` (slots are kept dense), so a
+        reallocation may drop the slots above it, never a live column.
+        """
+        if slots <= self.slots and context <= self.context:
+            return
+        doubled = (max(slots, 2 * self.slots, 8) if slots > self.slots else self.slots,
+                   min(max(context, 2 * self.context, 64), context_limit) if context > self.context else self.context)
+        exact = (slots, max(context, self.context))
+        for new_slots, new_context in (doubled, exact):
+            if self.max_bytes is None or self.bytes_for(new_slots, new_context) <= self.max_bytes:
+                break
+        else:
+            raise CapacityExceeded(
+                f"the KV cache would need {self.bytes_for(*exact) / 2**20:.2f} MiB for {slots} sequences of up to "
+                f"{context - 1} tokens; its budget is {self.max_bytes / 2**20:.2f} MiB"
+            )
+        kv = self._zeros(new_slots, new_context)
+        keep = min(self.slots, new_slots)
+        kv[:, :, :keep, :, : self.context] = self.kv[:, :, :keep]
+        self.kv = kv
+
+    def move(self, source: int, target: int, length: int) -> None:
+        self.kv[:, :, target, :, :length] = self.kv[:, :, source, :, :length]
+
+
+@dataclass
+class SequenceCache:
+    """One sequence's place in the pool: its slot and how many of its columns are valid."""
+
+    pool: KVPool
+    slot: int
+    length: int = 0
+    last_used: float = 0.0  # the engine's clock at the last call that touched it (its lease)
+
+    @property
+    def kv(self) -> torch.Tensor:
+        """This sequence's keys/values, ``[layers, 2, kv_heads, context, head_dim]`` (a view)."""
+        return self.pool.kv[:, :, self.slot]
