@@ -8,7 +8,7 @@ keys/values written straight into the pool with one indexed copy, and one SDPA c
 over the rows' own pool columns with the engine's 4D mask. The parameters stay the model's own;
 only the projections are repacked.
 
-Models it does not cover run through transformers (``TransformersForward`` in the engine).
+Models it does not cover run through transformers (``specbatch.transformers_forward``).
 """
 
 from __future__ import annotations
