@@ -202,7 +202,10 @@ class Scheduler:
                 admitted.append(request)
                 room -= 1
         for request in dropped:
-            request.close(FINISH_CANCELLED)
+            if request.cancelled.is_set():
+                request.close(FINISH_CANCELLED)
+            else:  # its deadline passed while it waited: it ends as retire() ends a running one
+                request.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed while it waited")
         self.placement.release([r for r in dropped if r.target_replica or r.draft_replica])
         unplaced = [r for r in admitted if not self.placement.place(r)]
         if unplaced:  # every target replica went down just now

@@ -250,3 +250,21 @@ def test_placement_groups_requests_by_replica():
     finally:
         placement.close()
         targets.close()
+
+
+def test_a_request_whose_deadline_passed_in_the_queue_fails_with_deadline_exceeded(scheduler_of):
+    """As a running request past its deadline does (retire): the client hears DEADLINE_EXCEEDED,
+    never a finished stream marked cancelled. A cancelled one is closed as cancelled."""
+    import time
+
+    target = FakeTarget("t")
+    scheduler = scheduler_of(replica_set("target", target), None)
+    late, cancelled = make_request(), make_request()
+    late.deadline = time.monotonic() - 1.0
+    cancelled.cancelled.set()
+    scheduler.submit(late)
+    scheduler.submit(cancelled)
+    scheduler.admit()
+    assert scheduler.running == [] and target.calls == []
+    assert late.failure is not None and late.failure.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert cancelled.failure is None and cancelled.finish is not None
