@@ -266,7 +266,7 @@ def test_feature_shards_read_back_what_was_written_one_shard_at_a_time(tmp_path)
     """The data phase's shards hold the same sequences it made (answers: a feature per fed token,
     one fewer than their tokens; corpus: one per token), read lazily: a sequence opens only its
     own shard, and at most ``max_open`` stay open."""
-    from specbatch.commands.distill import FeatureShards, _sharded
+    from specbatch.commands.distill_data import FeatureShards, _sharded
 
     rng = random.Random(5)
     made = {0: _random_sequences(rng, 3, False), 1: _random_sequences(rng, 4, True), 2: _random_sequences(rng, 2, False)}
