@@ -21,6 +21,8 @@ def run_demo(args) -> int:
     with LocalProcesses(stack_options(args)) as processes:
         stub = connect(processes.address)
         print(f"serving on {processes.address}, k policy {processes.options.k_policy}\n", flush=True)
+        # One short request first, so that neither mode of the first prompt pays the warm-up.
+        generate(stub, make_request(prompts[0], 4, chat=True))
         rows = []
         for prompt in prompts:
             print(f"> {prompt}\n", flush=True)
