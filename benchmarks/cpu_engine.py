@@ -16,36 +16,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from specbatch.commands.bench_engine import Bench, Grid
 from specbatch.engine import Engine, SequenceInput
 from specbatch.models import ModelSpec, load_model
 from target_service.verifier import VerifyItem, verify
 
 CONTEXT = 128
 SHAPES = [(1, 1), (1, 2), (1, 4), (1, 5), (1, 6), (8, 1), (8, 2), (8, 4), (32, 1), (32, 2)]
-
-
-def step_ms(engine: Engine, batch: int, new_tokens: int, repeats: int) -> float:
-    """Median ms of a verify of ``new_tokens`` per sequence (1 uncached + drafts) over ``batch``
-    sequences holding CONTEXT tokens; each call keeps CONTEXT, so the context stays fixed."""
-    ids = [f"bench-{i}" for i in range(batch)]
-    engine.prefill([SequenceInput(s, 0, [(7 * i + j) % 5000 + 100 for j in range(CONTEXT)]) for i, s in enumerate(ids)])
-    items = [VerifyItem(SequenceInput(s, CONTEXT, [11]), drafts=[13] * (new_tokens - 1)) for s in ids]
-    times = []
-    try:
-        for i in range(repeats + 3):
-            start = time.perf_counter()
-            verify(engine, items)
-            if i >= 3:
-                times.append(time.perf_counter() - start)
-    finally:
-        engine.release(ids)
-    return 1000 * statistics.median(times)
 
 
 def time_split(engine: Engine, repeats: int = 10) -> dict:
@@ -100,15 +82,19 @@ def main() -> int:
     engines = {"fp32-transformers": Engine(fp32, implementation="transformers"),
                "fp32-specbatch": Engine(fp32, implementation="specbatch"),
                "bf16-specbatch": Engine(bf16)}
+    # Each engine holds the largest batch at CONTEXT tokens; every timed verify keeps exactly
+    # CONTEXT (the bench-engine command's timing), median of the repeats after 3 warm-up calls.
+    grid = Grid(batch_sizes=(max(b for b, _ in SHAPES),), context=CONTEXT, repeats=args.repeats, warmup=3)
     if args.compile:
         start = time.perf_counter()
         engines["bf16-compiled"] = compiled_engine(bf16)
-        step_ms(engines["bf16-compiled"], 1, 1, 1)
+        Bench(engines["bf16-compiled"], Grid(batch_sizes=(1,), context=CONTEXT, repeats=1, warmup=0)).verify_ms(1, 1)
         print(f"torch.compile: first call {time.perf_counter() - start:.0f} s", flush=True)
+    benches = {name: Bench(engine, grid) for name, engine in engines.items()}
     table = {name: {} for name in engines}
     for batch, new in SHAPES:
-        for name, engine in engines.items():
-            table[name][f"{batch}x{new}"] = step_ms(engine, batch, new, args.repeats)
+        for name, bench in benches.items():
+            table[name][f"{batch}x{new}"] = bench.verify_ms(batch, new)
         print(f"batch {batch} x {new} new: " + ", ".join(f"{n} {t[f'{batch}x{new}']:.1f} ms" for n, t in table.items()),
               flush=True)
 
@@ -129,6 +115,8 @@ def main() -> int:
     print("\n| ratio | measured |\n|---|---|")
     for name, value in ratios.items():
         print(f"| {name} | {value:.2f} |")
+    for bench in benches.values():
+        bench.close()
     split = time_split(engines[best])
     print("\n## where a bf16 one-token step goes (batch 1, under the profiler)\n\n| part | ms |\n|---|---|")
     for name, ms in split.items():
