@@ -43,7 +43,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class _Layer:
-    def __init__(self, layer, config):
+    def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj)
         self.o = PackedLinear(attn.o_proj.weight, attn.o_proj.bias)
@@ -68,7 +68,7 @@ class LlamaForward:
         self.embed = base.embed_tokens.weight
         self.fuse = PackedLinear(base.fc.weight) if reads_target_features(model) else None
         self.rotary = base.rotary_emb
-        self.layers = [_Layer(layer, model.config) for layer in base.layers]
+        self.layers = [_Layer(layer) for layer in base.layers]
         self.norm, self.eps = base.norm.weight, base.norm.variance_epsilon
         self.head = PackedLinear(model.get_output_embeddings().weight)
         # PyTorch's CPU SDPA in bf16 is slow with one query row per head: batch 8, 9 heads over
