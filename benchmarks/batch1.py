@@ -5,7 +5,8 @@ In one run, on the same prompts and token counts:
    services are not running yet, so it has the machine to itself);
 2. the three services as processes (``specbatch up``'s launcher, threads pinned per service),
    each prompt sent target-only (``k = 0``) and then under the coordinator's k policy.
-Prints tokens/s of each and the ratios, and writes JSON.
+Prints tokens/s of each and the ratios, where each mode's decode step spends its time (the
+coordinator's step totals: RPC time beside the compute the services report), and writes JSON.
 
     .venv/bin/python benchmarks/batch1.py [--prompts 24] [--tokens 96] [--k-policy profile --profile P]
 """
@@ -23,6 +24,7 @@ from specbatch.client import connect, generate, make_request
 from specbatch.commands.launcher import LocalProcesses, StackOptions
 from specbatch.models import ModelSpec, load_model, load_tokenizer
 from specbatch.prompts import chat_token_ids, sharegpt_prompts
+from specbatch.v1 import generation_pb2 as pb
 
 
 def transformers_generate(prompts: list[list[int]], tokens: int, threads: int) -> float:
@@ -41,9 +43,32 @@ def transformers_generate(prompts: list[list[int]], tokens: int, threads: int) -
     return generated / seconds
 
 
+STEP_PARTS = ("step_seconds", "draft_seconds", "draft_compute_seconds", "target_seconds", "target_compute_seconds")
+
+
+def step_totals(stub) -> dict:
+    totals = stub.Info(pb.InfoRequest()).step_totals
+    return {"steps": totals.steps, **{part: getattr(totals, part) for part in STEP_PARTS}}
+
+
+def where_step_time_goes(before: dict, after: dict, seconds: float) -> dict:
+    """ms per decode step of each part (the coordinator's StepTotals between two reads): the
+    draft's and target's RPC wall time and the compute the services report inside it, the rest of
+    the step in the coordinator, and the time between steps (request ends, streaming, admission)."""
+    steps = after["steps"] - before["steps"]
+    ms = {part: 1e3 * (after[part] - before[part]) / steps for part in STEP_PARTS}
+    return {"draft compute": ms["draft_compute_seconds"],
+            "draft RPC beyond compute": ms["draft_seconds"] - ms["draft_compute_seconds"],
+            "target compute": ms["target_compute_seconds"],
+            "target RPC beyond compute": ms["target_seconds"] - ms["target_compute_seconds"],
+            "coordinator, in step": ms["step_seconds"] - ms["draft_seconds"] - ms["target_seconds"],
+            "outside steps": 1e3 * seconds / steps - ms["step_seconds"]}
+
+
 def served(address: str, prompts: list[list[int]], tokens: int, k: int | None) -> dict:
     stub = connect(address)
     generate(stub, make_request(prompts[0], 4, k=k, ignore_eos=True))  # warm-up
+    before = step_totals(stub)
     generated, seconds, proposed, accepted, steps = 0, 0.0, 0, 0, 0
     for prompt in prompts:
         result = generate(stub, make_request(prompt, tokens, k=k, ignore_eos=True), timeout=600)
@@ -53,7 +78,8 @@ def served(address: str, prompts: list[list[int]], tokens: int, k: int | None) -
         accepted += result.stats.draft_tokens_accepted
         steps += result.stats.steps
     return {"tokens_per_second": generated / seconds, "acceptance": accepted / proposed if proposed else 0.0,
-            "tokens_per_step": generated / steps if steps else 0.0}
+            "tokens_per_step": generated / steps if steps else 0.0,
+            "ms_per_step": where_step_time_goes(before, step_totals(stub), seconds)}
 
 
 def main() -> int:
@@ -96,6 +122,10 @@ def main() -> int:
         print(f"| {name} | {tps:.1f} | {speculative['tokens_per_second'] / tps:.2f}x |")
     print(f"\nacceptance {speculative['acceptance']:.2f}, tokens per step {speculative['tokens_per_step']:.2f} "
           f"(targets: >= 1.5x target-only through the services, >= 1.5x transformers generate())")
+    print("\n## where a decode step's time goes (ms per step)\n")
+    print("| part | target-only (k=0) | speculative |\n|---|---|---|")
+    for part in target_only["ms_per_step"]:
+        print(f"| {part} | {target_only['ms_per_step'][part]:.2f} | {speculative['ms_per_step'][part]:.2f} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"tokens_per_second": rows, "speculative": speculative,
                                           "k_policy": stack.options.k_policy, "profile": stack.options.profile,

@@ -139,3 +139,24 @@ def test_services_take_a_thread_count():
         from target_service.__main__ import main
 
         main(["--threads", "0", "--metrics-port", "0"])
+
+
+@pytest.mark.parametrize("feature_layers, target_flags", [([2, 15], ["--feature-layers", "2,15"]), (None, [])])
+def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatch, tmp_path, feature_layers,
+                                                                      target_flags):
+    """A draft distilled with --feature-layers (EAGLE-3 fusion) reads the outputs of those target
+    layers: `specbatch up` starts the target with the same flag, read from the draft's config."""
+    import specbatch.commands.launcher as launcher
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"model_type": "specbatch_eagle", "feature_layers": feature_layers}))
+    spawned = {}
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda command, env: spawned.setdefault(command[2], command))
+    monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
+    LocalProcesses(StackOptions(target_model=str(tmp_path / "target"), draft_model=str(draft), k_policy="fixed:3")).start()
+    target = spawned["target_service"]
+    assert [flag for flag in target if flag == "--feature-layers"] == target_flags[:1]
+    if target_flags:
+        assert target[target.index("--feature-layers") + 1] == target_flags[1]
+    assert "--feature-layers" not in spawned["draft_service"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -137,6 +138,16 @@ def _model_flags(model, gguf_file, layers, options: StackOptions) -> list[str]:
     return flags + (["--random-weights"] if options.random_weights else [])
 
 
+def _feature_layer_flags(draft_model: str | None) -> list[str]:
+    """A draft distilled with ``--feature-layers`` (EAGLE-3 fusion) says so in its config; its target
+    must return the same layers' outputs, so the target service gets the same flag."""
+    config = Path(draft_model) / "config.json" if draft_model else None
+    if config is None or not config.is_file():
+        return []
+    layers = json.loads(config.read_text()).get("feature_layers") or []
+    return ["--feature-layers", ",".join(str(layer) for layer in layers)] if layers else []
+
+
 class LocalProcesses:
     """The target, draft and coordinator as child processes; stopped with SIGTERM, in reverse."""
 
@@ -179,17 +190,18 @@ class LocalProcesses:
             embedded_model_folder()
             if not o.no_draft and o.draft_model is None and o.draft_layers is None and not o.random_weights:
                 embedded_draft_folder()
+        # No draft named: the embedded draft for the embedded target (the service's default),
+        # or the target's own first --draft-layers layers.
+        draft_model = None if o.no_draft else o.draft_model or o.target_model
+        if not o.no_draft and draft_model is None and o.draft_layers:
+            from ..models import EMBEDDED
+
+            draft_model = EMBEDDED
         self._spawn("target", "target_service",
-                    _model_flags(o.target_model, o.target_gguf_file, None, o) + host + ["--port", str(o.ports["target"])])
+                    _model_flags(o.target_model, o.target_gguf_file, None, o) + host + ["--port", str(o.ports["target"])]
+                    + _feature_layer_flags(None if o.no_draft else o.draft_model))
         draft_address = "none"
         if not o.no_draft:
-            # No draft named: the embedded draft for the embedded target (the service's default),
-            # or the target's own first --draft-layers layers.
-            draft_model = o.draft_model or o.target_model
-            if draft_model is None and o.draft_layers:
-                from ..models import EMBEDDED
-
-                draft_model = EMBEDDED
             self._spawn("draft", "draft_service",
                         _model_flags(draft_model, o.draft_gguf_file if o.draft_model else o.target_gguf_file,
                                      o.draft_layers, o) + host + ["--port", str(o.ports["draft"])])
