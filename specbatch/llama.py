@@ -32,14 +32,23 @@ def supports(model) -> bool:
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As LlamaRMSNorm (bitwise, in float32 and bf16): normalised in float32, scaled in the model's
-    # dtype; PyTorch's fused rms_norm does in one operator what LlamaRMSNorm does in five.
-    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+    # As LlamaRMSNorm (bitwise, in float32 and bf16): normalised in float32 (PyTorch's rms_norm
+    # computes a bf16 input in float32 and rounds once, as LlamaRMSNorm's .to() does), scaled in
+    # the model's dtype; two operators where LlamaRMSNorm takes seven.
+    return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated, for ``_rotate``."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # RoPE as LlamaForCausalLM applies it, x * cos + rotate_half(x) * sin, where rotate_half(x)
+    # = cat(-x2, x1): rolling x by half a head and negating sin's first half instead gives the
+    # same products bit for bit (negation is exact) in four operators rather than eight.
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class _Layer:
@@ -74,18 +83,21 @@ class LlamaForward:
         # PyTorch's CPU SDPA in bf16 is slow with one query row per head: batch 8, 9 heads over
         # 3 KV heads, 1 token, 129 columns takes 435 µs, against 84 µs with the 3 query heads of
         # each KV head folded into one head of 3 query rows. In fp32 folding is slower (54 vs 91).
-        self.fold_groups = self.embed.device.type == "cpu" and self.embed.dtype != torch.float32
+        fold = self.embed.device.type == "cpu" and self.embed.dtype != torch.float32
+        # Query heads folded into each key/value head's SDPA call (1: none).
+        self.folded_groups = self.layers[0].q_size // self.layers[0].kv_size if fold else 1
 
     def _attention(self, q, keys, values, mask, scale):
-        """SDPA over the rows' pool columns; q ``[batch, heads, width, head_dim]``."""
+        """SDPA over the rows' pool columns; q ``[batch, heads, width, head_dim]``; ``mask``
+        already repeated for the folded groups (``__call__`` does it once for every layer)."""
         batch, heads, width, head_dim = q.shape
-        groups = heads // keys.shape[1]
-        if not self.fold_groups or groups == 1:
+        groups = self.folded_groups
+        if groups == 1:
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         # The query heads that share a key/value head become one head with groups × width query
         # rows (heads are grouped consecutively, as transformers' repeat_kv has them).
         out = F.scaled_dot_product_attention(q.reshape(batch, heads // groups, groups * width, head_dim), keys, values,
-                                             attn_mask=mask.repeat(1, 1, groups, 1), scale=scale)
+                                             attn_mask=mask, scale=scale)
         return out.view(batch, heads, width, head_dim)
 
     @torch.inference_mode()
@@ -101,15 +113,16 @@ class LlamaForward:
         if self.fuse is not None:
             x = self.fuse(torch.cat([x, features.to(x.dtype)], dim=-1))
         cos, sin = self.rotary(x, positions)
-        cos, sin = cos[:, None], sin[:, None]
+        cos, signed_sin = cos[:, None], _signed_sin(sin[:, None])
         rows = torch.arange(batch, device=input_ids.device)[:, None]
         end = mask.shape[-1]
+        mask = mask.repeat(1, 1, self.folded_groups, 1)
         for i, layer in enumerate(self.layers):
             hd = layer.head_dim
             h = _rms_norm(x, layer.norm_in, layer.eps)
             qk, v = layer.qkv(h).split((layer.q_size + layer.kv_size, layer.kv_size), dim=-1)
             # Queries and keys rotated in one go: heads side by side, the same positions.
-            q, k = _rotate(qk.view(batch, width, -1, hd).transpose(1, 2), cos, sin).split(
+            q, k = _rotate(qk.view(batch, width, -1, hd).transpose(1, 2), cos, signed_sin).split(
                 (layer.q_size // hd, layer.kv_size // hd), dim=1)
             keys, values = kv[i, 0], kv[i, 1]  # [batch, kv_heads, columns, head_dim]
             keys[rows, :, write_columns] = k.transpose(1, 2)
