@@ -7,7 +7,8 @@ SmolLM2-135M at context 128, median of repeats, for batch × new tokens per sequ
 - ``bf16-specbatch``: bf16 with oneDNN-prepacked weights through the engine's own forward
   (the default on CPUs with native bf16);
 - ``bf16-compiled`` (with --compile): the same forward through torch.compile (inductor, freezing).
-Then the ratios the issue sets as targets, and where a one-token bf16 step's time goes.
+Then the ratios the issue sets as targets, and where bf16 steps' time goes (batch 1 × 1, 8 × 1,
+8 × 4: the matrix multiplies at 32 rows are what limit the batch-8 ratio).
 
     .venv/bin/python benchmarks/cpu_engine.py [--threads 2] [--repeats 20] [--compile]
 """
@@ -30,13 +31,15 @@ CONTEXT = 128
 SHAPES = [(1, 1), (1, 2), (1, 4), (1, 5), (1, 6), (8, 1), (8, 2), (8, 4), (32, 1), (32, 2)]
 
 
-def time_split(engine: Engine, repeats: int = 10) -> dict:
-    """Where a batch-1 one-token step's time goes: matrix multiplies, attention, other operators,
-    and the rest (Python between operators), from the PyTorch profiler."""
+def time_split(engine: Engine, batch: int, new: int, repeats: int = 10) -> dict:
+    """Where a verify step's time goes (``batch`` sequences × ``new`` tokens at context CONTEXT):
+    matrix multiplies, attention, other operators, and the rest (Python between operators), from
+    the PyTorch profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine.prefill([SequenceInput("split", 0, list(range(100, 100 + CONTEXT)))])
-    items = [VerifyItem(SequenceInput("split", CONTEXT, [11]))]
+    ids = [f"split{row}" for row in range(batch)]
+    engine.prefill([SequenceInput(seq_id, 0, list(range(100, 100 + CONTEXT))) for seq_id in ids])
+    items = [VerifyItem(SequenceInput(seq_id, CONTEXT, [11] * new)) for seq_id in ids]
     for _ in range(3):
         verify(engine, items)
     start = time.perf_counter()
@@ -44,7 +47,7 @@ def time_split(engine: Engine, repeats: int = 10) -> dict:
         for _ in range(repeats):
             verify(engine, items)
     wall = (time.perf_counter() - start) / repeats * 1000
-    engine.release(["split"])
+    engine.release(ids)
     split = {"matmul": 0.0, "attention": 0.0, "other operators": 0.0}
     for event in prof.key_averages():
         ms = event.self_cpu_time_total / 1000 / repeats
@@ -57,6 +60,9 @@ def time_split(engine: Engine, repeats: int = 10) -> dict:
     split["Python and the rest"] = max(wall - sum(split.values()), 0.0)
     split["wall (under the profiler)"] = wall
     return split
+
+
+SPLIT_SHAPES = [(1, 1), (8, 1), (8, 4)]
 
 
 def compiled_engine(model) -> Engine:
@@ -117,12 +123,15 @@ def main() -> int:
         print(f"| {name} | {value:.2f} |")
     for bench in benches.values():
         bench.close()
-    split = time_split(engines[best])
-    print("\n## where a bf16 one-token step goes (batch 1, under the profiler)\n\n| part | ms |\n|---|---|")
-    for name, ms in split.items():
-        print(f"| {name} | {ms:.1f} |")
+    # The batch-8 ratio's limit: at 8 × 4 every matrix multiply has 32 rows.
+    splits = {f"{batch}x{new}": time_split(engines[best], batch, new) for batch, new in SPLIT_SHAPES}
+    print("\n## where a bf16 verify step goes (ms, under the profiler)\n")
+    print("| part | " + " | ".join(f"{shape.replace('x', ' × ')}" for shape in splits) + " |")
+    print("|---|" + "---|" * len(splits))
+    for part in next(iter(splits.values())):
+        print(f"| {part} | " + " | ".join(f"{split[part]:.1f}" for split in splits.values()) + " |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"ms": table, "ratios": ratios, "split_ms": split, "threads": args.threads},
+    Path(args.out).write_text(json.dumps({"ms": table, "ratios": ratios, "split_ms": splits, "threads": args.threads},
                                          indent=1))
     return 0
 
