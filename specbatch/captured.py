@@ -86,6 +86,14 @@ class Buckets:
         return sorted(((b, w, e) for b in self.batch for w in self.width for e in self.context), reverse=True)
 
 
+def add_cuda_graphs_flag(parser) -> None:
+    """``--cuda-graphs``: the engines' captured steps (the services, bench-engine, the stacks)."""
+    parser.add_argument("--cuda-graphs", choices=MODES, default="auto",
+                        help="steps at bucketed static shapes replayed as CUDA graphs: auto (on for CUDA with the "
+                             "engine's own forward), on (captured at start-up; the KV pool is allocated once at its "
+                             "budget), lazy (captured at first use), static (padded, never captured), off")
+
+
 def resolve_mode(mode: str, device: torch.device, own_forward: bool) -> str:
     """The mode an engine runs: "auto" is "on" for CUDA with the engine's own forward (the
     transformers forward builds cache objects and masks on the host), else "off"."""
