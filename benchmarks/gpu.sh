@@ -28,6 +28,9 @@ if [[ $DEVICE == cuda* ]]; then
     ENGINE_GRID=()  # bench-engine's defaults: batch 1…64 × tokens 1,2,4,8 and k 1…6 at context 512
     PROFILE_GRID=(--batch-sizes 1,2,4,8,16,32,64 --max-k 6 --steps 16)
     KV_GB=32  # per service: batch 64 × ~520 tokens of OPT-6.7B keys and values is 16 GiB
+    # With CUDA graphs (--cuda-graphs auto is on for CUDA) each service allocates its pool once, at
+    # --kv-cache-gb for sequences of --max-context tokens: 64 × 769 × 0.5 MiB of OPT-6.7B is 24 GiB.
+    MAX_CONTEXT=768
     PROFILE_OUT=docs/profile/gpu-opt-6.7b.json
 else
     # A 6.7B shape does not fit a small CPU box: the draft's shape stands in for the target. Equal
@@ -37,6 +40,7 @@ else
     ENGINE_GRID=(--batch-sizes 1,2 --tokens 1,4 --ks 1,3 --context 64 --repeats 3 --warmup 1)
     PROFILE_GRID=(--batch-sizes 1,2 --max-k 2 --steps 2 --warmup-steps 1 --max-prompt-tokens 64)
     KV_GB=1
+    MAX_CONTEXT=512
     PROFILE_OUT=$OUT/profile-$TARGET_SHAPE.json
 fi
 if [[ -n $ACCEPTANCE_FROM ]]; then
@@ -67,8 +71,13 @@ echo "== bench-engine: $TARGET_SHAPE / $DRAFT_SHAPE shapes (random weights) =="
 
 echo "== profile: $TARGET_SHAPE / $DRAFT_SHAPE shapes, measured step times, given acceptance =="
 "$SPECBATCH" profile --device "$DEVICE" --dtype "$DTYPE" --random-weights --kv-cache-gb "$KV_GB" \
+    --max-context "$MAX_CONTEXT" \
     --target-model "$TARGET_SHAPE" --draft-model "$DRAFT_SHAPE" \
     "${PROFILE_GRID[@]}" "${GIVEN[@]}" --out "$PROFILE_OUT" --heatmap "${PROFILE_OUT%.json}.png" \
-    | tee "$OUT/profile.txt"
+    2> >(tee "$OUT/profile.log" >&2) | tee "$OUT/profile.txt"
+
+echo "== captured steps (CUDA graphs): capture time and graph memory =="
+# bench-engine's tables end with them; the profile's services log them (WARNING) as they start.
+grep -h "captured" "$OUT"/engine-*/bench-engine.md "$OUT/profile.log" 2>/dev/null || true
 
 echo "results in $OUT; profile: $PROFILE_OUT and ${PROFILE_OUT%.json}.png"

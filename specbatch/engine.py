@@ -37,6 +37,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from . import llama
+from .captured import CapturedForward, resolve_mode
 from .eagle import reads_target_features
 from .kv_pool import KVPool, SequenceCache
 from .transformers_forward import TransformersForward
@@ -171,6 +172,10 @@ class Engine:
     # "auto": the first where it covers the model. After start-up it names the one in use.
     implementation: str = "auto"
     clock: Callable[[], float] = time.monotonic  # for sequence leases (``reclaim_idle``); tests pass their own
+    # Steps at bucketed static shapes, replayed as CUDA graphs (specbatch.captured): "auto" (on for
+    # CUDA with the own forward), "on" (captured at start-up), "lazy", "static" (padded, no
+    # capture: any device), "off". After start-up it names the mode in use.
+    captured_steps: str = "auto"
 
     def __post_init__(self):
         self.model.eval()
@@ -191,6 +196,13 @@ class Engine:
         # The forward of one ragged batch (see RaggedBatch); LlamaForward.__call__ is the contract.
         self.forward = llama.LlamaForward(self.model) if own else TransformersForward(self.model)
         self.implementation = "specbatch" if own else "transformers"
+        self.captured_steps = resolve_mode(self.captured_steps, self.device, own)
+        self.capture_report: dict = {}
+        if self.captured_steps != "off":  # the pool must stay where the graphs point
+            self.pool.fix(self.max_sequences, self.max_context + 1)
+            self.forward = CapturedForward(self.forward, self.pool, self.captured_steps, self.feature_size)
+            if self.captured_steps == "on":
+                self.capture_report = self.run(self.forward.capture_all)
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise ValueError("models with sliding-window attention layers are not supported yet")
 

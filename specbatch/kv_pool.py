@@ -14,13 +14,26 @@ class KVPool:
     """Keys and values of every sequence of an engine, one slot per sequence.
 
     Grows by doubling (slots or context columns) with a copy, so growing is rare; the last column
-    of every slot is scratch for padding tokens and is never part of a sequence.
+    of every slot is scratch for padding tokens and is never part of a sequence. A fixed pool
+    (``fix``: captured steps need its address to stay) is allocated once and never grows.
     """
 
     def __init__(self, kv_shape: tuple[int, int, int], dtype, device, max_bytes: int | None):
         self.layers, self.kv_heads, self.head_dim = kv_shape
         self.dtype, self.device, self.max_bytes = dtype, device, max_bytes
         self.kv = self._zeros(0, 0)
+        self.fixed = False
+
+    def fix(self, slots: int, context: int) -> None:
+        """Allocate the pool once, ``context`` columns (scratch included) for as many of ``slots``
+        slots as the budget holds, and refuse to grow from then on."""
+        if self.max_bytes is not None:
+            slots = min(slots, self.max_bytes // self.bytes_for(1, context))
+        if slots < 1:
+            raise CapacityExceeded(f"a KV budget of {self.max_bytes / 2**20:.2f} MiB holds no sequence of "
+                                   f"{context - 1} tokens ({self.bytes_for(1, context) / 2**20:.2f} MiB)")
+        self.kv = self._zeros(slots, context)
+        self.fixed = True
 
     def _zeros(self, slots: int, context: int) -> torch.Tensor:
         # Zeros, not empty: masked columns still enter the attention product as `0 * value`,
@@ -47,6 +60,10 @@ class KVPool:
         """
         if slots <= self.slots and context <= self.context:
             return
+        if self.fixed:
+            raise CapacityExceeded(
+                f"the KV pool is allocated once at {self.slots} sequences of up to {self.context - 1} tokens "
+                f"(captured steps keep it in place); {slots} sequences of up to {context - 1} tokens do not fit")
         doubled = (max(slots, 2 * self.slots, 8) if slots > self.slots else self.slots,
                    min(max(context, 2 * self.context, 64), context_limit) if context > self.context else self.context)
         exact = (slots, max(context, self.context))

@@ -14,6 +14,7 @@ import time
 import numpy as np
 import torch
 
+from .captured import add_cuda_graphs_flag
 from .engine import Engine, SequenceInput
 from .logs import LOG_FORMATS
 from .metrics import DEFAULT_METRICS_PORTS, new_registry, serve_metrics
@@ -200,6 +201,7 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
     parser.add_argument("--max-sequences", type=int, default=256, help="sequences cached at once")
     parser.add_argument("--max-context", type=int, help="tokens per sequence (default: the model's)")
     parser.add_argument("--kv-cache-gb", type=float, default=8.0, help="KV cache budget in GiB (default 8)")
+    add_cuda_graphs_flag(parser)
     parser.add_argument("--sequence-lease-seconds", type=float, default=DEFAULT_SEQUENCE_LEASE_SECONDS,
                         help="reclaim a sequence no call touched for this long: its coordinator is gone "
                              f"(default {DEFAULT_SEQUENCE_LEASE_SECONDS:.0f}; 0 keeps sequences until released)")
@@ -245,9 +247,10 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
 
             fuse_target_features(model, parse_feature_layers(args.feature_layers))
         engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,
-                        max_cache_bytes=int(args.kv_cache_gb * 2**30))
-        log.info("%s service: loaded %s in %.1fs on %s/%s, %d threads", kind, spec.describe(),
-                 time.perf_counter() - started, engine.device, engine.dtype, torch.get_num_threads())
+                        max_cache_bytes=int(args.kv_cache_gb * 2**30), captured_steps=args.cuda_graphs)
+        log.info("%s service: loaded %s in %.1fs on %s/%s, %d threads, captured steps %s", kind, spec.describe(),
+                 time.perf_counter() - started, engine.device, engine.dtype, torch.get_num_threads(),
+                 engine.captured_steps)
         metrics = ServiceMetrics(kind, engine, registry)
         server = Server(f"{args.host}:{args.port}", max_workers=8, credentials=credentials,
                         interceptors=[metrics.interceptor()])

@@ -111,6 +111,19 @@ def test_proposals_equal_a_plain_forward_of_the_draft(target_model, eagle_draft)
     assert [engine.length(f"s{i}") for i in range(3)] == [len(p) for p in prompts]
 
 
+def test_proposals_through_the_static_padded_path_equal_eager(target_model, eagle_draft):
+    """The draft reads target features: they are padded into the static buffers like the tokens
+    (specbatch.captured), and the proposals stay the same."""
+    rng = random.Random(5)
+    prompts = [[1] + [rng.randrange(5, VOCAB) for _ in range(n)] for n in (4, 11, 7)]
+    fed = [torch.cat([torch.zeros(1, f.shape[1]), f[:-1]]) for f in (_features_for(target_model, p) for p in prompts)]
+    items = lambda: [ProposeItem(SequenceInput(f"s{i}", 0, p, f), k=2 + i)  # noqa: E731
+                     for i, (p, f) in enumerate(zip(prompts, fed))]
+    static = Engine(eagle_draft, max_sequences=4, max_context=64, captured_steps="static")
+    assert propose(static, items()) == propose(Engine(eagle_draft, max_sequences=4, max_context=64), items())
+    assert static.forward.replayed == 4 and static.forward.eager == 0  # the prefill and 3 decodes
+
+
 def test_feature_shape_is_checked(eagle_draft):
     engine = Engine(eagle_draft)
     with pytest.raises(InvalidRequest, match="feature"):

@@ -36,6 +36,7 @@ import torch
 from draft_service.proposer import ProposeItem, proposals
 from target_service.verifier import VerifyItem, verify
 
+from ..captured import add_cuda_graphs_flag
 from ..engine import Engine, SequenceInput
 
 FORMAT = "specbatch-bench-engine"
@@ -222,6 +223,12 @@ def markdown(report: dict) -> str:
                                "limit_ms_per_token")
     lines += ["", f"bandwidth: {report['bandwidth_gbs']} GB/s ({report['bandwidth_source']}); median of "
               f"{grid['repeats']} calls after {grid['warmup']} warm-up calls"]
+    for role, about in (("target", target), ("draft", report.get("draft_model"))):
+        if about and about.get("captured_steps"):
+            capture = about.get("capture")
+            lines.append(f"captured steps of the {role}: {about['captured_steps']}" + (
+                f" ({capture['graphs']} CUDA graphs captured in {capture['seconds']} s, +{capture['allocated_mib']} MiB "
+                f"allocated, +{capture['reserved_mib']} MiB reserved)" if capture else ""))
     return "\n".join(lines)
 
 
@@ -247,10 +254,12 @@ def add_bench_engine_flags(parser) -> None:
     parser.add_argument("--random-weights", action="store_true", help="only the models' shapes, random weights")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (default: bfloat16 on GPU, float32 on CPU)")
-    # The pool is allocated as the grid needs it, never at the budget: a generous default only
-    # keeps the default grid whole (batch 64 × 520 tokens of OPT-6.7B is 16.3 GiB).
+    # The pool is allocated as the grid needs it (with captured steps: once, for the largest batch
+    # at the longest call), never beyond: a generous default only keeps the default grid whole
+    # (batch 64 × 520 tokens of OPT-6.7B is 16.3 GiB).
     parser.add_argument("--kv-cache-gb", type=float, default=32.0,
                         help="KV budget of each model in GiB (default 32); batch sizes that do not fit are skipped")
+    add_cuda_graphs_flag(parser)
     parser.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)))
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="tokens fed per sequence in a verify step")
     parser.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)), help="drafted tokens per sequence in a propose call")
@@ -292,9 +301,11 @@ def run_bench_engine(args) -> int:
             raise ValueError(f"{spec.describe()} takes {positions} positions; --context {grid.context} with "
                              f"{longest - grid.context} more tokens needs {longest}")
         engine = Engine(model, max_sequences=max(grid.batch_sizes), max_context=longest,
-                        max_cache_bytes=budget)
-        print(f"loaded {spec.describe()} in {time.perf_counter() - started:.1f}s on {engine.device}/{engine.dtype}",
-              file=sys.stderr, flush=True)
+                        max_cache_bytes=budget, captured_steps=args.cuda_graphs)
+        print(f"loaded {spec.describe()} in {time.perf_counter() - started:.1f}s on {engine.device}/{engine.dtype}, "
+              f"captured steps {engine.captured_steps}", file=sys.stderr, flush=True)
+        if engine.capture_report:
+            print(f"captured {spec.describe()}: {json.dumps(engine.capture_report)}", file=sys.stderr, flush=True)
         return engine
 
     try:
@@ -327,7 +338,8 @@ def run_bench_engine(args) -> int:
         traffic = Traffic.of(engine)
         return {"model": name, "dtype": str(engine.dtype).removeprefix("torch."), "random_weights": args.random_weights,
                 "parameters": sum(p.numel() for p in engine.model.parameters()),
-                "weight_bytes_read": traffic.weight_bytes, "kv_bytes_per_token": traffic.kv_bytes_per_token}
+                "weight_bytes_read": traffic.weight_bytes, "kv_bytes_per_token": traffic.kv_bytes_per_token,
+                "captured_steps": engine.captured_steps, "capture": engine.capture_report or None}
 
     report = {
         "format": FORMAT, "version": VERSION,

@@ -52,6 +52,8 @@ class StackOptions:
     device: str | None = None
     dtype: str | None = None
     kv_cache_gb: float | None = None  # each model service's KV budget; None: the services' default
+    max_context: int | None = None  # each model service's tokens per sequence; None: the model's
+    cuda_graphs: str | None = None  # each model service's --cuda-graphs; None: the services' default
     k_policy: str | None = None  # None: default_k_policy
     profile: str | None = None  # the coordinator's --profile
     max_batch_size: int = 32
@@ -99,6 +101,11 @@ def add_stack_flags(parser) -> None:
     parser.add_argument("--device")
     parser.add_argument("--dtype")
     parser.add_argument("--kv-cache-gb", type=float, help="KV cache budget of each model service in GiB (default 8)")
+    parser.add_argument("--max-context", type=int, help="tokens per sequence in each model service (default: the "
+                        "model's); with CUDA graphs the pool holds --kv-cache-gb of sequences this long")
+    # No choices here: the launcher stays torch-free, the services check the value.
+    parser.add_argument("--cuda-graphs", help="captured steps of each model service: auto (default: on for CUDA with "
+                        "the engine's own forward), on, lazy, static or off; see python -m target_service --help")
     parser.add_argument("--k-policy", help="fixed:K, profile or goodput (the last two need --profile); default: "
                         "the shipped profile's policy for the embedded models on a CPU, else fixed:3")
     parser.add_argument("--profile", help="the coordinator's profile JSON (made by `specbatch profile`)")
@@ -120,7 +127,8 @@ def stack_options(args) -> StackOptions:
         target_model=args.target_model, target_gguf_file=args.target_gguf_file, draft_model=args.draft_model,
         draft_gguf_file=args.draft_gguf_file, draft_layers=args.draft_layers, no_draft=args.no_draft,
         random_weights=args.random_weights,
-        device=args.device, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb, k_policy=args.k_policy, profile=args.profile,
+        device=args.device, dtype=args.dtype, kv_cache_gb=args.kv_cache_gb, max_context=args.max_context,
+        cuda_graphs=args.cuda_graphs, k_policy=args.k_policy, profile=args.profile,
         max_batch_size=args.max_batch_size,
         host=args.host, ports={"coordinator": args.port, "target": args.target_port, "draft": args.draft_port},
         log_level=args.log_level, metrics_ports=dict(DEFAULT_METRICS_PORTS) if args.metrics else None,
@@ -132,7 +140,8 @@ def _model_flags(model, gguf_file, layers, options: StackOptions) -> list[str]:
     flags = []
     for name, value in (("--model", model), ("--gguf-file", gguf_file), ("--num-layers", layers),
                         ("--device", options.device), ("--dtype", options.dtype),
-                        ("--kv-cache-gb", options.kv_cache_gb)):
+                        ("--kv-cache-gb", options.kv_cache_gb), ("--max-context", options.max_context),
+                        ("--cuda-graphs", options.cuda_graphs)):
         if value is not None:
             flags += [name, str(value)]
     return flags + (["--random-weights"] if options.random_weights else [])

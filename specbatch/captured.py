@@ -1,0 +1,270 @@
+"""Captured steps: an engine's forward at bucketed static shapes, replayed as CUDA graphs.
+
+A decode or verify step of a large model on a GPU is bound by the host launching ~1,100 small
+kernels, not by the GPU (issue 16: 100 ms steps, 3.3 ms of GPU work). A CUDA graph records the
+kernels of one forward at fixed shapes and addresses once, and replays them with one launch.
+
+``CapturedForward`` wraps an engine's own forward (anything with ``LlamaForward.__call__``'s
+contract). A call that fits a bucket of ``Buckets`` (batch size × tokens per row × attended
+columns), whose KV is the pool view starting at slot 0 (the coordinator sends the whole running
+batch; slots are dense), is padded into static buffers and replayed; any other call (a prefill of
+long prompts, a gathered batch of non-contiguous slots, a batch larger than every bucket) runs the
+wrapped forward eagerly. Padding:
+
+- extra rows ``b … B-1`` are padding rows: all their tokens are padding, which write to the
+  scratch column (the pool's last) and attend column 0 only. Those slots may hold live sequences
+  that are not in this call: that is safe, since the scratch column is never part of a sequence
+  and column 0 is only read;
+- extra token columns are left padding (tokens are right-aligned, so the last columns of the
+  logits stay the last);
+- extra attended columns are masked off.
+
+Only the tokens, their positions and which of them are real are copied in; the mask and the
+write columns are computed inside the captured region, with RaggedBatch's semantics (each real
+token sees its row's columns up to its own position, padding tokens see column 0 only).
+
+On CUDA the graphs share one memory pool; they are captured larger first, at start-up (mode
+"on") or at a bucket's first use ("lazy"). The KV pool must not move after capture: the engine
+allocates it once at its budget and refuses growth (``KVPool.fix``); should it move anyway, the
+graphs are dropped and captured again. Mode "static" runs the same padded path eagerly without
+capture, on any device: that is how CI on a CPU exercises the padding, bucketing and fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .kv_pool import KVPool
+from .speculation import MAX_K
+
+log = logging.getLogger(__name__)
+
+# "auto": "on" for CUDA with the engine's own forward, else "off"; "on": CUDA graphs captured at
+# start-up; "lazy": captured at a bucket's first use; "static": the padded static path, eager (no
+# capture; any device); "off": the plain eager forward.
+MODES = ("auto", "on", "lazy", "static", "off")
+SMALLEST_CONTEXT = 64
+
+
+def _powers(smallest: int, largest: int) -> tuple[int, ...]:
+    """Powers of two from ``smallest``, the last the first one reaching ``largest``, capped at it."""
+    sizes, size = [], smallest
+    while True:
+        sizes.append(min(size, largest))
+        if size >= largest:
+            return tuple(sizes)
+        size *= 2
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """The static shapes a call is padded to: rows, tokens per row, attended columns."""
+
+    batch: tuple[int, ...]
+    width: tuple[int, ...]
+    context: tuple[int, ...]
+
+    @classmethod
+    def for_pool(cls, slots: int, context: int, max_width: int = MAX_K + 1) -> "Buckets":
+        """Batch sizes 1, 2, 4 … up to the pool's slots; widths 1, 2, 4 … up to MAX_K + 1 (verifying
+        MAX_K drafts); attended columns 64, 128 … up to the longest a row reaches (the pool's
+        columns less the scratch column)."""
+        return cls(_powers(1, slots), _powers(1, max_width), _powers(min(SMALLEST_CONTEXT, context - 1), context - 1))
+
+    def bucket_for(self, batch: int, width: int, end: int) -> tuple[int, int, int] | None:
+        """The smallest bucket that fits, or None when one of the sizes is past every bucket."""
+        fits = [next((size for size in sizes if size >= need), None)
+                for sizes, need in ((self.batch, batch), (self.width, width), (self.context, end))]
+        return None if None in fits else tuple(fits)
+
+    def all(self) -> list[tuple[int, int, int]]:
+        """Every bucket, largest first (the order of capture)."""
+        return sorted(((b, w, e) for b in self.batch for w in self.width for e in self.context), reverse=True)
+
+
+def add_cuda_graphs_flag(parser) -> None:
+    """``--cuda-graphs``: the engines' captured steps (the services, bench-engine, the stacks)."""
+    parser.add_argument("--cuda-graphs", choices=MODES, default="auto",
+                        help="steps at bucketed static shapes replayed as CUDA graphs: auto (on for CUDA with the "
+                             "engine's own forward), on (captured at start-up; the KV pool is allocated once at its "
+                             "budget), lazy (captured at first use), static (padded, never captured), off")
+
+
+def resolve_mode(mode: str, device: torch.device, own_forward: bool) -> str:
+    """The mode an engine runs: "auto" is "on" for CUDA with the engine's own forward (the
+    transformers forward builds cache objects and masks on the host), else "off"."""
+    if mode not in MODES:
+        raise ValueError(f"captured steps: unknown mode {mode!r} (one of {', '.join(MODES)})")
+    if mode == "auto":
+        return "on" if device.type == "cuda" and own_forward else "off"
+    return mode
+
+
+class CapturedForward:
+    """``LlamaForward.__call__``'s contract over ``forward``, replayed at static shapes where a
+    call fits (see the module docstring). ``replayed`` and ``eager`` count the calls of each
+    path (a "static" call counts as replayed: it took the padded path)."""
+
+    def __init__(self, forward, pool: KVPool, mode: str, feature_size: int = 0, max_width: int = MAX_K + 1):
+        if mode not in ("on", "lazy", "static"):
+            raise ValueError(f"CapturedForward runs modes on, lazy or static, not {mode!r}")
+        self.forward, self.pool, self.mode = forward, pool, mode
+        self.capture = mode != "static"
+        if self.capture and pool.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the pool is on {pool.device} (use mode 'static')")
+        self.feature_size, self.max_width = feature_size, max_width
+        self.replayed = self.eager = 0
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.report: dict = {}
+        self._layout()
+
+    # ---- static buffers ------------------------------------------------------------------------
+
+    def _layout(self) -> None:
+        """Buckets and static buffers for the pool as it is now (graphs are keyed on its address)."""
+        self.graphs.clear()
+        self.pool_address = self.pool.kv.data_ptr()
+        self.buckets = Buckets.for_pool(self.pool.slots, self.pool.context, self.max_width)
+        rows, width = self.buckets.batch[-1], self.buckets.width[-1]
+        device = self.pool.device
+        # Flat, so that the first B×W elements viewed as [B, W] are contiguous for every bucket.
+        self.input_ids = torch.zeros(rows * width, dtype=torch.long, device=device)
+        self.positions = torch.zeros(rows * width, dtype=torch.long, device=device)
+        self.valid = torch.zeros(rows * width, dtype=torch.bool, device=device)
+        self.features = (torch.zeros(rows * width * self.feature_size, dtype=self.pool.dtype, device=device)
+                         if self.feature_size else None)
+        self.logits = self.hidden = None  # outputs: allocated at the first static forward, when their sizes are known
+        if self.capture:
+            self.memory_pool = torch.cuda.graph_pool_handle()
+
+    def _views(self, rows: int, width: int):
+        n = rows * width
+        features = None if self.features is None else self.features[: n * self.feature_size].view(rows, width, -1)
+        return (self.input_ids[:n].view(rows, width), self.positions[:n].view(rows, width),
+                self.valid[:n].view(rows, width), features)
+
+    def _static_forward(self, rows: int, width: int, end: int) -> None:
+        """The forward at one bucket, from and into the static buffers: what a graph captures."""
+        input_ids, positions, valid, features = self._views(rows, width)
+        scratch = self.pool.context - 1
+        columns = torch.where(valid, positions, torch.full_like(positions, scratch))
+        seen = torch.arange(end, device=positions.device)[None, None, :]
+        # RaggedBatch's mask: each real token sees its row's columns up to itself; padding tokens
+        # (padding rows, left padding) see column 0 only.
+        mask = torch.where(valid[:, :, None], seen <= positions[:, :, None], seen == 0)[:, None]
+        logits, hidden = self.forward(input_ids, positions, columns, self.pool.kv[:, :, :rows], mask, width, features)
+        if self.logits is None:
+            self._outputs(logits.shape[-1], hidden.shape[-1], logits.dtype, hidden.dtype)
+        self.logits[: rows * width * logits.shape[-1]].view(logits.shape).copy_(logits)
+        self.hidden[: rows * width * hidden.shape[-1]].view(hidden.shape).copy_(hidden)
+
+    def _outputs(self, vocab: int, hidden: int, logits_dtype, hidden_dtype) -> None:
+        rows, width = self.buckets.batch[-1], self.buckets.width[-1]
+        self.logits = torch.empty(rows * width * vocab, dtype=logits_dtype, device=self.pool.device)
+        self.hidden = torch.empty(rows * width * hidden, dtype=hidden_dtype, device=self.pool.device)
+        self.vocab, self.hidden_size = vocab, hidden
+
+    # ---- capture ---------------------------------------------------------------------------------
+
+    def _inputs(self) -> list[torch.Tensor]:
+        return [t for t in (self.input_ids, self.positions, self.valid, self.features) if t is not None]
+
+    def _capture_one(self, bucket: tuple[int, int, int]) -> torch.cuda.CUDAGraph:
+        rows, width, end = bucket
+        self._views(rows, width)[2].zero_()  # all padding: writes only to the scratch column
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.inference_mode():
+            for _ in range(2):  # warm-up off the capturing stream (allocator, cuBLAS workspaces)
+                self._static_forward(rows, width, end)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(graph, pool=self.memory_pool):
+            self._static_forward(rows, width, end)
+        self.graphs[bucket] = graph
+        return graph
+
+    def capture_all(self) -> dict:
+        """Capture every bucket, largest first; returns (and logs) what it took."""
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        started = time.perf_counter()
+        for bucket in self.buckets.all():
+            if bucket not in self.graphs:
+                self._capture_one(bucket)
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        self.report = {"graphs": len(self.graphs), "seconds": round(time.perf_counter() - started, 2),
+                       "allocated_mib": round((after[0] - before[0]) / 2**20, 1),
+                       "reserved_mib": round((after[1] - before[1]) / 2**20, 1),
+                       "buckets": {"batch": list(self.buckets.batch), "width": list(self.buckets.width),
+                                   "context": list(self.buckets.context)}}
+        log.warning("captured %d CUDA graphs in %.1f s: +%.0f MiB allocated, +%.0f MiB reserved; buckets: batch %s, "
+                    "tokens %s, columns %s", self.report["graphs"], self.report["seconds"], self.report["allocated_mib"],
+                    self.report["reserved_mib"], self.buckets.batch, self.buckets.width, self.buckets.context)
+        return self.report
+
+    # ---- calls -----------------------------------------------------------------------------------
+
+    def _bucket(self, input_ids: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor):
+        """The call's bucket, or None where it must run eagerly."""
+        pool = self.pool.kv
+        if pool.data_ptr() != self.pool_address:  # the pool moved: every graph points at the old one
+            self._layout()
+        # The pool view from slot 0: the same storage, strides and columns as the pool.
+        if kv.data_ptr() != pool.data_ptr() or kv.stride() != pool.stride() or kv.shape[4] != pool.shape[4]:
+            return None
+        bucket = self.buckets.bucket_for(input_ids.shape[0], input_ids.shape[1], mask.shape[-1])
+        if bucket is None or bucket[0] > self.pool.slots or bucket[2] > self.pool.context:
+            return None
+        return bucket
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, write_columns: torch.Tensor,
+                 kv: torch.Tensor, mask: torch.Tensor, logits_to_keep: int,
+                 features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        bucket = self._bucket(input_ids, kv, mask)
+        if bucket is None:
+            self.eager += 1
+            return self.forward(input_ids, positions, write_columns, kv, mask, logits_to_keep, features)
+        self.replayed += 1
+        rows, width, end = bucket
+        batch, fed = input_ids.shape
+        static_ids, static_positions, static_valid, static_features = self._views(rows, width)
+        static_ids.zero_()
+        static_positions.zero_()
+        static_valid.zero_()
+        # The call's tokens right-aligned in the bucket's columns: a real token never writes to
+        # the scratch column, a padding token always does.
+        static_ids[:batch, width - fed:] = input_ids
+        static_positions[:batch, width - fed:] = positions
+        static_valid[:batch, width - fed:] = write_columns != kv.shape[4] - 1
+        if static_features is not None:
+            static_features.zero_()
+            static_features[:batch, width - fed:] = features
+        if not self.capture:
+            self._static_forward(rows, width, end)
+        else:
+            graph = self.graphs.get(bucket)
+            if graph is None:
+                graph = self._capture_lazily(bucket)
+            graph.replay()
+        logits = self.logits[: rows * width * self.vocab].view(rows, width, self.vocab)
+        hidden = self.hidden[: rows * width * self.hidden_size].view(rows, width, self.hidden_size)
+        # Copies: the static outputs are overwritten by the next replay.
+        keep = min(logits_to_keep, fed)  # as the eager forward: no more columns than the call has
+        return logits[:batch, width - keep:].clone(), hidden[:batch, width - fed:].clone()
+
+    def _capture_lazily(self, bucket):
+        # Capturing replaces the static inputs with padding: keep the call's and put them back.
+        saved = [t.clone() for t in self._inputs()]
+        started = time.perf_counter()
+        graph = self._capture_one(bucket)
+        for buffer, value in zip(self._inputs(), saved):
+            buffer.copy_(value)
+        log.info("captured the CUDA graph of bucket %s in %.2f s", bucket, time.perf_counter() - started)
+        return graph

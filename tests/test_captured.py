@@ -1,0 +1,211 @@
+"""Captured steps (specbatch.captured): buckets, the fallbacks, the padded static path against the
+eager one token for token, and the pool that never moves. CUDA graphs themselves only where a
+GPU is."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from draft_service.proposer import ProposeItem, propose
+from specbatch.captured import Buckets, CapturedForward
+from specbatch.engine import CapacityExceeded, Engine, SequenceInput
+from target_service.verifier import VerifyItem, verify
+from tiny import VOCAB, greedy_reference
+
+
+def prompts(lengths, seed):
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(5, VOCAB) for _ in range(n - 1)] for n in lengths]
+
+
+# ---- buckets and fallbacks ---------------------------------------------------------------------
+
+
+def test_bucket_for_picks_the_smallest_fitting_bucket():
+    buckets = Buckets.for_pool(slots=12, context=257)
+    assert buckets.batch == (1, 2, 4, 8, 12)
+    assert buckets.width == (1, 2, 4, 8, 16, 17)
+    assert buckets.context == (64, 128, 256)
+    assert buckets.bucket_for(1, 1, 1) == (1, 1, 64)
+    assert buckets.bucket_for(3, 5, 65) == (4, 8, 128)
+    assert buckets.bucket_for(9, 17, 256) == (12, 17, 256)
+    assert buckets.bucket_for(13, 1, 1) is None
+    assert buckets.bucket_for(1, 18, 1) is None
+    assert buckets.bucket_for(1, 1, 257) is None
+    assert Buckets.for_pool(slots=4, context=100).context == (64, 99)
+    assert buckets.all()[0] == (12, 17, 256) and buckets.all()[-1] == (1, 1, 64)
+
+
+def counts(engine: Engine) -> tuple[int, int]:
+    return engine.forward.replayed, engine.forward.eager
+
+
+def test_calls_outside_the_static_path_run_eagerly_and_are_counted(target_model):
+    engine = Engine(target_model, max_sequences=8, max_context=128, captured_steps="static")
+    assert isinstance(engine.forward, CapturedForward) and engine.captured_steps == "static"
+    ids = [f"s{i}" for i in range(3)]
+    engine.prefill([SequenceInput(i, 0, p) for i, p in zip(ids, prompts([20, 5, 30], 0))])
+    assert counts(engine) == (0, 1)  # 30 tokens a row: wider than every width bucket
+
+    def step(which):
+        verify(engine, [VerifyItem(SequenceInput(ids[i], engine.length(ids[i]), [7]), [8, 9]) for i in which])
+
+    step([0, 1, 2])  # the whole batch, slot 0 on: replayed
+    assert counts(engine) == (1, 1)
+    step([0, 1])  # a prefix of the live slots: replayed (row 2 of the bucket is padding)
+    assert counts(engine) == (2, 1)
+    step([1, 2])  # contiguous, but not from slot 0: eager
+    assert counts(engine) == (2, 2)
+    step([2, 0])  # not contiguous (a gathered copy): eager
+    assert counts(engine) == (2, 3)
+    engine.prefill([SequenceInput(ids[0], engine.length(ids[0]), list(range(5, 23)))])  # 18 tokens
+    assert counts(engine) == (2, 4)
+
+
+def test_captured_modes_need_cuda_and_auto_is_off_on_cpu(target_model):
+    assert Engine(target_model, max_sequences=2).captured_steps == "off"
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA"):
+            Engine(target_model, max_sequences=2, captured_steps="on")
+    with pytest.raises(ValueError, match="unknown mode"):
+        Engine(target_model, max_sequences=2, captured_steps="sometimes")
+
+
+# ---- the static path equals the eager one ------------------------------------------------------
+
+
+def test_static_logits_and_hidden_states_match_eager(target_model):
+    eager = Engine(target_model, max_sequences=8, max_context=200)
+    static = Engine(target_model, max_sequences=8, max_context=200, captured_steps="static")
+    ps = prompts([9, 40, 3, 70, 12], 1)
+    for engine in (eager, static):
+        engine.prefill([SequenceInput(f"s{i}", 0, p) for i, p in enumerate(ps)])
+    # Ragged: 1 to 6 new tokens a row; three of the five rows (a prefix of the slots), then all five.
+    for which in ([0, 1, 2], [0, 1, 2, 3, 4]):
+        out = []
+        for engine in (eager, static):
+            fed = [SequenceInput(f"s{i}", len(ps[i]) - (i % 3), ps[i][len(ps[i]) - (i % 3):] + [5 + i] * (i + 1))
+                   for i in which]
+            batch = engine.start(fed)
+            out.append((batch.prefill(6), batch.last_hidden()))
+            batch.commit([0] * len(which))
+        assert static.forward.replayed == 1 + (which == [0, 1, 2, 3, 4])
+        (eager_logits, eager_hidden), (static_logits, static_hidden) = out
+        assert static_logits.shape == eager_logits.shape
+        torch.testing.assert_close(static_logits, eager_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(static_hidden, eager_hidden, rtol=1e-4, atol=1e-4)
+
+
+def speculate(target: Engine, draft: Engine, ps: list[list[int]], new_tokens: int, seed: int) -> dict:
+    """Greedy speculative decoding of every prompt, the way the coordinator steps: each step takes
+    a batch of the unfinished sequences (all of them, a prefix of the slots, or a scattered few),
+    drafts k (1-5) per sequence, verifies; finished sequences are released, and one more half-way
+    (slots move)."""
+    rng = random.Random(seed)
+    history = {f"s{i}": list(p) for i, p in enumerate(ps)}
+    prompt_len = {sid: len(h) for sid, h in history.items()}
+    cached = {sid: 0 for sid in history}  # target-side
+    draft_cached = {sid: 0 for sid in history}
+    done: dict[str, list[int]] = {}
+    for step in range(200):
+        live = [sid for sid in history if sid not in done]
+        if not live:
+            break
+        if step == 3 and len(live) > 2:  # free a slot in the middle: the rest move down
+            gone = live[1]
+            done[gone] = history[gone][prompt_len[gone]:]
+            target.run(target.release, [gone])
+            draft.run(draft.release, [gone])
+            live.remove(gone)
+        shape = step % 3
+        batch = live if shape == 0 else live[: max(1, len(live) - 1)] if shape == 1 else live[::2]
+        proposals = propose(draft, [ProposeItem(SequenceInput(sid, draft_cached[sid], history[sid][draft_cached[sid]:]),
+                                                rng.randint(1, 5)) for sid in batch])
+        verdicts = verify(target, [VerifyItem(SequenceInput(sid, cached[sid], history[sid][cached[sid]:]), drafts)
+                                   for sid, drafts in zip(batch, proposals)], create=True)
+        for sid, drafts, verdict in zip(batch, proposals, verdicts):
+            # The draft cached its history and its first k-1 drafts: keep those that were accepted.
+            draft_cached[sid] = len(history[sid]) + min(verdict.accepted, len(drafts) - 1)
+            history[sid] += drafts[: verdict.accepted] + [verdict.next_token]
+            cached[sid] = verdict.cached_len
+            if len(history[sid]) - prompt_len[sid] >= new_tokens:  # finished: released, as the coordinator does
+                done[sid] = history[sid][prompt_len[sid]:][:new_tokens]
+                target.run(target.release, [sid])
+                draft.run(draft.release, [sid])
+    return done
+
+
+def test_speculative_decoding_through_the_static_path_equals_eager(target_model, draft_model):
+    ps = prompts([4, 11, 2, 25, 7, 3], 2)  # six sequences: batches of 1 to 6 fall between buckets
+    results, engines = [], []
+    for mode in ("off", "static"):
+        target = Engine(target_model, max_sequences=8, max_context=128, captured_steps=mode)
+        draft = Engine(draft_model, max_sequences=8, max_context=128, captured_steps=mode)
+        results.append(speculate(target, draft, ps, 24, seed=3))
+        engines.append((target, draft))
+    eager, static = results
+    assert static == eager
+    target, draft = engines[1]
+    assert target.forward.replayed > 10 and draft.forward.replayed > 20
+    assert target.forward.eager > 0  # the gathered (scattered) batches
+    # Speculative decoding is exact: the target's own greedy decoding, for the ones not cut short.
+    for sid in ("s0", "s3"):
+        i = int(sid[1:])
+        assert static[sid] == greedy_reference(target_model, ps[i], 24)
+
+
+# ---- the pool stays put ------------------------------------------------------------------------
+
+
+def test_pool_is_allocated_once_and_growth_is_refused(target_model):
+    engine = Engine(target_model, max_sequences=4, max_context=100, captured_steps="static")
+    assert engine.pool.fixed and engine.pool.slots == 4 and engine.pool.context == 101
+    address = engine.pool.kv.data_ptr()
+    ps = prompts([50, 3, 99, 8], 4)
+    engine.prefill([SequenceInput(f"s{i}", 0, p) for i, p in enumerate(ps)])
+    verify(engine, [VerifyItem(SequenceInput(f"s{i}", len(p), [3]), []) for i, p in enumerate(ps[:2])])
+    engine.release(["s0"])
+    assert engine.pool.kv.data_ptr() == address
+
+    # A budget of two sequences of 100 tokens: two slots, and a third sequence is refused.
+    per_sequence = engine.pool.bytes_for(1, 101)
+    small = Engine(target_model, max_sequences=4, max_context=100, max_cache_bytes=2 * per_sequence + 1,
+                   captured_steps="static")
+    assert small.pool.slots == 2
+    small.prefill([SequenceInput("a", 0, [1, 5]), SequenceInput("b", 0, [1, 6])])
+    with pytest.raises(CapacityExceeded, match="allocated once"):
+        small.prefill([SequenceInput("c", 0, [1, 7])])
+    assert set(small.sequences) == {"a", "b"}
+    with pytest.raises(CapacityExceeded):
+        Engine(target_model, max_sequences=4, max_context=100, max_cache_bytes=per_sequence - 1, captured_steps="static")
+
+
+def test_a_moved_pool_drops_its_graphs_and_buffers(target_model):
+    engine = Engine(target_model, max_sequences=4, max_context=100, captured_steps="static")
+    forward = engine.forward
+    forward.graphs[(1, 1, 64)] = object()  # stands in for a captured graph
+    engine.pool.kv = engine.pool.kv.clone()  # what a reallocation would do
+    engine.prefill([SequenceInput("a", 0, [1, 5])])
+    assert forward.graphs == {} and forward.pool_address == engine.pool.kv.data_ptr()
+    assert forward.replayed == 1
+
+
+# ---- CUDA graphs, where a GPU is -----------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_capture_and_replay_like_eager(target_model, draft_model):
+    import copy
+
+    ps = prompts([4, 11, 2, 25, 7, 3], 2)
+    results = []
+    for mode in ("off", "on"):
+        target = Engine(copy.deepcopy(target_model).cuda(), max_sequences=8, max_context=128, captured_steps=mode)
+        draft = Engine(copy.deepcopy(draft_model).cuda(), max_sequences=8, max_context=128, captured_steps=mode)
+        results.append(speculate(target, draft, ps, 24, seed=3))
+    assert results[0] == results[1]
+    assert target.capture_report["graphs"] == len(target.forward.graphs) > 0
+    assert target.forward.replayed > 10 and draft.forward.replayed > 20
