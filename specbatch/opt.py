@@ -23,7 +23,8 @@ from .linear import PackedLinear, fused
 
 
 def supports(model) -> bool:
-    return isinstance(model, OPTForCausalLM)
+    # A target made to return fused features (eagle.fuse_target_features) runs through transformers.
+    return isinstance(model, OPTForCausalLM) and not getattr(model.config, "feature_layers", None)
 
 
 def _linear(layer: torch.nn.Linear | None) -> PackedLinear | None:
