@@ -19,10 +19,11 @@ Within a call, new tokens are right-aligned (so the last positions of every row 
 the logits); a padding token writes its keys/values to a scratch column past every row's end and
 attends only column 0, which keeps it finite.
 
-The forward itself is ``Engine.forward``: ``specbatch.llama`` (Llama-family models and the EAGLE
-draft, weights prepacked) or ``specbatch.transformers_forward`` (any other model). Both return the
-final hidden states beside the logits: the target service sends them to an EAGLE-style draft
-(``specbatch.eagle``), which reads one such feature per fed token as a second input.
+The forward itself is ``Engine.forward``: the engine's own, weights prepacked (``specbatch.llama``
+for Llama-family models and the EAGLE draft, ``specbatch.opt`` for OPT; ``OWN_FORWARDS``), or
+``specbatch.transformers_forward`` (any other model). All return the final hidden states beside
+the logits: the target service sends them to an EAGLE-style draft (``specbatch.eagle``), which
+reads one such feature per fed token as a second input.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache
 
-from . import llama
+from . import llama, opt
 from .captured import CapturedForward, resolve_mode
 from .eagle import reads_target_features
 from .kv_pool import KVPool, SequenceCache
@@ -150,6 +151,16 @@ class RaggedBatch:
             cache.length = kept + n
 
 
+# The engine's own forwards, each beside the test of which models it covers.
+OWN_FORWARDS = ((llama.supports, llama.LlamaForward), (opt.supports, opt.OptForward))
+
+
+def own_forward(model):
+    """The engine's own forward class that covers ``model``, or None (it then runs through
+    transformers: ``specbatch.transformers_forward``)."""
+    return next((forward for supports, forward in OWN_FORWARDS if supports(model)), None)
+
+
 @dataclass
 class Engine:
     """A model plus the KV caches of the sequences it serves, keyed by sequence id."""
@@ -167,9 +178,10 @@ class Engine:
     # (measured: 1.5-1.7x slower steps on 2 cores when calls hop between threads).
     model_thread: futures.ThreadPoolExecutor = field(
         default_factory=lambda: futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model"))
-    # Which forward runs the model: "specbatch" (specbatch.llama: Llama-family models and the
-    # EAGLE draft, weights prepacked), "transformers" (the model's own forward, any model), or
-    # "auto": the first where it covers the model. After start-up it names the one in use.
+    # Which forward runs the model: "specbatch" (the engine's own, weights prepacked:
+    # specbatch.llama for Llama-family models and the EAGLE draft, specbatch.opt for OPT; see
+    # OWN_FORWARDS), "transformers" (the model's own forward, any model), or "auto": the own one
+    # where it covers the model, else transformers. After start-up it names the one in use.
     implementation: str = "auto"
     clock: Callable[[], float] = time.monotonic  # for sequence leases (``reclaim_idle``); tests pass their own
     # Steps at bucketed static shapes, replayed as CUDA graphs (specbatch.captured): "auto" (on for
@@ -192,11 +204,14 @@ class Engine:
         self.pool = KVPool(self.kv_shape, self.dtype, self.device, self.max_cache_bytes)
         if self.implementation not in ("auto", "specbatch", "transformers"):
             raise ValueError(f"unknown forward implementation {self.implementation!r}")
-        own = self.implementation == "specbatch" or (self.implementation == "auto" and llama.supports(self.model))
+        own = own_forward(self.model) if self.implementation != "transformers" else None
+        if self.implementation == "specbatch" and own is None:
+            raise ValueError(f"the engine's own forward does not cover {type(self.model).__name__}: "
+                             "use implementation 'transformers' or 'auto'")
         # The forward of one ragged batch (see RaggedBatch); LlamaForward.__call__ is the contract.
-        self.forward = llama.LlamaForward(self.model) if own else TransformersForward(self.model)
+        self.forward = own(self.model) if own else TransformersForward(self.model)
         self.implementation = "specbatch" if own else "transformers"
-        self.captured_steps = resolve_mode(self.captured_steps, self.device, own)
+        self.captured_steps = resolve_mode(self.captured_steps, self.device, own is not None)
         self.capture_report: dict = {}
         if self.captured_steps != "off":  # the pool must stay where the graphs point
             self.pool.fix(self.max_sequences, self.max_context + 1)

@@ -8,7 +8,8 @@ keys/values written straight into the pool with one indexed copy, and one SDPA c
 over the rows' own pool columns with the engine's 4D mask. The parameters stay the model's own;
 only the projections are repacked.
 
-Models it does not cover run through transformers (``specbatch.transformers_forward``).
+OPT models have their own (``specbatch.opt``); others run through transformers
+(``specbatch.transformers_forward``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""The engine's forward for models ``specbatch.llama`` does not cover: the model's own
-transformers forward, run over a call's view of the engine's KV pool through a cache object that
-writes each row's new keys/values into its own next columns. Same contract as
-``specbatch.llama.LlamaForward.__call__``."""
+"""The engine's forward for models its own forwards (``specbatch.engine.OWN_FORWARDS``) do not
+cover: the model's own transformers forward, run over a call's view of the engine's KV pool
+through a cache object that writes each row's new keys/values into its own next columns. Same
+contract as ``specbatch.llama.LlamaForward.__call__``."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class _BatchLayer(DynamicLayer):
 
 class TransformersForward:
     """The model's own transformers forward over a call's pool view: the path for every model
-    that ``specbatch.llama`` does not cover. Same contract as ``LlamaForward.__call__``."""
+    that the engine's own forwards do not cover. Same contract as ``LlamaForward.__call__``."""
 
     def __init__(self, model):
         self.model = model

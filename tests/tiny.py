@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM, PreTrainedTokenizerFast
 
 VOCAB = 96
 EOS = 2
@@ -27,18 +27,41 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def _clear_cut(model, head_scale: float = 8.0):
+    model.eval()
+    model.generation_config.eos_token_id = None  # the reference decodes to max_new_tokens unless told
+    # Random weights give flat logits; a larger output scale makes greedy choices clear-cut, so
+    # float rounding between batch shapes cannot flip an argmax and tests stay deterministic.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    return model
+
+
 def tiny_llama(layers: int, seed: int, hidden: int = 64) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, eos_token_id=EOS, bos_token_id=1, pad_token_id=0)
-    model = LlamaForCausalLM(config).eval()
-    model.generation_config.eos_token_id = None  # the reference decodes to max_new_tokens unless told
-    # Random weights give flat logits; a larger output scale makes greedy choices clear-cut, so
-    # float rounding between batch shapes cannot flip an argmax and tests stay deterministic.
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    return model
+    return _clear_cut(LlamaForCausalLM(config))
+
+
+def tiny_opt(layers: int, seed: int, hidden: int = 64, **shape) -> OPTForCausalLM:
+    """A tiny OPT; ``shape`` sets other OPTConfig fields (``word_embed_proj_dim``,
+    ``do_layer_norm_before``, ``tie_word_embeddings``, …).
+
+    Untied by default: with random weights, a tied head reads mostly the input token's own
+    embedding back from the residual stream, and greedy decoding repeats one token for ever.
+    """
+    torch.manual_seed(seed)
+    config = OPTConfig(vocab_size=VOCAB, hidden_size=hidden, ffn_dim=2 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=4, max_position_embeddings=256, eos_token_id=EOS, bos_token_id=1,
+                       pad_token_id=0, **{"word_embed_proj_dim": hidden, "tie_word_embeddings": False, **shape})
+    model = OPTForCausalLM(config)
+    project_out = model.get_decoder().project_out
+    if project_out is not None:  # outputs of about unit scale, like the final layer norm's
+        with torch.no_grad():
+            project_out.weight.mul_(1 / (config.init_std * hidden**0.5))
+    return _clear_cut(model)
 
 
 def greedy_reference(model, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
