@@ -13,7 +13,7 @@ from draft_service.proposer import ProposeItem, propose
 from specbatch.captured import Buckets, CapturedForward
 from specbatch.engine import CapacityExceeded, Engine, SequenceInput
 from target_service.verifier import VerifyItem, verify
-from tiny import VOCAB, greedy_reference
+from tiny import VOCAB, greedy_reference, tiny_opt
 
 
 def prompts(lengths, seed):
@@ -155,6 +155,22 @@ def test_speculative_decoding_through_the_static_path_equals_eager(target_model,
     for sid in ("s0", "s3"):
         i = int(sid[1:])
         assert static[sid] == greedy_reference(target_model, ps[i], 24)
+
+
+def test_opt_models_take_the_static_path_too():
+    """The paper's GPU shapes are OPT: its own forward (specbatch.opt) runs padded and static,
+    token for token as eagerly."""
+    target_opt, draft_opt = tiny_opt(2, seed=11), tiny_opt(1, seed=12)
+    ps = prompts([5, 9, 3], 5)
+    results = []
+    for mode in ("off", "static"):
+        target = Engine(target_opt, max_sequences=4, max_context=96, captured_steps=mode)
+        draft = Engine(draft_opt, max_sequences=4, max_context=96, captured_steps=mode)
+        assert target.implementation == "specbatch"
+        results.append(speculate(target, draft, ps, 16, seed=4))
+    assert results[1] == results[0]
+    assert target.forward.replayed > 5
+    assert results[1]["s0"] == greedy_reference(target_opt, ps[0], 16)
 
 
 # ---- the pool stays put ------------------------------------------------------------------------
