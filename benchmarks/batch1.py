@@ -47,7 +47,7 @@ STEP_PARTS = ("step_seconds", "draft_seconds", "draft_compute_seconds", "target_
 
 
 def step_totals(stub) -> dict:
-    totals = stub.Info(pb.InfoRequest()).step_totals
+    totals = stub.Info(pb.InfoRequest()).totals
     return {"steps": totals.steps, **{part: getattr(totals, part) for part in STEP_PARTS}}
 
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The engine and the paper's profile on a GPU, in one go from a fresh checkout (issue 16):
 #   1. set up .venv (CUDA torch where nvidia-smi exists: see the Makefile's TORCH_SPEC);
-#   2. specbatch bench-engine for SmolLM2-135M (the embedded model and draft, real weights);
+#   2. tests/test_captured.py (CUDA graphs captured and replayed for real), then specbatch bench-engine
+#      for SmolLM2-135M (the embedded model and draft, real weights), with and without CUDA graphs;
 #   3. specbatch bench-engine for the OPT-6.7B / OPT-125M shapes (random weights);
-#   4. specbatch profile of the OPT-6.7B / OPT-125M shapes with the acceptance given below,
+#   4. benchmarks/attention.py: one layer's attention at long contexts, three ways;
+#   5. specbatch profile of the OPT-6.7B / OPT-125M shapes with the acceptance given below,
 #      written with its heat map into docs/profile/ (on CUDA; elsewhere into the run folder).
 # Every table is printed, and kept under $OUT.
 #
@@ -59,15 +61,28 @@ mkdir -p "$OUT"
 "$VENV/bin/python" -c "import torch; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(),
       '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$OUT/device.txt"
 
+echo "== captured steps: the tests (on a GPU they capture and replay CUDA graphs for real) =="
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_captured.py | tee "$OUT/test_captured.txt"
+
 echo "== bench-engine: SmolLM2-135M-Instruct and its embedded draft (real weights) =="
 "$SPECBATCH" bench-engine --device "$DEVICE" --dtype "$DTYPE" \
     --target-model smollm2-135m-instruct --draft-model smollm2-135m-instruct-draft \
     "${ENGINE_GRID[@]}" --out "$OUT/engine-smollm2-135m"
+if [[ $DEVICE == cuda* ]]; then
+    echo "== the same without CUDA graphs (--cuda-graphs off): what capture saves =="
+    "$SPECBATCH" bench-engine --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs off \
+        --target-model smollm2-135m-instruct --draft-model smollm2-135m-instruct-draft \
+        --batch-sizes 1,8,32 --tokens 1,4 --ks 1,4 --out "$OUT/engine-smollm2-135m-eager"
+fi
 
 echo "== bench-engine: $TARGET_SHAPE / $DRAFT_SHAPE shapes (random weights) =="
 "$SPECBATCH" bench-engine --device "$DEVICE" --dtype "$DTYPE" --random-weights --kv-cache-gb "$KV_GB" \
     --target-model "$TARGET_SHAPE" --draft-model "$DRAFT_SHAPE" \
     "${ENGINE_GRID[@]}" --out "$OUT/engine-$TARGET_SHAPE"
+
+echo "== attention at long contexts: dense 4D mask, per-row slices, FlexAttention =="
+"$VENV/bin/python" benchmarks/attention.py --device "$DEVICE" --dtype "$DTYPE" --out "$OUT/attention.json" \
+    $([[ $DEVICE == cuda* ]] || echo --no-flex) | tee "$OUT/attention.txt"
 
 echo "== profile: $TARGET_SHAPE / $DRAFT_SHAPE shapes, measured step times, given acceptance =="
 "$SPECBATCH" profile --device "$DEVICE" --dtype "$DTYPE" --random-weights --kv-cache-gb "$KV_GB" \

@@ -96,32 +96,39 @@ def distributions(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     """
     shape = logits.shape
     logits = logits.float().reshape(-1, shape[-1])
-    temperature, top_k, top_p = (t.reshape(-1).to(logits.device) for t in (temperature, top_k, top_p))
-    vocab = logits.shape[-1]
-    temperature = temperature.float()
-    scaled = logits / temperature[:, None]
+    device, vocab = logits.device, logits.shape[-1]
+    # Which rows need what is decided from the parameters where they are (the host, as
+    # params_tensors makes them), so that on a GPU choosing the rows never waits for the device.
+    temperature, top_k, top_p = (t.reshape(-1).cpu() for t in (temperature, top_k, top_p))
     tiny = (temperature < 1e-4).nonzero().view(-1)
-    if len(tiny):  # logits / T could overflow: subtract the max first (the best token scales to 0)
-        scaled[tiny] = (logits[tiny] - logits[tiny].amax(-1, keepdim=True)) / temperature[tiny, None]
-    cutoff = torch.full((len(scaled), 1), float("-inf"), device=scaled.device)
     top_k_rows = ((top_k > 0) & (top_k < vocab)).nonzero().view(-1)
+    top_p_rows = (top_p < 1).nonzero().view(-1)
+    scaled = logits / temperature.float().to(device)[:, None]
+    if len(tiny):  # logits / T could overflow: subtract the max first (the best token scales to 0)
+        tiny_t = temperature[tiny].float().to(device)[:, None]
+        tiny = tiny.to(device)
+        scaled[tiny] = (logits[tiny] - logits[tiny].amax(-1, keepdim=True)) / tiny_t
+    cutoff = torch.full((len(scaled), 1), float("-inf"), device=device)
     if len(top_k_rows):
         ks = top_k[top_k_rows].long()
-        largest = torch.topk(scaled[top_k_rows], int(ks.max()), dim=-1).values
-        cutoff[top_k_rows] = largest.gather(-1, ks[:, None] - 1)
-    top_p_rows = (top_p < 1).nonzero().view(-1)
+        rows = top_k_rows.to(device)
+        largest = torch.topk(scaled[rows], int(ks.max()), dim=-1).values
+        cutoff[rows] = largest.gather(-1, ks.to(device)[:, None] - 1)
     if len(top_p_rows):
-        rows = top_p_rows
-        cutoff[rows] = torch.maximum(cutoff[rows], _nucleus_cutoff(scaled[rows], cutoff[rows], top_p[rows].float()))
+        rows = top_p_rows.to(device)
+        cutoff[rows] = torch.maximum(cutoff[rows], _nucleus_cutoff(scaled[rows], cutoff[rows],
+                                                                    top_p[top_p_rows].float().to(device),
+                                                                    top_k_cut=bool(len(top_k_rows))))
     result = Distributions(scaled, cutoff, scaled[:, :1], cut=bool(len(top_k_rows) or len(top_p_rows)))
     log_norm = torch.logsumexp(result.kept(), -1, keepdim=True)
     return Distributions(scaled.view(shape), cutoff.view(*shape[:-1], 1), log_norm.view(*shape[:-1], 1), result.cut)
 
 
-def _nucleus_cutoff(scaled: torch.Tensor, cutoff: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _nucleus_cutoff(scaled: torch.Tensor, cutoff: torch.Tensor, top_p: torch.Tensor,
+                    top_k_cut: bool = True) -> torch.Tensor:
     """Per row: the scaled logit of the last token of the smallest most-likely set whose mass
-    reaches top_p (mass after the top-k cut ``cutoff``)."""
-    kept = scaled.masked_fill(scaled < cutoff, float("-inf")) if bool(torch.isfinite(cutoff).any()) else scaled
+    reaches top_p (mass after the top-k cut ``cutoff``; ``top_k_cut`` False: no row has one)."""
+    kept = scaled.masked_fill(scaled < cutoff, float("-inf")) if top_k_cut else scaled
     log_total = torch.logsumexp(kept, -1, keepdim=True)
     result = torch.empty_like(cutoff)
     todo = torch.arange(len(kept), device=kept.device)
