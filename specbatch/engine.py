@@ -46,6 +46,19 @@ from .transformers_forward import TransformersForward
 from .errors import CapacityExceeded, EngineError, InvalidRequest, StaleCache, UnknownSequence  # noqa: F401
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A call's host-built tensor on the engine's device. To a GPU through pinned memory without
+    waiting: a plain copy from pageable memory synchronises the stream, so every forward of a
+    step would wait for the one before it; this way a step synchronises with the host once, when
+    its tokens are read back. (The caching host allocator keeps the pinned block until the copy
+    is done.)"""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 @dataclass
 class SequenceInput:
     """What one call asks of one sequence: keep ``keep_len`` cached tokens, then feed ``tokens``."""
@@ -66,7 +79,7 @@ class RaggedBatch:
         self.engine = engine
         self.order = sorted(range(len(inputs)), key=lambda i: engine.sequences[inputs[i].seq_id].slot)
         # Row r holds the call's item order[r]; item i sits in row inverse[i].
-        self.order_index = torch.tensor(self.order, device=engine.device)
+        self.order_index = to_device(torch.tensor(self.order), engine.device)
         self.inverse = torch.empty_like(self.order_index)
         self.inverse[self.order_index] = torch.arange(len(self.order), device=engine.device)
         self.caches = [engine.sequences[inputs[i].seq_id] for i in self.order]
@@ -110,8 +123,8 @@ class RaggedBatch:
         # Each token sees its own row's columns up to itself; padding tokens see column 0 only.
         mask = torch.where(valid[:, :, None], seen <= positions[:, :, None], seen == 0)[:, None]
         logits, self.hidden = self.engine.forward(
-            input_ids.to(device), positions.to(device), columns.to(device), self.kv, mask.to(device), logits_to_keep,
-            None if features is None else features.to(device))
+            to_device(input_ids, device), to_device(positions, device), to_device(columns, device), self.kv,
+            to_device(mask, device), logits_to_keep, None if features is None else to_device(features, device))
         return logits
 
     def _unsort(self, rows: torch.Tensor) -> torch.Tensor:

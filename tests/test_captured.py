@@ -225,3 +225,25 @@ def test_cuda_graphs_capture_and_replay_like_eager(target_model, draft_model):
     assert results[0] == results[1]
     assert target.capture_report["graphs"] == len(target.forward.graphs) > 0
     assert target.forward.replayed > 10 and draft.forward.replayed > 20
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_greedy_draft_loop_never_waits_for_the_gpu(draft_model):
+    """The forwards of a step run without one host synchronisation (host-built inputs reach the
+    GPU through pinned memory): only reading the tokens back waits."""
+    import copy
+
+    draft = Engine(copy.deepcopy(draft_model).cuda(), max_sequences=4, max_context=128, captured_steps="on")
+    draft.prefill([SequenceInput("a", 0, prompts([9], 7)[0])])
+    batch = draft.start([SequenceInput("a", 9, [5])], decode_steps=3)
+    replayed = draft.forward.replayed
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens = batch.prefill(1)[:, -1].argmax(-1)
+        for _ in range(3):
+            tokens = batch.decode(tokens).argmax(-1)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens.tolist()
+    assert draft.forward.replayed == replayed + 4
