@@ -53,13 +53,27 @@ def test_measurement_batch_sizes_and_acceptance(target_model, tokenizer):
 
         target = TargetClient(f"127.0.0.1:{stack.target.port}", 60)
         draft = DraftClient(f"127.0.0.1:{stack.draft.port}", 60)
-        times, acceptance = measure(target, draft, tokenizer, prompts_of_lengths([5, 9, 13]), Sweep([1, 4], 3, 2, 1))
+        visits = []
+        sweep = Sweep([1, 4], 3, steps=3, warmup_steps=1, rounds=2)
+        times, acceptance = measure(target, draft, tokenizer, prompts_of_lengths([5, 9, 13]), sweep,
+                                    progress=lambda what, done: visits.append(what))
         assert acceptance == [1.0, 1.0, 1.0]
+        # Round-robin: each batch size visits k = 0 … 3 twice, 1 warm-up + 2 then 1 + 1 measured steps.
+        cells = [f"batch {b:>3}, k={k}" for b in (1, 4) for k in (0, 1, 2, 3)]
+        expected = [cell for b in (0, 4) for n in (3, 2) for cell in cells[b : b + 4] for _ in range(n)]
+        assert visits == expected and len(visits) == 2 * 4 * sweep.steps_per_k()
         for (b, k), cell in times.items():
             assert cell["accepted_per_sequence"] == k
         assert set(seen) == {1, 4}  # every verify call: exactly one of the asked batch sizes
     finally:
         stack.stop()
+
+
+def test_sweep_shares_the_measured_steps_out_over_its_rounds():
+    assert Sweep([1], 2, steps=10, rounds=4).visits() == [3, 3, 2, 2]
+    assert Sweep([1], 2, steps=2, rounds=4).visits() == [1, 1]  # never an empty visit
+    assert Sweep([1], 2, steps=16, warmup_steps=1, rounds=4).steps_per_k() == 20
+    assert Sweep([1], 2, steps=16, warmup_steps=1, rounds=4).growth() == 20 * (1 + 2 + 3)
 
 
 def test_default_batch_sizes():

