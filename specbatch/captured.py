@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_pool import KVPool
+from .kv_pool import KVPool, write_columns_and_mask
 from .speculation import MAX_K
 
 log = logging.getLogger(__name__)
@@ -150,12 +150,8 @@ class CapturedForward:
     def _static_forward(self, rows: int, width: int, end: int) -> None:
         """The forward at one bucket, from and into the static buffers: what a graph captures."""
         input_ids, positions, valid, features = self._views(rows, width)
-        scratch = self.pool.context - 1
-        columns = torch.where(valid, positions, torch.full_like(positions, scratch))
-        seen = torch.arange(end, device=positions.device)[None, None, :]
-        # RaggedBatch's mask: each real token sees its row's columns up to itself; padding tokens
-        # (padding rows, left padding) see column 0 only.
-        mask = torch.where(valid[:, :, None], seen <= positions[:, :, None], seen == 0)[:, None]
+        # RaggedBatch's columns and mask; padding rows and left padding are padding tokens.
+        columns, mask = write_columns_and_mask(positions, valid, self.pool.context - 1, end)
         logits, hidden = self.forward(input_ids, positions, columns, self.pool.kv[:, :, :rows], mask, width, features)
         if self.logits is None:
             self._outputs(logits.shape[-1], hidden.shape[-1], logits.dtype, hidden.dtype)

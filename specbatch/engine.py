@@ -40,7 +40,7 @@ from transformers.cache_utils import DynamicCache
 from . import llama, opt
 from .captured import CapturedForward, resolve_mode
 from .eagle import reads_target_features
-from .kv_pool import KVPool, SequenceCache
+from .kv_pool import KVPool, SequenceCache, write_columns_and_mask
 from .transformers_forward import TransformersForward
 # The refusals live in a torch-free module; imported here too, where callers have long found them.
 from .errors import CapacityExceeded, EngineError, InvalidRequest, StaleCache, UnknownSequence  # noqa: F401
@@ -117,11 +117,8 @@ class RaggedBatch:
 
     def _forward(self, input_ids, positions, valid, logits_to_keep: int, features=None) -> torch.Tensor:
         device = self.engine.device
-        columns = torch.where(valid, positions, torch.full_like(positions, self.scratch))
         end = int(positions[valid].max()) + 1  # every row feeds at least one token
-        seen = torch.arange(end)[None, None, :]
-        # Each token sees its own row's columns up to itself; padding tokens see column 0 only.
-        mask = torch.where(valid[:, :, None], seen <= positions[:, :, None], seen == 0)[:, None]
+        columns, mask = write_columns_and_mask(positions, valid, self.scratch, end)
         logits, self.hidden = self.engine.forward(
             to_device(input_ids, device), to_device(positions, device), to_device(columns, device), self.kv,
             to_device(mask, device), logits_to_keep, None if features is None else to_device(features, device))

@@ -10,6 +10,18 @@ import torch
 from .errors import CapacityExceeded
 
 
+def write_columns_and_mask(positions: torch.Tensor, valid: torch.Tensor, scratch: int,
+                           end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a call's tokens write their keys/values, and the 4D mask of what each may attend,
+    ``[batch, 1, width, end]``: a real token writes at its position and sees its row's columns up
+    to itself; a padding token writes to the ``scratch`` column and sees column 0 only (which
+    keeps it finite). On the device of ``positions``."""
+    columns = torch.where(valid, positions, torch.full_like(positions, scratch))
+    seen = torch.arange(end, device=positions.device)[None, None, :]
+    mask = torch.where(valid[:, :, None], seen <= positions[:, :, None], seen == 0)[:, None]
+    return columns, mask
+
+
 class KVPool:
     """Keys and values of every sequence of an engine, one slot per sequence.
 

@@ -103,11 +103,11 @@ def distributions(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     tiny = (temperature < 1e-4).nonzero().view(-1)
     top_k_rows = ((top_k > 0) & (top_k < vocab)).nonzero().view(-1)
     top_p_rows = (top_p < 1).nonzero().view(-1)
-    scaled = logits / temperature.float().to(device)[:, None]
+    on_device = temperature.float().to(device)
+    scaled = logits / on_device[:, None]
     if len(tiny):  # logits / T could overflow: subtract the max first (the best token scales to 0)
-        tiny_t = temperature[tiny].float().to(device)[:, None]
         tiny = tiny.to(device)
-        scaled[tiny] = (logits[tiny] - logits[tiny].amax(-1, keepdim=True)) / tiny_t
+        scaled[tiny] = (logits[tiny] - logits[tiny].amax(-1, keepdim=True)) / on_device[tiny, None]
     cutoff = torch.full((len(scaled), 1), float("-inf"), device=device)
     if len(top_k_rows):
         ks = top_k[top_k_rows].long()
