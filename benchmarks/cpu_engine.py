@@ -1,14 +1,18 @@
-"""The target's verify step on this CPU: today's fp32 engine against the bf16 prepacked one (issue 15).
+"""The target's verify step on this CPU: the engine's dtypes and linear layers side by side (issue 15).
 
 Times ``target_service.verifier.verify`` (what the target service runs per step) on the embedded
 SmolLM2-135M at context 128, median of repeats, for batch × new tokens per sequence, with:
 - ``fp32-transformers``: the engine before issue 15 (float32, transformers' forward);
-- ``fp32-specbatch``: float32 through the engine's own forward (specbatch.llama);
-- ``bf16-specbatch``: bf16 with oneDNN-prepacked weights through the engine's own forward
-  (the default on CPUs with native bf16);
+- ``fp32-specbatch-mkl``: float32 through the engine's own forward (specbatch.llama), its linear
+  layers on ``F.linear`` (MKL), as before oneDNN took float32 too;
+- ``fp32-specbatch``: the same with oneDNN-reordered float32 weights (the default on CPUs without
+  native bf16, where oneDNN's fp32 results do not depend on the row count);
+- ``bf16-specbatch`` (only on CPUs with native bf16, where it is the default): bf16 with
+  oneDNN-prepacked weights;
 - ``bf16-compiled`` (with --compile): the same forward through torch.compile (inductor, freezing).
-Then the ratios the issue sets as targets, and where bf16 steps' time goes (batch 1 × 1, 8 × 1,
-8 × 4: the matrix multiplies at 32 rows are what limit the batch-8 ratio).
+Then the ratios the issue sets as targets, for the engine the services run here (``--dtype auto``),
+and where its steps' time goes (batch 1 × 1, 8 × 1, 8 × 4: the matrix multiplies at 32 rows are
+what limit the batch-8 ratio).
 
     .venv/bin/python benchmarks/cpu_engine.py [--threads 2] [--repeats 20] [--compile]
 """
@@ -19,11 +23,13 @@ import argparse
 import json
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from specbatch.commands.bench_engine import Bench, Grid
 from specbatch.engine import Engine, SequenceInput
+from specbatch.linear import onednn_bf16_available
 from specbatch.models import ModelSpec, load_model
 from target_service.verifier import VerifyItem, verify
 
@@ -84,17 +90,23 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     fp32 = load_model(ModelSpec(), "cpu", torch.float32)
-    bf16 = load_model(ModelSpec(), "cpu", torch.bfloat16)
-    engines = {"fp32-transformers": Engine(fp32, implementation="transformers"),
-               "fp32-specbatch": Engine(fp32, implementation="specbatch"),
-               "bf16-specbatch": Engine(bf16)}
+    engines = {"fp32-transformers": Engine(fp32, implementation="transformers")}
+    with mock.patch("specbatch.linear.onednn_prepacks", lambda weight: False):
+        engines["fp32-specbatch-mkl"] = Engine(fp32, implementation="specbatch")
+    engines["fp32-specbatch"] = Engine(fp32, implementation="specbatch")
+    native_bf16 = onednn_bf16_available()
+    if native_bf16:  # without it bf16 multiplies are emulated: slower than fp32, and never picked
+        bf16 = load_model(ModelSpec(), "cpu", torch.bfloat16)
+        engines["bf16-specbatch"] = Engine(bf16)
+    best = "bf16-specbatch" if native_bf16 else "fp32-specbatch"  # what --dtype auto runs here
     # Each engine holds the largest batch at CONTEXT tokens; every timed verify keeps exactly
     # CONTEXT (the bench-engine command's timing), median of the repeats after 3 warm-up calls.
     grid = Grid(batch_sizes=(max(b for b, _ in SHAPES),), context=CONTEXT, repeats=args.repeats, warmup=3)
     if args.compile:
         start = time.perf_counter()
-        engines["bf16-compiled"] = compiled_engine(bf16)
-        Bench(engines["bf16-compiled"], Grid(batch_sizes=(1,), context=CONTEXT, repeats=1, warmup=0)).verify_ms(1, 1)
+        compiled = best.replace("specbatch", "compiled")
+        engines[compiled] = compiled_engine(bf16 if native_bf16 else fp32)
+        Bench(engines[compiled], Grid(batch_sizes=(1,), context=CONTEXT, repeats=1, warmup=0)).verify_ms(1, 1)
         print(f"torch.compile: first call {time.perf_counter() - start:.0f} s", flush=True)
     benches = {name: Bench(engine, grid) for name, engine in engines.items()}
     table = {name: {} for name in engines}
@@ -109,15 +121,14 @@ def main() -> int:
     print("|---|" + "---|" * len(engines))
     for batch, new in SHAPES:
         print(f"| {batch} × {new} | " + " | ".join(f"{table[n][f'{batch}x{new}']:.1f}" for n in engines) + " |")
-    best = "bf16-specbatch"
     ratios = {
-        "one token at batch 1: fp32-transformers / bf16 (target >= 1.4)":
+        f"one token at batch 1: fp32-transformers / {best} (target >= 1.4)":
             table["fp32-transformers"]["1x1"] / table[best]["1x1"],
-        "5 new tokens / 1 at batch 1, bf16 (target <= 1.15)": table[best]["1x5"] / table[best]["1x1"],
-        "4 new tokens / 1 at batch 8, bf16 (target <= 1.3)": table[best]["8x4"] / table[best]["8x1"],
-        "5 new tokens / 1 at batch 1, fp32-transformers (before)":
-            table["fp32-transformers"]["1x5"] / table["fp32-transformers"]["1x1"],
+        f"5 new tokens / 1 at batch 1, {best} (target <= 1.15)": table[best]["1x5"] / table[best]["1x1"],
+        f"4 new tokens / 1 at batch 8, {best} (target <= 1.3)": table[best]["8x4"] / table[best]["8x1"],
     }
+    for before in ("fp32-transformers", "fp32-specbatch-mkl"):
+        ratios[f"5 new tokens / 1 at batch 1, {before}"] = table[before]["1x5"] / table[before]["1x1"]
     print("\n| ratio | measured |\n|---|---|")
     for name, value in ratios.items():
         print(f"| {name} | {value:.2f} |")
@@ -125,7 +136,7 @@ def main() -> int:
         bench.close()
     # The batch-8 ratio's limit: at 8 × 4 every matrix multiply has 32 rows.
     splits = {f"{batch}x{new}": time_split(engines[best], batch, new) for batch, new in SPLIT_SHAPES}
-    print("\n## where a bf16 verify step goes (ms, under the profiler)\n")
+    print(f"\n## where a {best} verify step goes (ms, under the profiler)\n")
     print("| part | " + " | ".join(f"{shape.replace('x', ' × ')}" for shape in splits) + " |")
     print("|---|" + "---|" * len(splits))
     for part in next(iter(splits.values())):

@@ -1,11 +1,11 @@
-"""bf16 greedy exactness of the embedded models through the three services (issue 15).
+"""Greedy exactness of the embedded models through the three services, in bf16 or fp32 (issue 15).
 
 Decodes held-out ShareGPT prompts target-only (k=0, one token per call, through the target
 service's own engine) and speculatively through the services, at batch 1 and in mixed batches
 (k 1-5 per request, up to 16 sequences a step), and counts every output that leaves the
 reference, with the reference's top-2 logit gap where it does: each must be a near-tie
-(``specbatch.exactness.NEAR_TIE``). Also measures how often the engine's bf16 linear layers round
-differently with more rows.
+(``specbatch.exactness.NEAR_TIE``); in fp32 there should be none. Also measures how often the
+engine's linear layers, in the same dtype, round differently with more rows.
 
     .venv/bin/python benchmarks/exactness.py [--prompts 64] [--tokens 64] [--out bench-out/exactness.json]
 """
@@ -73,9 +73,10 @@ def main() -> int:
     finally:
         stack.stop()
     dependence = row_dependence([(960, 576), (3072, 576), (576, 1536), (576, 576), (49152, 576)],
-                                [1, 2, 4, 6, 8, 16, 32, 64])
+                                [1, 2, 4, 6, 8, 16, 32, 64], dtype=target.dtype)
+    dtype = str(target.dtype).removeprefix("torch.")
 
-    print(f"\n## bf16 greedy exactness ({len(prompts)} held-out ShareGPT prompts, {args.tokens} tokens each; "
+    print(f"\n## {dtype} greedy exactness ({len(prompts)} held-out ShareGPT prompts, {args.tokens} tokens each; "
           f"near-tie bound {NEAR_TIE} logits)\n")
     print("| run | sequences | tokens compared | sequences that differ | gaps where they differ | all near-ties |")
     print("|---|---|---|---|---|---|")
@@ -85,8 +86,8 @@ def main() -> int:
               f"{gaps_at} | {'yes' if row['all_near_ties'] else 'NO'} |")
     small, ties = sum(g < NEAR_TIE for g in gaps), sum(g == 0 for g in gaps)
     print(f"\nReference positions with a top-2 gap below {NEAR_TIE}: {small} of {len(gaps)} ({small / len(gaps):.2%}); "
-          f"exact ties in the bf16 logits: {ties} ({ties / len(gaps):.2%}).")
-    print("\n## Outputs of the bf16 linear layer that differ from the same rows computed one at a time\n")
+          f"exact ties in the {dtype} logits: {ties} ({ties / len(gaps):.2%}).")
+    print(f"\n## Outputs of the {dtype} linear layer that differ from the same rows computed one at a time\n")
     ms = list(next(iter(dependence.values())))
     print("| weight | " + " | ".join(f"M={m}" for m in ms) + " |")
     print("|---|" + "---|" * len(ms))
