@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 import grpc
 import pytest
@@ -160,3 +161,27 @@ def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatc
     if target_flags:
         assert target[target.index("--feature-layers") + 1] == target_flags[1]
     assert "--feature-layers" not in spawned["draft_service"]
+
+
+@pytest.mark.parametrize("native_bf16, dtype, profile", [(True, None, "embedded-cpu.json"),
+                                                         (False, None, "embedded-cpu-fp32.json"),
+                                                         (True, "float32", "embedded-cpu-fp32.json"),
+                                                         (False, "bf16", "embedded-cpu.json")])
+def test_embedded_default_takes_the_profile_of_the_dtype_the_services_run(monkeypatch, native_bf16, dtype, profile):
+    """Step times in bf16 and fp32 differ by 2x and more, so the best k does too: `specbatch up`
+    gives the coordinator the shipped profile measured in the dtype the services will pick."""
+    import specbatch.commands.launcher as launcher
+
+    monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: native_bf16)
+    policy, path = launcher.default_k_policy(StackOptions(dtype=dtype))
+    assert policy == "goodput" and Path(path).name == profile and Path(path).exists()
+    assert launcher.default_k_policy(StackOptions(dtype=dtype, no_draft=True)) == ("fixed:3", None)
+
+
+def test_launcher_and_services_agree_on_native_bf16():
+    """The launcher reads the CPU flags without torch; the services ask oneDNN. They must agree,
+    or the coordinator would run the other dtype's profile."""
+    from specbatch.commands.launcher import cpu_multiplies_bf16
+    from specbatch.linear import onednn_bf16_available
+
+    assert cpu_multiplies_bf16() == onednn_bf16_available()

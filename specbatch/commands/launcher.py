@@ -69,21 +69,45 @@ class StackOptions:
     threads_per_service: int | None = None
 
 
-# The embedded models' profile, measured on this project's reference machine (2 cores of an AMD
-# EPYC Zen 4, bf16; docs/profile.md), and the adaptive policy that served best on it there.
-EMBEDDED_PROFILE = Path(__file__).resolve().parents[1] / "profiles" / "embedded-cpu.json"
+# The embedded models' profiles, one per dtype the services run on a CPU (``--dtype auto``: bf16
+# where the CPU multiplies it natively, else float32), each measured on this project's machines
+# (docs/profile.md): the step times, and so the best k, differ by 2x and more between the two.
+# The adaptive policy served best on them.
+PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+EMBEDDED_PROFILES = {"bfloat16": PROFILES / "embedded-cpu.json", "float32": PROFILES / "embedded-cpu-fp32.json"}
 EMBEDDED_POLICY = "goodput"
 
 
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512_BF16 or AMX), which is where the services'
+    ``--dtype auto`` picks bf16 (``specbatch.linear.onednn_bf16_available``, oneDNN's own check:
+    this one reads the same CPU flags without importing torch)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(f" {flag}" in flags for flag in ("avx512_bf16", "amx_bf16"))
+
+
+def services_cpu_dtype(options: StackOptions) -> str:
+    """The dtype the model services run on a CPU with these options."""
+    names = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
+    if options.dtype and options.dtype != "auto":
+        return names.get(options.dtype, options.dtype)
+    return "bfloat16" if cpu_multiplies_bf16() else "float32"
+
+
 def default_k_policy(options: StackOptions) -> tuple[str, str | None]:
-    """The k policy and profile when none is asked for: the shipped profile for the embedded target
-    and draft on a CPU (where it was measured), else a fixed k of 3."""
+    """The k policy and profile when none is asked for: for the embedded target and draft on a CPU,
+    the adaptive policy over the shipped profile of the dtype the services will run (where one
+    was measured); else a fixed k of 3."""
     if options.k_policy:
         return options.k_policy, options.profile
     embedded = not (options.target_model or options.draft_model or options.draft_layers or options.no_draft
                     or options.random_weights) and options.device in (None, "cpu")
-    if embedded and EMBEDDED_PROFILE.exists():
-        return EMBEDDED_POLICY, options.profile or str(EMBEDDED_PROFILE)
+    shipped = EMBEDDED_PROFILES.get(services_cpu_dtype(options)) if embedded else None
+    if shipped is not None and shipped.exists():
+        return EMBEDDED_POLICY, options.profile or str(shipped)
     return "fixed:3", options.profile
 
 

@@ -164,6 +164,11 @@ def describe_hardware(device: str | None) -> dict:
     import torch
 
     info["device"] = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if info["device"] == "cpu":  # the widest vector unit torch uses, and bf16 support: they set the dtype and speed
+        from specbatch.linear import onednn_bf16_available
+
+        info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        info["native_bf16"] = onednn_bf16_available()
     if os.environ.get("OMP_NUM_THREADS"):  # CPU step times depend on it (local services inherit it)
         info["omp_num_threads"] = os.environ["OMP_NUM_THREADS"]
     if info["device"].startswith("cuda") and torch.cuda.is_available():
