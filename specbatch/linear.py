@@ -32,10 +32,12 @@ def onednn_fp32_rows_agree(out_features: int, in_features: int) -> bool:
     every row bitwise what it gives that row alone, at each of ``ROW_COUNTS_CHECKED`` rows.
 
     fp32 speculation is exact (greedy output equals target-only decoding) only if verifying k+1
-    tokens computes each the same as one token a call. MKL's and oneDNN's kernels pick their
-    blocking by row count; on an AVX2-only EPYC none of SmolLM2's shapes differs up to 64 rows,
-    but oneDNN's bf16 kernels do differ on AVX-512, so float32 is checked here, once per shape
-    and process (about a millisecond a shape; the output head's one-row calls ~80 ms)."""
+    tokens computes each the same as one token a call. MKL's ``F.linear`` does not: on an
+    AVX2-only EPYC 66-93 % of its outputs differ in the last bits at 2-64 rows from the same rows
+    one at a time (a matrix-vector kernel for one row, another for more), for SmolLM2's shapes
+    and tiny ones alike. oneDNN's there differ in none, up to 64 rows; but its bf16 kernels do
+    differ on AVX-512, so float32 is checked here, once per shape and process (about a
+    millisecond a shape; the output head's one-row calls ~80 ms)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator) * 0.05
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -52,10 +54,11 @@ def onednn_fp32_rows_agree(out_features: int, in_features: int) -> bool:
 def onednn_prepacks(weight: torch.Tensor) -> bool:
     """Whether a CPU weight is reordered once for oneDNN: in bf16 where the CPU multiplies bf16
     natively; in float32 wherever oneDNN is built in and its results do not depend on the row
-    count (``onednn_fp32_rows_agree``). In float32 the reordered weight beats ``F.linear`` (MKL)
-    at every row count, most at the few rows of a verify step: on an AVX2-only EPYC, one MLP
-    weight read from memory took 234 / 251 / 331 µs at 1 / 2 / 4 rows against 316 / 479 / 526
-    µs (docs/engine.md)."""
+    count (``onednn_fp32_rows_agree``): that makes fp32 speculation bitwise exact, which MKL's
+    ``F.linear`` is not, and it is faster at the few rows of a verify step: on an AVX2-only
+    EPYC, one MLP weight read from memory took 234 / 251 / 331 µs at 1 / 2 / 4 rows against
+    316 / 479 / 526 µs (docs/engine.md). oneDNN's fixed cost per call (~25-60 µs there) makes
+    small weights slower (tiny test models); exactness is worth it."""
     if weight.device.type != "cpu":
         return False
     if weight.dtype == torch.bfloat16:
