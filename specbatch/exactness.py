@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .engine import Engine, SequenceInput
-from .linear import PackedLinear
+from .linear import PackedLinear, differing_by_row_count
 
 # The largest top-2 logit gap (in logits) at which a bf16 rounding difference may flip the greedy
 # choice. A bf16 logit of magnitude 16-32 is rounded to a step of 0.125, and the difference in
@@ -83,6 +83,5 @@ def row_dependence(shapes: list[tuple[int, int]], rows: list[int], dtype=torch.b
     for out_features, in_features in shapes:
         linear = PackedLinear((torch.randn(out_features, in_features, generator=generator) * 0.05).to(dtype))
         x = torch.randn(max(rows), in_features, generator=generator).to(dtype)
-        alone = torch.cat([linear(x[i : i + 1]) for i in range(max(rows))])
-        result[f"{out_features}x{in_features}"] = {m: float((linear(x[:m]) != alone[:m]).float().mean()) for m in rows}
+        result[f"{out_features}x{in_features}"] = differing_by_row_count(linear, x, rows)
     return result
