@@ -1,9 +1,10 @@
 """How many more tokens a step would keep if the draft also offered its next-best tokens (a measurement
 for a tree of drafts; nothing in the services uses it yet).
 
-Greedy speculative decoding at batch 1 through the services' own code (the draft service's
-proposer and the target service's verifier on engines of their own), embedded target and shipped
-draft, held-out ShareGPT prompts. At each step the draft's top-W tokens at every drafted position
+Greedy speculative decoding at batch 1 through the services' own code
+(``specbatch.commands.distill.greedy_speculative_steps``: the draft service's proposer and the
+target service's verifier on engines of their own), embedded target and shipped draft, held-out
+ShareGPT prompts. At each step the draft's top-W tokens at every drafted position
 are recorded; where the target rejects the draft at position j, a tree that had also offered the
 draft's 2nd … W-th choice at j as leaves would have kept the target's token there if it is among
 them, plus the token after it (the target's logits at the leaf): one more token that step.
@@ -21,13 +22,11 @@ import collections
 
 import torch
 
-from draft_service.proposer import ProposeItem, propose
-from specbatch.commands.distill import EVAL_PROMPTS_FROM, chat_prompt_ids, find_eos_token_ids
+from specbatch.commands.distill import EVAL_PROMPTS_FROM, chat_prompt_ids, find_eos_token_ids, greedy_speculative_steps
 from specbatch.eagle import fuse_target_features
-from specbatch.engine import Engine, SequenceInput
+from specbatch.engine import Engine
 from specbatch.models import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, load_model, load_tokenizer, parse_dtype
 from specbatch.prompts import sharegpt_prompts
-from target_service.verifier import VerifyItem, verify
 
 MAX_W = 4
 
@@ -82,33 +81,17 @@ def main() -> int:
 
     steps = tokens = rejections = 0
     hits = collections.Counter()  # (position rejected, W) -> steps where a leaf would have kept the target's token
-    for n, prompt in enumerate(prompts):
-        seq = f"alt-{n}"
-        (verdict,) = verify(target_engine, [VerifyItem(SequenceInput(seq, 0, prompt))], create=True, return_features=True)
-        history, features = prompt + [verdict.next_token], [verdict.features]
-        target_len, draft_len = verdict.cached_len, 0
-        while len(history) - len(prompt) < args.tokens and history[-1] not in eos:
-            feats = torch.cat(features)
-            fed = torch.cat([torch.zeros(1, feats.shape[1]), feats])[draft_len : len(history)]
-            draft_logits.clear()
-            (drafts,) = propose(draft_engine, [ProposeItem(SequenceInput(seq, draft_len, history[draft_len:], fed), k)])
-            top = [logits.topk(MAX_W, -1).indices[0] for logits in draft_logits]
-            top = [(column if to_token is None else to_token[column]).tolist() for column in top]
-            (verdict,) = verify(target_engine, [VerifyItem(SequenceInput(seq, target_len, history[target_len:]), drafts)],
-                                return_features=True)
-            accepted = verdict.accepted
-            if accepted < k:
-                rejections += 1
-                for w in range(2, MAX_W + 1):
-                    hits[accepted, w] += verdict.next_token in top[accepted][1:w]
-            draft_len = len(history)  # the draft keeps only what it read with the target's features
-            history += drafts[:accepted] + [verdict.next_token]
-            features.append(verdict.features)
-            target_len = verdict.cached_len
-            steps += 1
-            tokens += accepted + 1
-        target_engine.release([seq])
-        draft_engine.release([seq])
+    for step in greedy_speculative_steps(target_engine, draft_engine, prompts, k, args.tokens, eos):
+        top = [logits.topk(MAX_W, -1).indices[0] for logits in draft_logits]  # this step's k draft forwards
+        top = [(column if to_token is None else to_token[column]).tolist() for column in top]
+        draft_logits.clear()
+        accepted = step.verdict.accepted
+        if accepted < k:
+            rejections += 1
+            for w in range(2, MAX_W + 1):
+                hits[accepted, w] += step.verdict.next_token in top[accepted][1:w]
+        steps += 1
+        tokens += accepted + 1
 
     print(f"\ngreedy, batch 1, k={k}, {args.prompts} held-out prompts x {args.tokens} tokens, {str(dtype).removeprefix('torch.')}: "
           f"{steps} steps, {tokens / steps:.3f} tokens per step (chain)\n")

@@ -235,49 +235,71 @@ def evaluate(target, draft, tokenizer, cfg: DistillConfig, eos: set[int]) -> Eva
     return speculate(target, draft, prompts, cfg.eval_k, cfg.eval_new_tokens, eos, "evaluate: held-out prompts")
 
 
+@dataclass
+class SpeculativeStep:
+    """One step of ``greedy_speculative_steps``."""
+
+    drafts: list[int]  # what the draft proposed
+    verdict: object  # target_service.verifier.Verdict: accepted count, next token, features
+    propose_seconds: float  # the draft's call, wall time
+    read_prompt: bool  # that call also read the prompt: a prefill, timed by neither side
+
+
 @torch.inference_mode()
-def speculate(target, draft, prompts: list[list[int]], k: int, new_tokens: int, eos: set[int],
-              description: str = "speculate") -> Evaluation:
+def greedy_speculative_steps(target_engine: Engine, draft_engine: Engine, prompts: list[list[int]], k: int,
+                             new_tokens: int, eos: set[int], prompt_done=None):
     """Greedy speculative decoding at batch 1, one prompt after another, through the target
-    service's verifier and the draft service's proposer on engines of their own, each model on
-    the device it is on: acceptance per drafted position, tokens per target forward, and the
-    draft's time per drafted token (steady state: the call that reads the prompt is not timed)
-    beside one one-token target forward."""
+    service's verifier and the draft service's proposer on the given engines: yields every step.
+    ``prompt_done()``, if given, is called after each prompt."""
     from draft_service.proposer import ProposeItem, propose
     from target_service.verifier import VerifyItem, verify
 
+    for n, prompt in enumerate(prompts):
+        seq = f"eval-{n}"
+        (verdict,) = verify(target_engine, [VerifyItem(SequenceInput(seq, 0, prompt))], create=True, return_features=True)
+        history, features = prompt + [verdict.next_token], [verdict.features]
+        target_len, draft_len = verdict.cached_len, 0
+        while len(history) - len(prompt) < new_tokens and history[-1] not in eos:
+            feats = torch.cat(features)
+            fed = torch.cat([torch.zeros(1, feats.shape[1]), feats])[draft_len : len(history)]
+            started = time.perf_counter()
+            (drafts,) = propose(draft_engine, [ProposeItem(SequenceInput(seq, draft_len, history[draft_len:], fed), k)])
+            seconds = time.perf_counter() - started
+            (verdict,) = verify(target_engine, [VerifyItem(SequenceInput(seq, target_len, history[target_len:]), drafts)],
+                                return_features=True)
+            yield SpeculativeStep(drafts, verdict, seconds, read_prompt=draft_len == 0)
+            draft_len = len(history)  # the draft keeps only what it read with true features
+            history += drafts[: verdict.accepted] + [verdict.next_token]
+            features.append(verdict.features)
+            target_len = verdict.cached_len
+        target_engine.release([seq])
+        draft_engine.release([seq])
+        if prompt_done:
+            prompt_done()
+
+
+@torch.inference_mode()
+def speculate(target, draft, prompts: list[list[int]], k: int, new_tokens: int, eos: set[int],
+              description: str = "speculate") -> Evaluation:
+    """Greedy speculative decoding at batch 1 (``greedy_speculative_steps``), each model on the
+    device it is on: acceptance per drafted position, tokens per target forward, and the draft's
+    time per drafted token (steady state: the call that reads the prompt is not timed) beside one
+    one-token target forward."""
     target_engine, draft_engine = Engine(target, max_sequences=2), Engine(draft, max_sequences=2)
     reached = [0] * (k + 1)  # reached[j]: steps where positions 1..j were all accepted
     steps = tokens = 0
     draft_seconds = draft_tokens = 0.0
     progress, task = _progress(len(prompts), description)
     with progress:
-        for n, prompt in enumerate(prompts):
-            seq = f"eval-{n}"
-            (verdict,) = verify(target_engine, [VerifyItem(SequenceInput(seq, 0, prompt))], create=True, return_features=True)
-            history, features = prompt + [verdict.next_token], [verdict.features]
-            target_len, draft_len = verdict.cached_len, 0
-            while len(history) - len(prompt) < new_tokens and history[-1] not in eos:
-                feats = torch.cat(features)
-                fed = torch.cat([torch.zeros(1, feats.shape[1]), feats])[draft_len : len(history)]
-                started = time.perf_counter()
-                (drafts,) = propose(draft_engine, [ProposeItem(SequenceInput(seq, draft_len, history[draft_len:], fed), k)])
-                if draft_len:  # the first call also reads the prompt: a prefill, timed by neither side
-                    draft_seconds += time.perf_counter() - started
-                    draft_tokens += k
-                (verdict,) = verify(target_engine, [VerifyItem(SequenceInput(seq, target_len, history[target_len:]), drafts)],
-                                    return_features=True)
-                for j in range(verdict.accepted + 1):
-                    reached[j] += 1
-                draft_len = len(history)  # the draft keeps only what it read with true features
-                history += drafts[: verdict.accepted] + [verdict.next_token]
-                features.append(verdict.features)
-                target_len = verdict.cached_len
-                steps += 1
-                tokens += verdict.accepted + 1
-            target_engine.release([seq])
-            draft_engine.release([seq])
-            progress.advance(task)
+        for step in greedy_speculative_steps(target_engine, draft_engine, prompts, k, new_tokens, eos,
+                                             lambda: progress.advance(task)):
+            if not step.read_prompt:
+                draft_seconds += step.propose_seconds
+                draft_tokens += k
+            for j in range(step.verdict.accepted + 1):
+                reached[j] += 1
+            steps += 1
+            tokens += step.verdict.accepted + 1
     by_position = [reached[j] / reached[j - 1] if reached[j - 1] else 0.0 for j in range(1, k + 1)]
     accepted = sum(reached[1:])
     target_ms = _target_forward_ms(target_engine)
