@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from specbatch.client import connect, generate, make_request
-from specbatch.commands.launcher import LocalProcesses, StackOptions
+from specbatch.commands.launcher import LocalProcesses, StackOptions, draft_int8_weights
 from specbatch.models import ModelSpec, load_model, load_tokenizer
 from specbatch.prompts import chat_token_ids, sharegpt_prompts
 from specbatch.v1 import generation_pb2 as pb
@@ -92,6 +92,8 @@ def main() -> int:
     parser.add_argument("--profile", default=None)
     parser.add_argument("--threads", type=int, default=2, help="threads of the transformers baseline")
     parser.add_argument("--threads-per-service", type=int, default=None, help="as specbatch up's flag (default: its rule)")
+    parser.add_argument("--draft-int8-weights", action=argparse.BooleanOptionalAction, default=None,
+                        help="as specbatch up's flag (default: its rule)")
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers generate()")
     parser.add_argument("--out", default="bench-out/batch1.json")
     args = parser.parse_args()
@@ -103,14 +105,16 @@ def main() -> int:
     baseline = None if args.no_baseline else transformers_generate(prompts, args.tokens, args.threads)
     if baseline:
         print(f"transformers generate(), fp32: {baseline:.1f} tok/s", flush=True)
-    options = StackOptions(max_batch_size=8, threads_per_service=args.threads_per_service)
+    options = StackOptions(max_batch_size=8, threads_per_service=args.threads_per_service,
+                           draft_int8_weights=args.draft_int8_weights)
     if args.k_policy:
         options.k_policy, options.profile = args.k_policy, args.profile
     with LocalProcesses(options) as stack:
         target_only = served(stack.address, prompts, args.tokens, k=0)
         print(f"services, target-only (k=0): {target_only['tokens_per_second']:.1f} tok/s", flush=True)
         speculative = served(stack.address, prompts, args.tokens, k=None)
-        print(f"services, k policy {stack.options.k_policy}: {speculative['tokens_per_second']:.1f} tok/s", flush=True)
+        print(f"services, k policy {stack.options.k_policy}, draft int8 {draft_int8_weights(stack.options)}: "
+              f"{speculative['tokens_per_second']:.1f} tok/s", flush=True)
     rows = {
         **({"transformers generate(), fp32": baseline} if baseline else {}),
         "services, target-only (k=0)": target_only["tokens_per_second"],
@@ -128,6 +132,7 @@ def main() -> int:
         print(f"| {part} | {target_only['ms_per_step'][part]:.2f} | {speculative['ms_per_step'][part]:.2f} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"tokens_per_second": rows, "speculative": speculative,
+                                          "draft_int8_weights": draft_int8_weights(stack.options),
                                           "k_policy": stack.options.k_policy, "profile": stack.options.profile,
                                           "prompts": len(prompts), "tokens": args.tokens}, indent=1))
     return 0

@@ -41,6 +41,7 @@ from . import llama, opt
 from .captured import CapturedForward, resolve_mode
 from .eagle import reads_target_features
 from .kv_pool import KVPool, SequenceCache, write_columns_and_mask
+from .linear import int8_linears_available
 from .transformers_forward import TransformersForward
 # The refusals live in a torch-free module; imported here too, where callers have long found them.
 from .errors import CapacityExceeded, EngineError, InvalidRequest, StaleCache, UnknownSequence  # noqa: F401
@@ -193,6 +194,10 @@ class Engine:
     # OWN_FORWARDS), "transformers" (the model's own forward, any model), or "auto": the own one
     # where it covers the model, else transformers. After start-up it names the one in use.
     implementation: str = "auto"
+    # The own forward's linear layers in int8 (specbatch.linear.Int8Linear; CPU, float32): a
+    # draft's choice where reading its weights bounds its forward. Never a target's: the results
+    # move ~2 % and depend on the other rows of a call, so the output would no longer be exact.
+    int8_weights: bool = False
     clock: Callable[[], float] = time.monotonic  # for sequence leases (``reclaim_idle``); tests pass their own
     # Steps at bucketed static shapes, replayed as CUDA graphs (specbatch.captured): "auto" (on for
     # CUDA with the own forward), "on" (captured at start-up), "lazy", "static" (padded, no
@@ -218,8 +223,11 @@ class Engine:
         if self.implementation == "specbatch" and own is None:
             raise ValueError(f"the engine's own forward does not cover {type(self.model).__name__}: "
                              "use implementation 'transformers' or 'auto'")
+        if self.int8_weights and (own is None or self.device.type != "cpu" or self.dtype != torch.float32
+                                  or not int8_linears_available()):
+            raise ValueError("int8 weights need the engine's own forward, in float32 on an x86 CPU (fbgemm)")
         # The forward of one ragged batch (see RaggedBatch); LlamaForward.__call__ is the contract.
-        self.forward = own(self.model) if own else TransformersForward(self.model)
+        self.forward = own(self.model, int8=self.int8_weights) if own else TransformersForward(self.model)
         self.implementation = "specbatch" if own else "transformers"
         self.captured_steps = resolve_mode(self.captured_steps, self.device, own is not None)
         self.capture_report: dict = {}

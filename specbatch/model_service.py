@@ -194,6 +194,10 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
         parser.add_argument("--feature-layers", default="",
                             help="also return these decoder layers' outputs (0-based, e.g. 2,15) with the final "
                                  "hidden state: the fused features of a draft distilled with the same --feature-layers")
+    if kind == "draft":  # a target's results must not move: int8 would make them inexact
+        parser.add_argument("--int8-weights", action="store_true",
+                            help="linear layers in int8 with inputs quantized per call (CPU, float32; fbgemm): "
+                                 "~2x faster draft forwards, slightly different proposals, the same output")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (auto: bfloat16 on GPUs and on CPUs with native bf16, else float32)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
@@ -247,10 +251,11 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
 
             fuse_target_features(model, parse_feature_layers(args.feature_layers))
         engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,
-                        max_cache_bytes=int(args.kv_cache_gb * 2**30), captured_steps=args.cuda_graphs)
-        log.info("%s service: loaded %s in %.1fs on %s/%s, %d threads, captured steps %s", kind, spec.describe(),
-                 time.perf_counter() - started, engine.device, engine.dtype, torch.get_num_threads(),
-                 engine.captured_steps)
+                        max_cache_bytes=int(args.kv_cache_gb * 2**30), captured_steps=args.cuda_graphs,
+                        int8_weights=getattr(args, "int8_weights", False))
+        log.info("%s service: loaded %s in %.1fs on %s/%s%s, %d threads, captured steps %s", kind, spec.describe(),
+                 time.perf_counter() - started, engine.device, engine.dtype,
+                 " (linear layers int8)" if engine.int8_weights else "", torch.get_num_threads(), engine.captured_steps)
         metrics = ServiceMetrics(kind, engine, registry)
         server = Server(f"{args.host}:{args.port}", max_workers=8, credentials=credentials,
                         interceptors=[metrics.interceptor()])

@@ -156,6 +156,28 @@ def test_greedy_output_with_an_eagle_draft_matches_generate(eagle_stack, target_
     assert not eagle_stack.draft_engine.sequences and not eagle_stack.target_engine.sequences
 
 
+def test_int8_eagle_draft_keeps_the_output_exact(target_model, eagle_draft, tokenizer):
+    """A draft with int8 linear layers proposes other tokens now and then; the target decides
+    every one, so the output is still target-only decoding, token for token."""
+    from specbatch.commands.local import start_local_stack
+
+    stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=64,
+                              draft_engine_options={"int8_weights": True})
+    try:
+        rng = random.Random(7)
+        prompts = [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(6)]
+        results = generate_all(stack.client(), [make_request(p, 30, k=3, ignore_eos=True) for p in prompts],
+                               concurrency=6)
+        for prompt, result in zip(prompts, results):
+            assert result.token_ids == greedy_reference(target_model, prompt, 30)
+        assert sum(r.stats.draft_tokens_accepted for r in results) > 0
+        forward = stack.draft_engines[0].forward
+        assert type(forward.layers[0].down).__name__ == "Int8Linear"
+        assert type(forward.fuse).__name__ == "PackedLinear"  # reads the target's raw features
+    finally:
+        stack.stop()
+
+
 def test_eagle_draft_rebuilt_after_losing_its_state(eagle_stack, target_model, tokenizer):
     """The draft forgets everything mid-request: the coordinator re-sends history and features."""
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "w3 w9 w27"}], tokenize=False,

@@ -560,3 +560,27 @@ def test_fp32_linears_give_each_row_what_it_gets_alone():
     if linear.prepacked:
         differing = row_dependence([(96, 64), (576, 1536)], [2, 3, 5, 8, 17, 32], dtype=torch.float32)
         assert all(fraction == 0.0 for shape in differing.values() for fraction in shape.values()), differing
+
+
+def test_int8_linears_approximate_the_product_and_are_refused_where_inexact_or_unsupported(target_model):
+    """Int8Linear (a draft's choice on a CPU) is the float32 product within int8's error; an engine
+    asked for int8 weights where they cannot run (bf16, transformers' forward) refuses at start."""
+    from specbatch.linear import Int8Linear, int8_linears_available
+
+    if not int8_linears_available():
+        pytest.skip("no fbgemm in this PyTorch build (not x86)")
+    generator = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
+    x = torch.randn(3, 5, 64, generator=generator)
+    exact = torch.nn.functional.linear(x, weight, bias)
+    approx = Int8Linear(weight, bias)(x)
+    assert approx.shape == exact.shape
+    assert 0 < (approx - exact).norm() / exact.norm() < 0.05
+    engine = Engine(target_model, int8_weights=True)
+    assert type(engine.forward.layers[0].qkv).__name__ == "Int8Linear"
+    with pytest.raises(ValueError, match="int8"):
+        Engine(target_model, int8_weights=True, implementation="transformers")
+    import copy
+
+    with pytest.raises(ValueError, match="int8"):
+        Engine(copy.deepcopy(target_model).to(torch.bfloat16), int8_weights=True)

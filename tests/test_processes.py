@@ -178,6 +178,19 @@ def test_embedded_default_takes_the_profile_of_the_dtype_the_services_run(monkey
     assert launcher.default_k_policy(StackOptions(dtype=dtype, no_draft=True)) == ("fixed:3", None)
 
 
+@pytest.mark.parametrize("native_bf16, options, int8", [
+    (False, {}, True), (True, {}, False), (True, {"dtype": "float32"}, True), (False, {"dtype": "bf16"}, False),
+    (False, {"draft_model": "some/draft"}, False), (False, {"device": "cuda"}, False),
+    (False, {"draft_int8_weights": False}, False), (True, {"draft_int8_weights": True}, True)])
+def test_embedded_draft_runs_int8_where_the_services_run_float32_on_a_cpu(monkeypatch, native_bf16, options, int8):
+    """The embedded draft's float32 forward is bound by reading its weights; the launcher gives it
+    --int8-weights there unless told otherwise, and never elsewhere unasked."""
+    import specbatch.commands.launcher as launcher
+
+    monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: native_bf16)
+    assert launcher.draft_int8_weights(StackOptions(**options)) is int8
+
+
 def test_launcher_and_services_agree_on_native_bf16():
     """The launcher reads the CPU flags without torch; the services ask oneDNN. They must agree,
     or the coordinator would run the other dtype's profile."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -67,6 +68,9 @@ class StackOptions:
     # Intra-op threads of each model service: None = threads_per_service(available cores);
     # 0 = torch's own default (the environment's OMP_NUM_THREADS, else one per core).
     threads_per_service: int | None = None
+    # The draft service's --int8-weights; None: on for the embedded draft where the services run
+    # float32 on a CPU (``draft_int8_weights``).
+    draft_int8_weights: bool | None = None
 
 
 # The embedded models' profiles, one per dtype the services run on a CPU (``--dtype auto``: bf16
@@ -97,15 +101,29 @@ def services_cpu_dtype(options: StackOptions) -> str:
     return "bfloat16" if cpu_multiplies_bf16() else "float32"
 
 
+def embedded_on_cpu(options: StackOptions) -> bool:
+    """Whether the stack serves the embedded target with the embedded draft on a CPU."""
+    return not (options.target_model or options.draft_model or options.draft_layers or options.no_draft
+                or options.random_weights) and options.device in (None, "cpu")
+
+
+def draft_int8_weights(options: StackOptions) -> bool:
+    """Whether the draft service runs its linear layers in int8 (``specbatch.linear.Int8Linear``):
+    as asked, else for the embedded draft where the services run float32 on a CPU. There its
+    forward is bound by reading 36 MB of weights, and int8 halves the draft's time a token for 2 %
+    fewer tokens a step (docs/engine.md); with native bf16 the draft runs bf16, and int8 is off."""
+    if options.draft_int8_weights is not None:
+        return options.draft_int8_weights
+    return embedded_on_cpu(options) and services_cpu_dtype(options) == "float32"
+
+
 def default_k_policy(options: StackOptions) -> tuple[str, str | None]:
     """The k policy and profile when none is asked for: for the embedded target and draft on a CPU,
     the adaptive policy over the shipped profile of the dtype the services will run (where one
     was measured); else a fixed k of 3."""
     if options.k_policy:
         return options.k_policy, options.profile
-    embedded = not (options.target_model or options.draft_model or options.draft_layers or options.no_draft
-                    or options.random_weights) and options.device in (None, "cpu")
-    shipped = EMBEDDED_PROFILES.get(services_cpu_dtype(options)) if embedded else None
+    shipped = EMBEDDED_PROFILES.get(services_cpu_dtype(options)) if embedded_on_cpu(options) else None
     if shipped is not None and shipped.exists():
         return EMBEDDED_POLICY, options.profile or str(shipped)
     return "fixed:3", options.profile
@@ -141,6 +159,9 @@ def add_stack_flags(parser) -> None:
     parser.add_argument("--log-level", default="WARNING")
     parser.add_argument("--metrics", action="store_true",
                         help="serve Prometheus /metrics on loopback: coordinator 9090, target 9091, draft 9092")
+    parser.add_argument("--draft-int8-weights", action=argparse.BooleanOptionalAction, default=None,
+                        help="the draft's linear layers in int8 (default: on for the embedded draft where the "
+                             "services run float32 on a CPU)")
     parser.add_argument("--threads-per-service", type=int, metavar="N",
                         help="intra-op threads of the target and of the draft service (default: half the cores "
                              "this process may use, at least 1; 0: torch's own default)")
@@ -156,7 +177,7 @@ def stack_options(args) -> StackOptions:
         max_batch_size=args.max_batch_size,
         host=args.host, ports={"coordinator": args.port, "target": args.target_port, "draft": args.draft_port},
         log_level=args.log_level, metrics_ports=dict(DEFAULT_METRICS_PORTS) if args.metrics else None,
-        threads_per_service=args.threads_per_service,
+        threads_per_service=args.threads_per_service, draft_int8_weights=args.draft_int8_weights,
     )
 
 
@@ -237,7 +258,8 @@ class LocalProcesses:
         if not o.no_draft:
             self._spawn("draft", "draft_service",
                         _model_flags(draft_model, o.draft_gguf_file if o.draft_model else o.target_gguf_file,
-                                     o.draft_layers, o) + host + ["--port", str(o.ports["draft"])])
+                                     o.draft_layers, o) + host + ["--port", str(o.ports["draft"])]
+                        + (["--int8-weights"] if draft_int8_weights(o) else []))
             draft_address = f"{o.host}:{o.ports['draft']}"
         self.draft_address = None if draft_address == "none" else draft_address
         if o.coordinator:

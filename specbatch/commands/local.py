@@ -57,13 +57,14 @@ def _replica_model(model, index: int):
 
 
 def start_local_stack(target_model, draft_model, tokenizer, eos_token_ids=frozenset(), target_engine_options=None,
-                      target_replicas: int = 1, draft_replicas: int = 1, **coordinator_options) -> LocalStack:
+                      target_replicas: int = 1, draft_replicas: int = 1, draft_engine_options=None,
+                      **coordinator_options) -> LocalStack:
     """Replicas after the first get a copy of the model: engines running side by side must not
     share one (each hooks the model's decoder during its forwards)."""
     target_engines = [Engine(_replica_model(target_model, i), **(target_engine_options or {}))
                       for i in range(target_replicas)]
     targets = [serve_engine(engine, TargetServicer.serve_on, "target") for engine in target_engines]
-    draft_engines = [Engine(_replica_model(draft_model, i))
+    draft_engines = [Engine(_replica_model(draft_model, i), **(draft_engine_options or {}))
                      for i in range(draft_replicas if draft_model is not None else 0)]
     drafts = [serve_engine(engine, DraftServicer.serve_on, "draft") for engine in draft_engines]
     coordinator = build_coordinator(
