@@ -139,13 +139,17 @@ def wait_for(condition, timeout: float = 60.0) -> None:
         time.sleep(0.1)
 
 
-def test_kill_9_draft_mid_run_then_restart(processes, target_model):
-    target = processes.model("target", "target", free_port())
-    draft_port = free_port()
+def test_kill_9_draft_mid_run_then_restart_then_target_restarted_mid_run(processes, target_model):
+    """Both faults of one draft and one target behind a coordinator, one after the other on the
+    same stack (starting a stack of processes costs more than either fault's run)."""
+    target_port, draft_port = free_port(), free_port()
+    target = processes.model("target", "target", target_port)
     draft = processes.model("draft", "draft", draft_port)
     for address in (target, draft):
         processes.wait(address)
     coordinator = processes.coordinator([target], [draft])
+
+    # kill -9 of the draft mid-run, then a new draft on the same address.
     prompts = prompts_of_lengths([5, 9, 13, 7, 11, 6, 8, 10], seed=31)
     jobs = start_requests(coordinator, prompts)
     processes.kill("draft")  # kill -9, mid-run
@@ -159,14 +163,7 @@ def test_kill_9_draft_mid_run_then_restart(processes, target_model):
     assert result.token_ids == greedy_reference(target_model, prompts[0], 40)
     assert result.stats.draft_tokens_proposed > 0
 
-
-def test_target_restarted_mid_run(processes, target_model):
-    target_port = free_port()
-    target = processes.model("target", "target", target_port)
-    draft = processes.model("draft", "draft", free_port())
-    for address in (target, draft):
-        processes.wait(address)
-    coordinator = processes.coordinator([target], [draft])
+    # The target restarted mid-run: a fresh process on the same address, every cache gone.
     prompts = prompts_of_lengths([5, 9, 13, 7, 11, 6, 8, 10], seed=33)
     jobs = start_requests(coordinator, prompts)
     processes.kill("target")
