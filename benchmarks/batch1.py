@@ -4,7 +4,8 @@ In one run, on the same prompts and token counts:
 1. plain transformers ``generate()`` of the embedded target in float32, in this process (the
    services are not running yet, so it has the machine to itself);
 2. the three services as processes (``specbatch up``'s launcher, threads pinned per service),
-   each prompt sent target-only (``k = 0``) and then under the coordinator's k policy.
+   each prompt sent target-only (``k = 0``) and then under the coordinator's k policy, prompt by
+   prompt (so the two modes share any drift in the machine's speed).
 Prints tokens/s of each and the ratios, where each mode's decode step spends its time (the
 coordinator's step totals: RPC time beside the compute the services report), and writes JSON.
 
@@ -14,6 +15,7 @@ coordinator's step totals: RPC time beside the compute the services report), and
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import time
 from pathlib import Path
@@ -65,21 +67,29 @@ def where_step_time_goes(before: dict, after: dict, seconds: float) -> dict:
             "outside steps": 1e3 * seconds / steps - ms["step_seconds"]}
 
 
-def served(address: str, prompts: list[list[int]], tokens: int, k: int | None) -> dict:
+def served(address: str, prompts: list[list[int]], tokens: int, ks: dict[str, int | None]) -> dict[str, dict]:
+    """Each prompt through the coordinator once per mode (``ks``: name -> the request's k, None for
+    the coordinator's policy), the modes taking turns prompt by prompt: a machine whose speed
+    drifts during the run (shared hosts do, by 10 % and more) then slows every mode alike."""
     stub = connect(address)
-    generate(stub, make_request(prompts[0], 4, k=k, ignore_eos=True))  # warm-up
-    before = step_totals(stub)
-    generated, seconds, proposed, accepted, steps = 0, 0.0, 0, 0, 0
+    for k in ks.values():
+        generate(stub, make_request(prompts[0], 4, k=k, ignore_eos=True))  # warm-up
+    sums = {name: collections.Counter() for name in ks}
     for prompt in prompts:
-        result = generate(stub, make_request(prompt, tokens, k=k, ignore_eos=True), timeout=600)
-        generated += len(result.token_ids)
-        seconds += result.seconds
-        proposed += result.stats.draft_tokens_proposed
-        accepted += result.stats.draft_tokens_accepted
-        steps += result.stats.steps
-    return {"tokens_per_second": generated / seconds, "acceptance": accepted / proposed if proposed else 0.0,
-            "tokens_per_step": generated / steps if steps else 0.0,
-            "ms_per_step": where_step_time_goes(before, step_totals(stub), seconds)}
+        for name, k in ks.items():
+            before = step_totals(stub)
+            result = generate(stub, make_request(prompt, tokens, k=k, ignore_eos=True), timeout=600)
+            after = step_totals(stub)
+            sums[name].update({part: after[part] - before[part] for part in after})
+            sums[name].update(generated=len(result.token_ids), seconds=result.seconds, request_steps=result.stats.steps,
+                              proposed=result.stats.draft_tokens_proposed,
+                              accepted=result.stats.draft_tokens_accepted)
+    zero = dict.fromkeys(["steps", *STEP_PARTS], 0)
+    return {name: {"tokens_per_second": s["generated"] / s["seconds"],
+                   "acceptance": s["accepted"] / s["proposed"] if s["proposed"] else 0.0,
+                   "tokens_per_step": s["generated"] / s["request_steps"] if s["request_steps"] else 0.0,
+                   "ms_per_step": where_step_time_goes(zero, {**zero, **{p: s[p] for p in zero}}, s["seconds"])}
+            for name, s in sums.items()}
 
 
 def main() -> int:
@@ -110,11 +120,11 @@ def main() -> int:
     if args.k_policy:
         options.k_policy, options.profile = args.k_policy, args.profile
     with LocalProcesses(options) as stack:
-        target_only = served(stack.address, prompts, args.tokens, k=0)
-        print(f"services, target-only (k=0): {target_only['tokens_per_second']:.1f} tok/s", flush=True)
-        speculative = served(stack.address, prompts, args.tokens, k=None)
-        print(f"services, k policy {stack.options.k_policy}, draft int8 {draft_int8_weights(stack.options)}: "
-              f"{speculative['tokens_per_second']:.1f} tok/s", flush=True)
+        modes = served(stack.address, prompts, args.tokens, {"target-only": 0, "speculative": None})
+    target_only, speculative = modes["target-only"], modes["speculative"]
+    print(f"services, target-only (k=0): {target_only['tokens_per_second']:.1f} tok/s; k policy "
+          f"{stack.options.k_policy}, draft int8 {draft_int8_weights(stack.options)}: "
+          f"{speculative['tokens_per_second']:.1f} tok/s", flush=True)
     rows = {
         **({"transformers generate(), fp32": baseline} if baseline else {}),
         "services, target-only (k=0)": target_only["tokens_per_second"],

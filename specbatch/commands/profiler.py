@@ -286,7 +286,7 @@ def run_profile(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .launcher import LocalProcesses, stack_options
+    from .launcher import LocalProcesses, draft_int8_weights, stack_options
     from ..models import EMBEDDED, ModelSpec, load_tokenizer, parse_dtype, default_device
 
     remote = bool(args.target)
@@ -353,7 +353,8 @@ def run_profile(args) -> int:
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         hardware=hardware,
         target={"model": names[0], "dtype": dtype or "unknown"},
-        draft={"model": names[1], "dtype": dtype or "unknown"},
+        draft={"model": names[1], "dtype": dtype or "unknown",
+               **({} if remote else {"int8_weights": draft_int8_weights(options)})},
         workload=workload,
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
