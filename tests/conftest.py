@@ -9,13 +9,7 @@ from tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 
 
 def pytest_configure(config):
-    # One intra-op thread, as each model service runs on this project's 2-core machines (the
-    # launcher's rule): the tiny models' forwards are dominated by per-operator costs, which a
-    # second thread only adds to (in-process test files ran 17 % faster). Tests of how results
-    # depend on the thread count set their own (test_engine's row-independence check).
-    import torch
 
-    torch.set_num_threads(1)
     config.addinivalue_line("markers", "real_model: uses the embedded SmolLM2-135M-Instruct (slower)")
 
 
