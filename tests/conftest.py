@@ -9,7 +9,6 @@ from tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 
 
 def pytest_configure(config):
-
     config.addinivalue_line("markers", "real_model: uses the embedded SmolLM2-135M-Instruct (slower)")
 
 
