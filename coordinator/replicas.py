@@ -26,6 +26,7 @@ from tenacity import Retrying, retry_if_exception_type, wait_exponential
 log = logging.getLogger(__name__)
 
 DNS_PREFIX = "dns:"
+JOINING_PROBE_SECONDS = 0.5  # the longest wait between probes of a replica that has not served yet
 
 
 class NotReady(Exception):
@@ -75,6 +76,11 @@ class ReplicaSet:
         self.health_service = health_service
         self.refresh_seconds = refresh_seconds
         self.backoff = wait_exponential(multiplier=backoff_seconds, max=max_backoff_seconds)
+        # A replica that has not served yet is most likely starting (loading its model, seconds):
+        # probed at most JOINING_PROBE_SECONDS apart, it joins within that of serving, where the
+        # down-replica backoff could leave it waiting up to max_backoff_seconds.
+        self.joining_backoff = wait_exponential(multiplier=backoff_seconds,
+                                                max=min(max_backoff_seconds, JOINING_PROBE_SECONDS))
         self.on_health = on_health or (lambda replica: None)
         self.replicas: dict[str, Replica] = {}
         self.lock = threading.Lock()
@@ -157,7 +163,9 @@ class ReplicaSet:
             return
         # Anything a probe raises means "not yet" (its channel may even be closed under it when
         # the coordinator stops); only closing or leaving discovery ends the probing.
-        retrying = Retrying(retry=retry_if_exception_type(Exception), wait=self.backoff,
+        joining = replica.failures == 0  # never marked down: it has not served yet
+        retrying = Retrying(retry=retry_if_exception_type(Exception),
+                            wait=self.joining_backoff if joining else self.backoff,
                             stop=lambda state: self.closed.is_set() or replica.removed, sleep=self.closed.wait)
         try:
             for attempt in retrying:

@@ -63,6 +63,34 @@ def test_endpoints_static_and_dns():
         resolve("dns:localhost")
 
 
+@pytest.mark.parametrize("marked_down", [False, True])
+def test_a_starting_replica_is_probed_often_a_failed_one_with_growing_backoff(marked_down):
+    """A replica that has not served yet is most likely loading its model: probed at most 0.5 s
+    apart, it joins soon after it serves. One that was marked down backs off to 5 s."""
+    from coordinator.replicas import JOINING_PROBE_SECONDS, Replica, ReplicaSet
+
+    class Starting(ReplicaSet):
+        probes = 0
+
+        def probe(self, replica):
+            self.probes += 1
+            if self.probes <= 8:
+                raise RuntimeError("not serving yet")
+
+    replicas = Starting("target", "127.0.0.1:1", make_client=lambda address: None)
+    replica = Replica("target", "127.0.0.1:1", None, failures=int(marked_down))
+    waits = []
+    replicas.closed.wait = lambda seconds: waits.append(seconds) or False  # the prober's sleep, recorded
+    replicas._probe_until_healthy(replica, cooldown=0.0)
+    assert replica.healthy and replicas.probes == 9
+    waits = waits[1:]  # the first is the cooldown
+    assert len(waits) == 8 and waits == sorted(waits)
+    if marked_down:
+        assert waits[-1] == 5.0
+    else:
+        assert max(waits) == JOINING_PROBE_SECONDS
+
+
 def test_sequences_stay_on_their_replicas_and_spread(target_model, draft_model, tokenizer):
     """2 targets + 2 drafts: 8 requests split over both; each sequence is created on exactly one
     target and one draft replica (never moved), and the output is exact."""
