@@ -14,7 +14,7 @@ import grpc
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
 from specbatch.sampling_params import SamplingParams
-from specbatch.tls import CHANNEL_OPTIONS, open_channel
+from specbatch.tls import channel_options_reconnecting_within, open_channel
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 
@@ -31,8 +31,7 @@ LOST_STATE = {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION}
 # Capped at 1 s, a replica that serves again is reconnected within 1.2 s, so the next probe
 # (replicas.py) finds it.
 MAX_RECONNECT_BACKOFF_MS = 1000
-SERVICE_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100),
-                           ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS)]
+SERVICE_CHANNEL_OPTIONS = channel_options_reconnecting_within(MAX_RECONNECT_BACKOFF_MS)
 
 
 def _transient(error: BaseException) -> bool:

@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from . import reflection
 from .errors import EngineError
 from .logs import configure_logging  # noqa: F401  (re-exported: the servers import it from here)
-from .tls import CHANNEL_OPTIONS, open_channel
+from .tls import CHANNEL_OPTIONS, channel_options_reconnecting_within, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,7 @@ class Server:
 # options share, so a new channel per poll does not reset it). Polled while a service imports
 # torch for several seconds, the next dial came up to 5 s after the server was listening. Capped
 # at the poll interval, a server is seen within about 0.2 s of serving.
-READINESS_CHANNEL_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.initial_reconnect_backoff_ms", 100),
-                             ("grpc.max_reconnect_backoff_ms", 200)]
+READINESS_CHANNEL_OPTIONS = channel_options_reconnecting_within(200)
 
 
 def wait_until_serving(address: str, timeout: float, service: str = "",
