@@ -53,12 +53,13 @@ def step_totals(stub) -> dict:
     return {"steps": totals.steps, **{part: getattr(totals, part) for part in STEP_PARTS}}
 
 
-def where_step_time_goes(before: dict, after: dict, seconds: float) -> dict:
-    """ms per decode step of each part (the coordinator's StepTotals between two reads): the
-    draft's and target's RPC wall time and the compute the services report inside it, the rest of
-    the step in the coordinator, and the time between steps (request ends, streaming, admission)."""
-    steps = after["steps"] - before["steps"]
-    ms = {part: 1e3 * (after[part] - before[part]) / steps for part in STEP_PARTS}
+def where_step_time_goes(totals: dict, seconds: float) -> dict:
+    """ms per decode step of each part (``totals``: the growth of the coordinator's StepTotals over
+    requests that took ``seconds``): the draft's and target's RPC wall time and the compute the
+    services report inside it, the rest of the step in the coordinator, and the time between steps
+    (request ends, streaming, admission)."""
+    steps = totals["steps"]
+    ms = {part: 1e3 * totals[part] / steps for part in STEP_PARTS}
     return {"draft compute": ms["draft_compute_seconds"],
             "draft RPC beyond compute": ms["draft_seconds"] - ms["draft_compute_seconds"],
             "target compute": ms["target_compute_seconds"],
@@ -84,11 +85,10 @@ def served(address: str, prompts: list[list[int]], tokens: int, ks: dict[str, in
             sums[name].update(generated=len(result.token_ids), seconds=result.seconds, request_steps=result.stats.steps,
                               proposed=result.stats.draft_tokens_proposed,
                               accepted=result.stats.draft_tokens_accepted)
-    zero = dict.fromkeys(["steps", *STEP_PARTS], 0)
     return {name: {"tokens_per_second": s["generated"] / s["seconds"],
                    "acceptance": s["accepted"] / s["proposed"] if s["proposed"] else 0.0,
                    "tokens_per_step": s["generated"] / s["request_steps"] if s["request_steps"] else 0.0,
-                   "ms_per_step": where_step_time_goes(zero, {**zero, **{p: s[p] for p in zero}}, s["seconds"])}
+                   "ms_per_step": where_step_time_goes(s, s["seconds"])}
             for name, s in sums.items()}
 
 
