@@ -9,12 +9,13 @@ SmolLM2-135M at context 128, median of repeats, for batch × new tokens per sequ
   native bf16, where oneDNN's fp32 results do not depend on the row count);
 - ``bf16-specbatch`` (only on CPUs with native bf16, where it is the default): bf16 with
   oneDNN-prepacked weights;
-- ``bf16-compiled`` (with --compile): the same forward through torch.compile (inductor, freezing).
 Then the ratios the issue sets as targets, for the engine the services run here (``--dtype auto``),
 and where its steps' time goes (batch 1 × 1, 8 × 1, 8 × 4: the matrix multiplies at 32 rows are
 what limit the batch-8 ratio).
 
-    .venv/bin/python benchmarks/cpu_engine.py [--threads 2] [--repeats 20] [--compile]
+    .venv/bin/python benchmarks/cpu_engine.py [--threads 2] [--repeats 20]
+
+(``benchmarks/compile_static.py`` compares the eager forward with torch.compile.)
 """
 
 from __future__ import annotations
@@ -71,20 +72,10 @@ def time_split(engine: Engine, batch: int, new: int, repeats: int = 10) -> dict:
 SPLIT_SHAPES = [(1, 1), (8, 1), (8, 4)]
 
 
-def compiled_engine(model) -> Engine:
-    import torch._inductor.config as inductor_config
-
-    inductor_config.freezing = True
-    engine = Engine(model)
-    engine.forward = torch.compile(engine.forward.__call__, dynamic=True)
-    return engine
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--compile", action="store_true", help="also time torch.compile (inductor, freezing)")
     parser.add_argument("--out", default="bench-out/cpu_engine.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -102,12 +93,6 @@ def main() -> int:
     # Each engine holds the largest batch at CONTEXT tokens; every timed verify keeps exactly
     # CONTEXT (the bench-engine command's timing), median of the repeats after 3 warm-up calls.
     grid = Grid(batch_sizes=(max(b for b, _ in SHAPES),), context=CONTEXT, repeats=args.repeats, warmup=3)
-    if args.compile:
-        start = time.perf_counter()
-        compiled = best.replace("specbatch", "compiled")
-        engines[compiled] = compiled_engine(bf16 if native_bf16 else fp32)
-        Bench(engines[compiled], Grid(batch_sizes=(1,), context=CONTEXT, repeats=1, warmup=0)).verify_ms(1, 1)
-        print(f"torch.compile: first call {time.perf_counter() - start:.0f} s", flush=True)
     benches = {name: Bench(engine, grid) for name, engine in engines.items()}
     table = {name: {} for name in engines}
     for batch, new in SHAPES:
