@@ -40,3 +40,18 @@ def stack(target_model, draft_model, tokenizer):
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=128)
     yield stack
     stack.stop()
+
+
+@pytest.fixture(scope="session")
+def zygote():
+    """Service processes forked from one that has imported them (``specbatch.prefork``): a service
+    starts in well under a second instead of 7-8 s of imports. Tests of the plain ``python -m``
+    start keep ``prefork.popen``."""
+    import os
+
+    from specbatch.prefork import Zygote
+
+    # OpenMP sizes its pool once, at import: one thread, as every test service runs.
+    zygote = Zygote(env={**os.environ, "OMP_NUM_THREADS": "1"})
+    yield zygote
+    zygote.close()

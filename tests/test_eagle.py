@@ -214,7 +214,7 @@ def test_trained_only_export_reassembles_with_the_target(eagle_draft, target_mod
     assert propose(Engine(rebuilt), items()) == propose(Engine(eagle_draft), items())
 
 
-def test_draft_service_process_serves_the_distilled_folder(distilled, target_model, tokenizer, tmp_path):
+def test_draft_service_process_serves_the_distilled_folder(distilled, target_model, tokenizer, tmp_path, zygote):
     """``python -m draft_service --model OUT/draft``: the checkpoint loads like any model."""
     from specbatch.client import connect
     from specbatch.commands.launcher import LocalProcesses, StackOptions
@@ -226,7 +226,7 @@ def test_draft_service_process_serves_the_distilled_folder(distilled, target_mod
     ports = {"coordinator": free_port(), "target": free_port(), "draft": free_port()}
     options = StackOptions(target_model=str(tmp_path), dtype="float32", draft_model=str(distilled[0] / "draft"), ports=ports,
                            max_batch_size=4)
-    with LocalProcesses(options) as stack:
+    with LocalProcesses(options, zygote.start) as stack:
         stub = connect(stack.address)
         prompt = [1, 7, 22, 9, 40]
         result = generate(stub, make_request(prompt, 30, k=3, ignore_eos=True))

@@ -1,4 +1,5 @@
-"""Faults with real processes: kill -9 the draft mid-run, restart the target mid-run, and 2 target +
+"""Faults with real processes (forked from ``prefork.Zygote``: the same service code, started
+without its 7-8 s of imports): kill -9 the draft mid-run, restart the target mid-run, and 2 target +
 2 draft replicas behind one coordinator (affinity, then a target replica stopped mid-run). Eight
 concurrent greedy requests each time; every one completes and matches target-only decoding."""
 
@@ -7,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from concurrent import futures
@@ -38,16 +38,16 @@ def model_folder(tmp_path_factory, target_model, tokenizer):
 class Processes:
     """Services as child processes, each on its own port; all killed at the end."""
 
-    def __init__(self, folder: str):
-        self.folder = folder
+    def __init__(self, folder: str, zygote):
+        self.folder, self.zygote = folder, zygote
         self.children: dict[str, subprocess.Popen] = {}
 
     def spawn(self, name: str, module: str, *flags: str) -> None:
         # Defaults first: a flag given again in ``flags`` wins (argparse keeps the last).
-        command = [sys.executable, "-m", module, "--metrics-port", "0", "--log-level", "WARNING", *flags]
+        args = ["--metrics-port", "0", "--log-level", "WARNING", *flags]
         # One thread each: five processes on a small machine, whose OpenMP teams would otherwise
         # spin against each other between calls.
-        self.children[name] = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        self.children[name] = self.zygote.start(module, args, {**os.environ, "OMP_NUM_THREADS": "1"})
 
     def model(self, name: str, kind: str, port: int, *flags: str) -> str:
         layers = ["--num-layers", "2"] if kind == "draft" else []
@@ -89,8 +89,8 @@ class Processes:
 
 
 @pytest.fixture
-def processes(model_folder):
-    procs = Processes(model_folder)
+def processes(model_folder, zygote):
+    procs = Processes(model_folder, zygote)
     yield procs
     procs.stop()
 

@@ -21,14 +21,14 @@ from tiny import greedy_reference
 
 
 @pytest.fixture(scope="module")
-def processes(tmp_path_factory, target_model, tokenizer):
+def processes(tmp_path_factory, target_model, tokenizer, zygote):
     folder = tmp_path_factory.mktemp("tiny-target")
     target_model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     ports = {"coordinator": free_port(), "target": free_port(), "draft": free_port()}
     options = StackOptions(target_model=str(folder), dtype="float32", draft_model=str(folder), draft_layers=2, ports=ports,
                            max_batch_size=4)
-    stack = LocalProcesses(options).start(timeout=180)
+    stack = LocalProcesses(options, zygote.start).start(timeout=180)
     yield stack
     stack.stop()
 
@@ -83,6 +83,7 @@ def test_generate_command_json(processes, capsys):
 
 
 def test_stop_is_clean(tmp_path_factory, target_model, tokenizer):
+    """Plain ``python -m`` processes, as `specbatch up` starts them (the other tests fork theirs)."""
     folder = tmp_path_factory.mktemp("tiny-stop")
     target_model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -117,9 +118,9 @@ def test_launcher_pins_each_services_threads(monkeypatch, chosen, cores, service
 
     spawned = {}
     monkeypatch.setattr(launcher, "available_cores", lambda: cores)
-    monkeypatch.setattr(launcher.subprocess, "Popen", lambda command, env: spawned.setdefault(command[2], (command, env)))
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
-    stack = LocalProcesses(StackOptions(threads_per_service=chosen))
+    stack = LocalProcesses(StackOptions(threads_per_service=chosen),
+                           lambda module, args, env: spawned.setdefault(module, (args, env)))
     for name, module in (("target", "target_service"), ("draft", "draft_service"), ("coordinator", "coordinator")):
         stack._spawn(name, module, [])
     for module in ("target_service", "draft_service"):
@@ -147,15 +148,13 @@ def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatc
                                                                       target_flags):
     """A draft distilled with --feature-layers (EAGLE-3 fusion) reads the outputs of those target
     layers: `specbatch up` starts the target with the same flag, read from the draft's config."""
-    import specbatch.commands.launcher as launcher
-
     draft = tmp_path / "draft"
     draft.mkdir()
     (draft / "config.json").write_text(json.dumps({"model_type": "specbatch_eagle", "feature_layers": feature_layers}))
     spawned = {}
-    monkeypatch.setattr(launcher.subprocess, "Popen", lambda command, env: spawned.setdefault(command[2], command))
     monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
-    LocalProcesses(StackOptions(target_model=str(tmp_path / "target"), draft_model=str(draft), k_policy="fixed:3")).start()
+    LocalProcesses(StackOptions(target_model=str(tmp_path / "target"), draft_model=str(draft), k_policy="fixed:3"),
+                   lambda module, args, env: spawned.setdefault(module, args)).start()
     target = spawned["target_service"]
     assert [flag for flag in target if flag == "--feature-layers"] == target_flags[:1]
     if target_flags:

@@ -154,14 +154,14 @@ def test_profile_with_given_acceptance(stack, tokenizer, tmp_path, capsys):
 # ---- the services as processes ----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def random_processes(tmp_path_factory, tokenizer):
+def random_processes(tmp_path_factory, tokenizer, zygote):
     root = tmp_path_factory.mktemp("random-shapes")
     target = tiny_shape(root / "target", layers=2, tokenizer=tokenizer)
     draft = tiny_shape(root / "draft", layers=1, hidden=32)
     ports = {"coordinator": free_port(), "target": free_port(), "draft": free_port()}
     options = StackOptions(target_model=target, draft_model=draft, random_weights=True, device="cpu", dtype="float32",
                            ports=ports, max_batch_size=4, kv_cache_gb=0.01)  # float32: compared with a float32 reference
-    stack = LocalProcesses(options).start(timeout=180)
+    stack = LocalProcesses(options, zygote.start).start(timeout=180)
     yield stack, target
     stack.stop()
 

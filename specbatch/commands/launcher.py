@@ -8,12 +8,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..metrics import DEFAULT_METRICS_PORTS
+from ..prefork import popen
 from ..serving import DEFAULT_PORTS, wait_until_serving
 
 
@@ -203,11 +203,14 @@ def _feature_layer_flags(draft_model: str | None) -> list[str]:
 
 
 class LocalProcesses:
-    """The target, draft and coordinator as child processes; stopped with SIGTERM, in reverse."""
+    """The target, draft and coordinator as child processes; stopped with SIGTERM, in reverse.
+    ``start_process(module, args, env)`` starts each: a fresh ``python -m`` (``prefork.popen``),
+    or a fork of a process that has imported them already (``prefork.Zygote.start``: the tests)."""
 
-    def __init__(self, options: StackOptions):
+    def __init__(self, options: StackOptions, start_process=popen):
         policy, profile = default_k_policy(options)
         self.options = replace(options, k_policy=policy, profile=profile)
+        self.start_process = start_process
         self.processes: list[tuple[str, subprocess.Popen]] = []
 
     @property
@@ -223,15 +226,14 @@ class LocalProcesses:
     def _spawn(self, name: str, module: str, flags: list[str]) -> None:
         service = module.removesuffix("_service")
         metrics_port = (self.options.metrics_ports or {}).get(service, 0) if name == service else 0
-        command = [sys.executable, "-m", module, *flags, "--log-level", self.options.log_level,
-                   "--metrics-port", str(metrics_port)]
+        args = [*flags, "--log-level", self.options.log_level, "--metrics-port", str(metrics_port)]
         env = os.environ.copy()
         if module == "coordinator":
             env["OMP_NUM_THREADS"] = "1"  # it tokenizes and schedules: no tensor math worth a team
         elif self.threads:
-            command += ["--threads", str(self.threads)]
+            args += ["--threads", str(self.threads)]
             env["OMP_NUM_THREADS"] = str(self.threads)  # also sizes the OpenMP pool before torch starts
-        self.processes.append((name, subprocess.Popen(command, env=env)))
+        self.processes.append((name, self.start_process(module, args, env)))
 
     def start(self, timeout: float = 600.0) -> "LocalProcesses":
         o = self.options
