@@ -51,7 +51,8 @@ class Zygote:
         self.preload, self.env = preload, env
         self.process: subprocess.Popen | None = None
         self._lock = threading.Lock()  # one command at a time: a "started" reply answers the last one
-        self._started: queue.Queue = queue.Queue()
+        # The replies that answer calls, in order: "ready" once, "started" per command, "gone" at EOF.
+        self._answers: queue.Queue = queue.Queue()
         self._exits: dict[int, int] = {}
         self._changed = threading.Condition()
         self._gone = False  # the zygote exited: no more replies
@@ -71,12 +72,12 @@ class Zygote:
                 with self._changed:
                     self._exits[reply["exited"]] = reply["returncode"]
                     self._changed.notify_all()
-            else:  # "ready" after the imports, then "started" per command
-                self._started.put(reply)
+            else:
+                self._answers.put(reply)
         with self._changed:
             self._gone = True
             self._changed.notify_all()
-        self._started.put({"gone": True})
+        self._answers.put({"gone": True})
 
     def start(self, module: str, args: list[str], env: dict[str, str] | None = None) -> "Child":
         """Fork a child running ``python -m module args`` with ``env`` (default: this process's)."""
@@ -91,7 +92,7 @@ class Zygote:
 
     def _reply(self, key: str, timeout: float):
         try:
-            reply = self._started.get(timeout=timeout)
+            reply = self._answers.get(timeout=timeout)
         except queue.Empty:
             raise RuntimeError(f"the zygote did not answer within {timeout:.0f} s") from None
         if key not in reply:
