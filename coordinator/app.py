@@ -11,7 +11,7 @@ from pathlib import Path
 from specbatch.models import EMBEDDED, ModelSpec, load_tokenizer, model_source
 from specbatch.metrics import new_registry, serve_metrics
 from specbatch.serving import DEFAULT_PORTS, Server, configure_logging
-from specbatch.speculation import MAX_K
+from specbatch.speculation import MAX_K, MAX_LEAVES
 from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials_from_args,
                            server_credentials_from_args)
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
@@ -108,13 +108,14 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
                       credentials=None, tls_server_name: str | None = None, server_credentials=None,
                       refresh_seconds: float = 10.0,
                       wait_seconds: float = 30.0, metrics_host: str = "127.0.0.1",
-                      metrics_port: int | None = 0) -> Coordinator:
+                      metrics_port: int | None = 0, leaves: int = 0) -> Coordinator:
     """``target_address``/``draft_address``: one address, a comma-separated list of replicas, or
     ``dns:NAME:PORT`` (re-resolved every ``refresh_seconds``). ``profile``: a path (read now,
     re-read when it changes) or a ProfileFile already open. ``credentials``: TLS for the calls to
     the services (``tls_server_name``: the name their certificates carry, when replicas are dialled
     by IP); ``server_credentials``: TLS for the coordinator's own port. ``metrics_port``:
-    Prometheus /metrics (0: none; None: the default port, skipped if taken). A profile that
+    Prometheus /metrics (0: none; None: the default port, skipped if taken). ``leaves``: the
+    draft's next-best tokens verified beside the first drafted one (specbatch.acceptance). A profile that
     cannot be used, or services that do not fit together, raise ValueError before serving."""
     profile_file = ProfileFile(profile, profile_poll_seconds) if isinstance(profile, (str, Path)) else profile
     k_policy = parse_policy(policy, MAX_K, profile_file)
@@ -161,8 +162,10 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
         eos_token_ids = find_eos_token_ids(tokenizer, None)
     limits = Limits(target_stats.vocab_size, max_context, max_new_tokens, eos_token_ids, max_prompt_tokens)
     metrics.set_policy(k_policy.describe())
+    if not 0 <= leaves <= MAX_LEAVES:
+        raise ValueError(f"leaves must be in [0, {MAX_LEAVES}] (got {leaves})")
     scheduler = Scheduler(targets, drafts, k_policy, max_batch_size, max_queue, max_context, feature_size,
-                          metrics=metrics)
+                          metrics=metrics, leaves=leaves)
     metrics.track_load(scheduler.load, max_batch_size)
     scheduler.start()
     if profile_file is not None:
@@ -194,6 +197,9 @@ def main(argv=None) -> None:
     parser.add_argument("--gguf-file", help="GGUF file name inside --tokenizer")
     parser.add_argument("--k-policy", default="fixed:3",
                         help=f"how k is chosen: {KNOWN_POLICIES} (the last two need --profile)")
+    parser.add_argument("--leaves", type=int, default=0,
+                        help=f"the draft's next-best tokens (0 to {MAX_LEAVES}) verified beside the first drafted "
+                             "one: a rejected first draft whose target token is one of them still yields 2 tokens")
     parser.add_argument("--profile", help="profile JSON made by `specbatch profile`; re-read when the file changes")
     parser.add_argument("--profile-poll-seconds", type=float, default=2.0,
                         help="how often to check the profile file for changes")
@@ -224,6 +230,8 @@ def main(argv=None) -> None:
     try:
         profile_file = ProfileFile(args.profile, args.profile_poll_seconds) if args.profile else None
         parse_policy(args.k_policy, MAX_K, profile_file)
+        if not 0 <= args.leaves <= MAX_LEAVES:
+            raise ValueError(f"--leaves must be in [0, {MAX_LEAVES}] (got {args.leaves})")
     except ValueError as error:
         parser.error(str(error))
     server_credentials = server_credentials_from_args(args, parser)
@@ -240,6 +248,7 @@ def main(argv=None) -> None:
         credentials=credentials, tls_server_name=args.service_tls_server_name,
         server_credentials=server_credentials, refresh_seconds=args.discovery_seconds,
         wait_seconds=args.wait_for_services, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+        leaves=args.leaves,
     )
     log.info("coordinator serving on %s:%d (k policy %s)", args.host, coordinator.port, args.k_policy)
     coordinator.server.run_until_signal(on_stop=lambda: coordinator.drain(args.drain_seconds))

@@ -141,12 +141,16 @@ class TargetClient(ServiceClient):
 
     def verify(self, calls: list[Call], drafts: list[list[int]], sampling: list[SamplingParams],
                create: bool = False, return_features: bool = False,
-               distributions: list | None = None, timeout: float | None = None) -> pb.VerifyResponse:
+               distributions: list | None = None, leaves: list | None = None,
+               timeout: float | None = None) -> pb.VerifyResponse:
         """``distributions``: per sequence, the draft's q' of each draft token (the Proposal's
-        DraftDistribution messages, passed through untouched); needed where sampling is not greedy."""
+        DraftDistribution messages, passed through untouched); needed where sampling is not greedy.
+        ``leaves``: per sequence, the Proposal's Leaves messages (passed through), if any."""
         distributions = distributions or [()] * len(calls)
-        items = [pb.VerifyItem(sequence=_seq(c), draft_tokens=d, sampling=_sampling_to_proto(s), draft_distributions=q)
-                 for c, d, s, q in zip(calls, drafts, sampling, distributions)]
+        leaves = leaves or [()] * len(calls)
+        items = [pb.VerifyItem(sequence=_seq(c), draft_tokens=d, sampling=_sampling_to_proto(s), draft_distributions=q,
+                               leaves=at)
+                 for c, d, s, q, at in zip(calls, drafts, sampling, distributions, leaves)]
         return self._call(self.stub.Verify, pb.VerifyRequest(items=items, create=create,
                                                              return_features=return_features), timeout)
 
@@ -155,6 +159,9 @@ class DraftClient(ServiceClient):
     stub_class = pb_grpc.DraftStub
 
     def propose(self, calls: list[Call], ks: list[int], sampling: list[SamplingParams],
-                timeout: float | None = None) -> pb.ProposeResponse:
-        items = [pb.ProposeItem(sequence=_seq(c), k=k, sampling=_sampling_to_proto(s)) for c, k, s in zip(calls, ks, sampling)]
+                timeout: float | None = None, leaves: list[list[int]] | None = None) -> pb.ProposeResponse:
+        """``leaves``: per sequence, how many leaves to propose at each of its first drafted positions."""
+        leaves = leaves or [()] * len(calls)
+        items = [pb.ProposeItem(sequence=_seq(c), k=k, sampling=_sampling_to_proto(s), leaves=n)
+                 for c, k, s, n in zip(calls, ks, sampling, leaves)]
         return self._call(self.stub.Propose, pb.ProposeRequest(items=items), timeout)

@@ -24,6 +24,9 @@ class StepStats:
     step_seconds: float
     draft_compute_seconds: float = 0.0
     target_compute_seconds: float = 0.0
+    # Sequences whose chain stopped at a position that had leaves; of those, the ones that kept a leaf.
+    leaf_chances: int = 0
+    leaf_hits: int = 0
     # Per draft position: drafts that reached it (every earlier position accepted), and of those,
     # the ones accepted there.
     reached_by_position: list[int] = field(init=False)
@@ -60,9 +63,13 @@ class StepTotals:
     reached_by_position: list[int] = field(default_factory=lambda: [0] * MAX_K)
     accepted_by_position: list[int] = field(default_factory=lambda: [0] * MAX_K)
     k_histogram: list[int] = field(default_factory=lambda: [0] * (MAX_K + 1))  # sequence-steps by k
+    leaf_chances: int = 0  # chains stopped at a position with leaves
+    leaf_hits: int = 0  # and of those, leaves kept
 
     def add(self, step: StepStats) -> None:
         self.steps += 1
+        self.leaf_chances += step.leaf_chances
+        self.leaf_hits += step.leaf_hits
         self.sequence_steps += step.batch_size
         self.step_seconds += step.step_seconds
         self.draft_seconds += step.draft_seconds

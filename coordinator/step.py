@@ -26,12 +26,23 @@ log = logging.getLogger(__name__)
 
 
 class DecodeStep:
-    def __init__(self, placement: Placement, policy, max_context: int, feature_row_bytes: int, metrics=None):
+    def __init__(self, placement: Placement, policy, max_context: int, feature_row_bytes: int, metrics=None,
+                 leaves: int = 0):
         self.placement = placement
         self.policy = policy
         self.max_context = max_context
         self.feature_row_bytes = feature_row_bytes  # 0 unless the draft reads target features
         self.metrics = metrics
+        # Leaves at the first drafted position (the draft's next-best tokens there, verified beside
+        # the chain): where the target rejects the first draft for one of them, the step keeps it.
+        self.leaves = leaves
+
+    def leaves_for(self, request: Request, k: int) -> list[int]:
+        """Leaves per drafted position for a request drafting k: at the first only, where the
+        context has room for the extra columns they take on the target."""
+        room = self.max_context - len(request.history) - 1 - k
+        leaves = min(self.leaves, room) if k else 0
+        return [leaves] if leaves > 0 else []
 
     def k_for(self, request: Request, batch_size: int) -> int:
         """The k this request drafts this step: its own fixed k or the policy's, within its limits.
@@ -45,19 +56,25 @@ class DecodeStep:
         """One draft → verify → accept step over ``batch`` (every request placed on a target)."""
         start = time.perf_counter()
         ks = [self.k_for(r, len(batch)) for r in batch]
-        proposed, proposed_q, draft_cached_len, draft_compute = self._propose(batch, ks)
+        leaves = [self.leaves_for(r, k) for r, k in zip(batch, ks)]
+        proposed, proposed_q, proposed_leaves, draft_cached_len, draft_compute = self._propose(batch, ks, leaves)
         drafted = time.perf_counter()
         calls = [Call(r.seq_id, r.target_len, r.history[r.target_len :]) for r in batch]
-        verdicts, target_compute = self._verify(batch, calls, proposed, proposed_q)
+        verdicts, target_compute = self._verify(batch, calls, proposed, proposed_q, proposed_leaves)
         verified = time.perf_counter()
         outcomes = []  # (drafted, accepted) of each sequence that drafted: what the policy learns from
         stepped_ks = []  # the k each stepped sequence drafted
-        for request, call, tokens, cached_len, verdict in zip(batch, calls, proposed, draft_cached_len, verdicts):
+        leaf_chances = leaf_hits = 0  # chains stopped at a position with leaves; and of those, leaves kept
+        for request, call, tokens, at, cached_len, verdict in zip(batch, calls, proposed, proposed_leaves,
+                                                                  draft_cached_len, verdicts):
             if verdict is None:  # its target replica failed this step: it runs again once placed
                 continue
             stepped_ks.append(len(tokens))
             before = len(request.history)
             accepted = verdict.accepted
+            leaf = [verdict.leaf] if verdict.HasField("leaf") else []
+            leaf_chances += accepted < min(len(tokens), len(at)) and bool(at[accepted].tokens)
+            leaf_hits += len(leaf)
             request.target_len = verdict.cached_len
             if request.features is not None:
                 request.features.store(call.keep_len, verdict.features)
@@ -67,18 +84,18 @@ class DecodeStep:
                 request.draft_len = min(cached_len, before + accepted)
             request.steps += 1
             request.proposed += len(tokens)
-            request.accepted += accepted
-            request.take(tokens[:accepted] + [verdict.next_token])
+            request.accepted += accepted + len(leaf)
+            request.take(tokens[:accepted] + leaf + [verdict.next_token])
             if tokens:
-                outcomes.append((len(tokens), accepted))
+                outcomes.append((len(tokens), accepted))  # the chain's: what per-position acceptance counts
         self.policy.observe(outcomes)
         return StepStats(len(stepped_ks), stepped_ks, outcomes, drafted - start, verified - drafted,
-                         time.perf_counter() - start, draft_compute, target_compute)
+                         time.perf_counter() - start, draft_compute, target_compute, leaf_chances, leaf_hits)
 
     # ---- verify ------------------------------------------------------------------------------------
 
     def _verify(self, batch: list[Request], calls: list[Call], proposed: list[list[int]],
-                proposed_q: list) -> tuple[list, float]:
+                proposed_q: list, proposed_leaves: list) -> tuple[list, float]:
         """One Verify per target replica, at once. Verdicts in batch order; None for requests
         whose replica failed (they move) or lost them (they are re-prefilled next step). And the
         target compute seconds (replicas side by side: the slowest one's)."""
@@ -89,7 +106,8 @@ class DecodeStep:
             return replica.client.verify(
                 [calls[i] for i in idx], [proposed[i] for i in idx], [r.sampling for r in group],
                 create=any(r.target_len == 0 for r in group), return_features=bool(self.feature_row_bytes),
-                distributions=[proposed_q[i] for i in idx], timeout=call_timeout(group, replica.client.timeout)[0])
+                distributions=[proposed_q[i] for i in idx], leaves=[proposed_leaves[i] for i in idx],
+                timeout=call_timeout(group, replica.client.timeout)[0])
 
         results = self.placement.fan_out({replica: (lambda r=replica, i=idx: verify_on(r, i))
                                           for replica, idx in groups.items()})
@@ -121,23 +139,25 @@ class DecodeStep:
 
     # ---- propose -----------------------------------------------------------------------------------
 
-    def _propose(self, batch: list[Request], ks: list[int]) -> tuple[list[list[int]], list, list[int], float]:
+    def _propose(self, batch: list[Request], ks: list[int],
+                 leaves: list[list[int]]) -> tuple[list[list[int]], list, list, list[int], float]:
         """Draft tokens per request (empty where it does not speculate), the q' each sampled
-        request's tokens were drawn from (DraftDistribution messages, passed on to the target as
-        they came), the draft's cached lengths, and the draft compute seconds. One Propose per
-        draft replica, at once."""
+        request's tokens were drawn from and the leaves proposed beside them (DraftDistribution
+        and Leaves messages, passed on to the target as they came), the draft's cached lengths,
+        and the draft compute seconds. One Propose per draft replica, at once."""
         proposed: list[list[int]] = [[] for _ in batch]
         proposed_q: list = [() for _ in batch]
+        proposed_leaves: list = [() for _ in batch]
         cached_len = [0] * len(batch)
         speculating = [i for i, k in enumerate(ks) if k > 0 and self._can_draft(batch[i])]
         if not speculating or self.placement.draft_replicas is None:
-            return proposed, proposed_q, cached_len, 0.0
+            return proposed, proposed_q, proposed_leaves, cached_len, 0.0
         groups = by_draft_replica(batch, speculating)
         if None in groups:  # no healthy draft replica for these: target-only, lossless
             groups.pop(None)
             if self.metrics:
                 self.metrics.count_draft_fallback()
-        results = self.placement.fan_out({replica: (lambda r=replica, i=idx: self._propose_rebuilding(r, batch, i, ks))
+        results = self.placement.fan_out({replica: (lambda r=replica, i=idx: self._propose_rebuilding(r, batch, i, ks, leaves))
                                           for replica, idx in groups.items()})
         compute = 0.0
         for replica, result in results.items():
@@ -155,10 +175,12 @@ class DecodeStep:
             for i, proposal in zip(idx, result.proposals):
                 proposed[i] = list(proposal.tokens)
                 proposed_q[i] = proposal.distributions
+                proposed_leaves[i] = proposal.leaves
                 cached_len[i] = proposal.cached_len
-        return proposed, proposed_q, cached_len, compute
+        return proposed, proposed_q, proposed_leaves, cached_len, compute
 
-    def _propose_rebuilding(self, replica: Replica, batch: list[Request], idx: list[int], ks: list[int]):
+    def _propose_rebuilding(self, replica: Replica, batch: list[Request], idx: list[int], ks: list[int],
+                            leaves: list[list[int]]):
         """Propose; a draft that lost these sequences (it restarted) is rebuilt from history within
         this step, so the step still drafts what it would have: a seeded sampled request's tokens
         depend on which positions were drafted, and stay the same across a draft restart."""
@@ -167,7 +189,8 @@ class DecodeStep:
             try:
                 return replica.client.propose([self._draft_call(r) for r in group], [ks[i] for i in idx],
                                               [r.sampling for r in group],
-                                              timeout=call_timeout(group, replica.client.timeout)[0])
+                                              timeout=call_timeout(group, replica.client.timeout)[0],
+                                              leaves=[leaves[i] for i in idx])
             except grpc.RpcError as error:
                 if attempt or not lost_state(error):
                     raise

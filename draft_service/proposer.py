@@ -9,7 +9,7 @@ import torch
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
 from specbatch.sampling import (DRAW_DRAFT, MAX_SUPPORT, SamplingParams, SparseDistribution, distributions,
                                 params_tensors, sample, uniforms)
-from specbatch.speculation import MAX_K
+from specbatch.speculation import MAX_K, MAX_LEAVES
 
 # How many of its most likely tokens the draft samples among, for a sampled request: q' is q cut
 # to them. Exact whatever the size (the target is told q'); larger keeps more of q's tail, which
@@ -23,6 +23,8 @@ class ProposeItem:
     seq: SequenceInput  # tokens: those the draft has not cached yet, ending with the last accepted one
     k: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    # How many leaves to propose at each of the first drafted positions (none past the list).
+    leaves: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -30,6 +32,9 @@ class Proposal:
     tokens: list[int]
     # Sampled requests: the q' each token was drawn from, one per token. Greedy: none.
     distributions: list[SparseDistribution] = field(default_factory=list)
+    # Leaves: at drafted position j, the draft's next most likely tokens after tokens[j] (by its
+    # logits, before any sampling cut), as many as asked.
+    leaves: list[list[int]] = field(default_factory=list)
 
 
 def propose(engine: Engine, items: list[ProposeItem]) -> list[list[int]]:
@@ -59,6 +64,9 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
     for item in items:
         if not 1 <= item.k <= MAX_K:
             raise InvalidRequest(f"sequence {item.seq.seq_id!r}: k must be in [1, {MAX_K}] (got {item.k})")
+        if len(item.leaves) > item.k or not all(0 <= n <= MAX_LEAVES for n in item.leaves):
+            raise InvalidRequest(f"sequence {item.seq.seq_id!r}: leaves at {len(item.leaves)} positions for k = "
+                                 f"{item.k}, each 0 to {MAX_LEAVES} (got {item.leaves})")
         problems = item.sampling.problems()
         if problems:
             raise InvalidRequest(f"sequence {item.seq.seq_id!r}: " + "; ".join(problems))
@@ -77,8 +85,14 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
     supports = []  # per drafted position: ([S, N] columns, [S, N] probabilities) of the sampled rows
 
     everyone = len(sampled) == len(items)  # then no argmax, and no copy of the sampled rows
+    # Leaves: per drafted position, the most any row asks for, and the draft's ranked columns there.
+    most_leaves = [max(item.leaves[step] if step < len(item.leaves) else 0 for item in items)
+                   for step in range(steps + 1)]
+    ranked = {}
 
     def pick(logits: torch.Tensor, step: int) -> torch.Tensor:
+        if most_leaves[step]:  # the drafted token and the leaves are among these
+            ranked[step] = logits.topk(min(most_leaves[step] + 1, logits.shape[-1]), dim=-1).indices
         columns = torch.empty(len(items), dtype=torch.long, device=logits.device) if everyone else logits.argmax(-1)
         if sampled:
             q = distributions(logits if everyone else logits[sampled_rows], temperature, top_k, top_p)
@@ -97,6 +111,10 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
     table = torch.stack(drafted, dim=1).tolist()
     batch.commit([len(item.seq.tokens) + (0 if reads_features else item.k - 1) for item in items])
     results = [Proposal(row[: item.k]) for row, item in zip(table, items)]
+    ranked = {step: (columns if to_token is None else to_token[columns]).tolist() for step, columns in ranked.items()}
+    for i, item in enumerate(items):
+        results[i].leaves = [[token for token in ranked[step][i] if token != table[i][step]][:n] if n else []
+                             for step, n in enumerate(item.leaves)]
     if sampled:
         support = torch.stack([s for s, _ in supports], dim=1)  # [S, steps + 1, N], most likely first
         if to_token is not None:

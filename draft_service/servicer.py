@@ -17,12 +17,14 @@ class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
     @engine_errors_to_status
     def Propose(self, request, context):
         seqs = sequence_inputs((item.sequence for item in request.items), self.engine.feature_size)
-        items = [ProposeItem(seq, item.k, sampling_from_proto(item.sampling)) for seq, item in zip(seqs, request.items)]
+        items = [ProposeItem(seq, item.k, sampling_from_proto(item.sampling), list(item.leaves))
+                 for seq, item in zip(seqs, request.items)]
         drafts, seconds = self.observed("Propose", len(items), proposals, self.engine, items)
         return pb.ProposeResponse(
             proposals=[
                 pb.Proposal(seq_id=item.seq.seq_id, tokens=proposal.tokens, cached_len=self.engine.length(item.seq.seq_id),
-                            distributions=[distribution_to_proto(d) for d in proposal.distributions])
+                            distributions=[distribution_to_proto(d) for d in proposal.distributions],
+                            leaves=[pb.Leaves(tokens=at) for at in proposal.leaves])
                 for item, proposal in zip(items, drafts)
             ],
             compute_seconds=seconds,

@@ -12,6 +12,14 @@ whatever q was: P(x kept) + P(rejected, residual gives x) = min(p, q)(x) + (p - 
 p and q are each model's distribution after the request's temperature/top-k/top-p; q is the
 truncated q' the draft really sampled from (specbatch.sampling.SparseDistribution); a q' that
 cannot be what the draft sampled from is refused before anything runs (``sampled_drafts``).
+
+Leaves (the draft's next-best tokens at a drafted position, verified in the same forward as
+the chain, each seeing the chain before its position only): the rule above runs unchanged on
+the chain; where it rejects position j and the token it emits there (the target's argmax, or
+the residual's draw) is one of position j's leaves, the target's computation at that leaf is
+already done, so the token after it comes from that leaf's row (argmax, or a draw from p there)
+in the same step. Which token is emitted at j never depends on the leaves, so output stays
+exactly what the chain alone gives, one token further per hit (``leaf_hit``).
 """
 
 from __future__ import annotations
@@ -32,6 +40,15 @@ def greedy_accept(predicted: list[int], drafts: list[int]) -> tuple[int, int]:
     while accepted < len(drafts) and drafts[accepted] == predicted[accepted]:
         accepted += 1
     return accepted, predicted[accepted]
+
+
+def leaf_hit(leaves: list[list[int]], accepted: int, drafted: int, token: int) -> int | None:
+    """Which leaf, counted over all positions' leaves in order, the target kept: the one at the
+    rejected position ``accepted`` equal to the target's ``token`` there; None when the chain
+    was kept whole or the token is no leaf."""
+    if accepted >= min(drafted, len(leaves)) or token not in leaves[accepted]:
+        return None
+    return sum(len(at) for at in leaves[:accepted]) + leaves[accepted].index(token)
 
 
 def acceptance_probability(p_x: torch.Tensor, q_x: torch.Tensor) -> torch.Tensor:

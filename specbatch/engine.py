@@ -68,6 +68,10 @@ class SequenceInput:
     keep_len: int
     tokens: list[int]
     features: torch.Tensor | None = None  # [len(tokens), feature_size]: for drafts that read target features
+    # A tree of tokens instead of a chain (a verify call with leaves: specbatch.leaves): for each
+    # token, the index of the fed token it follows, or -1 for the last cached one. Parents come
+    # before their children. None: a chain, each token follows the one before it.
+    parents: list[int] | None = None
 
 
 class RaggedBatch:
@@ -103,7 +107,10 @@ class RaggedBatch:
         # Right-aligned new tokens: row r's token j sits at column kept+j-(width-fed).
         offsets = torch.arange(width)[None, :] - (width - self.fed)[:, None]
         self.valid = offsets >= 0
-        positions = (self.kept[:, None] + offsets).clamp(min=0)
+        self.columns = (self.kept[:, None] + offsets).clamp(min=0)
+        # A chain's tokens sit at their own positions; a tree's at their depth (tree_layout).
+        self.tree = None if all(item.parents is None for item in self.inputs) else tree_layout(self.inputs, width)
+        positions = self.columns if self.tree is None else (self.kept[:, None] + self.tree[0]).clamp(min=0)
         input_ids = torch.zeros(batch, width, dtype=torch.long)
         for row, item in enumerate(self.inputs):
             input_ids[row, width - len(item.tokens) :] = torch.tensor(item.tokens, dtype=torch.long)
@@ -116,11 +123,18 @@ class RaggedBatch:
         self.decoded = 0
         self.hidden: torch.Tensor | None = None  # the decoder's final hidden states of the last forward
 
-    def _forward(self, input_ids, positions, valid, logits_to_keep: int, features=None) -> torch.Tensor:
+    def _forward(self, input_ids, positions, valid, logits_to_keep: int, features=None,
+                 columns: torch.Tensor | None = None) -> torch.Tensor:
+        """``columns``: where each token writes, when not at its position (a tree)."""
         device = self.engine.device
-        end = int(positions[valid].max()) + 1  # every row feeds at least one token
-        columns, mask = write_columns_and_mask(positions, valid, self.scratch, end)
-        logits, self.hidden = self.engine.forward(
+        columns = positions if columns is None else columns
+        end = int(columns[valid].max()) + 1  # every row feeds at least one token
+        columns, mask = write_columns_and_mask(columns, valid, self.scratch, end)
+        forward = self.engine.forward
+        if self.tree is not None:
+            mask = tree_mask(mask, columns, valid, self.tree[1])
+            forward = self.engine.eager_forward  # captured steps compute a chain's mask inside the graph
+        logits, self.hidden = forward(
             to_device(input_ids, device), to_device(positions, device), to_device(columns, device), self.kv,
             to_device(mask, device), logits_to_keep, None if features is None else to_device(features, device))
         return logits
@@ -133,12 +147,13 @@ class RaggedBatch:
         """Run every row's new tokens; returns logits of the last ``logits_to_keep`` columns,
         rows in the call's order."""
         input_ids, positions, features = self._pending
-        return self._unsort(self._forward(input_ids, positions, self.valid, logits_to_keep, features))
+        return self._unsort(self._forward(input_ids, positions, self.valid, logits_to_keep, features, self.columns))
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
         """Feed one more token per row (``tokens`` in the call's order, and for a draft that reads
         features, one ``[batch, feature_size]`` row each); returns ``[batch, vocab]``."""
+        assert self.tree is None, "a tree call feeds its tokens at once"
         tokens = tokens.view(-1)[self.order_index].view(-1, 1)
         if features is not None:
             features = features[self.order_index][:, None]
@@ -152,14 +167,55 @@ class RaggedBatch:
         call's order (right-aligned like the tokens)."""
         return self._unsort(self.hidden)
 
-    def commit(self, keep: list[int]) -> None:
-        """Per sequence (``keep`` in the call's order): keep the first ``keep[i]`` tokens it was fed."""
+    def commit(self, keep: list[int], paths: list[list[int] | None] | None = None) -> None:
+        """Per sequence (``keep`` in the call's order): keep the first ``keep[i]`` tokens it was fed.
+        A tree keeps one path instead: ``paths[i]``, the indices of the fed tokens it keeps, in
+        order; their keys/values move down to the columns right after the cache (``keep`` is
+        then ``len(paths[i])``)."""
         for row, i in enumerate(self.order):
             cache, kept, n = self.caches[row], int(self.kept[row]), keep[i]
             assert 0 <= n <= int(self.fed[row]) + self.decoded
+            path = paths[i] if paths is not None else None
+            if path is not None:
+                assert len(path) == n and all(a < b for a, b in zip(path, path[1:]))
+                for column, index in enumerate(path):  # sources never fall below their target
+                    if index != column:
+                        self.kv[:, :, row, :, kept + column] = self.kv[:, :, row, :, kept + index]
             if not self.contiguous:
                 cache.kv[:, :, :, kept : kept + n] = self.kv[:, :, row, :, kept : kept + n]
             cache.length = kept + n
+
+
+def tree_layout(inputs: list[SequenceInput], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a call whose rows may be trees: each token's depth below its row's cache (its position
+    is the cache length plus it), ``[batch, width]``, and which fed tokens each token sees,
+    ``[batch, width, width]`` (itself and its ancestors), both right-aligned like the tokens.
+    Rows without ``parents`` are chains."""
+    batch = len(inputs)
+    depth = torch.zeros(batch, width, dtype=torch.long)
+    sees = torch.zeros(batch, width, width, dtype=torch.bool)
+    for row, item in enumerate(inputs):
+        fed = len(item.tokens)
+        parents = item.parents if item.parents is not None else list(range(-1, fed - 1))
+        first = width - fed
+        for j, parent in enumerate(parents):
+            column = first + j
+            if parent >= 0:
+                depth[row, column] = depth[row, first + parent] + 1
+                sees[row, column] = sees[row, first + parent]
+            sees[row, column, column] = True
+    return depth, sees
+
+
+def tree_mask(mask: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+    """A chain's mask (every token sees its row's columns up to its own) with the fed tokens a
+    tree token does not descend from taken out."""
+    hidden = valid[:, :, None] & valid[:, None, :] & ~sees  # [batch, token, fed token]
+    rows, token, other = hidden.nonzero(as_tuple=True)
+    if len(rows):
+        mask = mask.clone()
+        mask[rows, 0, token, columns[rows, other]] = False
+    return mask
 
 
 # The engine's own forwards, each beside the test of which models it covers.
@@ -229,6 +285,7 @@ class Engine:
         # The forward of one ragged batch (see RaggedBatch); LlamaForward.__call__ is the contract.
         self.forward = own(self.model, int8=self.int8_weights) if own else TransformersForward(self.model)
         self.implementation = "specbatch" if own else "transformers"
+        self.eager_forward = self.forward  # never captured: for calls whose mask is not a chain's (trees)
         self.captured_steps = resolve_mode(self.captured_steps, self.device, own is not None)
         self.capture_report: dict = {}
         if self.captured_steps != "off":  # the pool must stay where the graphs point
@@ -344,6 +401,10 @@ class Engine:
             if self.feature_size and (item.features is None or tuple(item.features.shape) != (len(item.tokens), self.feature_size)):
                 raise InvalidRequest(f"sequence {item.seq_id!r}: this draft reads one target feature of size "
                                      f"{self.feature_size} per token; got {None if item.features is None else tuple(item.features.shape)}")
+            if item.parents is not None and (len(item.parents) != len(item.tokens) or item.parents[:1] != [-1] or any(
+                    not -1 <= parent < j for j, parent in enumerate(item.parents))):
+                raise InvalidRequest(f"sequence {item.seq_id!r}: a tree needs one parent per token, the first -1, "
+                                     "each before its child")
             bad = [t for t in item.tokens if not 0 <= t < self.vocab_size]
             if bad:
                 raise InvalidRequest(f"sequence {item.seq_id!r}: token ids {bad[:5]} outside [0, {self.vocab_size})")

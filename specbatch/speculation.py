@@ -6,6 +6,8 @@ from __future__ import annotations
 # The most tokens a draft may propose per sequence and step: the draft service enforces it, the
 # coordinator's admission and policies bound k by it, metrics keep one series per position.
 MAX_K = 16
+# The most leaves (the draft's next-best tokens, verified beside the chain) per drafted position.
+MAX_LEAVES = 8
 
 
 def tally_positions(outcomes: list[tuple[int, int]], positions: int) -> tuple[list[int], list[int]]:

@@ -20,14 +20,15 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
     def Verify(self, request, context):
         seqs = sequence_inputs(item.sequence for item in request.items)
         items = [VerifyItem(seq, list(item.draft_tokens), sampling_from_proto(item.sampling),
-                            [distribution_from_proto(d) for d in item.draft_distributions])
+                            [distribution_from_proto(d) for d in item.draft_distributions],
+                            [list(at.tokens) for at in item.leaves])
                  for seq, item in zip(seqs, request.items)]
         verdicts, seconds = self.observed("Verify", len(items), verify, self.engine, items, request.create,
                                           request.return_features)
         return pb.VerifyResponse(
             verdicts=[
                 pb.Verdict(seq_id=item.seq.seq_id, accepted=v.accepted, next_token=v.next_token, cached_len=v.cached_len,
-                           features=features_to_bytes(v.features))
+                           features=features_to_bytes(v.features), leaf=v.leaf)
                 for item, v in zip(items, verdicts)
             ],
             compute_seconds=seconds,

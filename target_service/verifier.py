@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specbatch.acceptance import SampledDrafts, greedy_accept, rejection_sample, sampled_drafts
+from specbatch.acceptance import SampledDrafts, greedy_accept, leaf_hit, rejection_sample, sampled_drafts
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
 from specbatch.sampling import (DRAW_ACCEPT, DRAW_TARGET, SamplingParams, SparseDistribution, distributions,
-                                params_tensors, uniforms)
+                                params_tensors, sample, uniforms)
 
 
 @dataclass
@@ -19,6 +19,30 @@ class VerifyItem:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     # Sampled requests with drafts: the q' each draft token was drawn from, one per draft.
     draft_distributions: list[SparseDistribution] = field(default_factory=list)
+    # The draft's next-best tokens: leaves[j] are alternatives to drafts[j], each fed beside the
+    # chain and seeing it only up to its own position (specbatch.acceptance, "Leaves").
+    leaves: list[list[int]] = field(default_factory=list)
+
+    def problems(self) -> list[str]:
+        problems = self.sampling.problems()
+        if len(self.leaves) > len(self.drafts):
+            problems.append(f"leaves at {len(self.leaves)} positions for {len(self.drafts)} drafts")
+        for j, (draft, at) in enumerate(zip(self.drafts, self.leaves)):
+            if len(set(at)) != len(at) or draft in at:
+                problems.append(f"the leaves at position {j} repeat a token or the draft's own")
+        return problems
+
+    def fed(self) -> SequenceInput:
+        """What the target runs: the uncached tokens and the drafts as a chain, each position's
+        leaves branching off the token before that position."""
+        chain = self.seq.tokens + self.drafts
+        if not any(self.leaves):
+            return SequenceInput(self.seq.seq_id, self.seq.keep_len, chain)
+        parents = list(range(-1, len(chain) - 1))
+        for j, at in enumerate(self.leaves):
+            parents += [len(self.seq.tokens) - 1 + j] * len(at)
+        return SequenceInput(self.seq.seq_id, self.seq.keep_len, chain + [t for at in self.leaves for t in at],
+                             parents=parents)
 
 
 @dataclass
@@ -26,6 +50,7 @@ class Verdict:
     accepted: int  # how many of the drafts the target keeps
     next_token: int  # the target's token after the accepted drafts
     cached_len: int  # tokens of this sequence now cached on the target
+    leaf: int | None = None  # the leaf kept after the accepted drafts (next_token follows it)
     # With return_features: the target's final hidden state at each token it fed and kept
     # ([kept, hidden]), for a draft that reads them (specbatch.eagle).
     features: torch.Tensor | None = None
@@ -33,26 +58,28 @@ class Verdict:
 
 def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
            return_features: bool = False) -> list[Verdict]:
-    """One forward of (uncached tokens + drafts) for every sequence, then the acceptance rule
-    (specbatch.acceptance): greedy rows and sampled rows each in one batched decision.
+    """One forward of (uncached tokens + drafts + leaves) for every sequence, then the acceptance
+    rule (specbatch.acceptance): greedy rows and sampled rows each in one batched decision.
 
     With no drafts this is a prefill that also yields the first token. The target keeps the
-    keys/values of the accepted drafts only; the next token is not fed yet (it is the next
-    step's first input).
+    keys/values of the accepted drafts (and of a kept leaf) only; the next token is not fed yet
+    (it is the next step's first input).
     """
     for item in items:
-        problems = item.sampling.problems()
+        problems = item.problems()
         if problems:
             raise InvalidRequest(f"sequence {item.seq.seq_id!r}: " + "; ".join(problems))
     sampled = [i for i, item in enumerate(items) if not item.sampling.greedy]
     # Checked before anything runs, so a malformed q' changes no state.
     drafts_q = sampled_drafts([items[i].seq.seq_id for i in sampled], [items[i].drafts for i in sampled],
                               [items[i].draft_distributions for i in sampled], engine.vocab_size) if sampled else None
-    fed = [SequenceInput(i.seq.seq_id, i.seq.keep_len, i.seq.tokens + i.drafts) for i in items]
-    batch = engine.start(fed, create=create)
-    width = max(len(i.drafts) for i in items) + 1
-    logits = batch.prefill(width)  # [batch, width, vocab], right-aligned: item i's last len(drafts)+1 columns
-    decisions: list[tuple[int, int]] = [(0, 0)] * len(items)
+    batch = engine.start([item.fed() for item in items], create=create)
+    leaf_counts = [sum(map(len, item.leaves)) for item in items]
+    # Right-aligned: item i's last leaf_counts[i] columns are its leaves, the len(drafts)+1 before
+    # them the positions the chain decides.
+    width = max(len(item.drafts) + 1 + n for item, n in zip(items, leaf_counts))
+    logits = batch.prefill(width)
+    decisions: list[tuple[int, int | None, int]] = [(0, None, 0)] * len(items)  # accepted, leaf hit, next token
     greedy = [i for i, item in enumerate(items) if item.sampling.greedy]
 
     def rows(which: list[int]) -> torch.Tensor:  # no copy of a vocabulary-wide tensor when all rows are meant
@@ -61,40 +88,74 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
     if greedy:
         predicted = rows(greedy).argmax(-1).tolist()
         for i, row in zip(greedy, predicted):
-            decisions[i] = greedy_accept(row[width - len(items[i].drafts) - 1 :], items[i].drafts)
+            item, leaves = items[i], leaf_counts[i]
+            accepted, token = greedy_accept(row[width - leaves - len(item.drafts) - 1 : width - leaves], item.drafts)
+            hit = leaf_hit(item.leaves, accepted, len(item.drafts), token)
+            decisions[i] = (accepted, hit, token if hit is None else row[width - leaves + hit])
     if sampled:
-        for i, decision in zip(sampled, _rejection_sample([items[i] for i in sampled], rows(sampled), drafts_q)):
+        for i, decision in zip(sampled, _rejection_sample([items[i] for i in sampled], rows(sampled), drafts_q,
+                                                          [leaf_counts[i] for i in sampled])):
             decisions[i] = decision
-    keep = [len(item.seq.tokens) + accepted for item, (accepted, _) in zip(items, decisions)]
-    batch.commit(keep)
+    paths = [_kept_path(item, accepted, hit) for item, (accepted, hit, _) in zip(items, decisions)]
+    keep = [len(path) for path in paths]
+    batch.commit(keep, paths if any(hit is not None for _, hit, _ in decisions) else None)
     features = [None] * len(items)
     if return_features:
         hidden = batch.last_hidden()
         columns = hidden.shape[1]
-        for row, item in enumerate(items):
-            first = columns - len(item.seq.tokens) - len(item.drafts)  # right-aligned
-            features[row] = hidden[row, first : first + keep[row]].to("cpu", torch.float16)
+        for row, (item, path) in enumerate(zip(items, paths)):
+            first = columns - len(item.seq.tokens) - len(item.drafts) - leaf_counts[row]  # right-aligned
+            kept = hidden[row, first : first + keep[row]] if path[-1] == keep[row] - 1 else \
+                hidden[row, [first + index for index in path]]
+            features[row] = kept.to("cpu", torch.float16)
     return [
-        Verdict(accepted, token, item.seq.keep_len + kept, feats)
-        for item, (accepted, token), kept, feats in zip(items, decisions, keep, features)
+        Verdict(accepted, token, item.seq.keep_len + kept, features=feats,
+                leaf=None if hit is None else [t for at in item.leaves for t in at][hit])
+        for item, (accepted, hit, token), kept, feats in zip(items, decisions, keep, features)
     ]
 
 
-def _rejection_sample(items: list[VerifyItem], logits: torch.Tensor, drafts: SampledDrafts) -> list[tuple[int, int]]:
+def _kept_path(item: VerifyItem, accepted: int, hit: int | None) -> list[int]:
+    """The fed tokens a sequence keeps, by index: its uncached tokens, the accepted drafts, and
+    the kept leaf (leaves follow the chain in what was fed)."""
+    path = list(range(len(item.seq.tokens) + accepted))
+    if hit is not None:
+        path.append(len(item.seq.tokens) + len(item.drafts) + hit)
+    return path
+
+
+def _rejection_sample(items: list[VerifyItem], logits: torch.Tensor, drafts: SampledDrafts,
+                      leaf_counts: list[int]) -> list[tuple[int, int | None, int]]:
     """Speculative sampling for the sampled rows: p at each row's K+1 decided positions (rows with
-    fewer drafts repeat their last), seeded uniforms by absolute position, then the rule."""
+    fewer drafts repeat their last), seeded uniforms by absolute position, then the rule; where
+    the token drawn at a rejected position is one of its leaves, the token after it is drawn from
+    p at that leaf, with the uniform of the position after it. Per row: (accepted, leaf hit, next
+    token)."""
     width = logits.shape[1]
     k = drafts.tokens.shape[1]
     counts = drafts.counts[:, None]
-    if width != k + 1 or bool((counts != k).any()):  # left-align each row's own k+1 positions
-        columns = width - counts - 1 + torch.minimum(torch.arange(k + 1)[None, :], counts)
+    shift = torch.tensor(leaf_counts)[:, None]
+    decided = logits
+    if width != k + 1 or bool((counts != k).any()) or any(leaf_counts):  # left-align each row's own k+1 positions
+        columns = width - shift - counts - 1 + torch.minimum(torch.arange(k + 1)[None, :], counts)
         rows = torch.arange(len(items))[:, None]
-        logits = logits[rows.to(logits.device), columns.to(logits.device)]
+        decided = logits[rows.to(logits.device), columns.to(logits.device)]
     temperature, top_k, top_p = (t[:, None].expand(-1, k + 1) for t in params_tensors([i.sampling for i in items]))
-    p = distributions(logits, temperature, top_k, top_p)
+    p = distributions(decided, temperature, top_k, top_p)
     seeds = [item.sampling.seed for item in items]
     positions = [[item.seq.keep_len + len(item.seq.tokens) + j for j in range(k + 1)] for item in items]
     accept_u = uniforms(seeds, positions, DRAW_ACCEPT)[:, :k]
     target_u = uniforms(seeds, positions, DRAW_TARGET)
     accepted, next_token = rejection_sample(p, drafts, accept_u, target_u)
-    return list(zip(accepted.tolist(), next_token.tolist()))
+    decisions = [(a, leaf_hit(item.leaves, a, len(item.drafts), token), token)
+                 for item, a, token in zip(items, accepted.tolist(), next_token.tolist())]
+    hits = [row for row, (_, hit, _) in enumerate(decisions) if hit is not None]
+    if hits:  # the token after each kept leaf, from p at that leaf
+        rows = torch.tensor(hits)
+        columns = torch.tensor([width - leaf_counts[row] + decisions[row][1] for row in hits])
+        at_leaf = distributions(logits[rows.to(logits.device), columns.to(logits.device)][:, None],
+                                temperature[rows, :1], top_k[rows, :1], top_p[rows, :1]).at((slice(None), 0))
+        after = sample(at_leaf.probs(), target_u[rows, torch.tensor([decisions[row][0] + 1 for row in hits])]).tolist()
+        for row, token in zip(hits, after):
+            decisions[row] = (decisions[row][0], decisions[row][1], token)
+    return decisions

@@ -156,6 +156,28 @@ def test_greedy_output_with_an_eagle_draft_matches_generate(eagle_stack, target_
     assert not eagle_stack.draft_engine.sequences and not eagle_stack.target_engine.sequences
 
 
+@pytest.mark.parametrize("eagle", [True, False])
+def test_greedy_output_with_leaves_matches_generate(target_model, eagle_draft, draft_model, tokenizer, eagle):
+    """Leaves beside the first drafted token, through the services: kept leaves move their keys
+    and values (and, for an EAGLE draft, their features) into the history; every output is still
+    token-identical to target-only decoding."""
+    from specbatch.commands.local import start_local_stack
+
+    stack = start_local_stack(target_model, eagle_draft if eagle else draft_model, tokenizer, max_batch_size=4,
+                              max_new_tokens=64, leaves=3)
+    try:
+        rng = random.Random(9)
+        prompts = [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(8)]
+        results = generate_all(stack.client(), [make_request(p, 30, k=2, ignore_eos=True) for p in prompts],
+                               concurrency=8)
+        for prompt, result in zip(prompts, results):
+            assert result.token_ids == greedy_reference(target_model, prompt, 30)
+        totals = stack.coordinator.scheduler.totals
+        assert totals.leaf_hits > 0 and totals.leaf_chances > totals.leaf_hits, vars(totals)
+    finally:
+        stack.stop()
+
+
 def test_int8_eagle_draft_keeps_the_output_exact(target_model, eagle_draft, tokenizer):
     """A draft with int8 linear layers proposes other tokens now and then; the target decides
     every one, so the output is still target-only decoding, token for token."""

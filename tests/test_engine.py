@@ -52,14 +52,16 @@ class Decoding:
 
 
 def verify_steps(engine: Engine, decodings: list[Decoding], rng: random.Random, create_first: bool = False,
-                 max_steps: int = 200) -> dict[str, int]:
+                 max_steps: int = 200, leaves: bool = False) -> dict[str, int]:
     """Drive every unfinished sequence with `verify` until each has its reference's length.
 
     Per step and sequence, k cycles through 0..4 (so a call mixes draft lengths, zero included);
     drafts come from the reference and are either all right or wrong from a random position on.
-    Every verdict is checked against the reference. Returns counts of the paths exercised.
+    With ``leaves``, drafted positions get 0-3 wrong leaves each, and at a rejected position the
+    right token is among them half the time (a leaf hit). Every verdict is checked against the
+    reference. Returns counts of the paths exercised.
     """
-    seen = {"full_accept": 0, "reject": 0, "no_drafts": 0, "calls": 0, "batch_sizes": set()}
+    seen = {"full_accept": 0, "reject": 0, "no_drafts": 0, "leaf_hit": 0, "calls": 0, "batch_sizes": set()}
     for step in range(max_steps):
         live = [d for d in decodings if not d.done]
         if not live:
@@ -75,19 +77,29 @@ def verify_steps(engine: Engine, decodings: list[Decoding], rng: random.Random, 
                 drafts[right] = wrong_token(rng, d.reference[g + right])
                 drafts[right + 1 :] = [rng.randrange(VOCAB) for _ in drafts[right + 1 :]]
             seen["no_drafts" if k == 0 else "full_accept" if right == k else "reject"] += 1
-            items.append(VerifyItem(SequenceInput(d.seq_id, d.cached, d.history[d.cached :]), drafts))
-            expected.append((right, drafts))
+            at = []
+            if leaves and k:
+                for j in range(rng.randrange(k + 1)):
+                    wrong = {wrong_token(rng, d.reference[g + j]) for _ in range(rng.randrange(4))} - {drafts[j]}
+                    at.append(sorted(wrong))
+                if right < len(at) and rng.random() < 0.5:
+                    at[right].insert(rng.randrange(len(at[right]) + 1), d.reference[g + right])
+            hit = right < len(at) and d.reference[g + right] in at[right]
+            seen["leaf_hit"] += hit
+            items.append(VerifyItem(SequenceInput(d.seq_id, d.cached, d.history[d.cached :]), drafts, leaves=at))
+            expected.append((right, drafts, hit))
         verdicts = verify(engine, items, create=create_first and step == 0)
         seen["calls"] += 1
         seen["batch_sizes"].add(len(items))
         assert len(verdicts) == len(live)
-        for d, verdict, (right, drafts) in zip(live, verdicts, expected):
+        for d, verdict, (right, drafts, hit) in zip(live, verdicts, expected):
             g = len(d.generated)
             assert verdict.accepted == right, f"{d.seq_id} step {step}: drafts {drafts}"
-            assert verdict.next_token == d.reference[g + right], f"{d.seq_id} step {step}"
-            assert verdict.cached_len == len(d.history) + right
+            assert verdict.leaf == (d.reference[g + right] if hit else None), f"{d.seq_id} step {step}"
+            assert verdict.next_token == d.reference[g + right + hit], f"{d.seq_id} step {step}"
+            assert verdict.cached_len == len(d.history) + right + hit
             assert engine.length(d.seq_id) == verdict.cached_len
-            d.history += drafts[:right] + [verdict.next_token]
+            d.history += drafts[:right] + [verdict.leaf] * hit + [verdict.next_token]
             d.cached = verdict.cached_len
     for d in decodings:
         assert d.generated == d.reference, d.seq_id
@@ -135,6 +147,32 @@ def test_ragged_verify_batch_matches_generate(target_model):
     # Each sequence holds its whole history but the last token (fed on the next step).
     for d in decodings:
         assert engine.length(d.seq_id) == len(d.history) - 1
+
+
+def test_leaves_keep_greedy_output_exact_and_the_cache_right(target_model):
+    """Verify calls with leaves beside the chain: where the target's token at the rejected position
+    is a leaf, the verdict keeps it and the token after it, and what follows (its keys/values moved
+    to the chain's column, the other leaves dropped) decodes on exactly as the reference; in
+    contiguous and gathered batches alike."""
+    engine = Engine(target_model)
+    prompts = random_prompts([3, 9, 17, 5, 12], seed=4)
+    refs = [greedy_reference(target_model, p, 28) for p in prompts]
+    engine.prefill([SequenceInput("blocker", 0, [1, 2])])  # slot 0: later calls over s1.. gather or view
+    decodings = [Decoding(f"s{i}", p, r, 0) for i, (p, r) in enumerate(zip(prompts, refs))]
+    seen = verify_steps(engine, decodings, random.Random(11), create_first=True, leaves=True)
+    assert seen["leaf_hit"] >= 5 and seen["reject"] > seen["leaf_hit"]
+    engine.release(["blocker"])
+    decodings = [Decoding(f"t{i}", p, r, 0) for i, (p, r) in enumerate(zip(prompts, refs))]
+    assert verify_steps(engine, decodings, random.Random(12), create_first=True, leaves=True)["leaf_hit"] >= 3
+
+
+def test_leaves_that_repeat_a_token_are_refused(target_model):
+    engine = Engine(target_model)
+    engine.prefill([SequenceInput("a", 0, [1, 5, 6])])
+    for drafts, leaves in (([7, 8], [[9, 9]]), ([7, 8], [[7]]), ([7], [[9], [10]])):
+        with pytest.raises(InvalidRequest):
+            verify(engine, [VerifyItem(SequenceInput("a", 3, [7]), drafts, leaves=leaves)])
+    assert engine.length("a") == 3
 
 
 def test_verify_without_prefill_or_create_is_refused(target_model):

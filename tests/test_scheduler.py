@@ -40,7 +40,8 @@ class FakeTarget(FakeClient):
         self.calls: list[list] = []
         self.released: list[str] = []
 
-    def verify(self, calls, drafts, sampling, create=False, return_features=False, distributions=(), timeout=None):
+    def verify(self, calls, drafts, sampling, create=False, return_features=False, distributions=(), leaves=(),
+               timeout=None):
         if self.down:
             raise Unreachable()
         self.calls.append(calls)
@@ -52,7 +53,8 @@ class FakeTarget(FakeClient):
                 accepted += 1
             next_token = (last + accepted + 1) % VOCAB
             verdicts.append(SimpleNamespace(accepted=accepted, next_token=next_token, features=b"",
-                                            cached_len=call.keep_len + len(call.tokens) + accepted))
+                                            cached_len=call.keep_len + len(call.tokens) + accepted,
+                                            HasField=lambda name: False))  # no leaf kept
         return SimpleNamespace(verdicts=verdicts, compute_seconds=0.001)
 
     def release(self, seq_ids, timeout=None):
@@ -71,7 +73,7 @@ class FakeDraft(FakeClient):
             raise Unreachable()
         return SimpleNamespace(sequences=[SimpleNamespace(cached_len=c.keep_len + len(c.tokens)) for c in calls])
 
-    def propose(self, calls, ks, sampling, timeout=None):
+    def propose(self, calls, ks, sampling, timeout=None, leaves=None):
         if self.down:
             raise Unreachable()
         proposals = []
@@ -79,7 +81,7 @@ class FakeDraft(FakeClient):
             last = call.tokens[-1]
             tokens = [(last + i + 1) % VOCAB if self.wrong_from is None or i < self.wrong_from else 0
                       for i in range(k)]
-            proposals.append(SimpleNamespace(tokens=tokens, distributions=(),
+            proposals.append(SimpleNamespace(tokens=tokens, distributions=(), leaves=(),
                                              cached_len=call.keep_len + len(call.tokens) + k - 1))
         return SimpleNamespace(proposals=proposals, compute_seconds=0.0005)
 

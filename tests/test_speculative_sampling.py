@@ -32,6 +32,7 @@ from specbatch.engine import Engine, SequenceInput
 from specbatch.models import keep_first_layers
 from specbatch.sampling import (DRAW_ACCEPT, DRAW_DRAFT, DRAW_TARGET, SamplingParams, distributions, params_tensors,
                                 sample, target_distribution, uniforms)
+from target_service import verifier
 from target_service.verifier import VerifyItem, verify
 
 VOCAB = 16
@@ -75,6 +76,16 @@ def partial_draft(target):
 
 
 @pytest.fixture(scope="module")
+def flat_draft(target):
+    """The target with a flatter head: q ranks tokens as p does but spreads its mass, so drafts
+    are often rejected and the residual's draw is often one of the draft's next-best tokens."""
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(0.3)
+    return draft
+
+
+@pytest.fixture(scope="module")
 def subset_draft(target):
     """An EAGLE-style draft (reads target features) whose head covers 10 of the 16 tokens: its q
     is zero outside them, and its head columns map to token ids."""
@@ -85,11 +96,12 @@ def subset_draft(target):
 # ---- the scheduler's loop, in process ------------------------------------------------------------
 
 
-def speculate(target, draft, groups, length, support_size=32, seed_base=0) -> tuple[list[list[int]], list[float]]:
+def speculate(target, draft, groups, length, support_size=32, seed_base=0, leaves=()) -> tuple[list[list[int]], list[float]]:
     """Sample ``length`` new tokens after PROMPT for every sequence of ``groups`` ([(params without
     seed, k, sequences)]): prefill through the target, then propose/verify steps, as the
-    scheduler does. Sequence i is seeded ``seed_base + i``. Returns the new tokens and the
-    fraction of drafts accepted, per sequence."""
+    scheduler does, with ``leaves`` (counts per drafted position) asked of the draft. Sequence i
+    is seeded ``seed_base + i``. Returns the new tokens and the fraction of drafts accepted (a
+    kept leaf counts as accepted), per sequence."""
     specs = [(SamplingParams(seed=seed_base + i, **params), k) for i, (params, k) in
              enumerate((params, k) for params, k, n in groups for _ in range(n))]
     n = len(specs)
@@ -109,7 +121,8 @@ def speculate(target, draft, groups, length, support_size=32, seed_base=0) -> tu
         fed = None
         if eagle:  # the draft reads, with token j, the target's feature at j - 1
             fed = torch.cat([torch.zeros(1, features[i].shape[1]), features[i]])[start : len(history[i])]
-        return ProposeItem(SequenceInput(ids[i], start, history[i][start:], fed), k[i], specs[i][0])
+        return ProposeItem(SequenceInput(ids[i], start, history[i][start:], fed), k[i], specs[i][0],
+                           list(leaves[: k[i]]))
 
     while True:
         # As the scheduler's k_for: draft no more than the sequence can still use.
@@ -123,7 +136,8 @@ def speculate(target, draft, groups, length, support_size=32, seed_base=0) -> tu
         empty = Proposal([])
         verdicts = verify(target_engine, [
             VerifyItem(SequenceInput(ids[i], target_len[i], history[i][target_len[i]:]), proposed.get(i, empty).tokens,
-                       specs[i][0], proposed.get(i, empty).distributions) for i in active], return_features=eagle)
+                       specs[i][0], proposed.get(i, empty).distributions, proposed.get(i, empty).leaves)
+            for i in active], return_features=eagle)
         for i, v in zip(active, verdicts):
             tokens, before = proposed.get(i, empty).tokens, len(history[i])
             if eagle:
@@ -131,9 +145,10 @@ def speculate(target, draft, groups, length, support_size=32, seed_base=0) -> tu
             if tokens:
                 draft_len[i] = min(draft_engine.length(ids[i]), before + v.accepted)
             target_len[i] = v.cached_len
-            history[i] += tokens[: v.accepted] + [v.next_token]
+            kept = tokens[: v.accepted] + ([] if v.leaf is None else [v.leaf])
+            history[i] += kept + [v.next_token]
             proposed_count[i] += len(tokens)
-            accepted_count[i] += v.accepted
+            accepted_count[i] += len(kept)
     return ([h[len(PROMPT) : len(PROMPT) + length] for h in history],
             [a / max(p, 1) for a, p in zip(accepted_count, proposed_count)])
 
@@ -175,7 +190,7 @@ def position_pvalues(target, samples: list[list[int]], params: SamplingParams) -
     return [chi2_pvalue(tokens[:, j], probs[:, j]) for j in range(tokens.shape[1])]
 
 
-def check(target, draft, ks, support_size=32, per_group=1000, seed_base=0):
+def check(target, draft, ks, support_size=32, per_group=1000, seed_base=0, leaves=()):
     """Samples with and without cuts (mixed in one batch) at each k; returns
     {(cut, k): (p-value per position, mean acceptance)}.
     Each run checks k + 2 positions: the prefill's token, a whole step of k drafts and the bonus
@@ -183,7 +198,8 @@ def check(target, draft, ks, support_size=32, per_group=1000, seed_base=0):
     results = {}
     for k in ks:
         groups = [(PLAIN, k, per_group), (CUT, k, per_group)]
-        samples, acceptance = speculate(target, draft, groups, k + 2, support_size, seed_base + 10 * k * per_group)
+        samples, acceptance = speculate(target, draft, groups, k + 2, support_size, seed_base + 10 * k * per_group,
+                                        leaves)
         for g, (params, _, _) in enumerate(groups):
             group = slice(g * per_group, (g + 1) * per_group)
             results[("cut" if params is CUT else "plain", k)] = (
@@ -250,6 +266,27 @@ def test_resampling_from_p_after_a_rejection_fails_the_test(target, partial_draf
     assert 0.6 < overlap(target, partial_draft, PLAIN) < 0.9
     monkeypatch.setattr(acceptance, "residual_distribution", lambda p, q_ids, q_probs: p)
     results = check(target, partial_draft, (2,), seed_base=4_000_000)
+    assert not passes(results[("plain", 2)][0]), results
+
+
+@pytest.mark.parametrize("leaves", [(3,), (2, 1, 1)])
+def test_leaves_keep_tokens_distributed_as_p(target, flat_draft, leaves):
+    """Leaves beside the chain: where the residual's draw is a leaf, the token after it comes from
+    p at that leaf in the same step; every position still follows p."""
+    results = check(target, flat_draft, (2,), seed_base=5_000_000, leaves=leaves)
+    for config, (pvalues, acceptance) in results.items():
+        assert passes(pvalues), (config, pvalues)
+    # The leaves were hit: kept drafts and leaves together exceed the chain's rate.
+    chain = check(target, flat_draft, (2,), seed_base=5_000_000)
+    assert results[("plain", 2)][1] > chain[("plain", 2)][1] + 0.05, (results, chain)
+
+
+def test_keeping_a_leaf_whatever_the_draw_fails_the_test(target, flat_draft, monkeypatch):
+    """The negative control of the leaf rule: keep the first leaf at a rejected position whatever
+    token the residual drew there."""
+    monkeypatch.setattr(verifier, "leaf_hit", lambda leaves, accepted, drafted, token:
+                        0 if accepted < min(drafted, len(leaves)) and leaves[accepted] else None)
+    results = check(target, flat_draft, (2,), seed_base=6_000_000, leaves=(3,))
     assert not passes(results[("plain", 2)][0]), results
 
 

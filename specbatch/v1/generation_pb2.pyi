@@ -163,7 +163,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, service: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., sequences: _Optional[int] = ..., failures: _Optional[int] = ...) -> None: ...
 
 class StepTotals(_message.Message):
-    __slots__ = ("steps", "sequence_steps", "step_seconds", "draft_seconds", "target_seconds", "draft_compute_seconds", "target_compute_seconds", "prefill_seconds", "reached_by_position", "accepted_by_position", "k_histogram")
+    __slots__ = ("steps", "sequence_steps", "step_seconds", "draft_seconds", "target_seconds", "draft_compute_seconds", "target_compute_seconds", "prefill_seconds", "reached_by_position", "accepted_by_position", "k_histogram", "leaf_chances", "leaf_hits")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,8 @@ class StepTotals(_message.Message):
     REACHED_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_BY_POSITION_FIELD_NUMBER: _ClassVar[int]
     K_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    LEAF_CHANCES_FIELD_NUMBER: _ClassVar[int]
+    LEAF_HITS_FIELD_NUMBER: _ClassVar[int]
     steps: int
     sequence_steps: int
     step_seconds: float
@@ -186,4 +188,6 @@ class StepTotals(_message.Message):
     reached_by_position: _containers.RepeatedScalarFieldContainer[int]
     accepted_by_position: _containers.RepeatedScalarFieldContainer[int]
     k_histogram: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, steps: _Optional[int] = ..., sequence_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ..., target_compute_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., reached_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., k_histogram: _Optional[_Iterable[int]] = ...) -> None: ...
+    leaf_chances: int
+    leaf_hits: int
+    def __init__(self, steps: _Optional[int] = ..., sequence_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ..., target_compute_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., reached_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., k_histogram: _Optional[_Iterable[int]] = ..., leaf_chances: _Optional[int] = ..., leaf_hits: _Optional[int] = ...) -> None: ...

@@ -104,15 +104,23 @@ class DraftDistribution(_message.Message):
     probs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class Leaves(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ProposeItem(_message.Message):
-    __slots__ = ("sequence", "k", "sampling")
+    __slots__ = ("sequence", "k", "sampling", "leaves")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
     sequence: SequenceInput
     k: int
     sampling: Sampling
-    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    leaves: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., leaves: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("items",)
@@ -121,16 +129,18 @@ class ProposeRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[ProposeItem, _Mapping]]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("seq_id", "tokens", "cached_len", "distributions")
+    __slots__ = ("seq_id", "tokens", "cached_len", "distributions", "leaves")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     cached_len: int
     distributions: _containers.RepeatedCompositeFieldContainer[DraftDistribution]
-    def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cached_len: _Optional[int] = ..., distributions: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ...) -> None: ...
+    leaves: _containers.RepeatedCompositeFieldContainer[Leaves]
+    def __init__(self, seq_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., cached_len: _Optional[int] = ..., distributions: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ..., leaves: _Optional[_Iterable[_Union[Leaves, _Mapping]]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("proposals", "compute_seconds")
@@ -141,16 +151,18 @@ class ProposeResponse(_message.Message):
     def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("sequence", "draft_tokens", "sampling", "draft_distributions")
+    __slots__ = ("sequence", "draft_tokens", "sampling", "draft_distributions", "leaves")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
     sequence: SequenceInput
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     draft_distributions: _containers.RepeatedCompositeFieldContainer[DraftDistribution]
-    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_distributions: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ...) -> None: ...
+    leaves: _containers.RepeatedCompositeFieldContainer[Leaves]
+    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_distributions: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ..., leaves: _Optional[_Iterable[_Union[Leaves, _Mapping]]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items", "create", "return_features")
@@ -163,18 +175,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., create: _Optional[bool] = ..., return_features: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("seq_id", "accepted", "next_token", "cached_len", "features")
+    __slots__ = ("seq_id", "accepted", "next_token", "cached_len", "features", "leaf")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    LEAF_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     accepted: int
     next_token: int
     cached_len: int
     features: bytes
-    def __init__(self, seq_id: _Optional[str] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cached_len: _Optional[int] = ..., features: _Optional[bytes] = ...) -> None: ...
+    leaf: int
+    def __init__(self, seq_id: _Optional[str] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cached_len: _Optional[int] = ..., features: _Optional[bytes] = ..., leaf: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("verdicts", "compute_seconds")
