@@ -4,12 +4,13 @@ In one run, on the same prompts and token counts:
 1. plain transformers ``generate()`` of the embedded target in float32, in this process (the
    services are not running yet, so it has the machine to itself);
 2. the three services as processes (``specbatch up``'s launcher, threads pinned per service),
-   each prompt sent target-only (``k = 0``) and then under the coordinator's k policy, prompt by
-   prompt (so the two modes share any drift in the machine's speed).
+   each prompt sent target-only (``k = 0``) and then under the coordinator's k policy (once per
+   ``--leaves`` count: the draft's next-best tokens verified beside its first), prompt by prompt
+   (so the modes share any drift in the machine's speed).
 Prints tokens/s of each and the ratios, where each mode's decode step spends its time (the
 coordinator's step totals: RPC time beside the compute the services report), and writes JSON.
 
-    .venv/bin/python benchmarks/batch1.py [--prompts 24] [--tokens 96] [--k-policy profile --profile P]
+    .venv/bin/python benchmarks/batch1.py [--prompts 24] [--tokens 96] [--k-policy profile --profile P] [--leaves 0,1,2]
 """
 
 from __future__ import annotations
@@ -46,11 +47,12 @@ def transformers_generate(prompts: list[list[int]], tokens: int, threads: int) -
 
 
 STEP_PARTS = ("step_seconds", "draft_seconds", "draft_compute_seconds", "target_seconds", "target_compute_seconds")
+LEAF_COUNTS = ("leaf_chances", "leaf_hits")
 
 
 def step_totals(stub) -> dict:
     totals = stub.Info(pb.InfoRequest()).totals
-    return {"steps": totals.steps, **{part: getattr(totals, part) for part in STEP_PARTS}}
+    return {"steps": totals.steps, **{part: getattr(totals, part) for part in STEP_PARTS + LEAF_COUNTS}}
 
 
 def where_step_time_goes(totals: dict, seconds: float) -> dict:
@@ -68,18 +70,20 @@ def where_step_time_goes(totals: dict, seconds: float) -> dict:
             "outside steps": 1e3 * seconds / steps - ms["step_seconds"]}
 
 
-def served(address: str, prompts: list[list[int]], tokens: int, ks: dict[str, int | None]) -> dict[str, dict]:
-    """Each prompt through the coordinator once per mode (``ks``: name -> the request's k, None for
-    the coordinator's policy), the modes taking turns prompt by prompt: a machine whose speed
-    drifts during the run (shared hosts do, by 10 % and more) then slows every mode alike."""
+def served(address: str, prompts: list[list[int]], tokens: int,
+           modes: dict[str, tuple[int | None, int]]) -> dict[str, dict]:
+    """Each prompt through the coordinator once per mode (``modes``: name -> the request's k, None
+    for the coordinator's policy, and its leaves), the modes taking turns prompt by prompt: a
+    machine whose speed drifts during the run (shared hosts do, by 10 % and more) then slows
+    every mode alike."""
     stub = connect(address)
-    for k in ks.values():
-        generate(stub, make_request(prompts[0], 4, k=k, ignore_eos=True))  # warm-up
-    sums = {name: collections.Counter() for name in ks}
+    for k, leaves in modes.values():
+        generate(stub, make_request(prompts[0], 4, k=k, leaves=leaves, ignore_eos=True))  # warm-up
+    sums = {name: collections.Counter() for name in modes}
     for prompt in prompts:
-        for name, k in ks.items():
+        for name, (k, leaves) in modes.items():
             before = step_totals(stub)
-            result = generate(stub, make_request(prompt, tokens, k=k, ignore_eos=True), timeout=600)
+            result = generate(stub, make_request(prompt, tokens, k=k, leaves=leaves, ignore_eos=True), timeout=600)
             after = step_totals(stub)
             sums[name].update({part: after[part] - before[part] for part in after})
             sums[name].update(generated=len(result.token_ids), seconds=result.seconds, request_steps=result.stats.steps,
@@ -88,6 +92,7 @@ def served(address: str, prompts: list[list[int]], tokens: int, ks: dict[str, in
     return {name: {"tokens_per_second": s["generated"] / s["seconds"],
                    "acceptance": s["accepted"] / s["proposed"] if s["proposed"] else 0.0,
                    "tokens_per_step": s["generated"] / s["request_steps"] if s["request_steps"] else 0.0,
+                   "leaf_hit_rate": s["leaf_hits"] / s["leaf_chances"] if s["leaf_chances"] else 0.0,
                    "ms_per_step": where_step_time_goes(s, s["seconds"])}
             for name, s in sums.items()}
 
@@ -105,6 +110,7 @@ def main() -> int:
     parser.add_argument("--draft-int8-weights", action=argparse.BooleanOptionalAction, default=None,
                         help="as specbatch up's flag (default: its rule)")
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers generate()")
+    parser.add_argument("--leaves", default="0", help="comma-separated leaf counts: one speculative mode each")
     parser.add_argument("--out", default="bench-out/batch1.json")
     args = parser.parse_args()
 
@@ -119,29 +125,41 @@ def main() -> int:
                            draft_int8_weights=args.draft_int8_weights)
     if args.k_policy:
         options.k_policy, options.profile = args.k_policy, args.profile
+    leaf_counts = [int(n) for n in args.leaves.split(",")]
+    names = {n: "speculative" + (f", {n} leaves" if n else "") for n in leaf_counts}
     with LocalProcesses(options) as stack:
-        modes = served(stack.address, prompts, args.tokens, {"target-only": 0, "speculative": None})
-    target_only, speculative = modes["target-only"], modes["speculative"]
-    print(f"services, target-only (k=0): {target_only['tokens_per_second']:.1f} tok/s; k policy "
-          f"{stack.options.k_policy}, draft int8 {draft_int8_weights(stack.options)}: "
-          f"{speculative['tokens_per_second']:.1f} tok/s", flush=True)
+        modes = served(stack.address, prompts, args.tokens,
+                       {"target-only": (0, 0), **{names[n]: (None, n) for n in leaf_counts}})
+    target_only = modes["target-only"]
+    policy = stack.options.k_policy
+    print(f"services, target-only (k=0): {target_only['tokens_per_second']:.1f} tok/s; k policy {policy}, draft int8 "
+          f"{draft_int8_weights(stack.options)}: " + ", ".join(f"{names[n]} {modes[names[n]]['tokens_per_second']:.1f}"
+                                                               for n in leaf_counts), flush=True)
     rows = {
         **({"transformers generate(), fp32": baseline} if baseline else {}),
         "services, target-only (k=0)": target_only["tokens_per_second"],
-        f"services, {stack.options.k_policy}": speculative["tokens_per_second"],
+        **{f"services, {policy}" + (f", {n} leaves" if n else ""): modes[names[n]]["tokens_per_second"]
+           for n in leaf_counts},
     }
     print(f"\n## batch 1, greedy, {len(prompts)} held-out ShareGPT prompts x {args.tokens} tokens\n")
-    print("| mode | tok/s | speculative / this |\n|---|---|---|")
+    print("| mode | tok/s | " + " | ".join(f"{names[n]} / this" for n in leaf_counts) + " |")
+    print("|---|---|" + "---|" * len(leaf_counts))
     for name, tps in rows.items():
-        print(f"| {name} | {tps:.1f} | {speculative['tokens_per_second'] / tps:.2f}x |")
-    print(f"\nacceptance {speculative['acceptance']:.2f}, tokens per step {speculative['tokens_per_step']:.2f} "
-          f"(targets: >= 1.5x target-only through the services, >= 1.5x transformers generate())")
+        print(f"| {name} | {tps:.1f} | " + " | ".join(f"{modes[names[n]]['tokens_per_second'] / tps:.2f}x"
+                                                   for n in leaf_counts) + " |")
+    for n in leaf_counts:
+        mode = modes[names[n]]
+        print(f"\n{names[n]}: acceptance {mode['acceptance']:.2f} (kept leaves included), tokens per step "
+              f"{mode['tokens_per_step']:.2f}" + (f", leaf hit rate {mode['leaf_hit_rate']:.2f}" if n else ""))
+    print("(targets: >= 1.5x target-only through the services, >= 1.5x transformers generate())")
     print("\n## where a decode step's time goes (ms per step)\n")
-    print("| part | target-only (k=0) | speculative |\n|---|---|---|")
+    print("| part | target-only (k=0) | " + " | ".join(names[n] for n in leaf_counts) + " |")
+    print("|---|---|" + "---|" * len(leaf_counts))
     for part in target_only["ms_per_step"]:
-        print(f"| {part} | {target_only['ms_per_step'][part]:.2f} | {speculative['ms_per_step'][part]:.2f} |")
+        print(f"| {part} | {target_only['ms_per_step'][part]:.2f} | "
+              + " | ".join(f"{modes[names[n]]['ms_per_step'][part]:.2f}" for n in leaf_counts) + " |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"tokens_per_second": rows, "speculative": speculative,
+    Path(args.out).write_text(json.dumps({"tokens_per_second": rows, "modes": modes,
                                           "draft_int8_weights": draft_int8_weights(stack.options),
                                           "k_policy": stack.options.k_policy, "profile": stack.options.profile,
                                           "prompts": len(prompts), "tokens": args.tokens}, indent=1))

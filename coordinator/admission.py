@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from specbatch.errors import InvalidRequest
 from specbatch.prompts import chat_token_ids
 from specbatch.sampling_params import SamplingParams
-from specbatch.speculation import MAX_K
+from specbatch.speculation import MAX_K, MAX_LEAVES
 from specbatch.v1 import generation_pb2 as pb
 
 from .requests import Request, TextStream
@@ -87,6 +87,9 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
     fixed_k = message.k if message.HasField("k") else None
     if fixed_k is not None and not 0 <= fixed_k <= MAX_K:
         raise InvalidRequest(f"k must be in [0, {MAX_K}] (got {fixed_k})")
+    fixed_leaves = message.leaves if message.HasField("leaves") else None
+    if fixed_leaves is not None and not 0 <= fixed_leaves <= MAX_LEAVES:
+        raise InvalidRequest(f"leaves must be in [0, {MAX_LEAVES}] (got {fixed_leaves})")
     return Request(
         id=message.request_id or uuid.uuid4().hex,
         prompt=prompt,
@@ -95,4 +98,5 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
         stop_token_ids=frozenset(stop_ids),
         text=TextStream(tokenizer, stops),
         fixed_k=fixed_k,
+        fixed_leaves=fixed_leaves,
     )

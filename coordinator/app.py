@@ -118,7 +118,9 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     draft's next-best tokens verified beside the first drafted one (specbatch.acceptance). A profile that
     cannot be used, or services that do not fit together, raise ValueError before serving."""
     profile_file = ProfileFile(profile, profile_poll_seconds) if isinstance(profile, (str, Path)) else profile
-    k_policy = parse_policy(policy, MAX_K, profile_file)
+    if not 0 <= leaves <= MAX_LEAVES:
+        raise ValueError(f"leaves must be in [0, {MAX_LEAVES}] (got {leaves})")
+    k_policy = parse_policy(policy, MAX_K, profile_file, leaves)
     metrics = CoordinatorMetrics(new_registry())
 
     def health_changed(replica) -> None:
@@ -162,8 +164,6 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
         eos_token_ids = find_eos_token_ids(tokenizer, None)
     limits = Limits(target_stats.vocab_size, max_context, max_new_tokens, eos_token_ids, max_prompt_tokens)
     metrics.set_policy(k_policy.describe())
-    if not 0 <= leaves <= MAX_LEAVES:
-        raise ValueError(f"leaves must be in [0, {MAX_LEAVES}] (got {leaves})")
     scheduler = Scheduler(targets, drafts, k_policy, max_batch_size, max_queue, max_context, feature_size,
                           metrics=metrics, leaves=leaves)
     metrics.track_load(scheduler.load, max_batch_size)
@@ -198,8 +198,10 @@ def main(argv=None) -> None:
     parser.add_argument("--k-policy", default="fixed:3",
                         help=f"how k is chosen: {KNOWN_POLICIES} (the last two need --profile)")
     parser.add_argument("--leaves", type=int, default=0,
-                        help=f"the draft's next-best tokens (0 to {MAX_LEAVES}) verified beside the first drafted "
-                             "one: a rejected first draft whose target token is one of them still yields 2 tokens")
+                        help=f"the most leaves (0 to {MAX_LEAVES}): the draft's next-best tokens at the first "
+                             "drafted position, verified beside the chain (a rejected first draft whose target "
+                             "token is one of them still yields 2 tokens); goodput verifies as many as pay, "
+                             "fixed:K and profile all")
     parser.add_argument("--profile", help="profile JSON made by `specbatch profile`; re-read when the file changes")
     parser.add_argument("--profile-poll-seconds", type=float, default=2.0,
                         help="how often to check the profile file for changes")

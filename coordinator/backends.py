@@ -145,11 +145,11 @@ class TargetClient(ServiceClient):
                timeout: float | None = None) -> pb.VerifyResponse:
         """``distributions``: per sequence, the draft's q' of each draft token (the Proposal's
         DraftDistribution messages, passed through untouched); needed where sampling is not greedy.
-        ``leaves``: per sequence, the Proposal's Leaves messages (passed through), if any."""
+        ``leaves``: per sequence, the leaves to verify at each of its first drafted positions."""
         distributions = distributions or [()] * len(calls)
         leaves = leaves or [()] * len(calls)
         items = [pb.VerifyItem(sequence=_seq(c), draft_tokens=d, sampling=_sampling_to_proto(s), draft_distributions=q,
-                               leaves=at)
+                               leaves=[pb.Leaves(tokens=tokens) for tokens in at])
                  for c, d, s, q, at in zip(calls, drafts, sampling, distributions, leaves)]
         return self._call(self.stub.Verify, pb.VerifyRequest(items=items, create=create,
                                                              return_features=return_features), timeout)

@@ -33,16 +33,22 @@ class DecodeStep:
         self.max_context = max_context
         self.feature_row_bytes = feature_row_bytes  # 0 unless the draft reads target features
         self.metrics = metrics
-        # Leaves at the first drafted position (the draft's next-best tokens there, verified beside
-        # the chain): where the target rejects the first draft for one of them, the step keeps it.
+        # The most leaves at the first drafted position (the draft's next-best tokens there,
+        # verified beside the chain): where the target rejects the first draft for one of them,
+        # the step keeps it. The draft proposes this many; the policy picks how many are verified.
         self.leaves = leaves
 
-    def leaves_for(self, request: Request, k: int) -> list[int]:
-        """Leaves per drafted position for a request drafting k: at the first only, where the
-        context has room for the extra columns they take on the target."""
+    def leaves_for(self, request: Request, k: int, batch_size: int) -> tuple[int, int]:
+        """For a request drafting k: how many next-best tokens the draft proposes at the first
+        drafted position, and how many of them the target verifies (where the context has room
+        for the columns they take on the target). A request's own count is verified whole."""
+        if not k:
+            return 0, 0
         room = self.max_context - len(request.history) - 1 - k
-        leaves = min(self.leaves, room) if k else 0
-        return [leaves] if leaves > 0 else []
+        if request.fixed_leaves is not None:
+            return (leaves := max(min(request.fixed_leaves, room), 0)), leaves
+        most = max(min(self.leaves, room), 0)
+        return most, self.policy.leaves_for(batch_size, k, most) if most else 0
 
     def k_for(self, request: Request, batch_size: int) -> int:
         """The k this request drafts this step: its own fixed k or the policy's, within its limits.
@@ -56,25 +62,33 @@ class DecodeStep:
         """One draft → verify → accept step over ``batch`` (every request placed on a target)."""
         start = time.perf_counter()
         ks = [self.k_for(r, len(batch)) for r in batch]
-        leaves = [self.leaves_for(r, k) for r, k in zip(batch, ks)]
-        proposed, proposed_q, proposed_leaves, draft_cached_len, draft_compute = self._propose(batch, ks, leaves)
+        leaves = [self.leaves_for(r, k, len(batch)) for r, k in zip(batch, ks)]
+        proposed, proposed_q, next_best, draft_cached_len, draft_compute = self._propose(
+            batch, ks, [[most] if most else [] for most, _ in leaves])
         drafted = time.perf_counter()
         calls = [Call(r.seq_id, r.target_len, r.history[r.target_len :]) for r in batch]
-        verdicts, target_compute = self._verify(batch, calls, proposed, proposed_q, proposed_leaves)
+        # The leaves verified: the first `verified` of the draft's next-best tokens at the first position.
+        verified_leaves = [[list(at[0].tokens)[:verified]] if at and verified else []
+                           for at, (_, verified) in zip(next_best, leaves)]
+        verdicts, target_compute = self._verify(batch, calls, proposed, proposed_q, verified_leaves)
         verified = time.perf_counter()
         outcomes = []  # (drafted, accepted) of each sequence that drafted: what the policy learns from
         stepped_ks = []  # the k each stepped sequence drafted
-        leaf_chances = leaf_hits = 0  # chains stopped at a position with leaves; and of those, leaves kept
-        for request, call, tokens, at, cached_len, verdict in zip(batch, calls, proposed, proposed_leaves,
-                                                                  draft_cached_len, verdicts):
+        first_rejections = []  # rank of the target's token among the draft's next-best ones, at each rejected first draft
+        leaf_chances = leaf_hits = 0  # first drafts rejected with leaves verified; and of those, leaves kept
+        for request, call, tokens, at, (most, _), tried, cached_len, verdict in zip(
+                batch, calls, proposed, next_best, leaves, verified_leaves, draft_cached_len, verdicts):
             if verdict is None:  # its target replica failed this step: it runs again once placed
                 continue
             stepped_ks.append(len(tokens))
             before = len(request.history)
             accepted = verdict.accepted
             leaf = [verdict.leaf] if verdict.HasField("leaf") else []
-            leaf_chances += accepted < min(len(tokens), len(at)) and bool(at[accepted].tokens)
-            leaf_hits += len(leaf)
+            if tokens and accepted == 0 and at and len(at[0].tokens) == most:
+                emitted = leaf[0] if leaf else verdict.next_token
+                first_rejections.append(list(at[0].tokens).index(emitted) if emitted in at[0].tokens else None)
+                leaf_chances += bool(tried)
+                leaf_hits += len(leaf)
             request.target_len = verdict.cached_len
             if request.features is not None:
                 request.features.store(call.keep_len, verdict.features)
@@ -89,6 +103,8 @@ class DecodeStep:
             if tokens:
                 outcomes.append((len(tokens), accepted))  # the chain's: what per-position acceptance counts
         self.policy.observe(outcomes)
+        if first_rejections:
+            self.policy.observe_first_rejections(first_rejections)
         return StepStats(len(stepped_ks), stepped_ks, outcomes, drafted - start, verified - drafted,
                          time.perf_counter() - start, draft_compute, target_compute, leaf_chances, leaf_hits)
 

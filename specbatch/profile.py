@@ -81,14 +81,21 @@ class Profile:
         """The step time at any batch size: linear between the profiled sizes on either side;
         below the smallest, that one's; above the largest, the last segment extended (a batch
         never gets cheaper by growing). With a single profiled size: proportional beyond it."""
+        return self._at_batch_size(batch_size, k, "step_ms")
+
+    def target_ms(self, batch_size: float, k: int) -> float:
+        """The Verify time of k drafts a sequence (k + 1 rows), at any batch size as ``step_ms``."""
+        return self._at_batch_size(batch_size, k, "target_ms")
+
+    def _at_batch_size(self, batch_size: float, k: int, time: str) -> float:
         sizes = self.batch_sizes
         if len(sizes) == 1:
-            return self.cells[sizes[0], k].step_ms * max(1.0, batch_size / sizes[0])
+            return getattr(self.cells[sizes[0], k], time) * max(1.0, batch_size / sizes[0])
         if batch_size <= sizes[0]:
-            return self.cells[sizes[0], k].step_ms
+            return getattr(self.cells[sizes[0], k], time)
         upper = next((i for i, b in enumerate(sizes) if b >= batch_size), len(sizes) - 1)
         b0, b1 = sizes[upper - 1], sizes[upper]
-        t0, t1 = self.cells[b0, k].step_ms, self.cells[b1, k].step_ms
+        t0, t1 = getattr(self.cells[b0, k], time), getattr(self.cells[b1, k], time)
         value = t0 + (t1 - t0) * (batch_size - b0) / (b1 - b0)
         return max(value, t1) if batch_size > b1 else value
 

@@ -6,6 +6,7 @@ import threading
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specbatch import __version__
@@ -77,6 +78,8 @@ BAD_REQUESTS = [
     ("prompt + max_new_tokens over context", lambda: long_prompt(-10, 11), f"context of {CONTEXT}"),
     ("k above 16", lambda: request(k=17), "k must be in [0, 16] (got 17)"),
     ("negative k", lambda: request(k=-1), "k must be in [0, 16] (got -1)"),
+    ("leaves above 8", lambda: request(leaves=9), "leaves must be in [0, 8] (got 9)"),
+    ("negative leaves", lambda: request(leaves=-1), "leaves must be in [0, 8] (got -1)"),
     ("empty chat", empty_chat, "chat prompt has no messages"),
     ("chat of blank messages", blank_chat, "chat prompt has no messages"),
     ("empty stop string", lambda: make_request(PROMPT, 8, stop=[""]), "stop strings"),
@@ -211,6 +214,12 @@ def test_target_service_refusals(stack, target_stub, target_model):
     expect(INVALID, lambda: verify(item(seq("x", 4, [prompt[-1]]), [5, -1])), "outside")
     expect(INVALID, lambda: t.Prefill(mpb.PrefillRequest(sequences=[seq("y", 0, [1, 1000])]), timeout=10), "outside")
     expect(INVALID, lambda: verify(item(seq("x", 4, [prompt[-1]]), [5] * (CONTEXT - 4))), "context")
+    leaves = lambda drafts, *at: mpb.VerifyItem(sequence=seq("x", 4, [prompt[-1]]), draft_tokens=drafts,  # noqa: E731
+                                                leaves=[mpb.Leaves(tokens=tokens) for tokens in at])
+    expect(INVALID, lambda: verify(leaves([5, 6], [7, 7])), "repeat")
+    expect(INVALID, lambda: verify(leaves([5, 6], [8, 5])), "repeat")
+    expect(INVALID, lambda: verify(leaves([5], [8], [9])), "leaves at 2 positions for 1 drafts")
+    expect(INVALID, lambda: verify(leaves([5], [VOCAB])), "outside")
     expect(INVALID, lambda: t.Rollback(mpb.RollbackRequest(
         sequences=[mpb.SequenceLength(seq_id="x", cached_len=7)]), timeout=10), "roll back")
     # A rollback naming one unknown sequence changes none of the others.
@@ -258,12 +267,18 @@ def test_draft_service_refusals(stack, draft_stub, draft_model):
     expect(INVALID, lambda: propose(item(seq("x", 5, [prompt[-1]]), 0)), "k must be")
     expect(INVALID, lambda: propose(item(seq("x", 5, [prompt[-1]]), 17)), "k must be")
     expect(INVALID, lambda: propose(item(seq("x", 5, [prompt[-1]]), 2), item(seq("x", 5, [prompt[-1]]), 2)), "twice")
+    expect(INVALID, lambda: propose(mpb.ProposeItem(sequence=seq("x", 5, [prompt[-1]]), k=2, leaves=[9])), "leaves")
+    expect(INVALID, lambda: propose(mpb.ProposeItem(sequence=seq("x", 5, [prompt[-1]]), k=1, leaves=[1, 1])), "leaves")
     assert set(engine.sequences) == {"x"} and engine.length("x") == 5
 
-    reply = propose(item(seq("x", 5, [prompt[-1]]), 4), item(seq("fresh", 0, prompt), 2))
+    reply = propose(item(seq("x", 5, [prompt[-1]]), 4), mpb.ProposeItem(sequence=seq("fresh", 0, prompt), k=2, leaves=[3]))
     reference = greedy_reference(draft_model, prompt, 4)
     assert [(p.seq_id, list(p.tokens), p.cached_len) for p in reply.proposals] == [
         ("x", reference, len(prompt) + 3), ("fresh", reference[:2], len(prompt) + 1)]
+    # Leaves: the draft's next most likely tokens after its own at the first position.
+    with torch.no_grad():
+        ranked = draft_model(torch.tensor([prompt])).logits[0, -1].topk(4).indices.tolist()
+    assert [list(at.tokens) for at in reply.proposals[1].leaves] == [ranked[1:]] and ranked[0] == reference[0]
 
     assert d.Release(mpb.ReleaseRequest(seq_ids=["ghost"]), timeout=10).released == 0
     assert d.Release(mpb.ReleaseRequest(seq_ids=["x", "fresh", "ghost"]), timeout=10).released == 2

@@ -35,6 +35,7 @@ from tiny import EOS, VOCAB, greedy_reference
 LIMIT = 128  # the stack's max_new_tokens limit
 CONTEXT = 256  # the tiny models' context
 MAX_K = 16
+MAX_LEAVES = 8
 ALLOWED_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 EXAMPLES = int(os.environ.get("SPECBATCH_FUZZ_EXAMPLES", "100"))
 SEED = os.environ.get("SPECBATCH_FUZZ_SEED", "0")
@@ -109,6 +110,10 @@ FIELDS = {
         st.one_of(st.none(), st.integers(0, MAX_K)),
         st.one_of(int32, st.sampled_from([-1, MAX_K + 1, INT32_MAX, INT32_MIN])),
     ),
+    "leaves": (
+        st.one_of(st.none(), st.integers(0, MAX_LEAVES)),
+        st.one_of(int32, st.sampled_from([-1, MAX_LEAVES + 1, INT32_MAX, INT32_MIN])),
+    ),
     "stop": (
         st.one_of(st.just([]), st.lists(valid_stop, max_size=3)),
         st.one_of(st.lists(stop_string, max_size=4), st.lists(stop_string, min_size=15, max_size=20)),
@@ -149,6 +154,8 @@ def build(fields: dict) -> pb.GenerateRequest:
         message.sampling.seed = fields["seed"]
     if fields["k"] is not None:
         message.k = fields["k"]
+    if fields["leaves"] is not None:
+        message.leaves = fields["leaves"]
     kind, value = fields["prompt"]
     if kind == "token_ids":
         message.token_ids.SetInParent()
@@ -200,6 +207,7 @@ def oracle(message: pb.GenerateRequest, tokenizer) -> tuple[list[int] | None, st
         (math.isfinite(top_p) and 0 < top_p <= 1, "bad top_p"),
         (s.top_k >= 0, "negative top_k"),
         (not message.HasField("k") or 0 <= message.k <= MAX_K, "k out of range"),
+        (not message.HasField("leaves") or 0 <= message.leaves <= MAX_LEAVES, "leaves out of range"),
         (len(message.stop) <= 16 and all(1 <= len(x) <= 256 for x in message.stop), "bad stop strings"),
         (all(0 <= t < VOCAB for t in message.stop_token_ids), "stop token outside the vocabulary"),
     ]

@@ -132,3 +132,44 @@ def test_fixed_ignores_observations():
     policy = FixedK(3)
     policy.observe([(3, 0)] * 100)
     assert policy.k_for(1) == 3
+
+
+# ---- leaves: how many of the draft's next-best tokens to verify beside the first draft ------------
+
+MEDIUM = [0.5, 0.45, 0.45, 0.4, 0.4, 0.4]
+
+
+def test_leaf_ranks_need_no_starting_value():
+    from coordinator.policy import LeafRanks
+
+    ranks = LeafRanks(3, half_life=8)
+    assert ranks.hit_rate(3) == 0.0  # nothing seen: no leaf is worth a row yet
+    ranks.observe([0, None, 1, 0])
+    assert ranks.hit_rate(1) > ranks.hit_rate(0) == 0.0
+    assert ranks.hit_rate(2) > ranks.hit_rate(1) and ranks.hit_rate(3) == ranks.hit_rate(2)
+    assert 0.7 < ranks.hit_rate(3) < 0.8  # 3 of 4, weighted to the later ones
+
+
+def test_goodput_verifies_leaves_where_rows_are_cheap_and_they_hit(tmp_path):
+    """Verifying a row costs 1 % of a step (a GPU at batch 1, or bf16 on AVX512_BF16)."""
+    policy = Goodput(watched(tmp_path, synthetic_profile(lambda b, k: 20.0 + 0.2 * k * b, MEDIUM)), 16, max_leaves=3)
+    assert policy.leaves_for(1, policy.k_for(1), 3) == 0  # no hit seen yet
+    policy.observe_first_rejections([0, 1, 0, None, 2, 0, 1, 0] * 8)
+    k = policy.k_for(1)
+    assert k >= 1 and policy.leaves_for(1, k, 3) == 3
+    assert policy.leaves_for(1, k, 2) == 2  # never more than the draft proposed
+    assert policy.leaves_for(1, 0, 3) == 0
+
+
+def test_goodput_skips_leaves_that_cost_more_than_they_yield(tmp_path):
+    """Each row costs as much as the step's fixed part (CPU-like in fp32), and leaves hit seldom."""
+    policy = Goodput(watched(tmp_path, synthetic_profile(lambda b, k: 10.0 + 6.0 * k * b, MEDIUM)), 16,
+                     max_leaves=3)
+    policy.observe_first_rejections([None, None, None, 0, None, None, None, None] * 8)
+    assert all(policy.leaves_for(b, policy.k_for(b), 3) == 0 for b in (1, 4, 32))
+    assert policy.leaves_for(1, 1, 3) == 0  # a request held to k = 1 as well
+
+
+def test_fixed_and_profile_policies_verify_every_leaf(tmp_path):
+    assert FixedK(2).leaves_for(4, 2, 3) == 3
+    assert ProfileK(watched(tmp_path, synthetic_profile(gpu_like, HIGH))).leaves_for(4, 2, 1) == 1
