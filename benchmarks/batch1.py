@@ -110,7 +110,10 @@ def main() -> int:
     parser.add_argument("--draft-int8-weights", action=argparse.BooleanOptionalAction, default=None,
                         help="as specbatch up's flag (default: its rule)")
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers generate()")
-    parser.add_argument("--leaves", default="0", help="comma-separated leaf counts: one speculative mode each")
+    parser.add_argument("--leaves", default="0", help="comma-separated leaf counts: one speculative mode each, "
+                        "every request verifying that many; 'policy': the coordinator's --leaves-most, as many "
+                        "as its policy chooses")
+    parser.add_argument("--leaves-most", type=int, default=3, help="the coordinator's --leaves (for 'policy')")
     parser.add_argument("--out", default="bench-out/batch1.json")
     args = parser.parse_args()
 
@@ -121,12 +124,14 @@ def main() -> int:
     baseline = None if args.no_baseline else transformers_generate(prompts, args.tokens, args.threads)
     if baseline:
         print(f"transformers generate(), fp32: {baseline:.1f} tok/s", flush=True)
+    leaf_counts = [None if n == "policy" else int(n) for n in args.leaves.split(",")]
     options = StackOptions(max_batch_size=8, threads_per_service=args.threads_per_service,
-                           draft_int8_weights=args.draft_int8_weights)
+                           draft_int8_weights=args.draft_int8_weights,
+                           coordinator_flags=["--leaves", str(args.leaves_most)] if None in leaf_counts else [])
     if args.k_policy:
         options.k_policy, options.profile = args.k_policy, args.profile
-    leaf_counts = [int(n) for n in args.leaves.split(",")]
-    names = {n: "speculative" + (f", {n} leaves" if n else "") for n in leaf_counts}
+    names = {n: "speculative" + (f", {n} leaves" if n else f", the policy's leaves (<= {args.leaves_most})"
+                                 if n is None else "") for n in leaf_counts}
     with LocalProcesses(options) as stack:
         modes = served(stack.address, prompts, args.tokens,
                        {"target-only": (0, 0), **{names[n]: (None, n) for n in leaf_counts}})
@@ -138,7 +143,7 @@ def main() -> int:
     rows = {
         **({"transformers generate(), fp32": baseline} if baseline else {}),
         "services, target-only (k=0)": target_only["tokens_per_second"],
-        **{f"services, {policy}" + (f", {n} leaves" if n else ""): modes[names[n]]["tokens_per_second"]
+        **{f"services, {policy}" + names[n][len("speculative"):]: modes[names[n]]["tokens_per_second"]
            for n in leaf_counts},
     }
     print(f"\n## batch 1, greedy, {len(prompts)} held-out ShareGPT prompts x {args.tokens} tokens\n")
@@ -150,7 +155,7 @@ def main() -> int:
     for n in leaf_counts:
         mode = modes[names[n]]
         print(f"\n{names[n]}: acceptance {mode['acceptance']:.2f} (kept leaves included), tokens per step "
-              f"{mode['tokens_per_step']:.2f}" + (f", leaf hit rate {mode['leaf_hit_rate']:.2f}" if n else ""))
+              f"{mode['tokens_per_step']:.2f}" + (f", leaf hit rate {mode['leaf_hit_rate']:.2f}" if n != 0 else ""))
     print("(targets: >= 1.5x target-only through the services, >= 1.5x transformers generate())")
     print("\n## where a decode step's time goes (ms per step)\n")
     print("| part | target-only (k=0) | " + " | ".join(names[n] for n in leaf_counts) + " |")

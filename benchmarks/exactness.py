@@ -2,12 +2,13 @@
 
 Decodes held-out ShareGPT prompts target-only (k=0, one token per call, through the target
 service's own engine) and speculatively through the services, at batch 1 and in mixed batches
-(k 1-5 per request, up to 16 sequences a step), and counts every output that leaves the
+(k 1-5 per request, up to 16 sequences a step), with leaves beside the first draft as well
+(``--runs leaves``: 3 at batch 1, 0-3 a request in mixed batches), and counts every output that leaves the
 reference, with the reference's top-2 logit gap where it does: each must be a near-tie
 (``specbatch.exactness.NEAR_TIE``); in fp32 there should be none. Also measures how often the
 engine's linear layers, in the same dtype, round differently with more rows.
 
-    .venv/bin/python benchmarks/exactness.py [--prompts 64] [--tokens 64] [--out bench-out/exactness.json]
+    .venv/bin/python benchmarks/exactness.py [--prompts 64] [--tokens 64] [--runs chain,leaves] [--out bench-out/exactness.json]
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def main() -> int:
     parser.add_argument("--prompt-start", type=int, default=16000, help="ShareGPT conversation to start from (held out)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--runs", default="chain,leaves", help="chain (k = 1, 3, 5 and mixed), leaves (with leaves)")
     parser.add_argument("--out", default="bench-out/exactness.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -61,14 +63,18 @@ def main() -> int:
               flush=True)
         client = stack.client()
         rows = []
-        for k in (1, 3, 5):
-            outputs = [generate(client, make_request(p, args.tokens, k=k, ignore_eos=True), timeout=600).token_ids
-                       for p in prompts]
-            rows.append(judge(f"batch 1, k={k}", outputs, references))
+        runs = args.runs.split(",")
+        batch1 = [(k, 0) for k in (1, 3, 5)] * ("chain" in runs) + [(2, 3)] * ("leaves" in runs)
+        for k, leaves in batch1:
+            outputs = [generate(client, make_request(p, args.tokens, k=k, leaves=leaves, ignore_eos=True),
+                                timeout=600).token_ids for p in prompts]
+            rows.append(judge(f"batch 1, k={k}" + (f", {leaves} leaves" if leaves else ""), outputs, references))
             print(rows[-1]["run"], rows[-1]["mismatched_sequences"], flush=True)
-        mixed = generate_all(client, [make_request(p, args.tokens, k=1 + i % 5, ignore_eos=True)
-                                      for i, p in enumerate(prompts)], timeout=1200)
-        rows.append(judge("mixed batches of up to 16, k=1..5", [r.token_ids for r in mixed], references))
+        for name, leaves in (("", lambda i: 0),) * ("chain" in runs) + ((", leaves 0..3", lambda i: i % 4),) * (
+                "leaves" in runs):
+            mixed = generate_all(client, [make_request(p, args.tokens, k=1 + i % 5, leaves=leaves(i), ignore_eos=True)
+                                          for i, p in enumerate(prompts)], timeout=1200)
+            rows.append(judge(f"mixed batches of up to 16, k=1..5{name}", [r.token_ids for r in mixed], references))
         gaps = [g for r in references for g in r.gaps]
     finally:
         stack.stop()

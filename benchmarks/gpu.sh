@@ -6,7 +6,9 @@
 #   3. specbatch bench-engine for the OPT-6.7B / OPT-125M shapes (random weights);
 #   4. benchmarks/attention.py: one layer's attention at long contexts, three ways;
 #   5. specbatch profile of the OPT-6.7B / OPT-125M shapes with the acceptance given below,
-#      written with its heat map into docs/profile/ (on CUDA; elsewhere into the run folder).
+#      written with its heat map into docs/profile/ (on CUDA; elsewhere into the run folder);
+#   6. benchmarks/batch1.py: the embedded pair through the three services at batch 1, target-only
+#      against speculative with 0, 1 and 3 leaves beside the first draft (docs/engine.md, "Leaves").
 # Every table is printed, and kept under $OUT.
 #
 #   benchmarks/gpu.sh                      # cuda, bfloat16, the default grids (about 10 minutes on one H100)
@@ -34,6 +36,7 @@ if [[ $DEVICE == cuda* ]]; then
     # --kv-cache-gb for sequences of --max-context tokens: 64 × 769 × 0.5 MiB of OPT-6.7B is 24 GiB.
     MAX_CONTEXT=768
     PROFILE_OUT=docs/profile/gpu-opt-6.7b.json
+    BATCH1=(--prompts 12 --tokens 96)
 else
     # A 6.7B shape does not fit a small CPU box: the draft's shape stands in for the target. Equal
     # shapes get equal (seeded) weights, so this draft agrees with its target: the given
@@ -44,6 +47,7 @@ else
     KV_GB=1
     MAX_CONTEXT=512
     PROFILE_OUT=$OUT/profile-$TARGET_SHAPE.json
+    BATCH1=(--prompts 2 --tokens 16)
 fi
 if [[ -n $ACCEPTANCE_FROM ]]; then
     GIVEN=(--acceptance-from "$ACCEPTANCE_FROM")
@@ -94,5 +98,9 @@ echo "== profile: $TARGET_SHAPE / $DRAFT_SHAPE shapes, measured step times, give
 echo "== captured steps (CUDA graphs): capture time and graph memory =="
 # bench-engine's tables end with them; the profile's services log them (WARNING) as they start.
 grep -h "captured" "$OUT"/engine-*/bench-engine.md "$OUT/profile.log" 2>/dev/null || true
+
+echo "== batch 1 through the services: target-only against speculative with 0, 1 and 3 leaves =="
+"$VENV/bin/python" benchmarks/batch1.py --no-baseline "${BATCH1[@]}" --leaves 0,1,policy --leaves-most 3 \
+    --out "$OUT/batch1-leaves.json" | tee "$OUT/batch1-leaves.txt"
 
 echo "results in $OUT; profile: $PROFILE_OUT and ${PROFILE_OUT%.json}.png"

@@ -19,9 +19,12 @@ wrapped forward eagerly. Padding:
   logits stay the last);
 - extra attended columns are masked off.
 
-Only the tokens, their positions and which of them are real are copied in; the mask and the
-write columns are computed inside the captured region, with RaggedBatch's semantics (each real
-token sees its row's columns up to its own position, padding tokens see column 0 only).
+Only the tokens, their positions and columns, which of them are real, and which fed tokens each
+one sees are copied in; the mask and the write columns are computed inside the captured region,
+with RaggedBatch's semantics (each real token sees its row's cached columns and the fed tokens it
+descends from, padding tokens see column 0 only). A chain's tokens sit at their positions and
+see every fed token before them; a tree's (a verify call with leaves) sit at their depth and see
+their ancestors only (``kv_pool.tree_mask``).
 
 On CUDA the graphs share one memory pool; they are captured larger first, at start-up (mode
 "on") or at a bucket's first use ("lazy"). The KV pool must not move after capture: the engine
@@ -38,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_pool import KVPool, write_columns_and_mask
+from .kv_pool import KVPool, tree_mask, write_columns_and_mask
 from .speculation import MAX_K
 
 log = logging.getLogger(__name__)
@@ -134,7 +137,9 @@ class CapturedForward:
         # Flat, so that the first B×W elements viewed as [B, W] are contiguous for every bucket.
         self.input_ids = torch.zeros(rows * width, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows * width, dtype=torch.long, device=device)
+        self.columns = torch.zeros(rows * width, dtype=torch.long, device=device)
         self.valid = torch.zeros(rows * width, dtype=torch.bool, device=device)
+        self.sees = torch.zeros(rows * width * width, dtype=torch.bool, device=device)
         self.features = (torch.zeros(rows * width * self.feature_size, dtype=self.pool.dtype, device=device)
                          if self.feature_size else None)
         self.logits = self.hidden = None  # outputs: allocated at the first static forward, when their sizes are known
@@ -147,11 +152,16 @@ class CapturedForward:
         return (self.input_ids[:n].view(rows, width), self.positions[:n].view(rows, width),
                 self.valid[:n].view(rows, width), features)
 
+    def _tree_views(self, rows: int, width: int):
+        return self.columns[: rows * width].view(rows, width), self.sees[: rows * width * width].view(rows, width, width)
+
     def _static_forward(self, rows: int, width: int, end: int) -> None:
         """The forward at one bucket, from and into the static buffers: what a graph captures."""
         input_ids, positions, valid, features = self._views(rows, width)
+        columns, sees = self._tree_views(rows, width)
         # RaggedBatch's columns and mask; padding rows and left padding are padding tokens.
-        columns, mask = write_columns_and_mask(positions, valid, self.pool.context - 1, end)
+        columns, mask = write_columns_and_mask(columns, valid, self.pool.context - 1, end)
+        mask = tree_mask(mask, columns, valid, sees)
         logits, hidden = self.forward(input_ids, positions, columns, self.pool.kv[:, :, :rows], mask, width, features)
         if self.logits is None:
             self._outputs(logits.shape[-1], hidden.shape[-1], logits.dtype, hidden.dtype)
@@ -167,7 +177,8 @@ class CapturedForward:
     # ---- capture ---------------------------------------------------------------------------------
 
     def _inputs(self) -> list[torch.Tensor]:
-        return [t for t in (self.input_ids, self.positions, self.valid, self.features) if t is not None]
+        return [t for t in (self.input_ids, self.positions, self.columns, self.valid, self.sees, self.features)
+                if t is not None]
 
     def _capture_one(self, bucket: tuple[int, int, int]) -> torch.cuda.CUDAGraph:
         rows, width, end = bucket
@@ -231,14 +242,19 @@ class CapturedForward:
         rows, width, end = bucket
         batch, fed = input_ids.shape
         static_ids, static_positions, static_valid, static_features = self._views(rows, width)
-        static_ids.zero_()
-        static_positions.zero_()
-        static_valid.zero_()
+        static_columns, static_sees = self._tree_views(rows, width)
+        for buffer in (static_ids, static_positions, static_columns, static_valid, static_sees):
+            buffer.zero_()
         # The call's tokens right-aligned in the bucket's columns: a real token never writes to
         # the scratch column, a padding token always does.
+        valid = write_columns != kv.shape[4] - 1
         static_ids[:batch, width - fed:] = input_ids
         static_positions[:batch, width - fed:] = positions
-        static_valid[:batch, width - fed:] = write_columns != kv.shape[4] - 1
+        static_columns[:batch, width - fed:] = write_columns
+        static_valid[:batch, width - fed:] = valid
+        # Which fed tokens each one sees, read off the call's mask at their columns.
+        at = torch.where(valid, write_columns, torch.zeros_like(write_columns))[:, None, :].expand(batch, fed, fed)
+        static_sees[:batch, width - fed:, width - fed:] = mask[:, 0].gather(2, at)
         if static_features is not None:
             static_features.zero_()
             static_features[:batch, width - fed:] = features

@@ -40,7 +40,7 @@ from transformers.cache_utils import DynamicCache
 from . import llama, opt
 from .captured import CapturedForward, resolve_mode
 from .eagle import reads_target_features
-from .kv_pool import KVPool, SequenceCache, write_columns_and_mask
+from .kv_pool import KVPool, SequenceCache, tree_mask, write_columns_and_mask
 from .linear import int8_linears_available
 from .transformers_forward import TransformersForward
 # The refusals live in a torch-free module; imported here too, where callers have long found them.
@@ -68,7 +68,7 @@ class SequenceInput:
     keep_len: int
     tokens: list[int]
     features: torch.Tensor | None = None  # [len(tokens), feature_size]: for drafts that read target features
-    # A tree of tokens instead of a chain (a verify call with leaves: specbatch.leaves): for each
+    # A tree of tokens instead of a chain (a verify call with leaves: specbatch.acceptance): for each
     # token, the index of the fed token it follows, or -1 for the last cached one. Parents come
     # before their children. None: a chain, each token follows the one before it.
     parents: list[int] | None = None
@@ -130,11 +130,9 @@ class RaggedBatch:
         columns = positions if columns is None else columns
         end = int(columns[valid].max()) + 1  # every row feeds at least one token
         columns, mask = write_columns_and_mask(columns, valid, self.scratch, end)
-        forward = self.engine.forward
         if self.tree is not None:
             mask = tree_mask(mask, columns, valid, self.tree[1])
-            forward = self.engine.eager_forward  # captured steps compute a chain's mask inside the graph
-        logits, self.hidden = forward(
+        logits, self.hidden = self.engine.forward(
             to_device(input_ids, device), to_device(positions, device), to_device(columns, device), self.kv,
             to_device(mask, device), logits_to_keep, None if features is None else to_device(features, device))
         return logits
@@ -207,17 +205,6 @@ def tree_layout(inputs: list[SequenceInput], width: int) -> tuple[torch.Tensor, 
     return depth, sees
 
 
-def tree_mask(mask: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
-    """A chain's mask (every token sees its row's columns up to its own) with the fed tokens a
-    tree token does not descend from taken out."""
-    hidden = valid[:, :, None] & valid[:, None, :] & ~sees  # [batch, token, fed token]
-    rows, token, other = hidden.nonzero(as_tuple=True)
-    if len(rows):
-        mask = mask.clone()
-        mask[rows, 0, token, columns[rows, other]] = False
-    return mask
-
-
 # The engine's own forwards, each beside the test of which models it covers.
 OWN_FORWARDS = ((llama.supports, llama.LlamaForward), (opt.supports, opt.OptForward))
 
@@ -285,7 +272,6 @@ class Engine:
         # The forward of one ragged batch (see RaggedBatch); LlamaForward.__call__ is the contract.
         self.forward = own(self.model, int8=self.int8_weights) if own else TransformersForward(self.model)
         self.implementation = "specbatch" if own else "transformers"
-        self.eager_forward = self.forward  # never captured: for calls whose mask is not a chain's (trees)
         self.captured_steps = resolve_mode(self.captured_steps, self.device, own is not None)
         self.capture_report: dict = {}
         if self.captured_steps != "off":  # the pool must stay where the graphs point

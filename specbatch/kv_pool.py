@@ -22,6 +22,19 @@ def write_columns_and_mask(positions: torch.Tensor, valid: torch.Tensor, scratch
     return columns, mask
 
 
+def tree_mask(mask: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
+    """A chain's mask (from ``write_columns_and_mask``: every token sees its row's columns up to its
+    own) with the fed tokens a tree token does not descend from taken out: ``sees[b, t, w]``, whether
+    fed token t sees fed token w, right-aligned like the tokens. Fixed shapes and no host sync (a
+    captured step runs it). For a chain, ``sees`` is lower-triangular and nothing changes."""
+    batch, width = columns.shape
+    at = torch.where(valid, columns, torch.zeros_like(columns))[:, None, :].expand(batch, width, width)
+    chain = mask[:, 0].gather(2, at)  # what the chain's mask says at each fed token's column
+    # Padding (either side) keeps the chain's value, so every write to a shared column 0 agrees.
+    value = torch.where(valid[:, :, None] & valid[:, None, :], sees, chain)
+    return mask[:, 0].scatter(2, at, value)[:, None]
+
+
 class KVPool:
     """Keys and values of every sequence of an engine, one slot per sequence.
 

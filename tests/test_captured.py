@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from draft_service.proposer import ProposeItem, propose
+from draft_service.proposer import ProposeItem, propose, proposals
 from specbatch.captured import Buckets, CapturedForward
 from specbatch.engine import CapacityExceeded, Engine, SequenceInput
 from target_service.verifier import VerifyItem, verify
@@ -99,11 +99,11 @@ def test_static_logits_and_hidden_states_match_eager(target_model):
         torch.testing.assert_close(static_hidden, eager_hidden, rtol=1e-4, atol=1e-4)
 
 
-def speculate(target: Engine, draft: Engine, ps: list[list[int]], new_tokens: int, seed: int) -> dict:
+def speculate(target: Engine, draft: Engine, ps: list[list[int]], new_tokens: int, seed: int, leaves: int = 0) -> dict:
     """Greedy speculative decoding of every prompt, the way the coordinator steps: each step takes
     a batch of the unfinished sequences (all of them, a prefix of the slots, or a scattered few),
-    drafts k (1-5) per sequence, verifies; finished sequences are released, and one more half-way
-    (slots move)."""
+    drafts k (1-5) per sequence with ``leaves`` beside the first, verifies; finished sequences are
+    released, and one more half-way (slots move)."""
     rng = random.Random(seed)
     history = {f"s{i}": list(p) for i, p in enumerate(ps)}
     prompt_len = {sid: len(h) for sid, h in history.items()}
@@ -122,14 +122,15 @@ def speculate(target: Engine, draft: Engine, ps: list[list[int]], new_tokens: in
             live.remove(gone)
         shape = step % 3
         batch = live if shape == 0 else live[: max(1, len(live) - 1)] if shape == 1 else live[::2]
-        proposals = propose(draft, [ProposeItem(SequenceInput(sid, draft_cached[sid], history[sid][draft_cached[sid]:]),
-                                                rng.randint(1, 5)) for sid in batch])
-        verdicts = verify(target, [VerifyItem(SequenceInput(sid, cached[sid], history[sid][cached[sid]:]), drafts)
-                                   for sid, drafts in zip(batch, proposals)], create=True)
-        for sid, drafts, verdict in zip(batch, proposals, verdicts):
+        proposed = proposals(draft, [ProposeItem(SequenceInput(sid, draft_cached[sid], history[sid][draft_cached[sid]:]),
+                                                 rng.randint(1, 5), leaves=[leaves] if leaves else []) for sid in batch])
+        verdicts = verify(target, [VerifyItem(SequenceInput(sid, cached[sid], history[sid][cached[sid]:]), p.tokens,
+                                              leaves=p.leaves) for sid, p in zip(batch, proposed)], create=True)
+        for sid, drafts, verdict in zip(batch, [p.tokens for p in proposed], verdicts):
             # The draft cached its history and its first k-1 drafts: keep those that were accepted.
             draft_cached[sid] = len(history[sid]) + min(verdict.accepted, len(drafts) - 1)
-            history[sid] += drafts[: verdict.accepted] + [verdict.next_token]
+            leaf = [] if verdict.leaf is None else [verdict.leaf]
+            history[sid] += drafts[: verdict.accepted] + leaf + [verdict.next_token]
             cached[sid] = verdict.cached_len
             if len(history[sid]) - prompt_len[sid] >= new_tokens:  # finished: released, as the coordinator does
                 done[sid] = history[sid][prompt_len[sid]:][:new_tokens]
@@ -138,13 +139,15 @@ def speculate(target: Engine, draft: Engine, ps: list[list[int]], new_tokens: in
     return done
 
 
-def test_speculative_decoding_through_the_static_path_equals_eager(target_model, draft_model):
+@pytest.mark.parametrize("leaves", [0, 2])
+def test_speculative_decoding_through_the_static_path_equals_eager(target_model, draft_model, leaves):
+    """With leaves, the target's calls are trees: their mask and positions take the static path too."""
     ps = prompts([4, 11, 2, 25, 7, 3], 2)  # six sequences: batches of 1 to 6 fall between buckets
     results, engines = [], []
     for mode in ("off", "static"):
         target = Engine(target_model, max_sequences=8, max_context=128, captured_steps=mode)
         draft = Engine(draft_model, max_sequences=8, max_context=128, captured_steps=mode)
-        results.append(speculate(target, draft, ps, 24, seed=3))
+        results.append(speculate(target, draft, ps, 24, seed=3, leaves=leaves))
         engines.append((target, draft))
     eager, static = results
     assert static == eager
@@ -213,7 +216,8 @@ def test_a_moved_pool_drops_its_graphs_and_buffers(target_model):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graphs_capture_and_replay_like_eager(target_model, draft_model):
+@pytest.mark.parametrize("leaves", [0, 2])
+def test_cuda_graphs_capture_and_replay_like_eager(target_model, draft_model, leaves):
     import copy
 
     ps = prompts([4, 11, 2, 25, 7, 3], 2)
@@ -221,7 +225,7 @@ def test_cuda_graphs_capture_and_replay_like_eager(target_model, draft_model):
     for mode in ("off", "on"):
         target = Engine(copy.deepcopy(target_model).cuda(), max_sequences=8, max_context=128, captured_steps=mode)
         draft = Engine(copy.deepcopy(draft_model).cuda(), max_sequences=8, max_context=128, captured_steps=mode)
-        results.append(speculate(target, draft, ps, 24, seed=3))
+        results.append(speculate(target, draft, ps, 24, seed=3, leaves=leaves))
     assert results[0] == results[1]
     assert target.capture_report["graphs"] == len(target.forward.graphs) > 0
     assert target.forward.replayed > 10 and draft.forward.replayed > 20
