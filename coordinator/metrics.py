@@ -66,6 +66,11 @@ class CoordinatorMetrics:
                                        "Drafts that reached each draft position (drafted that far with every earlier "
                                        "position accepted); acceptance at i = accepted_per_pos[i] / this[i].",
                                        ["position"], registry=r)
+        self.leaf_chances = Counter("specbatch_spec_decode_num_leaf_chances",
+                                    "First drafts rejected with leaves verified beside them (--leaves).", registry=r)
+        self.leaf_hits = Counter("specbatch_spec_decode_num_leaf_hits",
+                                 "Of those, the ones where the target's token was a leaf and the step kept it.",
+                                 registry=r)
 
         # ---- requests ----
         self.ttft = Histogram("specbatch_time_to_first_token_seconds", "Arrival to first generated token.",
@@ -125,6 +130,8 @@ class CoordinatorMetrics:
             if n_reached:  # no series for positions never drafted: k=3 shows three, not sixteen
                 self.reached_per_pos.labels(position=str(i)).inc(n_reached)
                 self.accepted_per_pos.labels(position=str(i)).inc(n_accepted)
+        self.leaf_chances.inc(step.leaf_chances)
+        self.leaf_hits.inc(step.leaf_hits)
         self.step_seconds.labels(phase="draft").observe(step.draft_seconds)
         self.step_seconds.labels(phase="target").observe(step.target_seconds)
         # Clamped: the phases are timed separately, and rounding must not make a negative sample.

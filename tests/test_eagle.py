@@ -156,6 +156,18 @@ def test_greedy_output_with_an_eagle_draft_matches_generate(eagle_stack, target_
     assert not eagle_stack.draft_engine.sequences and not eagle_stack.target_engine.sequences
 
 
+def decode_exactly(stack, target_model, seed: int, count: int, k: int) -> list:
+    """``count`` random prompts × 30 greedy tokens through ``stack`` at k, all at once; each output
+    must be target-only decoding, token for token. Returns the results."""
+    rng = random.Random(seed)
+    prompts = [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(count)]
+    results = generate_all(stack.client(), [make_request(p, 30, k=k, ignore_eos=True) for p in prompts],
+                           concurrency=count)
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == greedy_reference(target_model, prompt, 30)
+    return results
+
+
 @pytest.mark.parametrize("eagle", [True, False])
 def test_greedy_output_with_leaves_matches_generate(target_model, eagle_draft, draft_model, tokenizer, eagle):
     """Leaves beside the first drafted token, through the services: kept leaves move their keys
@@ -166,12 +178,7 @@ def test_greedy_output_with_leaves_matches_generate(target_model, eagle_draft, d
     stack = start_local_stack(target_model, eagle_draft if eagle else draft_model, tokenizer, max_batch_size=4,
                               max_new_tokens=64, leaves=3)
     try:
-        rng = random.Random(9)
-        prompts = [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(8)]
-        results = generate_all(stack.client(), [make_request(p, 30, k=2, ignore_eos=True) for p in prompts],
-                               concurrency=8)
-        for prompt, result in zip(prompts, results):
-            assert result.token_ids == greedy_reference(target_model, prompt, 30)
+        decode_exactly(stack, target_model, seed=9, count=8, k=2)
         totals = stack.coordinator.scheduler.totals
         assert totals.leaf_hits > 0 and totals.leaf_chances > totals.leaf_hits, vars(totals)
     finally:
@@ -186,12 +193,7 @@ def test_int8_eagle_draft_keeps_the_output_exact(target_model, eagle_draft, toke
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=64,
                               draft_engine_options={"int8_weights": True})
     try:
-        rng = random.Random(7)
-        prompts = [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(6)]
-        results = generate_all(stack.client(), [make_request(p, 30, k=3, ignore_eos=True) for p in prompts],
-                               concurrency=6)
-        for prompt, result in zip(prompts, results):
-            assert result.token_ids == greedy_reference(target_model, prompt, 30)
+        results = decode_exactly(stack, target_model, seed=7, count=6, k=3)
         assert sum(r.stats.draft_tokens_accepted for r in results) > 0
         forward = stack.draft_engines[0].forward
         assert type(forward.layers[0].down).__name__ == "Int8Linear"

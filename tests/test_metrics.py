@@ -69,6 +69,12 @@ def test_step_counts_drafts_per_position():
     assert value(r, "specbatch_spec_decode_num_accepted_tokens_per_pos_total", position="3") == 1
     assert value(r, "specbatch_spec_decode_num_draft_tokens_per_pos_total", position="0") == 3
     assert value(r, "specbatch_step_seconds_count", phase="coordinator") == 2
+    assert value(r, "specbatch_spec_decode_num_leaf_chances_total") == 0
+
+    # Leaves: two first drafts rejected with leaves beside them, one leaf kept.
+    m.observe_step(StepStats(2, [2, 2], [(2, 0), (2, 0)], 0.0, 0.0, 0.0, leaf_chances=2, leaf_hits=1))
+    assert value(r, "specbatch_spec_decode_num_leaf_chances_total") == 2
+    assert value(r, "specbatch_spec_decode_num_leaf_hits_total") == 1
 
 
 def test_max_k_agrees_with_the_draft_service():
