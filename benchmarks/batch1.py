@@ -127,7 +127,7 @@ def main() -> int:
     leaf_counts = [None if n == "policy" else int(n) for n in args.leaves.split(",")]
     options = StackOptions(max_batch_size=8, threads_per_service=args.threads_per_service,
                            draft_int8_weights=args.draft_int8_weights,
-                           coordinator_flags=["--leaves", str(args.leaves_most)] if None in leaf_counts else [])
+                           leaves=args.leaves_most if None in leaf_counts else 0)
     if args.k_policy:
         options.k_policy, options.profile = args.k_policy, args.profile
     names = {n: "speculative" + (f", {n} leaves" if n else f", the policy's leaves (<= {args.leaves_most})"

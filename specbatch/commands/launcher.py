@@ -71,6 +71,7 @@ class StackOptions:
     # The draft service's --int8-weights; None: on for the embedded draft where the services run
     # float32 on a CPU (``draft_int8_weights``).
     draft_int8_weights: bool | None = None
+    leaves: int = 0  # the coordinator's --leaves: the draft's next-best tokens verified beside its first
 
 
 # The embedded models' profiles, one per dtype the services run on a CPU (``--dtype auto``: bf16
@@ -162,6 +163,9 @@ def add_stack_flags(parser) -> None:
     parser.add_argument("--draft-int8-weights", action=argparse.BooleanOptionalAction, default=None,
                         help="the draft's linear layers in int8 (default: on for the embedded draft where the "
                              "services run float32 on a CPU)")
+    parser.add_argument("--leaves", type=int, default=0, metavar="N",
+                        help="the coordinator's --leaves: up to N of the draft's next-best tokens verified beside "
+                             "the first draft (default 0: they pay where verifying a row is nearly free)")
     parser.add_argument("--threads-per-service", type=int, metavar="N",
                         help="intra-op threads of the target and of the draft service (default: half the cores "
                              "this process may use, at least 1; 0: torch's own default)")
@@ -177,7 +181,7 @@ def stack_options(args) -> StackOptions:
         max_batch_size=args.max_batch_size,
         host=args.host, ports={"coordinator": args.port, "target": args.target_port, "draft": args.draft_port},
         log_level=args.log_level, metrics_ports=dict(DEFAULT_METRICS_PORTS) if args.metrics else None,
-        threads_per_service=args.threads_per_service, draft_int8_weights=args.draft_int8_weights,
+        threads_per_service=args.threads_per_service, draft_int8_weights=args.draft_int8_weights, leaves=args.leaves,
     )
 
 
@@ -284,6 +288,8 @@ class LocalProcesses:
                  "--max-batch-size", str(o.max_batch_size), "--port", str(port), "--host", o.host]
         if profile:
             flags += ["--profile", profile]
+        if o.leaves:
+            flags += ["--leaves", str(o.leaves)]
         if o.random_weights:
             from ..models import EMBEDDED
             from ..random_weights import tokenizer_source
