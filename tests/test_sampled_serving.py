@@ -21,17 +21,18 @@ from tiny import VOCAB, greedy_reference
 SAMPLED = dict(temperature=1.0, top_p=0.95, top_k=40)
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
-def test_seeded_request_gives_the_same_tokens_alone_and_in_any_mix(stack, target_model, k):
+@pytest.mark.parametrize("k, leaves", [(1, None), (2, None), (4, None), (8, None), (2, 3)])
+def test_seeded_request_gives_the_same_tokens_alone_and_in_any_mix(stack, target_model, k, leaves):
     """The same seeded request alone, then among greedy and sampled neighbours of other k
-    (each mix a different batch composition and row order): the same tokens every time."""
+    (each mix a different batch composition and row order): the same tokens every time. With
+    leaves, ours and a greedy neighbour verify the draft's next-best tokens beside the chain."""
     prompt = prompts_of_lengths([9], seed=k)[0]
-    ours = make_request(prompt, 30, seed=1234, k=k, ignore_eos=True, **SAMPLED)
+    ours = make_request(prompt, 30, seed=1234, k=k, ignore_eos=True, leaves=leaves, **SAMPLED)
     client = stack.client()
     alone = generate(client, ours, timeout=60)
     assert alone.stats.draft_tokens_proposed > 0  # sampled requests speculate
     others = prompts_of_lengths([3, 14, 6, 21, 11], seed=100 + k)
-    neighbours = [make_request(others[0], 25, k=3, ignore_eos=True),
+    neighbours = [make_request(others[0], 25, k=3, ignore_eos=True, leaves=leaves),
                   make_request(others[1], 40, k=0, ignore_eos=True),
                   make_request(others[2], 20, seed=5, k=5, ignore_eos=True, **SAMPLED),
                   make_request(others[3], 35, seed=6, temperature=0.6, ignore_eos=True),  # the policy's k
@@ -43,6 +44,8 @@ def test_seeded_request_gives_the_same_tokens_alone_and_in_any_mix(stack, target
             if request.sampling.temperature == 0:
                 prompt_ids = list(request.token_ids.ids)
                 assert result.token_ids == greedy_reference(target_model, prompt_ids, request.max_new_tokens)
+    totals = stack.coordinator.scheduler.totals
+    assert (totals.leaf_hits > 0) == bool(leaves), (totals.leaf_chances, totals.leaf_hits)
 
 
 def test_sampled_requests_accept_drafts(stack):
