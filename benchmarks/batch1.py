@@ -71,19 +71,19 @@ def where_step_time_goes(totals: dict, seconds: float) -> dict:
 
 
 def served(address: str, prompts: list[list[int]], tokens: int,
-           modes: dict[str, tuple[int | None, int]]) -> dict[str, dict]:
-    """Each prompt through the coordinator once per mode (``modes``: name -> the request's k, None
-    for the coordinator's policy, and its leaves), the modes taking turns prompt by prompt: a
-    machine whose speed drifts during the run (shared hosts do, by 10 % and more) then slows
-    every mode alike."""
+           modes: dict[str, dict]) -> dict[str, dict]:
+    """Each prompt through the coordinator once per mode (``modes``: name -> the request's fields:
+    k (None for the coordinator's policy), leaves, unsure_below), the modes taking turns prompt by
+    prompt: a machine whose speed drifts during the run (shared hosts do, by 10 % and more) then
+    slows every mode alike."""
     stub = connect(address)
-    for k, leaves in modes.values():
-        generate(stub, make_request(prompts[0], 4, k=k, leaves=leaves, ignore_eos=True))  # warm-up
+    for fields in modes.values():
+        generate(stub, make_request(prompts[0], 4, ignore_eos=True, **fields))  # warm-up
     sums = {name: collections.Counter() for name in modes}
     for prompt in prompts:
-        for name, (k, leaves) in modes.items():
+        for name, fields in modes.items():
             before = step_totals(stub)
-            result = generate(stub, make_request(prompt, tokens, k=k, leaves=leaves, ignore_eos=True), timeout=600)
+            result = generate(stub, make_request(prompt, tokens, ignore_eos=True, **fields), timeout=600)
             after = step_totals(stub)
             sums[name].update({part: after[part] - before[part] for part in after})
             sums[name].update(generated=len(result.token_ids), seconds=result.seconds, request_steps=result.stats.steps,
@@ -114,6 +114,9 @@ def main() -> int:
                         "every request verifying that many; 'policy': the coordinator's --leaves-most, as many "
                         "as its policy chooses")
     parser.add_argument("--leaves-most", type=int, default=3, help="the coordinator's --leaves (for 'policy')")
+    parser.add_argument("--unsure-below", default="", help="comma-separated probabilities: one more speculative "
+                        "mode each, no leaves asked, the draft proposing one token and k - 1 leaves where its first "
+                        "token is less likely than that")
     parser.add_argument("--out", default="bench-out/batch1.json")
     args = parser.parse_args()
 
@@ -130,11 +133,17 @@ def main() -> int:
                            leaves=args.leaves_most if None in leaf_counts else 0)
     if args.k_policy:
         options.k_policy, options.profile = args.k_policy, args.profile
+    unsure = [float(p) for p in args.unsure_below.split(",") if p]
     names = {n: "speculative" + (f", {n} leaves" if n else f", the policy's leaves (<= {args.leaves_most})"
                                  if n is None else "") for n in leaf_counts}
+    fields = {n: {"k": None, "leaves": n} for n in leaf_counts}
+    for p in unsure:
+        names[p] = f"speculative, unsure below {p:g}"
+        fields[p] = {"k": None, "leaves": 0, "unsure_below": p}
+    leaf_counts += unsure  # the speculative modes, in order
     with LocalProcesses(options) as stack:
         modes = served(stack.address, prompts, args.tokens,
-                       {"target-only": (0, 0), **{names[n]: (None, n) for n in leaf_counts}})
+                       {"target-only": {"k": 0}, **{names[n]: fields[n] for n in leaf_counts}})
     target_only = modes["target-only"]
     policy = stack.options.k_policy
     print(f"services, target-only (k=0): {target_only['tokens_per_second']:.1f} tok/s; k policy {policy}, draft int8 "

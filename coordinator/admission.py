@@ -90,6 +90,9 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
     fixed_leaves = message.leaves if message.HasField("leaves") else None
     if fixed_leaves is not None and not 0 <= fixed_leaves <= MAX_LEAVES:
         raise InvalidRequest(f"leaves must be in [0, {MAX_LEAVES}] (got {fixed_leaves})")
+    unsure_below = message.unsure_below if message.HasField("unsure_below") else None
+    if unsure_below is not None and not 0.0 <= unsure_below <= 1.0:  # NaN fails too
+        raise InvalidRequest(f"unsure_below must be in [0, 1] (got {unsure_below})")
     return Request(
         id=message.request_id or uuid.uuid4().hex,
         prompt=prompt,
@@ -99,4 +102,5 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
         text=TextStream(tokenizer, stops),
         fixed_k=fixed_k,
         fixed_leaves=fixed_leaves,
+        unsure_below=unsure_below,
     )

@@ -108,18 +108,22 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
                       credentials=None, tls_server_name: str | None = None, server_credentials=None,
                       refresh_seconds: float = 10.0,
                       wait_seconds: float = 30.0, metrics_host: str = "127.0.0.1",
-                      metrics_port: int | None = 0, leaves: int = 0) -> Coordinator:
+                      metrics_port: int | None = 0, leaves: int = 0, unsure_below: float = 0.0) -> Coordinator:
     """``target_address``/``draft_address``: one address, a comma-separated list of replicas, or
     ``dns:NAME:PORT`` (re-resolved every ``refresh_seconds``). ``profile``: a path (read now,
     re-read when it changes) or a ProfileFile already open. ``credentials``: TLS for the calls to
     the services (``tls_server_name``: the name their certificates carry, when replicas are dialled
     by IP); ``server_credentials``: TLS for the coordinator's own port. ``metrics_port``:
     Prometheus /metrics (0: none; None: the default port, skipped if taken). ``leaves``: the
-    draft's next-best tokens verified beside the first drafted one (specbatch.acceptance). A profile that
+    draft's next-best tokens verified beside the first drafted one (specbatch.acceptance);
+    ``unsure_below``: where the draft's first token is less likely than this, it drafts that token
+    alone with k - 1 more leaves (the same rows on the target). A profile that
     cannot be used, or services that do not fit together, raise ValueError before serving."""
     profile_file = ProfileFile(profile, profile_poll_seconds) if isinstance(profile, (str, Path)) else profile
     if not 0 <= leaves <= MAX_LEAVES:
         raise ValueError(f"leaves must be in [0, {MAX_LEAVES}] (got {leaves})")
+    if not 0.0 <= unsure_below <= 1.0:
+        raise ValueError(f"unsure_below must be in [0, 1] (got {unsure_below})")
     k_policy = parse_policy(policy, MAX_K, profile_file, leaves)
     metrics = CoordinatorMetrics(new_registry())
 
@@ -165,7 +169,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     limits = Limits(target_stats.vocab_size, max_context, max_new_tokens, eos_token_ids, max_prompt_tokens)
     metrics.set_policy(k_policy.describe())
     scheduler = Scheduler(targets, drafts, k_policy, max_batch_size, max_queue, max_context, feature_size,
-                          metrics=metrics, leaves=leaves)
+                          metrics=metrics, leaves=leaves, unsure_below=unsure_below)
     metrics.track_load(scheduler.load, max_batch_size)
     scheduler.start()
     if profile_file is not None:
@@ -202,6 +206,10 @@ def main(argv=None) -> None:
                              "drafted position, verified beside the chain (a rejected first draft whose target "
                              "token is one of them still yields 2 tokens); goodput verifies as many as pay, "
                              "fixed:K and profile all")
+    parser.add_argument("--unsure-below", type=float, default=0.0, metavar="P",
+                        help="where the draft's first token has probability below P (0 to 1), it drafts that "
+                             "token alone and offers its next-best tokens in the rows the rest of the chain "
+                             "would have taken (default 0: never)")
     parser.add_argument("--profile", help="profile JSON made by `specbatch profile`; re-read when the file changes")
     parser.add_argument("--profile-poll-seconds", type=float, default=2.0,
                         help="how often to check the profile file for changes")
@@ -234,6 +242,8 @@ def main(argv=None) -> None:
         parse_policy(args.k_policy, MAX_K, profile_file)
         if not 0 <= args.leaves <= MAX_LEAVES:
             raise ValueError(f"--leaves must be in [0, {MAX_LEAVES}] (got {args.leaves})")
+        if not 0.0 <= args.unsure_below <= 1.0:
+            raise ValueError(f"--unsure-below must be in [0, 1] (got {args.unsure_below})")
     except ValueError as error:
         parser.error(str(error))
     server_credentials = server_credentials_from_args(args, parser)
@@ -250,7 +260,7 @@ def main(argv=None) -> None:
         credentials=credentials, tls_server_name=args.service_tls_server_name,
         server_credentials=server_credentials, refresh_seconds=args.discovery_seconds,
         wait_seconds=args.wait_for_services, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-        leaves=args.leaves,
+        leaves=args.leaves, unsure_below=args.unsure_below,
     )
     log.info("coordinator serving on %s:%d (k policy %s)", args.host, coordinator.port, args.k_policy)
     coordinator.server.run_until_signal(on_stop=lambda: coordinator.drain(args.drain_seconds))

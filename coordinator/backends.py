@@ -159,9 +159,13 @@ class DraftClient(ServiceClient):
     stub_class = pb_grpc.DraftStub
 
     def propose(self, calls: list[Call], ks: list[int], sampling: list[SamplingParams],
-                timeout: float | None = None, leaves: list[list[int]] | None = None) -> pb.ProposeResponse:
-        """``leaves``: per sequence, how many leaves to propose at each of its first drafted positions."""
+                timeout: float | None = None, leaves: list[list[int]] | None = None,
+                unsure_below: list[float] | None = None) -> pb.ProposeResponse:
+        """``leaves``: per sequence, how many leaves to propose at each of its first drafted positions;
+        ``unsure_below``: per sequence, the draft's first-token probability below which it proposes
+        that token alone with k - 1 more leaves."""
         leaves = leaves or [()] * len(calls)
-        items = [pb.ProposeItem(sequence=_seq(c), k=k, sampling=_sampling_to_proto(s), leaves=n)
-                 for c, k, s, n in zip(calls, ks, sampling, leaves)]
+        unsure_below = unsure_below or [0.0] * len(calls)
+        items = [pb.ProposeItem(sequence=_seq(c), k=k, sampling=_sampling_to_proto(s), leaves=n, unsure_below=u)
+                 for c, k, s, n, u in zip(calls, ks, sampling, leaves, unsure_below)]
         return self._call(self.stub.Propose, pb.ProposeRequest(items=items), timeout)

@@ -116,6 +116,7 @@ class Request:
     text: TextStream
     fixed_k: int | None = None
     fixed_leaves: int | None = None  # its own leaves beside the first draft (else the coordinator's --leaves)
+    unsure_below: float | None = None  # its own --unsure-below (else the coordinator's)
     arrival: float = field(default_factory=time.monotonic)
     # The services' key for its caches: always unique, whatever request_id clients send.
     seq_id: str = field(default_factory=lambda: uuid.uuid4().hex)

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 class DecodeStep:
     def __init__(self, placement: Placement, policy, max_context: int, feature_row_bytes: int, metrics=None,
-                 leaves: int = 0):
+                 leaves: int = 0, unsure_below: float = 0.0):
         self.placement = placement
         self.policy = policy
         self.max_context = max_context
@@ -37,6 +37,9 @@ class DecodeStep:
         # verified beside the chain): where the target rejects the first draft for one of them,
         # the step keeps it. The draft proposes this many; the policy picks how many are verified.
         self.leaves = leaves
+        # Where the draft's first token has probability below this, it drafts that token alone and
+        # offers its next-best tokens in the rows the rest of the chain would have taken.
+        self.unsure_below = unsure_below
 
     def leaves_for(self, request: Request, k: int, batch_size: int) -> tuple[int, int]:
         """For a request drafting k: how many next-best tokens the draft proposes at the first
@@ -67,9 +70,11 @@ class DecodeStep:
             batch, ks, [[most] if most else [] for most, _ in leaves])
         drafted = time.perf_counter()
         calls = [Call(r.seq_id, r.target_len, r.history[r.target_len :]) for r in batch]
-        # The leaves verified: the first `verified` of the draft's next-best tokens at the first position.
-        verified_leaves = [[list(at[0].tokens)[:verified]] if at and verified else []
-                           for at, (_, verified) in zip(next_best, leaves)]
+        # The leaves verified: the first `verified` of the draft's next-best tokens at the first
+        # position, and where the draft was unsure (it proposed one token for k), the ones it added.
+        verified_leaves = [[list(at[0].tokens)[: verified + (len(at[0].tokens) - most if len(tokens) < k else 0)]]
+                           if at and (verified or len(tokens) < k) else []
+                           for at, tokens, k, (most, verified) in zip(next_best, proposed, ks, leaves)]
         verdicts, target_compute = self._verify(batch, calls, proposed, proposed_q, verified_leaves)
         verified = time.perf_counter()
         outcomes = []  # (drafted, accepted) of each sequence that drafted: what the policy learns from
@@ -84,9 +89,11 @@ class DecodeStep:
             before = len(request.history)
             accepted = verdict.accepted
             leaf = [verdict.leaf] if verdict.HasField("leaf") else []
-            if tokens and accepted == 0 and at and len(at[0].tokens) == most:
-                emitted = leaf[0] if leaf else verdict.next_token
-                first_rejections.append(list(at[0].tokens).index(emitted) if emitted in at[0].tokens else None)
+            if tokens and accepted == 0:
+                offered = list(at[0].tokens)[:most] if at else []
+                if most and len(offered) == most:  # the policy learns where the target's token ranked
+                    emitted = leaf[0] if leaf else verdict.next_token
+                    first_rejections.append(offered.index(emitted) if emitted in offered else None)
                 leaf_chances += bool(tried)
                 leaf_hits += len(leaf)
             request.target_len = verdict.cached_len
@@ -206,7 +213,9 @@ class DecodeStep:
                 return replica.client.propose([self._draft_call(r) for r in group], [ks[i] for i in idx],
                                               [r.sampling for r in group],
                                               timeout=call_timeout(group, replica.client.timeout)[0],
-                                              leaves=[leaves[i] for i in idx])
+                                              leaves=[leaves[i] for i in idx],
+                                              unsure_below=[self.unsure_below if r.unsure_below is None
+                                                            else r.unsure_below for r in group])
             except grpc.RpcError as error:
                 if attempt or not lost_state(error):
                     raise

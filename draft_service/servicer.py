@@ -17,7 +17,7 @@ class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
     @engine_errors_to_status
     def Propose(self, request, context):
         seqs = sequence_inputs((item.sequence for item in request.items), self.engine.feature_size)
-        items = [ProposeItem(seq, item.k, sampling_from_proto(item.sampling), list(item.leaves))
+        items = [ProposeItem(seq, item.k, sampling_from_proto(item.sampling), list(item.leaves), item.unsure_below)
                  for seq, item in zip(seqs, request.items)]
         drafts, seconds = self.observed("Propose", len(items), proposals, self.engine, items)
         return pb.ProposeResponse(

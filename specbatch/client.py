@@ -24,7 +24,7 @@ def connect(address: str, credentials: grpc.ChannelCredentials | None = None) ->
 def make_request(prompt: str | list[int] | list[dict], max_new_tokens: int = 64, *, chat: bool = False,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  k: int | None = None, stop: list[str] = (), ignore_eos: bool = False,
-                 leaves: int | None = None) -> pb.GenerateRequest:
+                 leaves: int | None = None, unsure_below: float | None = None) -> pb.GenerateRequest:
     request = pb.GenerateRequest(max_new_tokens=max_new_tokens, stop=list(stop), ignore_eos=ignore_eos,
                                  sampling=pb.SamplingParameters(temperature=temperature, top_p=top_p, top_k=top_k))
     if seed is not None:
@@ -33,6 +33,8 @@ def make_request(prompt: str | list[int] | list[dict], max_new_tokens: int = 64,
         request.k = k
     if leaves is not None:
         request.leaves = leaves
+    if unsure_below is not None:
+        request.unsure_below = unsure_below
     if isinstance(prompt, str) and chat:
         request.chat.messages.add(role="user", content=prompt)
     elif isinstance(prompt, str):

@@ -79,6 +79,8 @@ BAD_REQUESTS = [
     ("k above 16", lambda: request(k=17), "k must be in [0, 16] (got 17)"),
     ("negative k", lambda: request(k=-1), "k must be in [0, 16] (got -1)"),
     ("leaves above 8", lambda: request(leaves=9), "leaves must be in [0, 8] (got 9)"),
+    ("unsure_below above 1", lambda: request(unsure_below=1.5), "unsure_below must be in [0, 1] (got 1.5)"),
+    ("NaN unsure_below", lambda: request(unsure_below=float("nan")), "unsure_below must be in [0, 1]"),
     ("negative leaves", lambda: request(leaves=-1), "leaves must be in [0, 8] (got -1)"),
     ("empty chat", empty_chat, "chat prompt has no messages"),
     ("chat of blank messages", blank_chat, "chat prompt has no messages"),
@@ -269,6 +271,8 @@ def test_draft_service_refusals(stack, draft_stub, draft_model):
     expect(INVALID, lambda: propose(item(seq("x", 5, [prompt[-1]]), 2), item(seq("x", 5, [prompt[-1]]), 2)), "twice")
     expect(INVALID, lambda: propose(mpb.ProposeItem(sequence=seq("x", 5, [prompt[-1]]), k=2, leaves=[9])), "leaves")
     expect(INVALID, lambda: propose(mpb.ProposeItem(sequence=seq("x", 5, [prompt[-1]]), k=1, leaves=[1, 1])), "leaves")
+    expect(INVALID, lambda: propose(mpb.ProposeItem(sequence=seq("x", 5, [prompt[-1]]), k=2, unsure_below=-0.5)),
+           "unsure_below")
     assert set(engine.sequences) == {"x"} and engine.length("x") == 5
 
     reply = propose(item(seq("x", 5, [prompt[-1]]), 4), mpb.ProposeItem(sequence=seq("fresh", 0, prompt), k=2, leaves=[3]))

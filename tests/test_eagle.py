@@ -168,15 +168,18 @@ def decode_exactly(stack, target_model, seed: int, count: int, k: int) -> list:
     return results
 
 
-@pytest.mark.parametrize("eagle", [True, False])
-def test_greedy_output_with_leaves_matches_generate(target_model, eagle_draft, draft_model, tokenizer, eagle):
-    """Leaves beside the first drafted token, through the services: kept leaves move their keys
-    and values (and, for an EAGLE draft, their features) into the history; every output is still
-    token-identical to target-only decoding."""
+@pytest.mark.parametrize("eagle, leaves, unsure_below", [(True, 3, 0.0), (False, 3, 0.0), (True, 0, 0.5),
+                                                         (False, 1, 0.5)])
+def test_greedy_output_with_leaves_matches_generate(target_model, eagle_draft, draft_model, tokenizer, eagle, leaves,
+                                                    unsure_below):
+    """Leaves beside the first drafted token, through the services (asked for, or where the draft
+    is unsure of its first token): kept leaves move their keys and values (and, for an EAGLE
+    draft, their features) into the history; every output is still token-identical to
+    target-only decoding."""
     from specbatch.commands.local import start_local_stack
 
     stack = start_local_stack(target_model, eagle_draft if eagle else draft_model, tokenizer, max_batch_size=4,
-                              max_new_tokens=64, leaves=3)
+                              max_new_tokens=64, leaves=leaves, unsure_below=unsure_below)
     try:
         decode_exactly(stack, target_model, seed=9, count=8, k=2)
         totals = stack.coordinator.scheduler.totals

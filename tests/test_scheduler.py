@@ -73,7 +73,7 @@ class FakeDraft(FakeClient):
             raise Unreachable()
         return SimpleNamespace(sequences=[SimpleNamespace(cached_len=c.keep_len + len(c.tokens)) for c in calls])
 
-    def propose(self, calls, ks, sampling, timeout=None, leaves=None):
+    def propose(self, calls, ks, sampling, timeout=None, leaves=None, unsure_below=None):
         if self.down:
             raise Unreachable()
         proposals = []

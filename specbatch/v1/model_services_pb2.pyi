@@ -111,16 +111,18 @@ class Leaves(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("sequence", "k", "sampling", "leaves")
+    __slots__ = ("sequence", "k", "sampling", "leaves", "unsure_below")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
+    UNSURE_BELOW_FIELD_NUMBER: _ClassVar[int]
     sequence: SequenceInput
     k: int
     sampling: Sampling
     leaves: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., leaves: _Optional[_Iterable[int]] = ...) -> None: ...
+    unsure_below: float
+    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., leaves: _Optional[_Iterable[int]] = ..., unsure_below: _Optional[float] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("items",)
