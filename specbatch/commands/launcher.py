@@ -72,6 +72,7 @@ class StackOptions:
     # float32 on a CPU (``draft_int8_weights``).
     draft_int8_weights: bool | None = None
     leaves: int = 0  # the coordinator's --leaves: the draft's next-best tokens verified beside its first
+    unsure_below: float = 0.0  # the coordinator's --unsure-below
 
 
 # The embedded models' profiles, one per dtype the services run on a CPU (``--dtype auto``: bf16
@@ -166,6 +167,9 @@ def add_stack_flags(parser) -> None:
     parser.add_argument("--leaves", type=int, default=0, metavar="N",
                         help="the coordinator's --leaves: up to N of the draft's next-best tokens verified beside "
                              "the first draft (default 0: they pay where verifying a row is nearly free)")
+    parser.add_argument("--unsure-below", type=float, default=0.0, metavar="P",
+                        help="the coordinator's --unsure-below: where the draft's first token is less likely than "
+                             "P, it drafts that token alone with k - 1 leaves (default 0: never)")
     parser.add_argument("--threads-per-service", type=int, metavar="N",
                         help="intra-op threads of the target and of the draft service (default: half the cores "
                              "this process may use, at least 1; 0: torch's own default)")
@@ -182,6 +186,7 @@ def stack_options(args) -> StackOptions:
         host=args.host, ports={"coordinator": args.port, "target": args.target_port, "draft": args.draft_port},
         log_level=args.log_level, metrics_ports=dict(DEFAULT_METRICS_PORTS) if args.metrics else None,
         threads_per_service=args.threads_per_service, draft_int8_weights=args.draft_int8_weights, leaves=args.leaves,
+        unsure_below=args.unsure_below,
     )
 
 
@@ -290,6 +295,8 @@ class LocalProcesses:
             flags += ["--profile", profile]
         if o.leaves:
             flags += ["--leaves", str(o.leaves)]
+        if o.unsure_below:
+            flags += ["--unsure-below", str(o.unsure_below)]
         if o.random_weights:
             from ..models import EMBEDDED
             from ..random_weights import tokenizer_source
