@@ -154,8 +154,9 @@ class Goodput:
         return batch_size * tokens / step
 
     def _leaf_choices(self, k: int, most: int) -> range:
-        """Leaves that can go with k: none without a draft, and no more rows than the profile measured."""
-        return range(min(most, min(self._profile.max_k, self.max_k) - k) + 1 if k else 1)
+        """Leaves that can go with k: none without a draft, and no more rows than the profile
+        measured (none at all for a k past it)."""
+        return range(max(0, min(most, min(self._profile.max_k, self.max_k) - k)) + 1 if k else 1)
 
     def _best(self, batch_size: int, acceptance) -> tuple[int, int]:
         """The (k, leaves) of most expected tokens per millisecond. Ties go to the smaller k, then to
@@ -185,8 +186,9 @@ class Goodput:
         limit), the best for that k."""
         chosen_k, leaves = self._choice(batch_size)
         if k != chosen_k:
-            rates = self.acceptance.rates
-            leaves = max(self._leaf_choices(k, most), key=lambda n: (self.goodput(batch_size, k, rates, n), -n))
+            choices, rates = self._leaf_choices(k, most), self.acceptance.rates
+            # A k past the profile's has no step time to price leaves with: none then.
+            leaves = 0 if len(choices) == 1 else max(choices, key=lambda n: (self.goodput(batch_size, k, rates, n), -n))
         return min(leaves, most)
 
     def observe(self, outcomes: list[tuple[int, int]]) -> None:

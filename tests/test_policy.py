@@ -159,6 +159,7 @@ def test_goodput_verifies_leaves_where_rows_are_cheap_and_they_hit(tmp_path):
     assert k >= 1 and policy.leaves_for(1, k, 3) == 3
     assert policy.leaves_for(1, k, 2) == 2  # never more than the draft proposed
     assert policy.leaves_for(1, 0, 3) == 0
+    assert policy.leaves_for(1, 16, 3) == 0  # a request's own k past the profile's max_k (6): no leaves, no error
 
 
 def test_goodput_skips_leaves_that_cost_more_than_they_yield(tmp_path):
