@@ -70,11 +70,8 @@ class DecodeStep:
             batch, ks, [[most] if most else [] for most, _ in leaves])
         drafted = time.perf_counter()
         calls = [Call(r.seq_id, r.target_len, r.history[r.target_len :]) for r in batch]
-        # The leaves verified: the first `verified` of the draft's next-best tokens at the first
-        # position, and where the draft was unsure (it proposed one token for k), the ones it added.
-        verified_leaves = [[list(at[0].tokens)[: verified + (len(at[0].tokens) - most if len(tokens) < k else 0)]]
-                           if at and (verified or len(tokens) < k) else []
-                           for at, tokens, k, (most, verified) in zip(next_best, proposed, ks, leaves)]
+        verified_leaves = [self._leaves_to_verify(at, tokens, k, *counts)
+                           for at, tokens, k, counts in zip(next_best, proposed, ks, leaves)]
         verdicts, target_compute = self._verify(batch, calls, proposed, proposed_q, verified_leaves)
         verified = time.perf_counter()
         outcomes = []  # (drafted, accepted) of each sequence that drafted: what the policy learns from
@@ -114,6 +111,17 @@ class DecodeStep:
             self.policy.observe_first_rejections(first_rejections)
         return StepStats(len(stepped_ks), stepped_ks, outcomes, drafted - start, verified - drafted,
                          time.perf_counter() - start, draft_compute, target_compute, leaf_chances, leaf_hits)
+
+    @staticmethod
+    def _leaves_to_verify(next_best, tokens: list[int], k: int, most: int, verified: int) -> list[list[int]]:
+        """The leaves one request's Verify carries (``next_best``: the Proposal's Leaves): the first
+        ``verified`` of the draft's next-best tokens at the first position, and where the draft was
+        unsure (it proposed one token for k), also those it added past the ``most`` asked for."""
+        if not next_best:
+            return []
+        offered = list(next_best[0].tokens)
+        count = verified + (len(offered) - most if len(tokens) < k else 0)
+        return [offered[:count]] if count else []
 
     # ---- verify ------------------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_pool import KVPool, tree_mask, write_columns_and_mask
+from .kv_pool import KVPool, fed_visibility, tree_mask, write_columns_and_mask
 from .speculation import MAX_K
 
 log = logging.getLogger(__name__)
@@ -252,9 +252,7 @@ class CapturedForward:
         static_positions[:batch, width - fed:] = positions
         static_columns[:batch, width - fed:] = write_columns
         static_valid[:batch, width - fed:] = valid
-        # Which fed tokens each one sees, read off the call's mask at their columns.
-        at = torch.where(valid, write_columns, torch.zeros_like(write_columns))[:, None, :].expand(batch, fed, fed)
-        static_sees[:batch, width - fed:, width - fed:] = mask[:, 0].gather(2, at)
+        static_sees[:batch, width - fed:, width - fed:] = fed_visibility(mask, write_columns, valid)
         if static_features is not None:
             static_features.zero_()
             static_features[:batch, width - fed:] = features

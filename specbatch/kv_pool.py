@@ -22,13 +22,24 @@ def write_columns_and_mask(positions: torch.Tensor, valid: torch.Tensor, scratch
     return columns, mask
 
 
+def _fed_columns(columns: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Each fed token's column, for every token of its row, ``[batch, width, width]`` (padding: 0)."""
+    batch, width = columns.shape
+    return torch.where(valid, columns, torch.zeros_like(columns))[:, None, :].expand(batch, width, width)
+
+
+def fed_visibility(mask: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Which fed tokens each token sees under ``mask``: ``[batch, width, width]``, read at the fed
+    tokens' write ``columns`` (padding reads column 0). ``tree_mask`` puts it back."""
+    return mask[:, 0].gather(2, _fed_columns(columns, valid))
+
+
 def tree_mask(mask: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor, sees: torch.Tensor) -> torch.Tensor:
     """A chain's mask (from ``write_columns_and_mask``: every token sees its row's columns up to its
     own) with the fed tokens a tree token does not descend from taken out: ``sees[b, t, w]``, whether
     fed token t sees fed token w, right-aligned like the tokens. Fixed shapes and no host sync (a
     captured step runs it). For a chain, ``sees`` is lower-triangular and nothing changes."""
-    batch, width = columns.shape
-    at = torch.where(valid, columns, torch.zeros_like(columns))[:, None, :].expand(batch, width, width)
+    at = _fed_columns(columns, valid)
     chain = mask[:, 0].gather(2, at)  # what the chain's mask says at each fed token's column
     # Padding (either side) keeps the chain's value, so every write to a shared column 0 agrees.
     value = torch.where(valid[:, :, None] & valid[:, None, :], sees, chain)

@@ -32,6 +32,10 @@ class VerifyItem:
                 problems.append(f"the leaves at position {j} repeat a token or the draft's own")
         return problems
 
+    def all_leaves(self) -> list[int]:
+        """Every position's leaves in order: as they are fed after the chain, and as ``leaf_hit`` counts them."""
+        return [token for at in self.leaves for token in at]
+
     def fed(self) -> SequenceInput:
         """What the target runs: the uncached tokens and the drafts as a chain, each position's
         leaves branching off the token before that position."""
@@ -41,8 +45,7 @@ class VerifyItem:
         parents = list(range(-1, len(chain) - 1))
         for j, at in enumerate(self.leaves):
             parents += [len(self.seq.tokens) - 1 + j] * len(at)
-        return SequenceInput(self.seq.seq_id, self.seq.keep_len, chain + [t for at in self.leaves for t in at],
-                             parents=parents)
+        return SequenceInput(self.seq.seq_id, self.seq.keep_len, chain + self.all_leaves(), parents=parents)
 
 
 @dataclass
@@ -74,7 +77,7 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
     drafts_q = sampled_drafts([items[i].seq.seq_id for i in sampled], [items[i].drafts for i in sampled],
                               [items[i].draft_distributions for i in sampled], engine.vocab_size) if sampled else None
     batch = engine.start([item.fed() for item in items], create=create)
-    leaf_counts = [sum(map(len, item.leaves)) for item in items]
+    leaf_counts = [len(item.all_leaves()) for item in items]
     # Right-aligned: item i's last leaf_counts[i] columns are its leaves, the len(drafts)+1 before
     # them the positions the chain decides.
     width = max(len(item.drafts) + 1 + n for item, n in zip(items, leaf_counts))
@@ -110,7 +113,7 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
             features[row] = kept.to("cpu", torch.float16)
     return [
         Verdict(accepted, token, item.seq.keep_len + kept, features=feats,
-                leaf=None if hit is None else [t for at in item.leaves for t in at][hit])
+                leaf=None if hit is None else item.all_leaves()[hit])
         for item, (accepted, hit, token), kept, feats in zip(items, decisions, keep, features)
     ]
 
