@@ -99,6 +99,14 @@ def find_eos_token_ids(tokenizer, tokenizer_source: str | None) -> frozenset[int
     return frozenset(ids)
 
 
+def check_leaf_options(leaves: int, unsure_below: float) -> None:
+    """``--leaves`` and ``--unsure-below`` in range, else ValueError."""
+    if not 0 <= leaves <= MAX_LEAVES:
+        raise ValueError(f"leaves must be in [0, {MAX_LEAVES}] (got {leaves})")
+    if not 0.0 <= unsure_below <= 1.0:  # NaN fails too
+        raise ValueError(f"unsure_below must be in [0, 1] (got {unsure_below})")
+
+
 def build_coordinator(target_address: str, draft_address: str | None, tokenizer, *, policy: str = "fixed:3",
                       host: str = "127.0.0.1", port: int = 0, max_batch_size: int = 32, max_queue: int = 256,
                       max_new_tokens: int = 1024, max_prompt_tokens: int | None = None, timeout: float = 120.0,
@@ -120,10 +128,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     alone with k - 1 more leaves (the same rows on the target). A profile that
     cannot be used, or services that do not fit together, raise ValueError before serving."""
     profile_file = ProfileFile(profile, profile_poll_seconds) if isinstance(profile, (str, Path)) else profile
-    if not 0 <= leaves <= MAX_LEAVES:
-        raise ValueError(f"leaves must be in [0, {MAX_LEAVES}] (got {leaves})")
-    if not 0.0 <= unsure_below <= 1.0:
-        raise ValueError(f"unsure_below must be in [0, 1] (got {unsure_below})")
+    check_leaf_options(leaves, unsure_below)
     k_policy = parse_policy(policy, MAX_K, profile_file, leaves)
     metrics = CoordinatorMetrics(new_registry())
 
@@ -240,10 +245,7 @@ def main(argv=None) -> None:
     try:
         profile_file = ProfileFile(args.profile, args.profile_poll_seconds) if args.profile else None
         parse_policy(args.k_policy, MAX_K, profile_file)
-        if not 0 <= args.leaves <= MAX_LEAVES:
-            raise ValueError(f"--leaves must be in [0, {MAX_LEAVES}] (got {args.leaves})")
-        if not 0.0 <= args.unsure_below <= 1.0:
-            raise ValueError(f"--unsure-below must be in [0, 1] (got {args.unsure_below})")
+        check_leaf_options(args.leaves, args.unsure_below)
     except ValueError as error:
         parser.error(str(error))
     server_credentials = server_credentials_from_args(args, parser)
