@@ -6,7 +6,10 @@ cost of one: on SmolLM2's MLP shape 26 µs at 1 row and 28 µs at 5, where fp32 
 takes 76 µs and 200 µs (docs/engine.md). That flatness is what makes verifying k drafts cost
 about one token's forward, which speculation needs. A float32 weight is reordered for oneDNN too
 (on a CPU without native bf16 the engine runs fp32): flatter than MKL's small-row sgemm, though
-not flat. On GPUs the weight is used as it is with ``F.linear``.
+not flat. On x86 CPUs with AVX2, float32 weights go to the engine's own kernel instead
+(``specbatch.native``: flat up to five or six rows, and faster than oneDNN at every row count
+measured there); oneDNN is the fallback where it cannot be built. On GPUs the weight is used as it
+is with ``F.linear``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+
+from . import native
 
 
 def onednn_bf16_available() -> bool:
@@ -141,12 +146,26 @@ def quantized_engine(name: str):
         torch.backends.quantized.engine = before
 
 
-def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, int8: bool = False) -> PackedLinear | Int8Linear:
-    """The engine's linear layer: ``Int8Linear`` where ``int8`` (a draft's choice), else ``PackedLinear``."""
-    return Int8Linear(weight, bias) if int8 else PackedLinear(weight, bias)
+Linear = PackedLinear | native.PanelLinear | Int8Linear
 
 
-def fused(*layers: torch.nn.Linear, int8: bool = False) -> PackedLinear | Int8Linear:
+def panel_kernel_takes(weight: torch.Tensor) -> bool:
+    """Whether a weight runs on the engine's own float32 kernel (``specbatch.native``): float32 on
+    a CPU where it builds. Row-exact by construction, so no per-shape check is needed."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and native.available()
+
+
+def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, int8: bool = False) -> Linear:
+    """The engine's linear layer: ``Int8Linear`` where ``int8`` (a draft's choice); float32 on a
+    CPU, ``native.PanelLinear`` where it builds; else ``PackedLinear`` (oneDNN or ``F.linear``)."""
+    if int8:
+        return Int8Linear(weight, bias)
+    if panel_kernel_takes(weight):
+        return native.PanelLinear(weight, bias)
+    return PackedLinear(weight, bias)
+
+
+def fused(*layers: torch.nn.Linear, int8: bool = False) -> Linear:
     """One linear layer computing several that read the same input, side by side."""
     weight = torch.cat([layer.weight for layer in layers])
     biases = [layer.bias for layer in layers]

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from transformers import OPTForCausalLM
 
-from .linear import Int8Linear, PackedLinear, fused, linear
+from .linear import Linear, fused, linear
 
 
 def supports(model) -> bool:
@@ -27,7 +27,7 @@ def supports(model) -> bool:
     return isinstance(model, OPTForCausalLM) and not getattr(model.config, "feature_layers", None)
 
 
-def _linear(layer: torch.nn.Linear | None, int8: bool) -> PackedLinear | Int8Linear | None:
+def _linear(layer: torch.nn.Linear | None, int8: bool) -> Linear | None:
     return None if layer is None else linear(layer.weight, layer.bias, int8)
 
 

@@ -200,7 +200,7 @@ def test_int8_eagle_draft_keeps_the_output_exact(target_model, eagle_draft, toke
         assert sum(r.stats.draft_tokens_accepted for r in results) > 0
         forward = stack.draft_engines[0].forward
         assert type(forward.layers[0].down).__name__ == "Int8Linear"
-        assert type(forward.fuse).__name__ == "PackedLinear"  # reads the target's raw features
+        assert type(forward.fuse).__name__ in ("PanelLinear", "PackedLinear")  # float32: reads the raw features
     finally:
         stack.stop()
 
