@@ -84,12 +84,15 @@ def build(directory: Path | None = None) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def _library() -> ctypes.CDLL | None:
-    if _why_not() is not None:
+    reason = _why_not()
+    if reason is not None:
+        if reason != "SPECBATCH_NATIVE=0":
+            log.warning("the float32 panel kernel is unavailable (%s): float32 linear layers run on oneDNN", reason)
         return None
     try:
         library = ctypes.CDLL(str(build()))
     except (OSError, RuntimeError) as error:
-        log.warning("the float32 panel kernel is unavailable, using oneDNN: %s", error)
+        log.warning("the float32 panel kernel is unavailable (%s): float32 linear layers run on oneDNN", error)
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.panel_sgemm.argtypes = [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int]
