@@ -85,3 +85,14 @@ def test_builds_into_a_fresh_directory(tmp_path):
     built = native.build(tmp_path)
     assert built.parent == tmp_path and built.stat().st_size > 0
     assert native.build(tmp_path) == built and len(list(tmp_path.iterdir())) == 1  # no scratch left behind
+
+
+def test_a_compiler_that_fails_is_reported(tmp_path, monkeypatch):
+    """A broken $CC raises with the compiler's name (the engine then logs it and runs oneDNN)."""
+    monkeypatch.setenv("CC", "false")
+    with pytest.raises(RuntimeError, match="false failed"):
+        native.build(tmp_path)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(RuntimeError, match="no-such-compiler"):
+        native.build(tmp_path)
+    assert not list(tmp_path.glob("*.so"))

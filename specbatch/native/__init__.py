@@ -24,6 +24,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -45,8 +46,12 @@ def _cache_dir() -> Path:
     return cache_root() / "native"
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+def _compiler() -> list[str] | None:
+    """The C compiler's command: ``$CC`` (split as a shell would: "ccache gcc"), else cc, gcc, clang."""
+    if os.environ.get("CC"):
+        return shlex.split(os.environ["CC"])
+    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    return [found] if found else None
 
 
 def _why_not() -> str | None:
@@ -75,9 +80,12 @@ def build(directory: Path | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         built = Path(scratch) / target.name
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+        try:
+            result = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+        except OSError as error:  # $CC names no program
+            raise RuntimeError(f"{' '.join(compiler)}: {error}") from error
         if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
+            raise RuntimeError(f"{' '.join(compiler)} failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, target)  # atomic: a process loading it sees the whole file or none
     return target
 
