@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .engine import Engine, SequenceInput
-from .linear import PackedLinear, differing_by_row_count
+from .linear import differing_by_row_count, linear
 
 # The largest top-2 logit gap (in logits) at which a bf16 rounding difference may flip the greedy
 # choice. A bf16 logit of magnitude 16-32 is rounded to a step of 0.125, and the difference in
@@ -75,13 +75,15 @@ def first_mismatch(tokens: list[int], reference: Reference) -> Mismatch | None:
 
 
 @torch.inference_mode()
-def row_dependence(shapes: list[tuple[int, int]], rows: list[int], dtype=torch.bfloat16, seed: int = 0) -> dict:
-    """For each weight shape ``(out, in)``: the fraction of outputs of an M-row multiply (the
-    engine's linear) that differ bitwise from the same rows multiplied one at a time."""
+def row_dependence(shapes: list[tuple[int, int]], rows: list[int], dtype=torch.bfloat16, seed: int = 0,
+                   layer=linear) -> dict:
+    """For each weight shape ``(out, in)``: the fraction of outputs of an M-row multiply (``layer``:
+    by default the engine's own choice for the dtype, ``specbatch.linear.linear``) that differ
+    bitwise from the same rows multiplied one at a time."""
     generator = torch.Generator().manual_seed(seed)
     result = {}
     for out_features, in_features in shapes:
-        linear = PackedLinear((torch.randn(out_features, in_features, generator=generator) * 0.05).to(dtype))
+        multiply = layer((torch.randn(out_features, in_features, generator=generator) * 0.05).to(dtype))
         x = torch.randn(max(rows), in_features, generator=generator).to(dtype)
-        result[f"{out_features}x{in_features}"] = differing_by_row_count(linear, x, rows)
+        result[f"{out_features}x{in_features}"] = differing_by_row_count(multiply, x, rows)
     return result

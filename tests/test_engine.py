@@ -622,7 +622,8 @@ def test_fp32_linears_give_each_row_what_it_gets_alone(threads):
         before = torch.get_num_threads()
         torch.set_num_threads(threads)  # the services run 1 thread each on 2 cores, more on bigger hosts
         try:
-            differing = row_dependence([(96, 64), (576, 1536)], [2, 3, 5, 8, 17, 32], dtype=torch.float32)
+            differing = row_dependence([(96, 64), (576, 1536)], [2, 3, 5, 8, 17, 32], dtype=torch.float32,
+                                       layer=PackedLinear)
         finally:
             torch.set_num_threads(before)
         assert all(fraction == 0.0 for shape in differing.values() for fraction in shape.values()), differing
