@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from specbatch.errors import InvalidRequest
 from specbatch.prompts import chat_token_ids
 from specbatch.sampling_params import SamplingParams
-from specbatch.speculation import MAX_K, MAX_LEAVES
+from specbatch.speculation import MAX_K, leaf_option_problems
 from specbatch.v1 import generation_pb2 as pb
 
 from .requests import Request, TextStream
@@ -88,11 +88,10 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
     if fixed_k is not None and not 0 <= fixed_k <= MAX_K:
         raise InvalidRequest(f"k must be in [0, {MAX_K}] (got {fixed_k})")
     fixed_leaves = message.leaves if message.HasField("leaves") else None
-    if fixed_leaves is not None and not 0 <= fixed_leaves <= MAX_LEAVES:
-        raise InvalidRequest(f"leaves must be in [0, {MAX_LEAVES}] (got {fixed_leaves})")
     unsure_below = message.unsure_below if message.HasField("unsure_below") else None
-    if unsure_below is not None and not 0.0 <= unsure_below <= 1.0:  # NaN fails too
-        raise InvalidRequest(f"unsure_below must be in [0, 1] (got {unsure_below})")
+    problems = leaf_option_problems(fixed_leaves, unsure_below)
+    if problems:
+        raise InvalidRequest("; ".join(problems))
     return Request(
         id=message.request_id or uuid.uuid4().hex,
         prompt=prompt,

@@ -11,7 +11,7 @@ from pathlib import Path
 from specbatch.models import EMBEDDED, ModelSpec, load_tokenizer, model_source
 from specbatch.metrics import new_registry, serve_metrics
 from specbatch.serving import DEFAULT_PORTS, Server, configure_logging
-from specbatch.speculation import MAX_K, MAX_LEAVES
+from specbatch.speculation import MAX_K, MAX_LEAVES, leaf_option_problems
 from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials_from_args,
                            server_credentials_from_args)
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
@@ -101,10 +101,9 @@ def find_eos_token_ids(tokenizer, tokenizer_source: str | None) -> frozenset[int
 
 def check_leaf_options(leaves: int, unsure_below: float) -> None:
     """``--leaves`` and ``--unsure-below`` in range, else ValueError."""
-    if not 0 <= leaves <= MAX_LEAVES:
-        raise ValueError(f"leaves must be in [0, {MAX_LEAVES}] (got {leaves})")
-    if not 0.0 <= unsure_below <= 1.0:  # NaN fails too
-        raise ValueError(f"unsure_below must be in [0, 1] (got {unsure_below})")
+    problems = leaf_option_problems(leaves, unsure_below)
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def build_coordinator(target_address: str, draft_address: str | None, tokenizer, *, policy: str = "fixed:3",

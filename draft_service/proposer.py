@@ -9,7 +9,7 @@ import torch
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
 from specbatch.sampling import (DRAW_DRAFT, MAX_SUPPORT, SamplingParams, SparseDistribution, distributions,
                                 params_tensors, sample, uniforms)
-from specbatch.speculation import MAX_K, MAX_LEAVES
+from specbatch.speculation import MAX_K, MAX_LEAVES, leaf_option_problems
 
 # How many of its most likely tokens the draft samples among, for a sampled request: q' is q cut
 # to them. Exact whatever the size (the target is told q'); larger keeps more of q's tail, which
@@ -71,9 +71,7 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
         if len(item.leaves) > item.k or not all(0 <= n <= MAX_LEAVES for n in item.leaves):
             raise InvalidRequest(f"sequence {item.seq.seq_id!r}: leaves at {len(item.leaves)} positions for k = "
                                  f"{item.k}, each 0 to {MAX_LEAVES} (got {item.leaves})")
-        if not 0.0 <= item.unsure_below <= 1.0:  # NaN fails too
-            raise InvalidRequest(f"sequence {item.seq.seq_id!r}: unsure_below must be in [0, 1] (got {item.unsure_below})")
-        problems = item.sampling.problems()
+        problems = leaf_option_problems(unsure_below=item.unsure_below) + item.sampling.problems()
         if problems:
             raise InvalidRequest(f"sequence {item.seq.seq_id!r}: " + "; ".join(problems))
     steps = max(item.k for item in items) - 1

@@ -10,6 +10,17 @@ MAX_K = 16
 MAX_LEAVES = 8
 
 
+def leaf_option_problems(leaves: int | None = None, unsure_below: float | None = None) -> list[str]:
+    """What is out of range in a leaf count (0 to MAX_LEAVES) or an unsure-below probability (0 to
+    1): the coordinator's flags, a request's own values and the draft's items are checked alike."""
+    problems = []
+    if leaves is not None and not 0 <= leaves <= MAX_LEAVES:
+        problems.append(f"leaves must be in [0, {MAX_LEAVES}] (got {leaves})")
+    if unsure_below is not None and not 0.0 <= unsure_below <= 1.0:  # NaN fails too
+        problems.append(f"unsure_below must be in [0, 1] (got {unsure_below})")
+    return problems
+
+
 def tally_positions(outcomes: list[tuple[int, int]], positions: int) -> tuple[list[int], list[int]]:
     """Per draft position i: how many drafts reached it (drafted past i with every earlier
     position accepted) and how many of those were accepted there."""

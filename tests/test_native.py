@@ -3,6 +3,7 @@ the other rows of the call and of the thread count, which bitwise-exact fp32 spe
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -76,7 +77,7 @@ def test_refuses_other_dtypes():
 def test_switched_off_by_the_environment():
     code = "from specbatch import native; print(native.available(), native.unavailable_reason())"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env={**__import__("os").environ, "SPECBATCH_NATIVE": "0"}, check=True)
+                            env={**os.environ, "SPECBATCH_NATIVE": "0"}, check=True)
     assert result.stdout.split() == ["False", "SPECBATCH_NATIVE=0"]
 
 
