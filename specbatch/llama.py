@@ -17,8 +17,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .eagle import reads_target_features
 from .linear import fused, linear
+
+# The most tokens a row that a call may feed for attention to run on the engine's own kernel.
+NATIVE_ATTENTION_ROWS = 16
 
 # Architectures whose decoder layers are LlamaDecoderLayer as this forward computes them.
 SUPPORTED_MODEL_TYPES = ("llama", "specbatch_eagle")
@@ -92,19 +96,32 @@ class LlamaForward:
         fold = self.embed.device.type == "cpu" and self.embed.dtype != torch.float32
         # Query heads folded into each key/value head's SDPA call (1: none).
         self.folded_groups = self.layers[0].q_size // self.layers[0].kv_size if fold else 1
+        # In float32 on a CPU, attention runs on the engine's own kernel (specbatch.native): SDPA
+        # spends most of a step's few query rows setting up its tiled kernel (~50 us a layer at one
+        # row, ~100 at three on SmolLM2's shape, on an AVX2 EPYC), and a row's result must not
+        # depend on the other rows (float32 speculation is bitwise exact). Only for calls of at most
+        # NATIVE_ATTENTION_ROWS tokens a row (decode and verify steps): it computes each query's
+        # scores one by one, and a prompt's many rows are SDPA's blocked multiplies' to do.
+        self.native_attention = (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
+                                 and self.layers[0].head_dim in native.HEAD_DIMS and native.available())
 
     def _attention(self, q, keys, values, mask, scale):
         """SDPA over the rows' pool columns; q ``[batch, heads, width, head_dim]``; ``mask``
-        already repeated for the folded groups (``__call__`` does it once for every layer)."""
+        already repeated for the folded groups (``__call__`` does it once for every layer), or
+        the engine's own attention over it (``native.Attention``). Returns ``[batch, width,
+        heads * head_dim]``."""
+        if isinstance(mask, native.Attention):
+            return mask(q, keys, values, scale)
         batch, heads, width, head_dim = q.shape
         groups = self.folded_groups
         if groups == 1:
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        # The query heads that share a key/value head become one head with groups × width query
-        # rows (heads are grouped consecutively, as transformers' repeat_kv has them).
-        out = F.scaled_dot_product_attention(q.reshape(batch, heads // groups, groups * width, head_dim), keys, values,
-                                             attn_mask=mask, scale=scale)
-        return out.view(batch, heads, width, head_dim)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            # The query heads that share a key/value head become one head with groups × width query
+            # rows (heads are grouped consecutively, as transformers' repeat_kv has them).
+            out = F.scaled_dot_product_attention(q.reshape(batch, heads // groups, groups * width, head_dim), keys,
+                                                 values, attn_mask=mask, scale=scale)
+        return out.view(batch, heads, width, head_dim).transpose(1, 2).reshape(batch, width, -1)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, write_columns: torch.Tensor,
@@ -122,7 +139,8 @@ class LlamaForward:
         cos, signed_sin = cos[:, None], _signed_sin(sin[:, None])
         rows = torch.arange(batch, device=input_ids.device)[:, None]
         end = mask.shape[-1]
-        mask = mask.repeat(1, 1, self.folded_groups, 1)
+        mask = (native.Attention(mask) if self.native_attention and width <= NATIVE_ATTENTION_ROWS
+                else mask.repeat(1, 1, self.folded_groups, 1))
         for i, layer in enumerate(self.layers):
             hd = layer.head_dim
             h = _rms_norm(x, layer.norm_in, layer.eps)
@@ -134,7 +152,7 @@ class LlamaForward:
             keys[rows, :, write_columns] = k.transpose(1, 2)
             values[rows, :, write_columns] = v.view(batch, width, -1, hd)
             attn = self._attention(q, keys[:, :, :end], values[:, :, :end], mask, layer.scaling)
-            x = x + layer.o(attn.transpose(1, 2).reshape(batch, width, -1))
+            x = x + layer.o(attn)
             h = layer.gate_up(_rms_norm(x, layer.norm_post, layer.eps))
             x = x + layer.down(F.silu(h[..., : layer.intermediate]) * h[..., layer.intermediate :])
         hidden = _rms_norm(x, self.norm, self.eps)

@@ -1,5 +1,6 @@
-"""The engine's own float32 kernel (specbatch.native): the product, and a row's bits independent of
-the other rows of the call and of the thread count, which bitwise-exact fp32 speculation needs."""
+"""The engine's own float32 kernels (specbatch.native): the product and attention, and a row's bits
+independent of the other rows of the call and of the thread count, which bitwise-exact fp32
+speculation needs."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from specbatch import native
+from specbatch.engine import Engine, SequenceInput
 from specbatch.linear import fused, linear
+from tests.tiny import tiny_llama
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no panel kernel here: {native.unavailable_reason()}")
 
@@ -53,6 +57,84 @@ def test_a_row_gets_the_same_bits_at_any_row_count_and_thread_count(out_features
             assert torch.equal(layer(x[:rows]), alone[:rows]), rows
     finally:
         torch.set_num_threads(before)
+
+
+def _attention_inputs(batch, width, end, head_dim, seed, heads=9, kv_heads=3):
+    """q as the engine has it (a transposed view), keys/values as slices of a wider pool, a causal
+    mask over the last ``width`` columns with one row's random columns hidden too."""
+    generator = torch.Generator().manual_seed(seed)
+    q = (torch.randn(batch, width, heads, head_dim, generator=generator) * 2).transpose(1, 2)
+    pool = torch.randn(2, batch, kv_heads, end + 9, head_dim, generator=generator)
+    keys, values = pool[0, :, :, :end], pool[1, :, :, :end]
+    mask = torch.ones(batch, 1, width, end, dtype=torch.bool)
+    mask[..., end - width :] = torch.ones(width, width, dtype=torch.bool).tril()
+    mask[0, 0, 0] &= torch.rand(end, generator=generator) > 0.4
+    mask[..., 0] = True
+    return q, keys, values, mask
+
+
+@pytest.mark.parametrize("head_dim", native.HEAD_DIMS)
+@pytest.mark.parametrize("batch,width,end", [(1, 1, 1), (1, 3, 130), (3, 6, 37), (2, 16, 300)])
+def test_attention_is_sdpa(batch, width, end, head_dim):
+    q, keys, values, mask = _attention_inputs(batch, width, end, head_dim, seed=width + end)
+    out = native.Attention(mask)(q, keys, values, head_dim**-0.5)
+    exact = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask,
+                                           scale=head_dim**-0.5, enable_gqa=True)
+    assert out.shape == (batch, width, 9 * head_dim)
+    torch.testing.assert_close(out.double(), exact.transpose(1, 2).reshape(batch, width, -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_rows_get_the_same_bits_alone_and_at_any_thread_count(threads):
+    """A query row's output depends only on its query and the columns it sees, summed in column
+    order: alone, beside other rows, or with its columns further right past hidden ones (a leaf's
+    keys/values sit past the chain it does not see), at any thread count."""
+    q, keys, values, mask = _attention_inputs(2, 7, 90, 64, seed=5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = native.Attention(mask)(q, keys, values, 0.125)
+        for row in range(7):
+            alone = native.Attention(mask[:, :, row : row + 1])(q[:, :, row : row + 1], keys, values, 0.125)
+            assert torch.equal(alone[:, 0], together[:, row]), row
+        # the last row again, its keys/values three columns right with hidden columns between
+        moved_keys, moved_values = torch.zeros(2, 3, 93, 64), torch.zeros(2, 3, 93, 64)
+        moved_keys[:, :, :89], moved_values[:, :, :89] = keys[:, :, :89], values[:, :, :89]
+        moved_keys[:, :, 92], moved_values[:, :, 92] = keys[:, :, 89], values[:, :, 89]
+        moved_mask = torch.zeros(2, 1, 1, 93, dtype=torch.bool)
+        moved_mask[..., :89], moved_mask[..., 92] = mask[:, :, 6:, :89], True
+        moved = native.Attention(moved_mask)(q[:, :, 6:], moved_keys, moved_values, 0.125)
+        assert torch.equal(moved[:, 0], together[:, 6])
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_attention_refuses_what_does_not_match_its_mask():
+    q, keys, values, mask = _attention_inputs(1, 2, 10, 16, seed=1)
+    attend = native.Attention(mask)
+    with pytest.raises(ValueError):
+        attend(q, keys[:, :, :9], values[:, :, :9], 0.25)
+    with pytest.raises(ValueError):
+        attend(q, keys.transpose(2, 3).contiguous().transpose(2, 3), values, 0.25)
+
+
+def test_the_engine_attends_natively_in_float32_for_steps_and_with_sdpa_for_prompts():
+    """The own forward picks the kernel for float32 steps of a few tokens a row; its logits are
+    SDPA's within float32 rounding."""
+    engine = Engine(tiny_llama(2, seed=0), max_sequences=2)
+    assert engine.forward.native_attention
+    prompt = list(range(3, 40))
+
+    def logits(native_attention: bool) -> torch.Tensor:
+        engine.forward.native_attention = native_attention
+        batch = engine.start([SequenceInput("a", 0, prompt)], create=True)
+        batch.prefill(1)  # 37 tokens: SDPA either way
+        batch.commit([len(prompt)])
+        step = engine.start([SequenceInput("a", len(prompt), [5, 6, 7])])
+        return step.prefill(3)
+
+    torch.testing.assert_close(logits(True), logits(False), rtol=1e-4, atol=1e-4)
+    assert not Engine(tiny_llama(1, seed=0).to(torch.bfloat16)).forward.native_attention
 
 
 def test_engine_layers_pick_the_panel_kernel_for_float32_only():

@@ -1,9 +1,12 @@
-"""The engine's own float32 matrix multiply for x86 CPUs (``panel_sgemm.c``), built on first use.
+"""The engine's own float32 kernels for x86 CPUs, built on first use: a matrix multiply
+(``panel_sgemm.c``) and attention (``attention.c``) for the few rows of a decode or verify step.
 
-Why it exists is in the C file: at the few rows of a decode or verify step it reads the weights
-once, at the memory's speed, for up to six rows, and a row's result never depends on the other
-rows of the call (the condition for bitwise-exact float32 speculation). ``specbatch.linear`` uses
-it for float32 weights where it is available and falls back to oneDNN where it is not.
+Why they exist is in the C files: at the few rows of a step the multiply reads the weights once,
+at the memory's speed, for up to six rows, and attention does its few microseconds of arithmetic
+without PyTorch's per-call set-up; and a row's result never depends on the other rows of the call
+(the condition for bitwise-exact float32 speculation). ``specbatch.linear`` uses the multiply for
+float32 weights and ``specbatch.llama`` the attention for float32 on a CPU, where they are
+available, and fall back to oneDNN and PyTorch's SDPA where they are not.
 
 The library is compiled with the system C compiler (``cc``; gcc or clang) into the cache
 (``$SPECBATCH_CACHE/native``), keyed by a hash of the source and flags, and written by an atomic
@@ -35,9 +38,10 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("panel_sgemm.c")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("panel_sgemm.c", "attention.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 PANEL = 16  # output features a panel holds: panel_sgemm.c's PANEL
+HEAD_DIMS = (8, 16, 32, 64, 128)  # those attention.c is compiled for
 
 
 def _cache_dir() -> Path:
@@ -71,17 +75,18 @@ def build(directory: Path | None = None) -> Path:
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (cc, gcc or clang)")
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
     directory = directory or _cache_dir()
-    target = directory / f"panel_sgemm-{key}.so"
+    target = directory / f"specbatch-native-{key}.so"
     if target.exists():
         return target
     directory.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         built = Path(scratch) / target.name
         try:
-            result = subprocess.run([*compiler, *FLAGS, str(SOURCE), "-o", str(built)], capture_output=True, text=True)
+            result = subprocess.run([*compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], capture_output=True,
+                                    text=True)
         except OSError as error:  # $CC names no program
             raise RuntimeError(f"{' '.join(compiler)}: {error}") from error
         if result.returncode != 0:
@@ -95,21 +100,26 @@ def _library() -> ctypes.CDLL | None:
     reason = _why_not()
     if reason is not None:
         if reason != "SPECBATCH_NATIVE=0":
-            log.warning("the float32 panel kernel is unavailable (%s): float32 linear layers run on oneDNN", reason)
+            log.warning("the float32 kernels are unavailable (%s): float32 linear layers run on oneDNN, "
+                        "attention on PyTorch's SDPA", reason)
         return None
     try:
         library = ctypes.CDLL(str(build()))
     except (OSError, RuntimeError) as error:
-        log.warning("the float32 panel kernel is unavailable (%s): float32 linear layers run on oneDNN", error)
+        log.warning("the float32 kernels are unavailable (%s): float32 linear layers run on oneDNN, "
+                    "attention on PyTorch's SDPA", error)
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.panel_sgemm.argtypes = [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int]
     library.panel_sgemm.restype = None
+    library.attend.argtypes = [pointer, size, size, size, pointer, pointer, size, size, pointer, pointer,
+                               size, size, size, size, size, size, ctypes.c_float, ctypes.c_int]
+    library.attend.restype = ctypes.c_int
     return library
 
 
 def available() -> bool:
-    """Whether float32 linear layers can run on the panel kernel here (built on the first call)."""
+    """Whether the float32 kernels can run here (built on the first call)."""
     return _library() is not None
 
 
@@ -152,6 +162,35 @@ class PanelLinear:
                            self.out_features, None if self.bias is None else self.bias.data_ptr(),
                            out.data_ptr(), torch.get_num_threads())
         return out.view(*shape[:-1], self.out_features)
+
+
+class Attention:
+    """Attention over one forward's mask, ``[batch, 1, width, end]`` (True: may attend), for every
+    layer of the forward (the mask is prepared once). Query head h reads key/value head
+    h // (heads / kv_heads). Float32 CPU tensors, head_dim one of ``HEAD_DIMS``."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.batch, _, self.width, self.end = mask.shape
+        self.seen = mask.reshape(self.batch, self.width, self.end).contiguous().view(torch.uint8)
+        self._attend = _library().attend
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+        """q ``[batch, heads, width, head_dim]``, keys and values ``[batch, kv_heads, end, head_dim]``
+        with the same strides; returns ``[batch, width, heads * head_dim]``, the layout the output
+        projection reads."""
+        _, heads, _, head_dim = q.shape
+        if (values.stride() != keys.stride() or q.shape[::2] != (self.batch, self.width) or keys.shape[2] != self.end
+                or q.stride(-1) != 1 or keys.stride()[2:] != (head_dim, 1)):
+            raise ValueError("attention: q, keys and values must match the mask, each head's columns lie "
+                             "contiguous, values share the keys' strides")
+        out = torch.empty(self.batch, self.width, heads * head_dim)
+        q_b, q_h, q_w, _ = q.stride()
+        kv_b, kv_h, _, _ = keys.stride()
+        if self._attend(q.data_ptr(), q_b, q_h, q_w, keys.data_ptr(), values.data_ptr(), kv_b, kv_h,
+                        self.seen.data_ptr(), out.data_ptr(), self.batch, heads, keys.shape[1], self.width,
+                        self.end, head_dim, scale, torch.get_num_threads()):
+            raise MemoryError("attention: no scratch memory for the scores")
+        return out
 
 
 if __name__ == "__main__":
