@@ -14,6 +14,8 @@ OPT models have their own (``specbatch.opt``); others run through transformers
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -105,13 +107,10 @@ class LlamaForward:
         self.native_attention = (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
                                  and self.layers[0].head_dim in native.HEAD_DIMS and native.available())
 
-    def _attention(self, q, keys, values, mask, scale):
+    def _sdpa(self, q, keys, values, mask, scale):
         """SDPA over the rows' pool columns; q ``[batch, heads, width, head_dim]``; ``mask``
-        already repeated for the folded groups (``__call__`` does it once for every layer), or
-        the engine's own attention over it (``native.Attention``). Returns ``[batch, width,
-        heads * head_dim]``."""
-        if isinstance(mask, native.Attention):
-            return mask(q, keys, values, scale)
+        already repeated for the folded groups (``__call__`` does it once for every layer).
+        Returns ``[batch, width, heads * head_dim]``, as ``native.Attention`` does."""
         batch, heads, width, head_dim = q.shape
         groups = self.folded_groups
         if groups == 1:
@@ -139,8 +138,10 @@ class LlamaForward:
         cos, signed_sin = cos[:, None], _signed_sin(sin[:, None])
         rows = torch.arange(batch, device=input_ids.device)[:, None]
         end = mask.shape[-1]
-        mask = (native.Attention(mask) if self.native_attention and width <= NATIVE_ATTENTION_ROWS
-                else mask.repeat(1, 1, self.folded_groups, 1))
+        if self.native_attention and width <= NATIVE_ATTENTION_ROWS:
+            attention = native.Attention(mask)
+        else:
+            attention = functools.partial(self._sdpa, mask=mask.repeat(1, 1, self.folded_groups, 1))
         for i, layer in enumerate(self.layers):
             hd = layer.head_dim
             h = _rms_norm(x, layer.norm_in, layer.eps)
@@ -151,7 +152,7 @@ class LlamaForward:
             keys, values = kv[i, 0], kv[i, 1]  # [batch, kv_heads, columns, head_dim]
             keys[rows, :, write_columns] = k.transpose(1, 2)
             values[rows, :, write_columns] = v.view(batch, width, -1, hd)
-            attn = self._attention(q, keys[:, :, :end], values[:, :, :end], mask, layer.scaling)
+            attn = attention(q, keys[:, :, :end], values[:, :, :end], scale=layer.scaling)
             x = x + layer.o(attn)
             h = layer.gate_up(_rms_norm(x, layer.norm_post, layer.eps))
             x = x + layer.down(F.silu(h[..., : layer.intermediate]) * h[..., layer.intermediate :])

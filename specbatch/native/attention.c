@@ -116,8 +116,8 @@ typedef void (*attend_row_fn)(const float *, const float *, const float *, int64
 /* out [B, W, H, D] (contiguous: the layout the output projection reads) from q [B, H, W, D] (strides
  * q_b, q_h, q_w; D contiguous), keys and values [B, KVH, columns, D] (strides kv_b, kv_h; a column
  * D floats on, D contiguous), mask [B, W, end] (contiguous, nonzero: may attend). Returns 0, or -1
- * where D is not 8, 16, 32, 64 or 128, or scratch memory runs out. Rows are split among `threads` threads
- * by (batch, key/value head). */
+ * where D is not 8, 16, 32, 64 or 128 (native.HEAD_DIMS), or scratch memory runs out. Rows are
+ * split among `threads` threads by (batch, key/value head). */
 int attend(const float *q, int64_t q_b, int64_t q_h, int64_t q_w, const float *keys, const float *values,
            int64_t kv_b, int64_t kv_h, const uint8_t *mask, float *out, int64_t B, int64_t H, int64_t KVH, int64_t W,
            int64_t end, int64_t D, float scale, int threads) {
@@ -128,22 +128,24 @@ int attend(const float *q, int64_t q_b, int64_t q_h, int64_t q_w, const float *k
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
     {
-        /* per thread: the scores of one row (padded to a multiple of 8) and their columns */
+        /* per thread: the scores of one row (padded to a multiple of 8) and their columns. Every
+         * thread enters the loop (a worksharing loop some threads skipped would hang the rest at
+         * its barrier); one without scratch memory only reports it. */
         float *scores = (float *)malloc((size_t)(end + 8) * sizeof(float) + (size_t)end * sizeof(int32_t));
-        if (!scores) {
-            failed = 1;
-        } else {
 #pragma omp for schedule(static)
-            for (int64_t bk = 0; bk < B * KVH; bk++) {
-                int64_t b = bk / KVH, kvh = bk % KVH;
-                const float *k = keys + b * kv_b + kvh * kv_h, *v = values + b * kv_b + kvh * kv_h;
-                for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
-                    for (int64_t i = 0; i < W; i++)
-                        attend_row(q + b * q_b + h * q_h + i * q_w, k, v, D, mask + (b * W + i) * end, end, scale,
-                                   scores, out + ((b * W + i) * H + h) * D);
+        for (int64_t bk = 0; bk < B * KVH; bk++) {
+            if (!scores) {
+                failed = 1;
+                continue;
             }
-            free(scores);
+            int64_t b = bk / KVH, kvh = bk % KVH;
+            const float *k = keys + b * kv_b + kvh * kv_h, *v = values + b * kv_b + kvh * kv_h;
+            for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
+                for (int64_t i = 0; i < W; i++)
+                    attend_row(q + b * q_b + h * q_h + i * q_w, k, v, D, mask + (b * W + i) * end, end, scale,
+                               scores, out + ((b * W + i) * H + h) * D);
         }
+        free(scores);
     }
     return failed ? -1 : 0;
 }
