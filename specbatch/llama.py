@@ -58,6 +58,43 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+# A layer's small operations in PyTorch operators, with the signatures of specbatch.native's
+# (which the forward uses instead for float32 on a CPU where they build).
+
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += delta`` in place (the residual stream), then the RMS norm of x."""
+    if delta is not None:
+        x += delta
+    return _rms_norm(x, weight, eps)
+
+
+def _silu_mul(h: torch.Tensor) -> torch.Tensor:
+    n = h.shape[-1] // 2
+    return F.silu(h[..., :n]) * h[..., n:]
+
+
+class _TorchRope:
+    """``native.Rope``'s contract in PyTorch operators: rotates a forward's queries and keys
+    (angles computed for its positions) and writes keys and values into the cache; returns the
+    queries ``[batch, heads, width, head_dim]``."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, write_columns: torch.Tensor):
+        self.cos, self.signed_sin = cos[:, None], _signed_sin(sin[:, None])
+        self.columns = write_columns
+        self.rows = torch.arange(write_columns.shape[0], device=write_columns.device)[:, None]
+
+    def __call__(self, qkv, heads: int, kv_heads: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        batch, width, _ = qkv.shape
+        hd = self.cos.shape[-1]
+        qk, v = qkv.split(((heads + kv_heads) * hd, kv_heads * hd), dim=-1)
+        # Queries and keys rotated in one go: heads side by side, the same positions.
+        q, k = _rotate(qk.view(batch, width, -1, hd).transpose(1, 2), self.cos, self.signed_sin).split(
+            (heads, kv_heads), dim=1)
+        keys[self.rows, :, self.columns] = k.transpose(1, 2)
+        values[self.rows, :, self.columns] = v.view(batch, width, -1, hd)
+        return q
+
+
 class _Layer:
     def __init__(self, layer, int8: bool):
         attn, mlp = layer.self_attn, layer.mlp
@@ -106,6 +143,25 @@ class LlamaForward:
         # scores one by one, and a prompt's many rows are SDPA's blocked multiplies' to do.
         self.native_attention = (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
                                  and self.layers[0].head_dim in native.HEAD_DIMS and native.available())
+        # And the small operations between the multiplies (norms, rotary embedding with the KV
+        # write, SiLU): ~25 PyTorch operators a layer, ~2-5 us of arithmetic each at a step's few
+        # rows but tens of us each in dispatch and set-up. At every width, so that a token's keys
+        # and values come out of the same arithmetic however it was fed. Rotary angles come from a
+        # table of every position, which needs frequencies fixed up front (not "dynamic" RoPE).
+        self.native_layer_ops = (self.native_attention
+                                 and getattr(self.rotary, "rope_type", "default") not in ("dynamic", "longrope"))
+        self._angles: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, signed sin) [positions, head_dim]
+
+    def _angle_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for every position up to the largest in ``positions``, grown by doubling.
+        Row p is bitwise the model's own rotary embedding at position p: its angles are products of
+        one frequency and one position, elementwise, whatever positions are computed beside."""
+        needed = int(positions.max()) + 1
+        if self._angles is None or self._angles[0].shape[0] < needed:
+            length = max(needed, 1024, 2 * (0 if self._angles is None else self._angles[0].shape[0]))
+            cos, sin = self.rotary(self.embed[:1], torch.arange(length, device=positions.device)[None])
+            self._angles = cos[0].contiguous(), _signed_sin(sin[0]).contiguous()
+        return self._angles
 
     def _sdpa(self, q, keys, values, mask, scale):
         """SDPA over the rows' pool columns; q ``[batch, heads, width, head_dim]``; ``mask``
@@ -134,27 +190,24 @@ class LlamaForward:
         x = F.embedding(input_ids, self.embed)
         if self.fuse is not None:
             x = self.fuse(torch.cat([x, features.to(x.dtype)], dim=-1))
-        cos, sin = self.rotary(x, positions)
-        cos, signed_sin = cos[:, None], _signed_sin(sin[:, None])
-        rows = torch.arange(batch, device=input_ids.device)[:, None]
         end = mask.shape[-1]
+        if self.native_layer_ops:
+            add_rms_norm, silu_mul = native.add_rms_norm, native.silu_mul
+            rope = native.Rope(positions, write_columns, *self._angle_table(positions))
+        else:
+            add_rms_norm, silu_mul = _add_rms_norm, _silu_mul
+            rope = _TorchRope(*self.rotary(x, positions), write_columns)
         if self.native_attention and width <= NATIVE_ATTENTION_ROWS:
             attention = native.Attention(mask)
         else:
             attention = functools.partial(self._sdpa, mask=mask.repeat(1, 1, self.folded_groups, 1))
+        delta = None  # what the last layer adds to the residual stream x (x is updated in place)
         for i, layer in enumerate(self.layers):
-            hd = layer.head_dim
-            h = _rms_norm(x, layer.norm_in, layer.eps)
-            qk, v = layer.qkv(h).split((layer.q_size + layer.kv_size, layer.kv_size), dim=-1)
-            # Queries and keys rotated in one go: heads side by side, the same positions.
-            q, k = _rotate(qk.view(batch, width, -1, hd).transpose(1, 2), cos, signed_sin).split(
-                (layer.q_size // hd, layer.kv_size // hd), dim=1)
+            h = add_rms_norm(x, delta, layer.norm_in, layer.eps)
             keys, values = kv[i, 0], kv[i, 1]  # [batch, kv_heads, columns, head_dim]
-            keys[rows, :, write_columns] = k.transpose(1, 2)
-            values[rows, :, write_columns] = v.view(batch, width, -1, hd)
+            q = rope(layer.qkv(h), layer.q_size // layer.head_dim, layer.kv_size // layer.head_dim, keys, values)
             attn = attention(q, keys[:, :, :end], values[:, :, :end], scale=layer.scaling)
-            x = x + layer.o(attn)
-            h = layer.gate_up(_rms_norm(x, layer.norm_post, layer.eps))
-            x = x + layer.down(F.silu(h[..., : layer.intermediate]) * h[..., layer.intermediate :])
-        hidden = _rms_norm(x, self.norm, self.eps)
+            h = add_rms_norm(x, layer.o(attn), layer.norm_post, layer.eps)
+            delta = layer.down(silu_mul(layer.gate_up(h)))
+        hidden = add_rms_norm(x, delta, self.norm, self.eps)
         return self.head(hidden[:, -logits_to_keep:]).float(), hidden

@@ -137,6 +137,133 @@ def test_the_engine_attends_natively_in_float32_for_steps_and_with_sdpa_for_prom
     assert not Engine(tiny_llama(1, seed=0).to(torch.bfloat16)).forward.native_attention
 
 
+# ---- a layer's small operations (layer_ops.c) ---------------------------------------------------------
+
+def _with_threads(threads: int, fn):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 576), (3, 64), (5, 37), (300, 576)])
+def test_add_rms_norm_adds_in_place_and_normalises(rows, n):
+    generator = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, n, generator=generator) * 3
+    delta = torch.randn(rows, n, generator=generator)
+    weight = torch.randn(n, generator=generator)
+    summed = x + delta
+    out = native.add_rms_norm(x, delta, weight, 1e-5)
+    assert torch.equal(x, summed)  # the residual stream, updated in place: the same float adds
+    exact = weight.double() * summed.double() * torch.rsqrt(summed.double().pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(out.double(), exact, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(native.add_rms_norm(x, None, weight, 1e-5), out, rtol=0, atol=0)  # no add
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1536), (4, 21), (200, 1536)])
+def test_silu_mul_is_the_gated_product(rows, n):
+    generator = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, 2 * n, generator=generator) * 6
+    h[0, :4] = torch.tensor([-100.0, 100.0, -0.0, 1e-30])  # exp's ends: no overflow, no NaN
+    out = native.silu_mul(h)
+    exact = F.silu(h[:, :n].double()) * h[:, n:].double()
+    torch.testing.assert_close(out.double(), exact, rtol=4e-7, atol=1e-30)
+
+
+def _rope_inputs(batch, width, heads, kv_heads, head_dim, columns_in_pool, seed):
+    generator = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(batch, width, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    positions = torch.randint(0, 500, (batch, width), generator=generator)
+    columns = torch.stack([torch.randperm(columns_in_pool, generator=generator)[:width] for _ in range(batch)])
+    angles = torch.randn(500, head_dim, generator=generator)
+    return qkv, positions, columns, angles.cos(), angles.sin()
+
+
+@pytest.mark.parametrize("head_dim", [8, 64, 128])
+@pytest.mark.parametrize("batch,width", [(1, 1), (3, 5), (2, 40)])
+def test_rope_is_bitwise_the_pytorch_rotation_and_kv_write(batch, width, head_dim):
+    """The rotated queries, and the keys and values written into the cache, bit for bit what the
+    PyTorch operators compute (products rounded, then added: no fused multiply-add), into a
+    gathered (non-contiguous) pool slice as the engine's batch has it."""
+    from specbatch.llama import _signed_sin, _TorchRope
+
+    heads, kv_heads = 6, 2
+    qkv, positions, columns, cos, sin = _rope_inputs(batch, width, heads, kv_heads, head_dim, 60, seed=head_dim)
+    pools = [torch.zeros(2, batch + 1, kv_heads, 61, head_dim) for _ in range(2)]
+    caches = [pool[:, 1:] for pool in pools]  # [2, batch, kv_heads, columns, head_dim], strided
+    theirs = _TorchRope(cos[positions], sin[positions], columns)(qkv.clone(), heads, kv_heads, *caches[0])
+    ours = native.Rope(positions, columns, cos, _signed_sin(sin).contiguous())(qkv, heads, kv_heads, *caches[1])
+    assert ours.shape == (batch, heads, width, head_dim)
+    assert torch.equal(ours, theirs) and torch.equal(pools[1], pools[0])
+    assert pools[1][:, 0].abs().sum() == 0  # nothing written outside the batch's slots
+
+
+def test_rope_refuses_what_it_cannot_write():
+    qkv, positions, columns, cos, sin = _rope_inputs(1, 2, 2, 1, 8, 10, seed=0)
+    rope = native.Rope(positions, columns, cos, sin)
+    cache = torch.zeros(2, 1, 1, 10, 8)
+    with pytest.raises(ValueError):
+        rope(qkv, 2, 1, cache[0, :, :, :5], cache[1, :, :, :5])  # a write column past the cache
+    with pytest.raises(ValueError):
+        rope(qkv[..., :-8], 2, 1, *cache)  # not the head counts' width
+    with pytest.raises(ValueError):
+        native.Rope(positions + 500, columns, cos, sin)  # a position without angles
+    odd = torch.randn(500, 7)
+    with pytest.raises(ValueError):
+        native.Rope(positions, columns, odd, odd)(torch.randn(1, 2, 28), 2, 1, *torch.zeros(2, 1, 1, 10, 7))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_layer_ops_give_a_row_the_same_bits_alone_and_at_any_thread_count(threads):
+    """Rows large enough for a team of threads, and one row alone: the same bits."""
+    generator = torch.Generator().manual_seed(7)
+    x, delta = torch.randn(200, 576, generator=generator), torch.randn(200, 576, generator=generator)
+    weight, h = torch.randn(576, generator=generator), torch.randn(200, 3072, generator=generator)
+    normed = _with_threads(threads, lambda: native.add_rms_norm(x.clone(), delta, weight, 1e-6))
+    gated = _with_threads(threads, lambda: native.silu_mul(h))
+    for row in (0, 57, 199):
+        assert torch.equal(native.add_rms_norm(x[row : row + 1].clone(), delta[row : row + 1], weight, 1e-6),
+                           normed[row : row + 1])
+        assert torch.equal(native.silu_mul(h[row : row + 1]), gated[row : row + 1])
+
+
+def test_the_angle_table_is_bitwise_the_models_rotary_embedding():
+    """Row p of the forward's table is what the model's rotary embedding computes at position p,
+    whatever positions it is computed beside; the table grows past its first length."""
+    from specbatch.llama import _signed_sin
+
+    engine = Engine(tiny_llama(1, seed=0), max_sequences=1)
+    forward = engine.forward
+    positions = torch.tensor([[0, 5, 1023, 3000]])
+    cos_table, signed_sin_table = forward._angle_table(positions)
+    assert cos_table.shape[0] >= 3001
+    cos, sin = forward.rotary(forward.embed[:1], positions)
+    assert torch.equal(cos_table[positions[0]], cos[0]) and torch.equal(signed_sin_table[positions[0]],
+                                                                          _signed_sin(sin[0]))
+
+
+def test_the_engine_runs_layer_ops_natively_in_float32_with_pytorchs_results():
+    """The own forward uses the small-operation kernels for float32 on a CPU; its logits are the
+    PyTorch operators' within float32 rounding, for a prompt and for a step."""
+    engine = Engine(tiny_llama(2, seed=1), max_sequences=2)
+    assert engine.forward.native_layer_ops
+    prompt = list(range(3, 40))
+
+    def logits(native_ops: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        engine.forward.native_layer_ops = native_ops
+        batch = engine.start([SequenceInput("a", 0, prompt)], create=True)
+        first = batch.prefill(1)
+        batch.commit([len(prompt)])
+        step = engine.start([SequenceInput("a", len(prompt), [5, 6, 7])])
+        return first, step.prefill(3)
+
+    for ours, theirs in zip(logits(True), logits(False)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert not Engine(tiny_llama(1, seed=0).to(torch.bfloat16)).forward.native_layer_ops
+
+
 def test_engine_layers_pick_the_panel_kernel_for_float32_only():
     weight = torch.randn(32, 16)
     assert type(linear(weight)).__name__ == "PanelLinear"

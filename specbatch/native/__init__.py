@@ -1,12 +1,15 @@
 """The engine's own float32 kernels for x86 CPUs, built on first use: a matrix multiply
-(``panel_sgemm.c``) and attention (``attention.c``) for the few rows of a decode or verify step.
+(``panel_sgemm.c``), attention (``attention.c``) and a layer's small operations between them
+(``layer_ops.c``: residual add with RMS norm, rotary embedding with the KV write, SiLU-gated
+multiply) for the few rows of a decode or verify step.
 
 Why they exist is in the C files: at the few rows of a step the multiply reads the weights once,
-at the memory's speed, for up to six rows, and attention does its few microseconds of arithmetic
-without PyTorch's per-call set-up; and a row's result never depends on the other rows of the call
-(the condition for bitwise-exact float32 speculation). ``specbatch.linear`` uses the multiply for
-float32 weights and ``specbatch.llama`` the attention for float32 on a CPU, where they are
-available, and fall back to oneDNN and PyTorch's SDPA where they are not.
+at the memory's speed, for up to six rows, and attention and the small operations do their few
+microseconds of arithmetic without PyTorch's per-operator set-up; and a row's result never depends
+on the other rows of the call (the condition for bitwise-exact float32 speculation).
+``specbatch.linear`` uses the multiply for float32 weights and ``specbatch.llama`` the rest for
+float32 on a CPU, where they are available, and falls back to oneDNN, PyTorch's SDPA and its
+operators where they are not.
 
 The library is compiled with the system C compiler (``cc``; gcc or clang) into the cache
 (``$SPECBATCH_CACHE/native``), keyed by a hash of the source and flags, and written by an atomic
@@ -38,7 +41,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("panel_sgemm.c", "attention.c"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("panel_sgemm.c", "attention.c", "layer_ops.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 PANEL = 16  # output features a panel holds: panel_sgemm.c's PANEL
 HEAD_DIMS = (8, 16, 32, 64, 128)  # those attention.c is compiled for
@@ -115,6 +118,13 @@ def _library() -> ctypes.CDLL | None:
     library.attend.argtypes = [pointer, size, size, size, pointer, pointer, size, size, pointer, pointer,
                                size, size, size, size, size, size, ctypes.c_float, ctypes.c_int]
     library.attend.restype = ctypes.c_int
+    library.add_rms_norm.argtypes = [pointer, pointer, size, size, pointer, ctypes.c_float, pointer, ctypes.c_int]
+    library.add_rms_norm.restype = None
+    library.silu_mul.argtypes = [pointer, size, size, pointer, ctypes.c_int]
+    library.silu_mul.restype = None
+    library.rope_write.argtypes = [pointer, size, size, size, size, size, pointer, pointer, pointer, pointer,
+                                   pointer, pointer, size, size, ctypes.c_int]
+    library.rope_write.restype = ctypes.c_int
     return library
 
 
@@ -191,6 +201,73 @@ class Attention:
                         self.end, head_dim, scale, torch.get_num_threads()):
             raise MemoryError("attention: no scratch memory for the scores")
         return out
+
+
+def _float32_rows(name: str, *tensors: torch.Tensor) -> None:
+    for tensor in tensors:
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"{name}: contiguous float32 CPU tensors only (got {tensor.dtype} on {tensor.device}, "
+                             f"strides {tensor.stride()})")
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += delta`` in place (none: no add), then ``weight * x / sqrt(mean(x²) + eps)`` over the
+    last dimension, returned as a new tensor: a decoder layer's residual add and the next RMS norm."""
+    _float32_rows("add_rms_norm", x, weight, *([] if delta is None else [delta]))
+    n = x.shape[-1]
+    if weight.shape != (n,) or (delta is not None and delta.shape != x.shape):
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)}, delta {None if delta is None else tuple(delta.shape)}, "
+                         f"weight {tuple(weight.shape)}")
+    out = torch.empty_like(x)
+    _library().add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), x.numel() // n, n,
+                            weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``h = [..., gate | up]`` (a fused gate/up projection's output)."""
+    _float32_rows("silu_mul", h)
+    n = h.shape[-1] // 2
+    out = torch.empty(*h.shape[:-1], n)
+    _library().silu_mul(h.data_ptr(), h.numel() // (2 * n), n, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+class Rope:
+    """The rotary embedding and KV write of one forward's tokens, for every layer of it: token
+    (b, i) sits at ``positions[b, i]`` and writes its key and value into column
+    ``columns[b, i]`` of the cache; its angles are that row of ``cos`` and ``signed_sin``
+    ``[positions, head_dim]`` (sin with its first half negated)."""
+
+    def __init__(self, positions: torch.Tensor, columns: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
+        self.batch, self.width = positions.shape
+        if columns.shape != positions.shape or int(positions.max()) >= cos.shape[0]:
+            raise ValueError("rope: columns must match positions, and every position have a row of angles")
+        self.positions = positions.to(torch.int64).contiguous()
+        self.columns = columns.to(torch.int64).contiguous()
+        self.last_column = int(self.columns.max())
+        _float32_rows("rope", cos, signed_sin)
+        self.cos, self.signed_sin = cos, signed_sin
+        self._write = _library().rope_write
+
+    def __call__(self, qkv: torch.Tensor, heads: int, kv_heads: int, keys: torch.Tensor,
+                 values: torch.Tensor) -> torch.Tensor:
+        """``qkv`` ``[batch, width, (heads + 2 kv_heads) * head_dim]``: rotated keys and the values
+        are written into ``keys`` and ``values`` ``[batch, kv_heads, columns, head_dim]`` (the same
+        strides; a column's head_dim floats contiguous); returns the rotated queries, ``[batch,
+        heads, width, head_dim]``, a view into ``qkv`` (rotated in place)."""
+        head_dim = self.cos.shape[1]
+        _float32_rows("rope", qkv)
+        if (qkv.shape != (self.batch, self.width, (heads + 2 * kv_heads) * head_dim) or keys.stride() != values.stride()
+                or keys.shape[:2] != (self.batch, kv_heads) or keys.shape[3] != head_dim
+                or keys.stride()[2:] != (head_dim, 1) or self.last_column >= keys.shape[2]):
+            raise ValueError("rope: qkv must match the positions and head counts, keys and values the batch and "
+                             "head_dim with a column's floats contiguous, every column within them")
+        if self._write(qkv.data_ptr(), self.batch, self.width, heads, kv_heads, head_dim, self.positions.data_ptr(),
+                       self.columns.data_ptr(), self.cos.data_ptr(), self.signed_sin.data_ptr(), keys.data_ptr(),
+                       values.data_ptr(), keys.stride(0), keys.stride(1), torch.get_num_threads()):
+            raise ValueError(f"rope: head_dim must be even and at most 256 (got {head_dim})")
+        return qkv[..., : heads * head_dim].view(self.batch, self.width, heads, head_dim).transpose(1, 2)
 
 
 if __name__ == "__main__":
