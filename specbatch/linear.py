@@ -33,18 +33,25 @@ def onednn_bf16_available() -> bool:
 ROW_COUNTS_CHECKED = (2, 3, 5, 8, 17, 32, 64)
 
 
-@functools.lru_cache(maxsize=None)
 def onednn_fp32_rows_agree(out_features: int, in_features: int) -> bool:
     """Whether oneDNN's float32 multiply of this weight shape, on this CPU and thread count, gives
     every row bitwise what it gives that row alone, at each of ``ROW_COUNTS_CHECKED`` rows.
+    Checked once per shape and thread count: oneDNN picks its kernel by both."""
+    return _onednn_fp32_rows_agree(out_features, in_features, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_fp32_rows_agree(out_features: int, in_features: int, threads: int) -> bool:
+    """``onednn_fp32_rows_agree`` at ``threads`` threads (the current count: part of the cache key).
 
     fp32 speculation is exact (greedy output equals target-only decoding) only if verifying k+1
     tokens computes each the same as one token a call. MKL's ``F.linear`` does not: on an
     AVX2-only EPYC 66-93 % of its outputs differ in the last bits at 2-64 rows from the same rows
     one at a time (a matrix-vector kernel for one row, another for more), for SmolLM2's shapes
-    and tiny ones alike. oneDNN's there differ in none, up to 64 rows; but its bf16 kernels do
-    differ on AVX-512, so float32 is checked here, once per shape and process (about a
-    millisecond a shape; the output head's one-row calls ~80 ms)."""
+    and tiny ones alike. oneDNN's there differ in none, up to 64 rows; on an AVX-512 EPYC they
+    agree for a 96x64 weight and differ in 82-94 % for SmolLM2's 576x1536 (its bf16 kernels
+    differ there too), so each shape is checked (about a millisecond a shape; the output head's
+    one-row calls ~80 ms)."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator) * 0.05
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
