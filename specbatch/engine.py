@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import DynamicCache
 
-from . import llama, opt
+from . import llama, native, opt
 from .captured import CapturedForward, resolve_mode
 from .eagle import reads_target_features
 from .kv_pool import KVPool, SequenceCache, tree_mask, write_columns_and_mask
@@ -241,6 +241,10 @@ class Engine:
     # draft's choice where reading its weights bounds its forward. Never a target's: the results
     # move ~2 % and depend on the other rows of a call, so the output would no longer be exact.
     int8_weights: bool = False
+    # The own forward's float32 linear layers with their weights rounded to bfloat16, on the
+    # engine's panel kernel (CPU): a step reads half the bytes and stays row-exact, so a target may
+    # run it (its output is then exactly its own target-only decoding with these weights).
+    bf16_weights: bool = False
     clock: Callable[[], float] = time.monotonic  # for sequence leases (``reclaim_idle``); tests pass their own
     # Steps at bucketed static shapes, replayed as CUDA graphs (specbatch.captured): "auto" (on for
     # CUDA with the own forward), "on" (captured at start-up), "lazy", "static" (padded, no
@@ -269,8 +273,13 @@ class Engine:
         if self.int8_weights and (own is None or self.device.type != "cpu" or self.dtype != torch.float32
                                   or not int8_linears_available()):
             raise ValueError("int8 weights need the engine's own forward, in float32 on an x86 CPU (fbgemm)")
+        if self.bf16_weights and (own is None or self.int8_weights or self.device.type != "cpu"
+                                  or self.dtype != torch.float32 or not native.available()):
+            raise ValueError("bf16 weights need the engine's own forward, in float32 on a CPU where the panel kernel "
+                             f"builds ({native.unavailable_reason() or 'it does'}), and no int8 weights")
         # The forward of one ragged batch (see RaggedBatch); LlamaForward.__call__ is the contract.
-        self.forward = own(self.model, int8=self.int8_weights) if own else TransformersForward(self.model)
+        weights = "int8" if self.int8_weights else "bf16" if self.bf16_weights else None
+        self.forward = own(self.model, weights=weights) if own else TransformersForward(self.model)
         self.implementation = "specbatch" if own else "transformers"
         self.captured_steps = resolve_mode(self.captured_steps, self.device, own is not None)
         self.capture_report: dict = {}

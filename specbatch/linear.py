@@ -162,21 +162,32 @@ def panel_kernel_takes(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and native.available()
 
 
-def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, int8: bool = False) -> Linear:
-    """The engine's linear layer: ``Int8Linear`` where ``int8`` (a draft's choice); float32 on a
-    CPU, ``native.PanelLinear`` where it builds; else ``PackedLinear`` (oneDNN or ``F.linear``)."""
-    if int8:
+WEIGHT_FORMATS = ("bf16", "int8")  # besides None: the weights as the model has them
+
+
+def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weights: str | None = None) -> Linear:
+    """The engine's linear layer. ``weights``: None, as the model has them: float32 on a CPU on
+    ``native.PanelLinear`` where it builds, else ``PackedLinear`` (oneDNN or ``F.linear``);
+    "bf16": a float32 weight rounded to bfloat16 on the panel kernel (half the bytes a step reads,
+    still row-exact; ``bf16_weights_available``); "int8": ``Int8Linear`` (a draft's choice)."""
+    if weights == "int8":
         return Int8Linear(weight, bias)
+    if weights == "bf16":
+        if not panel_kernel_takes(weight):
+            raise ValueError("bf16 weights are for float32 weights on a CPU where the panel kernel builds")
+        return native.PanelLinear(weight, bias, bf16_weights=True)
+    if weights is not None:
+        raise ValueError(f"unknown weight format {weights!r} (one of {WEIGHT_FORMATS} or None)")
     if panel_kernel_takes(weight):
         return native.PanelLinear(weight, bias)
     return PackedLinear(weight, bias)
 
 
-def fused(*layers: torch.nn.Linear, int8: bool = False) -> Linear:
+def fused(*layers: torch.nn.Linear, weights: str | None = None) -> Linear:
     """One linear layer computing several that read the same input, side by side."""
     weight = torch.cat([layer.weight for layer in layers])
     biases = [layer.bias for layer in layers]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b if b is not None else torch.zeros(layer.out_features, dtype=weight.dtype, device=weight.device)
          for b, layer in zip(biases, layers)])
-    return linear(weight, bias, int8)
+    return linear(weight, bias, weights)

@@ -96,12 +96,12 @@ class _TorchRope:
 
 
 class _Layer:
-    def __init__(self, layer, int8: bool):
+    def __init__(self, layer, weights: str | None):
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj, int8=int8)
-        self.o = linear(attn.o_proj.weight, attn.o_proj.bias, int8)
-        self.gate_up = fused(mlp.gate_proj, mlp.up_proj, int8=int8)
-        self.down = linear(mlp.down_proj.weight, mlp.down_proj.bias, int8)
+        self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj, weights=weights)
+        self.o = linear(attn.o_proj.weight, attn.o_proj.bias, weights)
+        self.gate_up = fused(mlp.gate_proj, mlp.up_proj, weights=weights)
+        self.down = linear(mlp.down_proj.weight, mlp.down_proj.bias, weights)
         self.norm_in, self.norm_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
         self.eps = layer.input_layernorm.variance_epsilon
         self.head_dim = attn.head_dim
@@ -113,22 +113,24 @@ class _Layer:
 
 class LlamaForward:
     """``__call__`` runs one ragged batch: see ``specbatch.engine.RaggedBatch`` for the layout.
-    ``int8``: every linear layer in int8 (``specbatch.linear.Int8Linear``: for drafts only)."""
+    ``weights``: how the linear layers keep their weights (``specbatch.linear.linear``): None, as
+    the model has them; "bf16", rounded to bfloat16 for a float32 forward; "int8" (drafts only)."""
 
-    def __init__(self, model, int8: bool = False):
+    def __init__(self, model, weights: str | None = None):
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a Llama-family model this forward covers")
         base = model.get_decoder()
         self.embed = base.embed_tokens.weight
-        # The EAGLE draft's fusing layer stays in the model's dtype even under ``int8``: it reads the
+        # The EAGLE draft's fusing layer stays in the model's dtype under ``int8``: it reads the
         # target's raw hidden states, whose few huge features leave an input scaled to 8 bits for
         # one call no resolution for the rest (int8 there: greedy tokens a step 1.93 -> 1.53 at
         # k = 5; int8 everywhere else: 1.91 -> 1.88, docs/engine.md).
-        self.fuse = linear(base.fc.weight) if reads_target_features(model) else None
+        self.fuse = (linear(base.fc.weight, None, None if weights == "int8" else weights)
+                     if reads_target_features(model) else None)
         self.rotary = base.rotary_emb
-        self.layers = [_Layer(layer, int8) for layer in base.layers]
+        self.layers = [_Layer(layer, weights) for layer in base.layers]
         self.norm, self.eps = base.norm.weight, base.norm.variance_epsilon
-        self.head = linear(model.get_output_embeddings().weight, None, int8)
+        self.head = linear(model.get_output_embeddings().weight, None, weights)
         # PyTorch's CPU SDPA in bf16 is slow with one query row per head: batch 8, 9 heads over
         # 3 KV heads, 1 token, 129 columns takes 435 µs, against 84 µs with the 3 query heads of
         # each KV head folded into one head of 3 query rows. In fp32 folding is slower (54 vs 91).

@@ -27,8 +27,8 @@ def supports(model) -> bool:
     return isinstance(model, OPTForCausalLM) and not getattr(model.config, "feature_layers", None)
 
 
-def _linear(layer: torch.nn.Linear | None, int8: bool) -> Linear | None:
-    return None if layer is None else linear(layer.weight, layer.bias, int8)
+def _linear(layer: torch.nn.Linear | None, weights: str | None) -> Linear | None:
+    return None if layer is None else linear(layer.weight, layer.bias, weights)
 
 
 class _Norm:
@@ -44,11 +44,11 @@ class _Norm:
 
 
 class _Layer:
-    def __init__(self, layer, int8: bool):
+    def __init__(self, layer, weights: str | None):
         attn = layer.self_attn
-        self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj, int8=int8)
-        self.out = _linear(attn.out_proj, int8)
-        self.fc1, self.fc2 = _linear(layer.fc1, int8), _linear(layer.fc2, int8)
+        self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj, weights=weights)
+        self.out = _linear(attn.out_proj, weights)
+        self.fc1, self.fc2 = _linear(layer.fc1, weights), _linear(layer.fc2, weights)
         self.activation = layer.activation_fn.forward  # the module's own function, without hook dispatch
         self.norm_attn, self.norm_mlp = _Norm(layer.self_attn_layer_norm), _Norm(layer.final_layer_norm)
         self.heads, self.head_dim, self.scaling = attn.num_heads, attn.head_dim, attn.scaling
@@ -56,20 +56,20 @@ class _Layer:
 
 class OptForward:
     """``__call__`` runs one ragged batch: see ``specbatch.engine.RaggedBatch`` for the layout, and
-    ``specbatch.llama.LlamaForward.__call__`` for the contract (and ``int8``)."""
+    ``specbatch.llama.LlamaForward.__call__`` for the contract (and ``weights``)."""
 
-    def __init__(self, model, int8: bool = False):
+    def __init__(self, model, weights: str | None = None):
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not an OPT model this forward covers")
         base = model.get_decoder()
         self.embed = base.embed_tokens.weight
         self.positions = base.embed_positions.weight
         self.position_offset = base.embed_positions.offset  # 2: OPT's learned positions start there
-        self.project_in, self.project_out = _linear(base.project_in, int8), _linear(base.project_out, int8)
+        self.project_in, self.project_out = _linear(base.project_in, weights), _linear(base.project_out, weights)
         self.norm_before = model.config.do_layer_norm_before
-        self.layers = [_Layer(layer, int8) for layer in base.layers]
+        self.layers = [_Layer(layer, weights) for layer in base.layers]
         self.final_norm = None if base.final_layer_norm is None else _Norm(base.final_layer_norm)
-        self.head = linear(model.get_output_embeddings().weight, None, int8)
+        self.head = linear(model.get_output_embeddings().weight, None, weights)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, write_columns: torch.Tensor,

@@ -59,6 +59,28 @@ def test_a_row_gets_the_same_bits_at_any_row_count_and_thread_count(out_features
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_weights_are_the_float32_kernel_on_the_rounded_weights(out_features, in_features, threads):
+    """A weight kept in bf16 and widened in registers multiplies exactly as its bf16-rounded float32
+    copy does on the float32 kernel: the same bits at every row count (so row-exact too), with a
+    bias, on any thread count."""
+    generator = torch.Generator().manual_seed(out_features * in_features)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    bias = torch.randn(out_features, generator=generator)
+    ours = native.PanelLinear(weight, bias, bf16_weights=True)
+    rounded = native.PanelLinear(weight.bfloat16().float(), bias)
+    assert ours.panels.dtype == torch.bfloat16 and ours.panels.shape == rounded.panels.shape
+    x = torch.randn(40, in_features, generator=generator)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in list(range(1, 9)) + [13, 40]:
+            assert torch.equal(ours(x[:rows]), rounded(x[:rows])), rows
+    finally:
+        torch.set_num_threads(before)
+
+
 def _attention_inputs(batch, width, end, head_dim, seed, heads=9, kv_heads=3):
     """q as the engine has it (a transposed view), keys/values as slices of a wider pool, a causal
     mask over the last ``width`` columns with one row's random columns hidden too."""
@@ -268,6 +290,11 @@ def test_engine_layers_pick_the_panel_kernel_for_float32_only():
     weight = torch.randn(32, 16)
     assert type(linear(weight)).__name__ == "PanelLinear"
     assert type(linear(weight.to(torch.bfloat16))).__name__ == "PackedLinear"
+    assert linear(weight, weights="bf16").bf16_weights and not linear(weight).bf16_weights
+    with pytest.raises(ValueError, match="bf16 weights"):
+        linear(weight.to(torch.bfloat16), weights="bf16")
+    with pytest.raises(ValueError, match="unknown weight format"):
+        linear(weight, weights="fp8")
     layers = [torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(16, 24, bias=True)]
     both = fused(*layers)
     x = torch.randn(3, 16)

@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("panel_sgemm.c", "attention.c", "layer_ops.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# Where the CPU has AVX-512, the same code compiled for it: 32 vector registers instead of 16, so
+# wider register blocks fit (panel_sgemm.c's BF16_PANELS). Part of the build's cache key.
+AVX512_FLAGS = ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq")
 PANEL = 16  # output features a panel holds: panel_sgemm.c's PANEL
 HEAD_DIMS = (8, 16, 32, 64, 128)  # those attention.c is compiled for
 
@@ -73,13 +76,18 @@ def _why_not() -> str | None:
     return None
 
 
+def flags() -> tuple[str, ...]:
+    """The compiler flags for this CPU: ``FLAGS``, and ``AVX512_FLAGS`` where PyTorch sees AVX-512."""
+    return FLAGS + (AVX512_FLAGS if torch.backends.cpu.get_cpu_capability() == "AVX512" else ())
+
+
 def build(directory: Path | None = None) -> Path:
     """The compiled library's path, compiling it first if the cache lacks this source's build."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (cc, gcc or clang)")
     source = b"".join(path.read_bytes() for path in SOURCES)
-    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(flags()).encode()).hexdigest()[:16]
     directory = directory or _cache_dir()
     target = directory / f"specbatch-native-{key}.so"
     if target.exists():
@@ -88,7 +96,7 @@ def build(directory: Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         built = Path(scratch) / target.name
         try:
-            result = subprocess.run([*compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], capture_output=True,
+            result = subprocess.run([*compiler, *flags(), *map(str, SOURCES), "-o", str(built)], capture_output=True,
                                     text=True)
         except OSError as error:  # $CC names no program
             raise RuntimeError(f"{' '.join(compiler)}: {error}") from error
@@ -113,8 +121,9 @@ def _library() -> ctypes.CDLL | None:
                     "attention on PyTorch's SDPA", error)
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    library.panel_sgemm.argtypes = [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int]
-    library.panel_sgemm.restype = None
+    for multiply in (library.panel_sgemm, library.panel_sgemm_bf16w):
+        multiply.argtypes = [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int]
+        multiply.restype = None
     library.attend.argtypes = [pointer, size, size, size, pointer, pointer, size, size, pointer, pointer,
                                size, size, size, size, size, size, ctypes.c_float, ctypes.c_int]
     library.attend.restype = ctypes.c_int
@@ -141,22 +150,32 @@ def unavailable_reason() -> str | None:
     return reason
 
 
+# Where each output feature of a panel lies among the panel's 16 bf16 at one k: the order in which
+# panel_sgemm.c's LOAD_BF16 widens them back to features 0-15 (interleaving within 128-bit lanes).
+BF16_PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
+
+
 class PanelLinear:
     """``x @ weight.T (+ bias)`` in float32 on the panel kernel; the weight packed once.
 
-    ``weight`` may be the concatenation of several layers' weights (fused QKV, gate/up)."""
+    ``weight`` may be the concatenation of several layers' weights (fused QKV, gate/up).
+    ``bf16_weights``: the weight is kept rounded to bfloat16 (half the bytes a step reads) and
+    multiplied with the float32 input in float32, still row-exact (``panel_sgemm.c``)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16_weights: bool = False):
         library = _library()
         if library is None:
             raise RuntimeError(f"the panel kernel is unavailable: {unavailable_reason()}")
-        self._multiply = library.panel_sgemm
-        weight = weight.detach().float()
+        self.bf16_weights = bf16_weights
+        self._multiply = library.panel_sgemm_bf16w if bf16_weights else library.panel_sgemm
+        weight = weight.detach().to(torch.bfloat16 if bf16_weights else torch.float32)
         self.out_features, self.in_features = weight.shape
         padded = -self.out_features % PANEL
         # [panels, in_features, PANEL]: a panel's weights lie in the order the kernel reads them.
-        self.panels = (F.pad(weight, (0, 0, 0, padded)).view(-1, PANEL, self.in_features)
-                       .transpose(1, 2).contiguous())
+        panels = F.pad(weight, (0, 0, 0, padded)).view(-1, PANEL, self.in_features).transpose(1, 2)
+        if bf16_weights:
+            panels = panels[..., list(BF16_PANEL_ORDER)]
+        self.panels = panels.contiguous()
         # The kernel loads a panel's bias 16 at a time: padded so the last panel reads no further.
         self.bias = None if bias is None else F.pad(bias.detach().float(), (0, padded)).contiguous()
 
