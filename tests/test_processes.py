@@ -162,16 +162,19 @@ def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatc
     assert "--feature-layers" not in spawned["draft_service"]
 
 
-@pytest.mark.parametrize("native_bf16, dtype, profile", [(True, None, "embedded-cpu.json"),
-                                                         (False, None, "embedded-cpu-fp32.json"),
-                                                         (True, "float32", "embedded-cpu-fp32.json"),
-                                                         (False, "bf16", "embedded-cpu.json")])
-def test_embedded_default_takes_the_profile_of_the_dtype_the_services_run(monkeypatch, native_bf16, dtype, profile):
-    """Step times in bf16 and fp32 differ by 2x and more, so the best k does too: `specbatch up`
-    gives the coordinator the shipped profile measured in the dtype the services will pick."""
+@pytest.mark.parametrize("native_bf16, panel_kernel, dtype, profile", [
+    (True, True, None, "embedded-cpu-bf16w.json"), (False, True, None, "embedded-cpu-bf16w.json"),
+    (True, False, None, "embedded-cpu.json"), (False, False, None, "embedded-cpu-fp32.json"),
+    (True, True, "float32", "embedded-cpu-fp32.json"), (False, True, "bf16", "embedded-cpu.json")])
+def test_embedded_default_takes_the_profile_of_the_form_the_services_run(monkeypatch, native_bf16, panel_kernel,
+                                                                          dtype, profile):
+    """Step times with bf16 weights, in bf16 and in fp32 differ by 1.5-2x and more, so the best k
+    does too: `specbatch up` gives the coordinator the shipped profile measured in the form the
+    services will run."""
     import specbatch.commands.launcher as launcher
 
     monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: native_bf16)
+    monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: panel_kernel)
     policy, path = launcher.default_k_policy(StackOptions(dtype=dtype))
     assert policy == "goodput" and Path(path).name == profile and Path(path).exists()
     assert launcher.default_k_policy(StackOptions(dtype=dtype, no_draft=True)) == ("fixed:3", None)
@@ -180,20 +183,48 @@ def test_embedded_default_takes_the_profile_of_the_dtype_the_services_run(monkey
 @pytest.mark.parametrize("native_bf16, options, int8", [
     (False, {}, True), (True, {}, False), (True, {"dtype": "float32"}, True), (False, {"dtype": "bf16"}, False),
     (False, {"draft_model": "some/draft"}, False), (False, {"device": "cuda"}, False),
-    (False, {"draft_int8_weights": False}, False), (True, {"draft_int8_weights": True}, True)])
+    (False, {"draft_int8_weights": False}, False), (True, {"draft_int8_weights": True}, True),
+    (True, {"bf16_weights": True}, True)])
 def test_embedded_draft_runs_int8_where_the_services_run_float32_on_a_cpu(monkeypatch, native_bf16, options, int8):
     """The embedded draft's float32 forward is bound by reading its weights; the launcher gives it
-    --int8-weights there unless told otherwise, and never elsewhere unasked."""
+    --int8-weights there (bf16 weights for the target included) unless told otherwise, and never
+    elsewhere unasked."""
     import specbatch.commands.launcher as launcher
 
     monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: native_bf16)
+    monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: False)
     assert launcher.draft_int8_weights(StackOptions(**options)) is int8
+
+
+@pytest.mark.parametrize("options, target_flags, draft_flags", [
+    ({}, ["--dtype", "float32", "--bf16-weights"], ["--dtype", "float32", "--int8-weights"]),
+    ({"draft_int8_weights": False}, ["--dtype", "float32", "--bf16-weights"], ["--dtype", "float32", "--bf16-weights"]),
+    ({"dtype": "bf16"}, ["--dtype", "bf16"], ["--dtype", "bf16"]),
+    ({"bf16_weights": False}, [], [])])
+def test_embedded_services_read_bf16_weights_in_float32_where_the_panel_kernel_builds(monkeypatch, options, target_flags,
+                                                                                     draft_flags):
+    """With the panel kernel, the embedded target and draft run float32 with bf16 weights unless a
+    dtype is asked for (the draft int8 where it is on: it reads a quarter of the bytes)."""
+    import specbatch.commands.launcher as launcher
+
+    monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: True)
+    monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: True)
+    monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
+    spawned = {}
+    LocalProcesses(StackOptions(k_policy="fixed:3", **options),
+                   lambda module, args, env: spawned.setdefault(module, args)).start()
+    for module, expected in (("target_service", target_flags), ("draft_service", draft_flags)):
+        flags = [flag for flag in spawned[module] if flag in ("--dtype", "float32", "bf16", "--bf16-weights",
+                                                                "--int8-weights")]
+        assert flags == expected, (module, spawned[module])
 
 
 def test_launcher_and_services_agree_on_native_bf16():
     """The launcher reads the CPU flags without torch; the services ask oneDNN. They must agree,
     or the coordinator would run the other dtype's profile."""
-    from specbatch.commands.launcher import cpu_multiplies_bf16
+    from specbatch import native
+    from specbatch.commands.launcher import cpu_multiplies_bf16, panel_kernel_expected
     from specbatch.linear import onednn_bf16_available
 
     assert cpu_multiplies_bf16() == onednn_bf16_available()
+    assert panel_kernel_expected() == native.available()

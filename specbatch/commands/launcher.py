@@ -71,16 +71,22 @@ class StackOptions:
     # The draft service's --int8-weights; None: on for the embedded draft where the services run
     # float32 on a CPU (``draft_int8_weights``).
     draft_int8_weights: bool | None = None
+    # Both services' --bf16-weights (float32 arithmetic, weights read as bf16 on the panel kernel;
+    # the draft's only where it is not int8); None: on for the embedded models on an x86 CPU with
+    # AVX2 where no dtype is asked for (``bf16_weights``), the services then running float32.
+    bf16_weights: bool | None = None
     leaves: int = 0  # the coordinator's --leaves: the draft's next-best tokens verified beside its first
     unsure_below: float = 0.0  # the coordinator's --unsure-below
 
 
-# The embedded models' profiles, one per dtype the services run on a CPU (``--dtype auto``: bf16
-# where the CPU multiplies it natively, else float32), each measured on this project's machines
-# (docs/profile.md): the step times, and so the best k, differ by 2x and more between the two.
+# The embedded models' profiles, one per form the services run on a CPU (``services_cpu_form``):
+# float32 with bf16 weights (the default where the panel kernel builds), bf16 (``--dtype auto``
+# where the CPU multiplies it natively) or float32, each measured on this project's machines
+# (docs/profile.md): the step times, and so the best k, differ by 2x and more between them.
 # The adaptive policy served best on them.
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
-EMBEDDED_PROFILES = {"bfloat16": PROFILES / "embedded-cpu.json", "float32": PROFILES / "embedded-cpu-fp32.json"}
+EMBEDDED_PROFILES = {"float32+bf16-weights": PROFILES / "embedded-cpu-bf16w.json",
+                     "bfloat16": PROFILES / "embedded-cpu.json", "float32": PROFILES / "embedded-cpu-fp32.json"}
 EMBEDDED_POLICY = "goodput"
 
 
@@ -103,6 +109,38 @@ def services_cpu_dtype(options: StackOptions) -> str:
     return "bfloat16" if cpu_multiplies_bf16() else "float32"
 
 
+def panel_kernel_expected() -> bool:
+    """Whether the engine's own kernels (``specbatch.native``) should build here: an x86-64 CPU with
+    AVX2 and FMA, a C compiler, not switched off; read without importing torch, as ``native``
+    decides it."""
+    import platform
+    import shutil
+
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return (os.environ.get("SPECBATCH_NATIVE", "1") != "0" and platform.machine().lower() in ("x86_64", "amd64")
+            and " avx2" in flags and " fma" in flags
+            and any(shutil.which(name) for name in (os.environ.get("CC", "").split()[:1] or ["cc"]) + ["gcc", "clang"]))
+
+
+def bf16_weights(options: StackOptions) -> bool:
+    """Whether the model services read their weights as bf16 in float32 arithmetic (``--bf16-weights``):
+    as asked, else for the embedded models on a CPU where the panel kernel builds and no dtype is
+    asked for. There the target's step reads half the bytes and stays row-exact: on an AVX-512
+    EPYC, 1 thread, one token 25.9 -> 18.0 ms, five 32.2 -> 25.4, against bf16 with oneDNN's
+    kernels 28.4 and 28.9 (docs/engine.md)."""
+    if options.bf16_weights is not None:
+        return options.bf16_weights
+    return embedded_on_cpu(options) and options.dtype in (None, "auto") and panel_kernel_expected()
+
+
+def services_cpu_form(options: StackOptions) -> str:
+    """The form the model services run on a CPU with these options: "float32+bf16-weights", or a dtype."""
+    return "float32+bf16-weights" if bf16_weights(options) else services_cpu_dtype(options)
+
+
 def embedded_on_cpu(options: StackOptions) -> bool:
     """Whether the stack serves the embedded target with the embedded draft on a CPU."""
     return not (options.target_model or options.draft_model or options.draft_layers or options.no_draft
@@ -113,10 +151,10 @@ def draft_int8_weights(options: StackOptions) -> bool:
     """Whether the draft service runs its linear layers in int8 (``specbatch.linear.Int8Linear``):
     as asked, else for the embedded draft where the services run float32 on a CPU. There its
     forward is bound by reading 36 MB of weights, and int8 cut the draft's time a token by 42 % for
-    1.7 % fewer tokens a step (docs/engine.md); with native bf16 the draft runs bf16, int8 off."""
+    1.7 % fewer tokens a step (docs/engine.md); where the services run bf16, int8 is off."""
     if options.draft_int8_weights is not None:
         return options.draft_int8_weights
-    return embedded_on_cpu(options) and services_cpu_dtype(options) == "float32"
+    return embedded_on_cpu(options) and services_cpu_form(options).startswith("float32")
 
 
 def default_k_policy(options: StackOptions) -> tuple[str, str | None]:
@@ -125,7 +163,7 @@ def default_k_policy(options: StackOptions) -> tuple[str, str | None]:
     was measured); else a fixed k of 3."""
     if options.k_policy:
         return options.k_policy, options.profile
-    shipped = EMBEDDED_PROFILES.get(services_cpu_dtype(options)) if embedded_on_cpu(options) else None
+    shipped = EMBEDDED_PROFILES.get(services_cpu_form(options)) if embedded_on_cpu(options) else None
     if shipped is not None and shipped.exists():
         return EMBEDDED_POLICY, options.profile or str(shipped)
     return "fixed:3", options.profile
@@ -164,6 +202,9 @@ def add_stack_flags(parser) -> None:
     parser.add_argument("--draft-int8-weights", action=argparse.BooleanOptionalAction, default=None,
                         help="the draft's linear layers in int8 (default: on for the embedded draft where the "
                              "services run float32 on a CPU)")
+    parser.add_argument("--bf16-weights", action=argparse.BooleanOptionalAction, default=None,
+                        help="both services in float32 with their weights read as bf16 (the draft's where not int8; "
+                             "default: on for the embedded models on an x86 CPU with AVX2 and no --dtype)")
     parser.add_argument("--leaves", type=int, default=0, metavar="N",
                         help="the coordinator's --leaves: up to N of the draft's next-best tokens verified beside "
                              "the first draft (default 0: they pay where verifying a row is nearly free)")
@@ -185,7 +226,8 @@ def stack_options(args) -> StackOptions:
         max_batch_size=args.max_batch_size,
         host=args.host, ports={"coordinator": args.port, "target": args.target_port, "draft": args.draft_port},
         log_level=args.log_level, metrics_ports=dict(DEFAULT_METRICS_PORTS) if args.metrics else None,
-        threads_per_service=args.threads_per_service, draft_int8_weights=args.draft_int8_weights, leaves=args.leaves,
+        threads_per_service=args.threads_per_service, draft_int8_weights=args.draft_int8_weights,
+        bf16_weights=args.bf16_weights, leaves=args.leaves,
         unsure_below=args.unsure_below,
     )
 
@@ -193,7 +235,8 @@ def stack_options(args) -> StackOptions:
 def _model_flags(model, gguf_file, layers, options: StackOptions) -> list[str]:
     flags = []
     for name, value in (("--model", model), ("--gguf-file", gguf_file), ("--num-layers", layers),
-                        ("--device", options.device), ("--dtype", options.dtype),
+                        ("--device", options.device),
+                        ("--dtype", "float32" if bf16_weights(options) and options.dtype in (None, "auto") else options.dtype),
                         ("--kv-cache-gb", options.kv_cache_gb), ("--max-context", options.max_context),
                         ("--cuda-graphs", options.cuda_graphs)):
         if value is not None:
@@ -264,13 +307,14 @@ class LocalProcesses:
             draft_model = EMBEDDED
         self._spawn("target", "target_service",
                     _model_flags(o.target_model, o.target_gguf_file, None, o) + host + ["--port", str(o.ports["target"])]
-                    + _feature_layer_flags(None if o.no_draft else o.draft_model))
+                    + _feature_layer_flags(None if o.no_draft else o.draft_model)
+                    + (["--bf16-weights"] if bf16_weights(o) else []))
         draft_address = "none"
         if not o.no_draft:
             self._spawn("draft", "draft_service",
                         _model_flags(draft_model, o.draft_gguf_file if o.draft_model else o.target_gguf_file,
                                      o.draft_layers, o) + host + ["--port", str(o.ports["draft"])]
-                        + (["--int8-weights"] if draft_int8_weights(o) else []))
+                        + (["--int8-weights"] if draft_int8_weights(o) else ["--bf16-weights"] if bf16_weights(o) else []))
             draft_address = f"{o.host}:{o.ports['draft']}"
         self.draft_address = None if draft_address == "none" else draft_address
         if o.coordinator:
