@@ -7,11 +7,14 @@ SmolLM2-135M at context 128, median of repeats, for batch × new tokens per sequ
   layers on ``F.linear`` (MKL), as before oneDNN took float32 too;
 - ``fp32-specbatch-onednn``: the same with oneDNN-reordered float32 weights (the fallback where
   the engine's own kernel cannot be built; the default before it);
-- ``fp32-specbatch``: the same on the engine's own float32 kernel (``specbatch.native``, the
-  default on x86 CPUs without native bf16);
-- ``bf16-specbatch`` (only on CPUs with native bf16, where it is the default): bf16 with
+- ``fp32-specbatch``: the same on the engine's own float32 kernel (``specbatch.native``);
+- ``fp32-bf16w-specbatch``: float32 with the weights read as bf16 on that kernel (the embedded
+  services' default where the kernel builds and the CPU lacks AVX512_BF16);
+- ``fp32-bf16dot-specbatch`` (CPUs with AVX512_BF16): the linear layers' inputs rounded to bf16
+  too, pairs' products summed in float32 (the embedded services' default there);
+- ``bf16-specbatch`` (only on CPUs with native bf16, where ``--dtype auto`` picks it): bf16 with
   oneDNN-prepacked weights;
-Then the ratios the issue sets as targets, for the engine the services run here (``--dtype auto``),
+Then the ratios the issue sets as targets, for the engine the embedded services run here,
 and where its steps' time goes (batch 1 × 1, 8 × 1, 8 × 4: the matrix multiplies at 32 rows are
 what limit the batch-8 ratio).
 
@@ -98,11 +101,17 @@ def main() -> int:
     with mock.patch("specbatch.linear.panel_kernel_takes", lambda weight: False):
         engines["fp32-specbatch-onednn"] = Engine(fp32, implementation="specbatch")
     engines["fp32-specbatch"] = Engine(fp32, implementation="specbatch")
+    if native.available():
+        engines["fp32-bf16w-specbatch"] = Engine(fp32, bf16_weights=True)
+    if native.bf16_dot_available():
+        engines["fp32-bf16dot-specbatch"] = Engine(fp32, bf16_dot=True)
     native_bf16 = onednn_bf16_available()
     if native_bf16:  # without it bf16 multiplies are emulated: slower than fp32, and never picked
         bf16 = load_model(ModelSpec(), "cpu", torch.bfloat16)
         engines["bf16-specbatch"] = Engine(bf16)
-    best = "bf16-specbatch" if native_bf16 else "fp32-specbatch"  # what --dtype auto runs here
+    # what the embedded services run here (specbatch.commands.launcher: services_cpu_form)
+    best = next(name for name in ("fp32-bf16dot-specbatch", "fp32-bf16w-specbatch", "bf16-specbatch",
+                                  "fp32-specbatch") if name in engines)
     # Each engine holds the largest batch at CONTEXT tokens; every timed verify keeps exactly
     # CONTEXT (the bench-engine command's timing). The engines take turns, a warm-up call and two
     # timed ones each, so the machine's drift lands on all of them alike (measured one after
@@ -133,9 +142,9 @@ def main() -> int:
         f"5 new tokens / 1 at batch 1, {best} (target <= 1.15)": table[best]["1x5"] / table[best]["1x1"],
         f"4 new tokens / 1 at batch 8, {best} (target <= 1.3)": table[best]["8x4"] / table[best]["8x1"],
     }
-    if best != "fp32-specbatch-onednn":
-        ratios[f"one token at batch 1: fp32-specbatch-onednn / {best}"] = (
-            table["fp32-specbatch-onednn"]["1x1"] / table[best]["1x1"])
+    for before in ("fp32-specbatch-onednn", "fp32-specbatch", "bf16-specbatch"):
+        if before in table and before != best:
+            ratios[f"one token at batch 1: {before} / {best}"] = table[before]["1x1"] / table[best]["1x1"]
     for before in ("fp32-transformers", "fp32-specbatch-mkl", "fp32-specbatch-onednn"):
         ratios[f"5 new tokens / 1 at batch 1, {before}"] = table[before]["1x5"] / table[before]["1x1"]
     print("\n| ratio | measured |\n|---|---|")

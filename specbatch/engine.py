@@ -245,6 +245,11 @@ class Engine:
     # engine's panel kernel (CPU): a step reads half the bytes and stays row-exact, so a target may
     # run it (its output is then exactly its own target-only decoding with these weights).
     bf16_weights: bool = False
+    # As bf16_weights, with each linear layer's input rounded to bfloat16 too and the products of
+    # pairs summed in float32 by AVX512_BF16's dot-product instruction (native.bf16_dot_available):
+    # half the arithmetic again, so a verify step's extra rows cost less; still row-exact. The
+    # rest of the forward (norms, attention, residuals) stays float32.
+    bf16_dot: bool = False
     clock: Callable[[], float] = time.monotonic  # for sequence leases (``reclaim_idle``); tests pass their own
     # Steps at bucketed static shapes, replayed as CUDA graphs (specbatch.captured): "auto" (on for
     # CUDA with the own forward), "on" (captured at start-up), "lazy", "static" (padded, no
@@ -277,8 +282,13 @@ class Engine:
                                   or self.dtype != torch.float32 or not native.available()):
             raise ValueError("bf16 weights need the engine's own forward, in float32 on a CPU where the panel kernel "
                              f"builds ({native.unavailable_reason() or 'it does'}), and no int8 weights")
+        if self.bf16_dot and (own is None or self.int8_weights or self.bf16_weights or self.device.type != "cpu"
+                              or self.dtype != torch.float32 or not native.bf16_dot_available()):
+            raise ValueError("bf16 dot products need the engine's own forward, in float32 on a CPU with AVX512_BF16 "
+                             "where the panel kernel builds, and neither int8 nor bf16 weights beside them")
         # The forward of one ragged batch (see RaggedBatch); LlamaForward.__call__ is the contract.
-        weights = "int8" if self.int8_weights else "bf16" if self.bf16_weights else None
+        weights = ("int8" if self.int8_weights else "bf16" if self.bf16_weights else "bf16-dot" if self.bf16_dot
+                   else None)
         self.forward = own(self.model, weights=weights) if own else TransformersForward(self.model)
         self.implementation = "specbatch" if own else "transformers"
         self.captured_steps = resolve_mode(self.captured_steps, self.device, own is not None)

@@ -162,20 +162,24 @@ def panel_kernel_takes(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and native.available()
 
 
-WEIGHT_FORMATS = ("bf16", "int8")  # besides None: the weights as the model has them
+WEIGHT_FORMATS = ("bf16", "bf16-dot", "int8")  # besides None: the weights as the model has them
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weights: str | None = None) -> Linear:
     """The engine's linear layer. ``weights``: None, as the model has them: float32 on a CPU on
     ``native.PanelLinear`` where it builds, else ``PackedLinear`` (oneDNN or ``F.linear``);
     "bf16": a float32 weight rounded to bfloat16 on the panel kernel (half the bytes a step reads,
-    still row-exact; ``bf16_weights_available``); "int8": ``Int8Linear`` (a draft's choice)."""
+    still row-exact); "bf16-dot": the weight and each input rounded to bfloat16, pairs' products
+    summed in float32 on AVX512_BF16 (``native.bf16_dot_available``; row-exact too); "int8":
+    ``Int8Linear`` (a draft's choice)."""
     if weights == "int8":
         return Int8Linear(weight, bias)
-    if weights == "bf16":
+    if weights in ("bf16", "bf16-dot"):
         if not panel_kernel_takes(weight):
-            raise ValueError("bf16 weights are for float32 weights on a CPU where the panel kernel builds")
-        return native.PanelLinear(weight, bias, bf16_weights=True)
+            raise ValueError(f"{weights} weights are for float32 weights on a CPU where the panel kernel builds")
+        if weights == "bf16-dot" and not native.bf16_dot_available():
+            raise ValueError("bf16-dot weights need a CPU with AVX512_BF16")
+        return native.PanelLinear(weight, bias, bf16_weights=weights == "bf16", bf16_dot=weights == "bf16-dot")
     if weights is not None:
         raise ValueError(f"unknown weight format {weights!r} (one of {WEIGHT_FORMATS} or None)")
     if panel_kernel_takes(weight):

@@ -205,17 +205,22 @@ def test_int8_eagle_draft_keeps_the_output_exact(target_model, eagle_draft, toke
         stack.stop()
 
 
-def test_bf16_weights_speculate_exactly_against_their_own_target_only_decoding(target_model, eagle_draft, tokenizer):
-    """Target and draft with their weights kept in bf16 (float32 arithmetic on the panel kernel):
-    the target's rows do not depend on how many share a multiply, so speculative output at k=3,
-    with leaves, in one mixed batch, is token for token the same stack's target-only (k=0) output."""
+@pytest.mark.parametrize("form", ["bf16_weights", "bf16_dot"])
+def test_bf16_weights_speculate_exactly_against_their_own_target_only_decoding(target_model, eagle_draft, tokenizer,
+                                                                             form):
+    """Target and draft with their weights kept in bf16 (float32 arithmetic on the panel kernel), or
+    with the layers' inputs rounded to bf16 too (bf16 dot products): the target's rows do not depend
+    on how many share a multiply, so speculative output at k=3, with leaves, in one mixed batch, is
+    token for token the same stack's target-only (k=0) output."""
     from specbatch import native
     from specbatch.commands.local import start_local_stack
 
     if not native.available():
         pytest.skip(f"no panel kernel here: {native.unavailable_reason()}")
+    if form == "bf16_dot" and not native.bf16_dot_available():
+        pytest.skip("the CPU lacks AVX512_BF16")
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=8, max_new_tokens=64,
-                              target_engine_options={"bf16_weights": True}, draft_engine_options={"bf16_weights": True})
+                              target_engine_options={form: True}, draft_engine_options={form: True})
     try:
         rng = random.Random(11)
         prompts = [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(6)]
@@ -225,14 +230,14 @@ def test_bf16_weights_speculate_exactly_against_their_own_target_only_decoding(t
                                    concurrency=len(prompts))
             outputs[k] = [r.token_ids for r in results]
         assert outputs[3] == outputs[0]
-        assert stack.target_engines[0].forward.layers[0].down.bf16_weights
-        assert stack.draft_engines[0].forward.fuse.bf16_weights
+        assert getattr(stack.target_engines[0].forward.layers[0].down, form)
+        assert getattr(stack.draft_engines[0].forward.fuse, form)
     finally:
         stack.stop()
-    with pytest.raises(ValueError, match="bf16 weights"):
-        Engine(copy.deepcopy(target_model).to(torch.bfloat16), bf16_weights=True)
-    with pytest.raises(ValueError, match="bf16 weights"):
-        Engine(target_model, bf16_weights=True, implementation="transformers")
+    with pytest.raises(ValueError, match="bf16"):
+        Engine(copy.deepcopy(target_model).to(torch.bfloat16), **{form: True})
+    with pytest.raises(ValueError, match="bf16"):
+        Engine(target_model, implementation="transformers", **{form: True})
 
 
 def test_eagle_draft_rebuilt_after_losing_its_state(eagle_stack, target_model, tokenizer):

@@ -81,6 +81,49 @@ def test_bf16_weights_are_the_float32_kernel_on_the_rounded_weights(out_features
         torch.set_num_threads(before)
 
 
+needs_bf16_dot = pytest.mark.skipif(not native.bf16_dot_available(), reason="the CPU lacks AVX512_BF16")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("out_features,in_features", SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_dot_products_are_row_exact_products_of_the_rounded_operands(out_features, in_features, threads):
+    """Weights and inputs rounded to bf16, pairs' products summed in float32: within float32
+    rounding of the float64 product of the rounded operands (odd K's last pair padded with zero),
+    and each row the same bits alone or beside others (1-8 rows a block, 17 and 40 rows split),
+    on any thread count."""
+    generator = torch.Generator().manual_seed(out_features * in_features + 1)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    bias = torch.randn(out_features, generator=generator)
+    layer = native.PanelLinear(weight, bias, bf16_dot=True)
+    assert layer.panels.dtype == torch.bfloat16 and layer.bf16_dot and not layer.bf16_weights
+    x = torch.randn(40, in_features, generator=generator)
+    rounded_x, rounded_w = x.bfloat16().double(), weight.bfloat16().double()
+    exact = rounded_x @ rounded_w.T + bias.double()
+    bound = 1e-6 * in_features * (rounded_x.abs() @ rounded_w.abs().T + 1)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+        assert ((alone.double() - exact).abs() <= bound).all()
+        torch.set_num_threads(threads)
+        for rows in list(range(1, 10)) + [16, 17, 40]:
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bf16_dot_products_are_refused_where_the_cpu_lacks_them(monkeypatch):
+    weight = torch.randn(32, 16)
+    monkeypatch.setattr(native, "bf16_dot_available", lambda: False)
+    with pytest.raises(RuntimeError, match="AVX512_BF16"):
+        native.PanelLinear(weight, bf16_dot=True)
+    with pytest.raises(ValueError, match="AVX512_BF16"):
+        linear(weight, weights="bf16-dot")
+    with pytest.raises(ValueError, match="AVX512_BF16"):
+        Engine(tiny_llama(1, seed=0), bf16_dot=True)
+
+
 def _attention_inputs(batch, width, end, head_dim, seed, heads=9, kv_heads=3):
     """q as the engine has it (a transposed view), keys/values as slices of a wider pool, a causal
     mask over the last ``width`` columns with one row's random columns hidden too."""

@@ -162,12 +162,13 @@ def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatc
     assert "--feature-layers" not in spawned["draft_service"]
 
 
-@pytest.mark.parametrize("native_bf16, panel_kernel, dtype, profile", [
-    (True, True, None, "embedded-cpu-bf16w.json"), (False, True, None, "embedded-cpu-bf16w.json"),
-    (True, False, None, "embedded-cpu.json"), (False, False, None, "embedded-cpu-fp32.json"),
-    (True, True, "float32", "embedded-cpu-fp32.json"), (False, True, "bf16", "embedded-cpu.json")])
+@pytest.mark.parametrize("native_bf16, panel_kernel, bf16_dot, dtype, profile", [
+    (True, True, True, None, "embedded-cpu-bf16dot.json"), (True, True, False, None, "embedded-cpu-bf16w.json"),
+    (False, True, False, None, "embedded-cpu-bf16w.json"),
+    (True, False, False, None, "embedded-cpu.json"), (False, False, False, None, "embedded-cpu-fp32.json"),
+    (True, True, True, "float32", "embedded-cpu-fp32.json"), (False, True, False, "bf16", "embedded-cpu.json")])
 def test_embedded_default_takes_the_profile_of_the_form_the_services_run(monkeypatch, native_bf16, panel_kernel,
-                                                                          dtype, profile):
+                                                                          bf16_dot, dtype, profile):
     """Step times with bf16 weights, in bf16 and in fp32 differ by 1.5-2x and more, so the best k
     does too: `specbatch up` gives the coordinator the shipped profile measured in the form the
     services will run."""
@@ -175,6 +176,7 @@ def test_embedded_default_takes_the_profile_of_the_form_the_services_run(monkeyp
 
     monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: native_bf16)
     monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: panel_kernel)
+    monkeypatch.setattr(launcher, "bf16_dot_expected", lambda: bf16_dot)
     policy, path = launcher.default_k_policy(StackOptions(dtype=dtype))
     assert policy == "goodput" and Path(path).name == profile and Path(path).exists()
     assert launcher.default_k_policy(StackOptions(dtype=dtype, no_draft=True)) == ("fixed:3", None)
@@ -196,26 +198,33 @@ def test_embedded_draft_runs_int8_where_the_services_run_float32_on_a_cpu(monkey
     assert launcher.draft_int8_weights(StackOptions(**options)) is int8
 
 
-@pytest.mark.parametrize("options, target_flags, draft_flags", [
-    ({}, ["--dtype", "float32", "--bf16-weights"], ["--dtype", "float32", "--int8-weights"]),
-    ({"draft_int8_weights": False}, ["--dtype", "float32", "--bf16-weights"], ["--dtype", "float32", "--bf16-weights"]),
-    ({"dtype": "bf16"}, ["--dtype", "bf16"], ["--dtype", "bf16"]),
-    ({"bf16_weights": False}, [], [])])
-def test_embedded_services_read_bf16_weights_in_float32_where_the_panel_kernel_builds(monkeypatch, options, target_flags,
-                                                                                     draft_flags):
+@pytest.mark.parametrize("dot, options, target_flags, draft_flags", [
+    (False, {}, ["--dtype", "float32", "--bf16-weights"], ["--dtype", "float32", "--int8-weights"]),
+    (False, {"draft_int8_weights": False}, ["--dtype", "float32", "--bf16-weights"],
+     ["--dtype", "float32", "--bf16-weights"]),
+    (True, {}, ["--dtype", "float32", "--bf16-dot"], ["--dtype", "float32", "--int8-weights"]),
+    (True, {"draft_int8_weights": False}, ["--dtype", "float32", "--bf16-dot"], ["--dtype", "float32", "--bf16-dot"]),
+    (True, {"bf16_dot": False}, ["--dtype", "float32", "--bf16-weights"], ["--dtype", "float32", "--int8-weights"]),
+    (False, {"bf16_dot": True}, ["--dtype", "float32", "--bf16-dot"], ["--dtype", "float32", "--int8-weights"]),
+    (True, {"dtype": "bf16"}, ["--dtype", "bf16"], ["--dtype", "bf16"]),
+    (True, {"bf16_weights": False}, [], [])])
+def test_embedded_services_read_bf16_weights_in_float32_where_the_panel_kernel_builds(monkeypatch, dot, options,
+                                                                                     target_flags, draft_flags):
     """With the panel kernel, the embedded target and draft run float32 with bf16 weights unless a
-    dtype is asked for (the draft int8 where it is on: it reads a quarter of the bytes)."""
+    dtype is asked for, on bf16 dot products where the CPU has AVX512_BF16 (the draft int8 where
+    that is on: it reads a quarter of the bytes)."""
     import specbatch.commands.launcher as launcher
 
     monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: True)
     monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: True)
+    monkeypatch.setattr(launcher, "bf16_dot_expected", lambda: dot)
     monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
     spawned = {}
     LocalProcesses(StackOptions(k_policy="fixed:3", **options),
                    lambda module, args, env: spawned.setdefault(module, args)).start()
     for module, expected in (("target_service", target_flags), ("draft_service", draft_flags)):
         flags = [flag for flag in spawned[module] if flag in ("--dtype", "float32", "bf16", "--bf16-weights",
-                                                                "--int8-weights")]
+                                                                "--bf16-dot", "--int8-weights")]
         assert flags == expected, (module, spawned[module])
 
 
@@ -223,8 +232,9 @@ def test_launcher_and_services_agree_on_native_bf16():
     """The launcher reads the CPU flags without torch; the services ask oneDNN. They must agree,
     or the coordinator would run the other dtype's profile."""
     from specbatch import native
-    from specbatch.commands.launcher import cpu_multiplies_bf16, panel_kernel_expected
+    from specbatch.commands.launcher import bf16_dot_expected, cpu_multiplies_bf16, panel_kernel_expected
     from specbatch.linear import onednn_bf16_available
 
     assert cpu_multiplies_bf16() == onednn_bf16_available()
     assert panel_kernel_expected() == native.available()
+    assert bf16_dot_expected() == native.bf16_dot_available()

@@ -75,6 +75,10 @@ class StackOptions:
     # the draft's only where it is not int8); None: on for the embedded models on an x86 CPU with
     # AVX2 where no dtype is asked for (``bf16_weights``), the services then running float32.
     bf16_weights: bool | None = None
+    # With bf16 weights, both services' linear layers on bf16 dot products instead (--bf16-dot: the
+    # inputs rounded to bf16 too, AVX512_BF16); None: on wherever bf16 weights are and the CPU has
+    # AVX512_BF16 (``bf16_dot``).
+    bf16_dot: bool | None = None
     leaves: int = 0  # the coordinator's --leaves: the draft's next-best tokens verified beside its first
     unsure_below: float = 0.0  # the coordinator's --unsure-below
 
@@ -85,20 +89,25 @@ class StackOptions:
 # (docs/profile.md): the step times, and so the best k, differ by 2x and more between them.
 # The adaptive policy served best on them.
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
-EMBEDDED_PROFILES = {"float32+bf16-weights": PROFILES / "embedded-cpu-bf16w.json",
+EMBEDDED_PROFILES = {"float32+bf16-dot": PROFILES / "embedded-cpu-bf16dot.json",
+                     "float32+bf16-weights": PROFILES / "embedded-cpu-bf16w.json",
                      "bfloat16": PROFILES / "embedded-cpu.json", "float32": PROFILES / "embedded-cpu-fp32.json"}
 EMBEDDED_POLICY = "goodput"
+
+
+def _cpu_flags() -> str:
+    """/proc/cpuinfo's text ("" where there is none): the launcher decides without importing torch."""
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
 
 
 def cpu_multiplies_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512_BF16 or AMX), which is where the services'
     ``--dtype auto`` picks bf16 (``specbatch.linear.onednn_bf16_available``, oneDNN's own check:
     this one reads the same CPU flags without importing torch)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return any(f" {flag}" in flags for flag in ("avx512_bf16", "amx_bf16"))
+    return any(f" {flag}" in _cpu_flags() for flag in ("avx512_bf16", "amx_bf16"))
 
 
 def services_cpu_dtype(options: StackOptions) -> str:
@@ -116,13 +125,16 @@ def panel_kernel_expected() -> bool:
     import platform
     import shutil
 
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
+    flags = _cpu_flags()
     return (os.environ.get("SPECBATCH_NATIVE", "1") != "0" and platform.machine().lower() in ("x86_64", "amd64")
             and " avx2" in flags and " fma" in flags
             and any(shutil.which(name) for name in (os.environ.get("CC", "").split()[:1] or ["cc"]) + ["gcc", "clang"]))
+
+
+def bf16_dot_expected() -> bool:
+    """Whether the engine's bf16 dot-product multiply should build here (``native.bf16_dot_available``):
+    the panel kernel and a CPU with AVX512_BF16."""
+    return panel_kernel_expected() and " avx512_bf16" in _cpu_flags()
 
 
 def bf16_weights(options: StackOptions) -> bool:
@@ -136,8 +148,27 @@ def bf16_weights(options: StackOptions) -> bool:
     return embedded_on_cpu(options) and options.dtype in (None, "auto") and panel_kernel_expected()
 
 
+def bf16_dot(options: StackOptions) -> bool:
+    """Whether the model services' linear layers run on bf16 dot products (``--bf16-dot``): as asked,
+    else wherever they read bf16 weights and the CPU has AVX512_BF16 (``native.bf16_dot_available``
+    decides it the same way). Its arithmetic costs half as much again, so a verify step's extra
+    rows nearly vanish: SmolLM2's weights, 1 thread, AVX-512 EPYC, 1 / 6 / 32 rows 11.7 / 13.8 /
+    45.5 ms against 15.6 / 22.2 / 86.7 with bf16 weights in float32 (docs/engine.md)."""
+    if options.bf16_dot is not None:
+        return options.bf16_dot
+    return bf16_weights(options) and bf16_dot_expected()
+
+
+def weights_flag(options: StackOptions) -> list[str]:
+    """Both services' flag for how they keep their linear layers (the draft's unless int8)."""
+    return ["--bf16-dot"] if bf16_dot(options) else ["--bf16-weights"] if bf16_weights(options) else []
+
+
 def services_cpu_form(options: StackOptions) -> str:
-    """The form the model services run on a CPU with these options: "float32+bf16-weights", or a dtype."""
+    """The form the model services run on a CPU with these options: "float32+bf16-dot",
+    "float32+bf16-weights", or a dtype."""
+    if bf16_dot(options):
+        return "float32+bf16-dot"
     return "float32+bf16-weights" if bf16_weights(options) else services_cpu_dtype(options)
 
 
@@ -205,6 +236,10 @@ def add_stack_flags(parser) -> None:
     parser.add_argument("--bf16-weights", action=argparse.BooleanOptionalAction, default=None,
                         help="both services in float32 with their weights read as bf16 (the draft's where not int8; "
                              "default: on for the embedded models on an x86 CPU with AVX2 and no --dtype)")
+    parser.add_argument("--bf16-dot", action=argparse.BooleanOptionalAction, default=None,
+                        help="both services' linear layers on bf16 dot products, the inputs rounded to bf16 too "
+                             "(float32 otherwise; the draft's where not int8; default: on wherever bf16 weights are "
+                             "and the CPU has AVX512_BF16)")
     parser.add_argument("--leaves", type=int, default=0, metavar="N",
                         help="the coordinator's --leaves: up to N of the draft's next-best tokens verified beside "
                              "the first draft (default 0: they pay where verifying a row is nearly free)")
@@ -227,7 +262,7 @@ def stack_options(args) -> StackOptions:
         host=args.host, ports={"coordinator": args.port, "target": args.target_port, "draft": args.draft_port},
         log_level=args.log_level, metrics_ports=dict(DEFAULT_METRICS_PORTS) if args.metrics else None,
         threads_per_service=args.threads_per_service, draft_int8_weights=args.draft_int8_weights,
-        bf16_weights=args.bf16_weights, leaves=args.leaves,
+        bf16_weights=args.bf16_weights, bf16_dot=args.bf16_dot, leaves=args.leaves,
         unsure_below=args.unsure_below,
     )
 
@@ -236,7 +271,7 @@ def _model_flags(model, gguf_file, layers, options: StackOptions) -> list[str]:
     flags = []
     for name, value in (("--model", model), ("--gguf-file", gguf_file), ("--num-layers", layers),
                         ("--device", options.device),
-                        ("--dtype", "float32" if bf16_weights(options) and options.dtype in (None, "auto") else options.dtype),
+                        ("--dtype", "float32" if weights_flag(options) and options.dtype in (None, "auto") else options.dtype),
                         ("--kv-cache-gb", options.kv_cache_gb), ("--max-context", options.max_context),
                         ("--cuda-graphs", options.cuda_graphs)):
         if value is not None:
@@ -308,13 +343,13 @@ class LocalProcesses:
         self._spawn("target", "target_service",
                     _model_flags(o.target_model, o.target_gguf_file, None, o) + host + ["--port", str(o.ports["target"])]
                     + _feature_layer_flags(None if o.no_draft else o.draft_model)
-                    + (["--bf16-weights"] if bf16_weights(o) else []))
+                    + weights_flag(o))
         draft_address = "none"
         if not o.no_draft:
             self._spawn("draft", "draft_service",
                         _model_flags(draft_model, o.draft_gguf_file if o.draft_model else o.target_gguf_file,
                                      o.draft_layers, o) + host + ["--port", str(o.ports["draft"])]
-                        + (["--int8-weights"] if draft_int8_weights(o) else ["--bf16-weights"] if bf16_weights(o) else []))
+                        + (["--int8-weights"] if draft_int8_weights(o) else weights_flag(o)))
             draft_address = f"{o.host}:{o.ports['draft']}"
         self.draft_address = None if draft_address == "none" else draft_address
         if o.coordinator:

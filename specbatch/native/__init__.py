@@ -41,11 +41,14 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("panel_sgemm.c", "attention.c", "layer_ops.c"))
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("panel_sgemm.c", "panel_dpbf16.c", "attention.c", "layer_ops.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # Where the CPU has AVX-512, the same code compiled for it: 32 vector registers instead of 16, so
 # wider register blocks fit (panel_sgemm.c's BF16_PANELS). Part of the build's cache key.
 AVX512_FLAGS = ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq")
+# Where the CPU has AVX512_BF16 besides: panel_dpbf16.c, bf16 dot products (compiled only then).
+BF16_DOT_FLAGS = ("-mavx512bf16",)
 PANEL = 16  # output features a panel holds: panel_sgemm.c's PANEL
 HEAD_DIMS = (8, 16, 32, 64, 128)  # those attention.c is compiled for
 
@@ -76,9 +79,20 @@ def _why_not() -> str | None:
     return None
 
 
+def cpu_has_bf16_dot() -> bool:
+    """Whether the CPU has AVX512_BF16's dot-product instruction (read from /proc/cpuinfo)."""
+    try:
+        return " avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def flags() -> tuple[str, ...]:
-    """The compiler flags for this CPU: ``FLAGS``, and ``AVX512_FLAGS`` where PyTorch sees AVX-512."""
-    return FLAGS + (AVX512_FLAGS if torch.backends.cpu.get_cpu_capability() == "AVX512" else ())
+    """The compiler flags for this CPU: ``FLAGS``, ``AVX512_FLAGS`` where PyTorch sees AVX-512, and
+    ``BF16_DOT_FLAGS`` with them where the CPU has AVX512_BF16."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return FLAGS
+    return FLAGS + AVX512_FLAGS + (BF16_DOT_FLAGS if cpu_has_bf16_dot() else ())
 
 
 def build(directory: Path | None = None) -> Path:
@@ -124,6 +138,9 @@ def _library() -> ctypes.CDLL | None:
     for multiply in (library.panel_sgemm, library.panel_sgemm_bf16w):
         multiply.argtypes = [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int]
         multiply.restype = None
+    if hasattr(library, "panel_dpbf16"):
+        library.panel_dpbf16.argtypes = [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int]
+        library.panel_dpbf16.restype = ctypes.c_int
     library.attend.argtypes = [pointer, size, size, size, pointer, pointer, size, size, pointer, pointer,
                                size, size, size, size, size, size, ctypes.c_float, ctypes.c_int]
     library.attend.restype = ctypes.c_int
@@ -142,6 +159,13 @@ def available() -> bool:
     return _library() is not None
 
 
+def bf16_dot_available() -> bool:
+    """Whether the bf16 dot-product multiply (``panel_dpbf16.c``) runs here: the kernels built for a
+    CPU with AVX512_BF16."""
+    library = _library()
+    return library is not None and hasattr(library, "panel_dpbf16")
+
+
 def unavailable_reason() -> str | None:
     """Why ``available()`` is False (None where it is True)."""
     reason = _why_not()
@@ -156,25 +180,38 @@ BF16_PANEL_ORDER = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
 
 
 class PanelLinear:
-    """``x @ weight.T (+ bias)`` in float32 on the panel kernel; the weight packed once.
+    """``x @ weight.T (+ bias)`` on the panel kernel; the weight packed once.
 
-    ``weight`` may be the concatenation of several layers' weights (fused QKV, gate/up).
-    ``bf16_weights``: the weight is kept rounded to bfloat16 (half the bytes a step reads) and
-    multiplied with the float32 input in float32, still row-exact (``panel_sgemm.c``)."""
+    ``weight`` may be the concatenation of several layers' weights (fused QKV, gate/up). In float32
+    by default. ``bf16_weights``: the weight is kept rounded to bfloat16 (half the bytes a step
+    reads) and multiplied with the float32 input in float32 (``panel_sgemm.c``). ``bf16_dot``: the
+    weight in bfloat16 and each call's input rounded to bfloat16 too, products of pairs summed in
+    float32 by AVX512_BF16's dot-product instruction (``panel_dpbf16.c``: half the arithmetic's
+    cost again, so a verify step's rows ride along further). All three are row-exact."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16_weights: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16_weights: bool = False,
+                 bf16_dot: bool = False):
         library = _library()
         if library is None:
             raise RuntimeError(f"the panel kernel is unavailable: {unavailable_reason()}")
-        self.bf16_weights = bf16_weights
-        self._multiply = library.panel_sgemm_bf16w if bf16_weights else library.panel_sgemm
-        weight = weight.detach().to(torch.bfloat16 if bf16_weights else torch.float32)
+        if bf16_dot and not bf16_dot_available():
+            raise RuntimeError("bf16 dot products need a CPU with AVX512_BF16 (and the kernels built for it)")
+        if bf16_dot and bf16_weights:
+            raise ValueError("bf16_dot already reads the weights as bf16: ask for one of bf16_weights and bf16_dot")
+        self.bf16_weights, self.bf16_dot = bf16_weights, bf16_dot
+        self._multiply = (library.panel_dpbf16 if bf16_dot else library.panel_sgemm_bf16w if bf16_weights
+                          else library.panel_sgemm)
+        weight = weight.detach().to(torch.bfloat16 if bf16_weights or bf16_dot else torch.float32)
         self.out_features, self.in_features = weight.shape
         padded = -self.out_features % PANEL
-        # [panels, in_features, PANEL]: a panel's weights lie in the order the kernel reads them.
-        panels = F.pad(weight, (0, 0, 0, padded)).view(-1, PANEL, self.in_features).transpose(1, 2)
-        if bf16_weights:
-            panels = panels[..., list(BF16_PANEL_ORDER)]
+        weight = F.pad(weight, (0, 0, 0, padded))
+        if bf16_dot:  # [panels, pairs of input features, PANEL, 2]: one pair of a panel is one 64-byte line
+            weight = F.pad(weight, (0, self.in_features % 2))
+            panels = weight.view(-1, PANEL, weight.shape[1] // 2, 2).transpose(1, 2)
+        else:  # [panels, in_features, PANEL]: a panel's weights lie in the order the kernel reads them
+            panels = weight.view(-1, PANEL, self.in_features).transpose(1, 2)
+            if bf16_weights:
+                panels = panels[..., list(BF16_PANEL_ORDER)]
         self.panels = panels.contiguous()
         # The kernel loads a panel's bias 16 at a time: padded so the last panel reads no further.
         self.bias = None if bias is None else F.pad(bias.detach().float(), (0, padded)).contiguous()
@@ -186,10 +223,10 @@ class PanelLinear:
             raise TypeError(f"the panel kernel multiplies float32 CPU tensors, not {rows.dtype} on {rows.device}")
         rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_features)
-        if rows.shape[0]:
-            self._multiply(rows.data_ptr(), rows.shape[0], self.in_features, self.panels.data_ptr(),
-                           self.out_features, None if self.bias is None else self.bias.data_ptr(),
-                           out.data_ptr(), torch.get_num_threads())
+        if rows.shape[0] and self._multiply(rows.data_ptr(), rows.shape[0], self.in_features, self.panels.data_ptr(),
+                                            self.out_features, None if self.bias is None else self.bias.data_ptr(),
+                                            out.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("panel kernel: no memory for the input's bf16 copy")
         return out.view(*shape[:-1], self.out_features)
 
 

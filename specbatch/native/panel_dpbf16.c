@@ -1,0 +1,107 @@
+/* y = x @ W^T (+ bias) with bf16 weights and bf16-rounded inputs, products of bf16 pairs summed in
+ * float32 by AVX512_BF16's dot-product instruction (vdpbf16ps), for the rows of a decode or verify
+ * step. Compiled only where the CPU has AVX512_BF16 (the library is built with -mavx512bf16 there;
+ * specbatch.native.bf16_dot_available()).
+ *
+ * Why: panel_sgemm_bf16w (panel_sgemm.c) halves the bytes a step reads, but each weight still
+ * costs a widening and two float32 multiply-adds per row, so past four rows it is bound by
+ * arithmetic (SmolLM2's weights, 1 thread, AVX-512 EPYC: 1 row 16 ms, 6 rows 22, 32 rows 87).
+ * One vdpbf16ps multiplies and sums 32 bf16 pairs into 16 float32 sums: 8 rows cost 16 ms,
+ * 32 rows 46 (docs/engine.md, "bf16 dot products").
+ *
+ * Layout: W [N, K] is packed once into panels of 16 output features by pairs of input features,
+ * [ceil(N/16)][ceil(K/2)][16][2] (zero-padded), so one pair of k for a panel is one 64-byte line,
+ * the operand of one vdpbf16ps. Each call rounds its input rows to bf16 (round to nearest even)
+ * into [M][ceil(K/2)] pairs first; a row's pair is broadcast against the panel's line.
+ *
+ * Blocks: R rows by one panel, up to 8 rows (8 sums in registers); rows beyond 8 go in further
+ * blocks of at most 8, sized evenly. Measured on SmolLM2's weights: blocks over 2-8 panels were
+ * slower at every row count (1 row over 8 panels: 16.9 ms against 13.6), and taller blocks (10-16
+ * rows) too.
+ *
+ * Exactness: every output is the sum over pairs q = 0, 1, ..., ceil(K/2)-1 of one vdpbf16ps term
+ * each, in that order, whatever the rows of the call, their block, or the thread that runs the
+ * panel: a row's result never depends on the other rows or the thread count (row-exact, as the
+ * float32 kernel), so speculation on it stays bitwise exact. The instruction treats denormal
+ * inputs as zero and flushes denormal sums to zero, the same way every time.
+ */
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define PANEL 16
+#define DOT_MAX_ROWS 8
+#define DOT_PANEL_GROUP 4   /* panels a thread takes at a time */
+#define DOT_PREFETCH 1024   /* bytes ahead in a panel */
+
+/* Rows x[0..R) (bf16 pairs, Kp apart) against one panel; `valid` of its outputs written. */
+#define DOT_BLOCK(R)                                                                                    \
+    static void dot_##R(const uint32_t *x, int64_t Kp, const uint16_t *panel, float *y, int64_t N,      \
+                        int64_t valid, const float *bias) {                                             \
+        __m512 sum[R];                                                                                  \
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) sum[i] = _mm512_setzero_ps();               \
+        for (int64_t q = 0; q < Kp; q++) {                                                              \
+            const uint16_t *w = panel + q * 2 * PANEL;                                                  \
+            _mm_prefetch((const char *)w + DOT_PREFETCH, _MM_HINT_T0);                                  \
+            __m512bh line = (__m512bh)_mm512_loadu_si512(w);                                            \
+            _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                      \
+                __m512bh pair = (__m512bh)_mm512_set1_epi32((int)x[i * Kp + q]);                        \
+                sum[i] = _mm512_dpbf16_ps(sum[i], pair, line);                                          \
+            }                                                                                           \
+        }                                                                                               \
+        __mmask16 keep = (__mmask16)((1u << valid) - 1);                                                \
+        __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();                                  \
+        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)                                            \
+            _mm512_mask_storeu_ps(y + i * N, keep, _mm512_add_ps(sum[i], b));                          \
+    }
+
+DOT_BLOCK(1) DOT_BLOCK(2) DOT_BLOCK(3) DOT_BLOCK(4) DOT_BLOCK(5) DOT_BLOCK(6) DOT_BLOCK(7) DOT_BLOCK(8)
+
+typedef void (*dot_block)(const uint32_t *, int64_t, const uint16_t *, float *, int64_t, int64_t, const float *);
+static const dot_block dot_blocks[DOT_MAX_ROWS + 1] = {0, dot_1, dot_2, dot_3, dot_4, dot_5, dot_6, dot_7, dot_8};
+
+/* x [M, K] float32 rounded to bf16 pairs [M][Kp], the odd K's last pair padded with zero. */
+static void round_to_pairs(const float *x, int64_t M, int64_t K, int64_t Kp, uint32_t *pairs) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *row = x + m * K;
+        uint16_t *out = (uint16_t *)(pairs + m * Kp);
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16)
+            _mm256_storeu_si256((__m256i *)(out + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(row + k)));
+        if (k < 2 * Kp) { /* K - k < 16 values left, 2 * Kp - k <= 16 slots */
+            __m256i last = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps((__mmask16)((1u << (K - k)) - 1), row + k));
+            _mm256_mask_storeu_epi16(out + k, (__mmask16)((1u << (2 * Kp - k)) - 1), last);
+        }
+    }
+}
+
+/* y [M, N] = x [M, K] @ W^T (+ bias), W packed as the header says; the bias (or NULL) padded with
+ * zeros to the panels' width. Returns nonzero where the input's bf16 copy cannot be allocated. */
+int panel_dpbf16(const float *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N, const float *bias,
+                 float *y, int threads) {
+    int64_t Kp = (K + 1) / 2;
+    uint32_t *pairs = malloc((size_t)(M * Kp) * sizeof(uint32_t));
+    if (!pairs)
+        return 1;
+    round_to_pairs(x, M, K, Kp, pairs);
+    int64_t panels = (N + PANEL - 1) / PANEL;
+    int64_t groups = (panels + DOT_PANEL_GROUP - 1) / DOT_PANEL_GROUP;
+    int64_t blocks = (M + DOT_MAX_ROWS - 1) / DOT_MAX_ROWS;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t first = g * DOT_PANEL_GROUP, end = first + DOT_PANEL_GROUP < panels ? first + DOT_PANEL_GROUP : panels;
+        for (int64_t b = 0, m = 0; b < blocks; b++) {
+            int64_t rows = (M - m + (blocks - b) - 1) / (blocks - b);
+            for (int64_t p = first; p < end; p++) {
+                int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+                dot_blocks[rows](pairs + m * Kp, Kp, packed + p * Kp * 2 * PANEL, y + m * N + p * PANEL, N, valid,
+                                 bias ? bias + p * PANEL : 0);
+            }
+            m += rows;
+        }
+    }
+    free(pairs);
+    return 0;
+}
+#endif
