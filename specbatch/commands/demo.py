@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..client import connect, generate, generate_all, make_request
-from .launcher import LocalProcesses, stack_options
+from .launcher import LocalProcesses, services_cpu_form, stack_options
 from ..prompts import CHAT_PROMPTS
 
 
@@ -38,7 +38,12 @@ def run_demo(args) -> int:
             speedup = result.tokens_per_second / alone.tokens_per_second if alone.tokens_per_second else 0.0
             print(f"| {prompt[:40]} | {alone.tokens_per_second:.1f} | {result.tokens_per_second:.1f} | {speedup:.2f}x | "
                   f"{'yes' if alone.token_ids == result.token_ids else 'no'} |", flush=True)
-        print("(in bf16 the two may part where the target's two best tokens nearly tie: docs/engine.md)\n", flush=True)
+        form = services_cpu_form(processes.options) if processes.options.device in (None, "cpu") else ""
+        if form.startswith("float32+"):  # the engine's own kernels: a row's bits never depend on the batch
+            print(f"(the services run {form}, row-exact: the two must be the same tokens)\n", flush=True)
+        else:
+            print("(where a multiply's results depend on its row count, as bf16's on oneDNN do, the two may part "
+                  "where the target's two best tokens nearly tie: docs/engine.md)\n", flush=True)
         print(f"the same {len(prompts)} prompts at once, batched by the coordinator:", flush=True)
         results = generate_all(stub, [make_request(p, args.max_new_tokens, chat=True) for p in prompts])
         for prompt, result in zip(prompts, results):
