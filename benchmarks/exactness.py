@@ -9,6 +9,9 @@ reference, with the reference's top-2 logit gap where it does: each must be a ne
 engine's linear layers, in the same dtype, round differently with more rows.
 
     .venv/bin/python benchmarks/exactness.py [--prompts 64] [--tokens 64] [--runs chain,leaves] [--out bench-out/exactness.json]
+    # the embedded services' default where the CPU has AVX512_BF16: float32, linear layers on bf16
+    # dot products (the target's and the draft's), or with --draft-int8 the draft in int8 as served
+    .venv/bin/python benchmarks/exactness.py --dtype float32 --weights bf16-dot [--draft-int8]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from specbatch.client import generate, generate_all, make_request
 from specbatch.exactness import NEAR_TIE, first_mismatch, row_dependence, target_only
 from specbatch.commands.local import start_local_stack
+from specbatch.linear import linear
 from specbatch.models import EMBEDDED_DRAFT, ModelSpec, load_model, load_tokenizer
 from specbatch.prompts import chat_token_ids, sharegpt_prompts
 
@@ -46,6 +50,9 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", default="chain,leaves", help="chain (k = 1, 3, 5 and mixed), leaves (with leaves)")
+    parser.add_argument("--weights", choices=("bf16", "bf16-dot"), default=None,
+                        help="both engines' linear layers (float32 only): bf16 weights, or bf16 dot products")
+    parser.add_argument("--draft-int8", action="store_true", help="the draft's linear layers in int8, as served")
     parser.add_argument("--out", default="bench-out/exactness.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -55,7 +62,10 @@ def main() -> int:
     tokenizer = load_tokenizer(ModelSpec())
     prompts = [chat_token_ids(tokenizer, [{"role": "user", "content": text}])
                for text in sharegpt_prompts(args.prompts, args.prompt_start)]
-    stack = start_local_stack(target, draft, tokenizer, max_batch_size=16, max_new_tokens=args.tokens)
+    form = {None: {}, "bf16": {"bf16_weights": True}, "bf16-dot": {"bf16_dot": True}}[args.weights]
+    stack = start_local_stack(target, draft, tokenizer, max_batch_size=16, max_new_tokens=args.tokens,
+                              target_engine_options=form,
+                              draft_engine_options={"int8_weights": True} if args.draft_int8 else form)
     try:
         start = time.perf_counter()
         references = [target_only(stack.target_engine, p, args.tokens) for p in prompts]
@@ -79,8 +89,9 @@ def main() -> int:
     finally:
         stack.stop()
     dependence = row_dependence([(960, 576), (3072, 576), (576, 1536), (576, 576), (49152, 576)],
-                                [1, 2, 4, 6, 8, 16, 32, 64], dtype=target.dtype)
-    dtype = str(target.dtype).removeprefix("torch.")
+                                [1, 2, 4, 6, 8, 16, 32, 64], dtype=target.dtype,
+                                layer=lambda weight: linear(weight, weights=args.weights))
+    dtype = str(target.dtype).removeprefix("torch.") + (f" ({args.weights} linear layers)" if args.weights else "")
 
     print(f"\n## {dtype} greedy exactness ({len(prompts)} held-out ShareGPT prompts, {args.tokens} tokens each; "
           f"near-tie bound {NEAR_TIE} logits)\n")

@@ -23,9 +23,6 @@ from . import native
 from .eagle import reads_target_features
 from .linear import fused, linear
 
-# The most tokens a row that a call may feed for attention to run on the engine's own kernel.
-NATIVE_ATTENTION_ROWS = 16
-
 # Architectures whose decoder layers are LlamaDecoderLayer as this forward computes them.
 SUPPORTED_MODEL_TYPES = ("llama", "specbatch_eagle")
 
@@ -141,9 +138,12 @@ class LlamaForward:
         # In float32 on a CPU, attention runs on the engine's own kernel (specbatch.native): SDPA
         # spends most of a step's few query rows setting up its tiled kernel (~50 us a layer at one
         # row, ~100 at three on SmolLM2's shape, on an AVX2 EPYC), and a row's result must not
-        # depend on the other rows (float32 speculation is bitwise exact). Only for calls of at most
-        # NATIVE_ATTENTION_ROWS tokens a row (decode and verify steps): it computes each query's
-        # scores one by one, and a prompt's many rows are SDPA's blocked multiplies' to do.
+        # depend on the other rows (float32 speculation is bitwise exact). At every width, prompts
+        # included: SDPA's result for a prompt's rows depends on the call's width (a prompt
+        # prefilled beside a longer one, or past 16 tokens a row where steps used the kernel, moved
+        # SmolLM2's logits by up to 0.15 on an AVX-512 EPYC: 8 of 64 mixed-batch outputs left
+        # target-only decoding at near-ties), and the kernel is no slower there (a 256-token
+        # prefill 333 ms against SDPA's 342; 4 x 128 tokens 601 against 624).
         self.native_attention = (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
                                  and self.layers[0].head_dim in native.HEAD_DIMS and native.available())
         # And the small operations between the multiplies (norms, rotary embedding with the KV
@@ -200,7 +200,7 @@ class LlamaForward:
         else:
             add_rms_norm, silu_mul = _add_rms_norm, _silu_mul
             rope = _TorchRope(*self.rotary(x, positions), write_columns)
-        if self.native_attention and width <= NATIVE_ATTENTION_ROWS:
+        if self.native_attention:
             attention = native.Attention(mask)
         else:
             attention = functools.partial(self._sdpa, mask=mask.repeat(1, 1, self.folded_groups, 1))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from specbatch import native
 from specbatch.engine import Engine, SequenceInput
 from specbatch.linear import fused, linear
-from tests.tiny import tiny_llama
+from tests.tiny import VOCAB, tiny_llama
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no panel kernel here: {native.unavailable_reason()}")
 
@@ -183,9 +183,9 @@ def test_attention_refuses_what_does_not_match_its_mask():
         attend(q, keys.transpose(2, 3).contiguous().transpose(2, 3), values, 0.25)
 
 
-def test_the_engine_attends_natively_in_float32_for_steps_and_with_sdpa_for_prompts():
-    """The own forward picks the kernel for float32 steps of a few tokens a row; its logits are
-    SDPA's within float32 rounding."""
+def test_the_engine_attends_natively_in_float32_with_sdpas_results():
+    """The own forward attends on the kernel in float32, prompts included; its logits are SDPA's
+    within float32 rounding."""
     engine = Engine(tiny_llama(2, seed=0), max_sequences=2)
     assert engine.forward.native_attention
     prompt = list(range(3, 40))
@@ -193,13 +193,37 @@ def test_the_engine_attends_natively_in_float32_for_steps_and_with_sdpa_for_prom
     def logits(native_attention: bool) -> torch.Tensor:
         engine.forward.native_attention = native_attention
         batch = engine.start([SequenceInput("a", 0, prompt)], create=True)
-        batch.prefill(1)  # 37 tokens: SDPA either way
+        first = batch.prefill(1)
         batch.commit([len(prompt)])
         step = engine.start([SequenceInput("a", len(prompt), [5, 6, 7])])
-        return step.prefill(3)
+        logits = torch.cat([first.reshape(-1), step.prefill(3).reshape(-1)])
+        engine.release(["a"])
+        return logits
 
     torch.testing.assert_close(logits(True), logits(False), rtol=1e-4, atol=1e-4)
     assert not Engine(tiny_llama(1, seed=0).to(torch.bfloat16)).forward.native_attention
+
+
+@pytest.mark.parametrize("other_length", [5, 30, 90])
+def test_a_prompt_prefills_to_the_same_bits_alone_or_beside_a_longer_one(other_length):
+    """In float32 a prompt's logits must not depend on what else a call prefills (the coordinator
+    batches prompts; the reference decodes each alone): with SDPA for prompts, a 20-token prompt
+    beside a longer one, or a 12-token one beside one of more than 16 tokens, moved the real
+    model's logits by up to 0.15."""
+    engine = Engine(tiny_llama(2, seed=3), max_sequences=2)
+    generator = torch.Generator().manual_seed(other_length)
+    prompt = torch.randint(3, VOCAB, (20,), generator=generator).tolist()
+    other = torch.randint(3, VOCAB, (other_length,), generator=generator).tolist()
+
+    def last_logits(*prompts) -> torch.Tensor:
+        names = [f"p{i}" for i in range(len(prompts))]
+        batch = engine.start([SequenceInput(name, 0, p) for name, p in zip(names, prompts)], create=True)
+        logits = batch.prefill(1)[0, -1]
+        engine.release(names)
+        return logits
+
+    assert torch.equal(last_logits(prompt), last_logits(prompt, other))
+    assert torch.equal(last_logits(prompt[:12]), last_logits(prompt[:12], other))
 
 
 # ---- a layer's small operations (layer_ops.c) ---------------------------------------------------------
