@@ -107,3 +107,30 @@ def test_bf16_output_leaves_target_only_decoding_only_at_near_ties(real, bf16_st
     print(f"bf16: {len(mismatches)} of {len(outputs)} outputs leave target-only decoding, at top-2 gaps "
           f"{[round(m.gap, 3) for m in mismatches]}")
     assert all(m.near_tie for m in mismatches), mismatches
+
+
+def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real):
+    """The embedded services' default where the CPU has AVX512_BF16: float32 with the linear layers
+    on bf16 dot products, the draft int8. Row-exact multiplies and attention make speculative
+    output equal target-only decoding on the same engine token for token, with prompts of different
+    lengths prefilled together and k 1-4 in one batch. (Differences show only at near-ties, which
+    four short chats rarely reach: tests/test_native.py checks the prefill's bits directly, and
+    benchmarks/exactness.py --weights bf16-dot runs 64 prompts.)"""
+    from specbatch import native
+    from specbatch.commands.local import start_local_stack
+    from specbatch.exactness import first_mismatch, target_only
+
+    if not native.bf16_dot_available():
+        pytest.skip("the CPU lacks AVX512_BF16")
+    target, draft, tokenizer = real
+    stack = start_local_stack(target, draft, tokenizer, max_batch_size=4, target_engine_options={"bf16_dot": True},
+                              draft_engine_options={"int8_weights": True})
+    try:
+        prompts = [chat_ids(tokenizer, c) for c in CHATS]
+        assert len({len(p) for p in prompts}) > 1
+        references = [target_only(stack.target_engine, p, 24) for p in prompts]
+        outputs = [r.token_ids for r in generate_all(stack.client(), [make_request(p, 24, k=1 + i, ignore_eos=True)
+                                                                       for i, p in enumerate(prompts)], timeout=300)]
+        assert [first_mismatch(out, ref) for out, ref in zip(outputs, references)] == [None] * len(prompts)
+    finally:
+        stack.stop()
