@@ -84,8 +84,9 @@ class StackOptions:
 
 
 # The embedded models' profiles, one per form the services run on a CPU (``services_cpu_form``):
-# float32 with bf16 weights (the default where the panel kernel builds), bf16 (``--dtype auto``
-# where the CPU multiplies it natively) or float32, each measured on this project's machines
+# float32 on bf16 dot products (the default where the panel kernel builds and the CPU has
+# AVX512_BF16), float32 with bf16 weights (the default where it builds without), bf16 (``--dtype
+# auto`` where the CPU multiplies it natively) or float32, each measured on this project's machines
 # (docs/profile.md): the step times, and so the best k, differ by 2x and more between them.
 # The adaptive policy served best on them.
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
@@ -152,8 +153,8 @@ def bf16_dot(options: StackOptions) -> bool:
     """Whether the model services' linear layers run on bf16 dot products (``--bf16-dot``): as asked,
     else wherever they read bf16 weights and the CPU has AVX512_BF16 (``native.bf16_dot_available``
     decides it the same way). Its arithmetic costs half as much again, so a verify step's extra
-    rows nearly vanish: SmolLM2's weights, 1 thread, AVX-512 EPYC, 1 / 6 / 32 rows 11.7 / 13.8 /
-    45.5 ms against 15.6 / 22.2 / 86.7 with bf16 weights in float32 (docs/engine.md)."""
+    rows nearly vanish: SmolLM2's weights, 1 thread, AVX-512 EPYC, 1 / 6 / 32 rows 12.4 / 14.3 /
+    45.2 ms against 15.8 / 22.4 / 86.3 with bf16 weights in float32 (docs/engine.md)."""
     if options.bf16_dot is not None:
         return options.bf16_dot
     return bf16_weights(options) and bf16_dot_expected()

@@ -100,8 +100,8 @@ def build(directory: Path | None = None) -> Path:
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (cc, gcc or clang)")
-    source = b"".join(path.read_bytes() for path in SOURCES)
-    key = hashlib.sha256(source + " ".join(flags()).encode()).hexdigest()[:16]
+    source, build_flags = b"".join(path.read_bytes() for path in SOURCES), flags()
+    key = hashlib.sha256(source + " ".join(build_flags).encode()).hexdigest()[:16]
     directory = directory or _cache_dir()
     target = directory / f"specbatch-native-{key}.so"
     if target.exists():
@@ -110,8 +110,8 @@ def build(directory: Path | None = None) -> Path:
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         built = Path(scratch) / target.name
         try:
-            result = subprocess.run([*compiler, *flags(), *map(str, SOURCES), "-o", str(built)], capture_output=True,
-                                    text=True)
+            result = subprocess.run([*compiler, *build_flags, *map(str, SOURCES), "-o", str(built)],
+                                    capture_output=True, text=True)
         except OSError as error:  # $CC names no program
             raise RuntimeError(f"{' '.join(compiler)}: {error}") from error
         if result.returncode != 0:

@@ -5,9 +5,9 @@
  *
  * Why: panel_sgemm_bf16w (panel_sgemm.c) halves the bytes a step reads, but each weight still
  * costs a widening and two float32 multiply-adds per row, so past four rows it is bound by
- * arithmetic (SmolLM2's weights, 1 thread, AVX-512 EPYC: 1 row 16 ms, 6 rows 22, 32 rows 87).
- * One vdpbf16ps multiplies and sums 32 bf16 pairs into 16 float32 sums: 8 rows cost 16 ms,
- * 32 rows 46 (docs/engine.md, "bf16 dot products").
+ * arithmetic (SmolLM2's weights, 1 thread, AVX-512 EPYC: 1 row 16 ms, 6 rows 22, 32 rows 86).
+ * One vdpbf16ps multiplies and sums 32 bf16 pairs into 16 float32 sums: 1 row 12.4 ms, 6 rows
+ * 14.3, 32 rows 45 (docs/engine.md, "bf16 on the panel kernel").
  *
  * Layout: W [N, K] is packed once into panels of 16 output features by pairs of input features,
  * [ceil(N/16)][ceil(K/2)][16][2] (zero-padded), so one pair of k for a panel is one 64-byte line,
