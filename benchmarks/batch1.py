@@ -11,6 +11,7 @@ Prints tokens/s of each and the ratios, where each mode's decode step spends its
 coordinator's step totals: RPC time beside the compute the services report), and writes JSON.
 
     .venv/bin/python benchmarks/batch1.py [--prompts 24] [--tokens 96] [--k-policy profile --profile P] [--leaves 0,1,2]
+        [--draft-ahead 1,4]
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def transformers_generate(prompts: list[list[int]], tokens: int, threads: int) -
 
 
 STEP_PARTS = ("step_seconds", "draft_seconds", "draft_compute_seconds", "target_seconds", "target_compute_seconds")
-LEAF_COUNTS = ("leaf_chances", "leaf_hits")
+LEAF_COUNTS = ("leaf_chances", "leaf_hits", "ahead_guessed", "ahead_hits")
 
 
 def step_totals(stub) -> dict:
@@ -93,6 +94,7 @@ def served(address: str, prompts: list[list[int]], tokens: int,
                    "acceptance": s["accepted"] / s["proposed"] if s["proposed"] else 0.0,
                    "tokens_per_step": s["generated"] / s["request_steps"] if s["request_steps"] else 0.0,
                    "leaf_hit_rate": s["leaf_hits"] / s["leaf_chances"] if s["leaf_chances"] else 0.0,
+                   "ahead_hit_rate": s["ahead_hits"] / s["ahead_guessed"] if s["ahead_guessed"] else 0.0,
                    "ms_per_step": where_step_time_goes(s, s["seconds"])}
             for name, s in sums.items()}
 
@@ -117,6 +119,9 @@ def main() -> int:
     parser.add_argument("--unsure-below", default="", help="comma-separated probabilities: one more speculative "
                         "mode each, no leaves asked, the draft proposing one token and k - 1 leaves where its first "
                         "token is less likely than that")
+    parser.add_argument("--draft-ahead", default="", help="comma-separated guess counts: one more speculative mode "
+                        "each, no leaves, the draft guessing each verdict (that many tokens a position) and "
+                        "drafting the next step while the target verifies")
     parser.add_argument("--out", default="bench-out/batch1.json")
     args = parser.parse_args()
 
@@ -140,7 +145,11 @@ def main() -> int:
     for p in unsure:
         names[p] = f"speculative, unsure below {p:g}"
         fields[p] = {"k": None, "leaves": 0, "unsure_below": p}
-    leaf_counts += unsure  # the speculative modes, in order
+    ahead = [int(n) for n in args.draft_ahead.split(",") if n]
+    for n in ahead:
+        names[f"ahead{n}"] = f"speculative, drafting ahead ({n} guesses a position)"
+        fields[f"ahead{n}"] = {"k": None, "leaves": 0, "draft_ahead": n}
+    leaf_counts += unsure + [f"ahead{n}" for n in ahead]  # the speculative modes, in order
     with LocalProcesses(options) as stack:
         modes = served(stack.address, prompts, args.tokens,
                        {"target-only": {"k": 0}, **{names[n]: fields[n] for n in leaf_counts}})
@@ -164,7 +173,8 @@ def main() -> int:
     for n in leaf_counts:
         mode = modes[names[n]]
         print(f"\n{names[n]}: acceptance {mode['acceptance']:.2f} (kept leaves included), tokens per step "
-              f"{mode['tokens_per_step']:.2f}" + (f", leaf hit rate {mode['leaf_hit_rate']:.2f}" if n != 0 else ""))
+              f"{mode['tokens_per_step']:.2f}" + (f", leaf hit rate {mode['leaf_hit_rate']:.2f}" if n != 0 and not str(n).startswith("ahead") else "")
+              + (f", verdicts guessed right {mode['ahead_hit_rate']:.2f}" if str(n).startswith("ahead") else ""))
     print("(targets: >= 1.5x target-only through the services, >= 1.5x transformers generate())")
     print("\n## where a decode step's time goes (ms per step)\n")
     print("| part | target-only (k=0) | " + " | ".join(names[n] for n in leaf_counts) + " |")

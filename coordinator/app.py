@@ -11,7 +11,7 @@ from pathlib import Path
 from specbatch.models import EMBEDDED, ModelSpec, load_tokenizer, model_source
 from specbatch.metrics import new_registry, serve_metrics
 from specbatch.serving import DEFAULT_PORTS, Server, configure_logging
-from specbatch.speculation import MAX_K, MAX_LEAVES, leaf_option_problems
+from specbatch.speculation import MAX_GUESSES, MAX_K, MAX_LEAVES, leaf_option_problems
 from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials_from_args,
                            server_credentials_from_args)
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
@@ -99,6 +99,12 @@ def find_eos_token_ids(tokenizer, tokenizer_source: str | None) -> frozenset[int
     return frozenset(ids)
 
 
+def check_draft_ahead(guesses: int) -> None:
+    """``--draft-ahead`` in range, else ValueError."""
+    if not 0 <= guesses <= MAX_GUESSES:
+        raise ValueError(f"--draft-ahead must be in [0, {MAX_GUESSES}] (got {guesses})")
+
+
 def check_leaf_options(leaves: int, unsure_below: float) -> None:
     """``--leaves`` and ``--unsure-below`` in range, else ValueError."""
     problems = leaf_option_problems(leaves, unsure_below)
@@ -115,7 +121,8 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
                       credentials=None, tls_server_name: str | None = None, server_credentials=None,
                       refresh_seconds: float = 10.0,
                       wait_seconds: float = 30.0, metrics_host: str = "127.0.0.1",
-                      metrics_port: int | None = 0, leaves: int = 0, unsure_below: float = 0.0) -> Coordinator:
+                      metrics_port: int | None = 0, leaves: int = 0, unsure_below: float = 0.0,
+                      draft_ahead: int = 0) -> Coordinator:
     """``target_address``/``draft_address``: one address, a comma-separated list of replicas, or
     ``dns:NAME:PORT`` (re-resolved every ``refresh_seconds``). ``profile``: a path (read now,
     re-read when it changes) or a ProfileFile already open. ``credentials``: TLS for the calls to
@@ -124,10 +131,13 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     Prometheus /metrics (0: none; None: the default port, skipped if taken). ``leaves``: the
     draft's next-best tokens verified beside the first drafted one (specbatch.acceptance);
     ``unsure_below``: where the draft's first token is less likely than this, it drafts that token
-    alone with k - 1 more leaves (the same rows on the target). A profile that
+    alone with k - 1 more leaves (the same rows on the target); ``draft_ahead``: tokens the draft
+    guesses as the target's at each drafted position while the target verifies, drafting the next
+    step after each (0: off; coordinator/step.py). A profile that
     cannot be used, or services that do not fit together, raise ValueError before serving."""
     profile_file = ProfileFile(profile, profile_poll_seconds) if isinstance(profile, (str, Path)) else profile
     check_leaf_options(leaves, unsure_below)
+    check_draft_ahead(draft_ahead)
     k_policy = parse_policy(policy, MAX_K, profile_file, leaves)
     metrics = CoordinatorMetrics(new_registry())
 
@@ -173,7 +183,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     limits = Limits(target_stats.vocab_size, max_context, max_new_tokens, eos_token_ids, max_prompt_tokens)
     metrics.set_policy(k_policy.describe())
     scheduler = Scheduler(targets, drafts, k_policy, max_batch_size, max_queue, max_context, feature_size,
-                          metrics=metrics, leaves=leaves, unsure_below=unsure_below)
+                          metrics=metrics, leaves=leaves, unsure_below=unsure_below, draft_ahead=draft_ahead)
     metrics.track_load(scheduler.load, max_batch_size)
     scheduler.start()
     if profile_file is not None:
@@ -214,6 +224,11 @@ def main(argv=None) -> None:
                         help="where the draft's first token has probability below P (0 to 1), it drafts that "
                              "token alone and offers its next-best tokens in the rows the rest of the chain "
                              "would have taken (default 0: never)")
+    parser.add_argument("--draft-ahead", type=int, default=0, metavar="N",
+                        help=f"while the target verifies, the draft guesses its verdict (N of its likeliest "
+                             f"tokens at each drafted position, 0 to {MAX_GUESSES}) and drafts the next step for "
+                             "each guess; where one is right the next step needs no Propose (greedy requests; "
+                             "default 0: off)")
     parser.add_argument("--profile", help="profile JSON made by `specbatch profile`; re-read when the file changes")
     parser.add_argument("--profile-poll-seconds", type=float, default=2.0,
                         help="how often to check the profile file for changes")
@@ -245,6 +260,7 @@ def main(argv=None) -> None:
         profile_file = ProfileFile(args.profile, args.profile_poll_seconds) if args.profile else None
         parse_policy(args.k_policy, MAX_K, profile_file)
         check_leaf_options(args.leaves, args.unsure_below)
+        check_draft_ahead(args.draft_ahead)
     except ValueError as error:
         parser.error(str(error))
     server_credentials = server_credentials_from_args(args, parser)
@@ -261,7 +277,7 @@ def main(argv=None) -> None:
         credentials=credentials, tls_server_name=args.service_tls_server_name,
         server_credentials=server_credentials, refresh_seconds=args.discovery_seconds,
         wait_seconds=args.wait_for_services, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-        leaves=args.leaves, unsure_below=args.unsure_below,
+        leaves=args.leaves, unsure_below=args.unsure_below, draft_ahead=args.draft_ahead,
     )
     log.info("coordinator serving on %s:%d (k policy %s)", args.host, coordinator.port, args.k_policy)
     coordinator.server.run_until_signal(on_stop=lambda: coordinator.drain(args.drain_seconds))

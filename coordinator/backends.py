@@ -169,3 +169,11 @@ class DraftClient(ServiceClient):
         items = [pb.ProposeItem(sequence=_seq(c), k=k, sampling=_sampling_to_proto(s), leaves=n, unsure_below=u)
                  for c, k, s, n, u in zip(calls, ks, sampling, leaves, unsure_below)]
         return self._call(self.stub.Propose, pb.ProposeRequest(items=items), timeout)
+
+    def propose_ahead(self, calls: list[Call], chains: list[list[int]], guesses: list[int], ks: list[int],
+                      timeout: float | None = None) -> pb.AheadResponse:
+        """Per sequence: the chain the target is verifying, how many tokens to guess at each of its
+        positions, and the drafts to make after each guess (draft_service/ahead.py)."""
+        items = [pb.AheadItem(sequence=_seq(c), chain=chain, guesses=n, k=k)
+                 for c, chain, n, k in zip(calls, chains, guesses, ks)]
+        return self._call(self.stub.ProposeAhead, pb.AheadRequest(items=items), timeout)

@@ -117,6 +117,7 @@ class Request:
     fixed_k: int | None = None
     fixed_leaves: int | None = None  # its own leaves beside the first draft (else the coordinator's --leaves)
     unsure_below: float | None = None  # its own --unsure-below (else the coordinator's)
+    draft_ahead: int | None = None  # its own --draft-ahead (else the coordinator's)
     arrival: float = field(default_factory=time.monotonic)
     # The services' key for its caches: always unique, whatever request_id clients send.
     seq_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -124,6 +125,9 @@ class Request:
     history: list[int] = field(default_factory=list)
     target_len: int = 0  # tokens of history cached on its target replica
     draft_len: int = 0  # tokens of history cached on its draft replica
+    # Drafts for its next step, made while the target verified the last one (drafting ahead,
+    # coordinator/step.py), where the draft guessed that verdict; None otherwise.
+    ready_drafts: list[int] | None = None
     # The replicas its caches live on (replicas.Replica), for its life unless one fails.
     target_replica: object | None = None
     draft_replica: object | None = None

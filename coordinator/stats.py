@@ -27,6 +27,9 @@ class StepStats:
     # Sequences whose chain stopped at a position that had leaves; of those, the ones that kept a leaf.
     leaf_chances: int = 0
     leaf_hits: int = 0
+    # Sequences whose verdict the draft guessed at (drafting ahead); of those, the ones it guessed right.
+    ahead_guessed: int = 0
+    ahead_hits: int = 0
     # Per draft position: drafts that reached it (every earlier position accepted), and of those,
     # the ones accepted there.
     reached_by_position: list[int] = field(init=False)
@@ -65,9 +68,13 @@ class StepTotals:
     k_histogram: list[int] = field(default_factory=lambda: [0] * (MAX_K + 1))  # sequence-steps by k
     leaf_chances: int = 0  # chains stopped at a position with leaves
     leaf_hits: int = 0  # and of those, leaves kept
+    ahead_guessed: int = 0  # sequence-steps whose verdict the draft guessed at, drafting ahead
+    ahead_hits: int = 0  # and of those, the ones it guessed right
 
     def add(self, step: StepStats) -> None:
         self.steps += 1
+        self.ahead_guessed += step.ahead_guessed
+        self.ahead_hits += step.ahead_hits
         self.leaf_chances += step.leaf_chances
         self.leaf_hits += step.leaf_hits
         self.sequence_steps += step.batch_size

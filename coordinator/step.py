@@ -5,6 +5,11 @@ request's history and stream it out.
 A draft that fails or is missing makes its sequences target-only for the step (k = 0), which is
 lossless; a target replica that fails leaves its sequences out of the step (they move and run
 again next step).
+
+Drafting ahead (``ahead`` > 0): while the target verifies, the draft guesses each greedy
+sequence's verdict and drafts the step after it for each guess (draft_service/ahead.py); where the
+verdict matches a guess, the next step uses those drafts and skips its Propose. A failed or
+missing guess costs nothing but that: the step proposes as usual.
 """
 
 from __future__ import annotations
@@ -25,9 +30,15 @@ from .stats import StepStats
 log = logging.getLogger(__name__)
 
 
+# Drafting ahead: the most guesses one ProposeAhead call drafts after (each a row of the draft's
+# batch for k forwards). On the 2-core CPU a draft forward of 16 rows costs about 1.5 of one row,
+# so 16 guesses fit well inside a batch-1 verify; more would make the step wait for the draft.
+AHEAD_ROWS = 16
+
+
 class DecodeStep:
     def __init__(self, placement: Placement, policy, max_context: int, feature_row_bytes: int, metrics=None,
-                 leaves: int = 0, unsure_below: float = 0.0):
+                 leaves: int = 0, unsure_below: float = 0.0, ahead: int = 0, ahead_rows: int = AHEAD_ROWS):
         self.placement = placement
         self.policy = policy
         self.max_context = max_context
@@ -40,6 +51,8 @@ class DecodeStep:
         # Where the draft's first token has probability below this, it drafts that token alone and
         # offers its next-best tokens in the rows the rest of the chain would have taken.
         self.unsure_below = unsure_below
+        # Drafting ahead: tokens guessed at each chain position (0: off), within ahead_rows guesses a call.
+        self.ahead, self.ahead_rows = ahead, ahead_rows
 
     def leaves_for(self, request: Request, k: int, batch_size: int) -> tuple[int, int]:
         """For a request drafting k: how many next-best tokens the draft proposes at the first
@@ -65,21 +78,28 @@ class DecodeStep:
         """One draft → verify → accept step over ``batch`` (every request placed on a target)."""
         start = time.perf_counter()
         ks = [self.k_for(r, len(batch)) for r in batch]
-        leaves = [self.leaves_for(r, k, len(batch)) for r, k in zip(batch, ks)]
+        # Drafts made ahead, where the draft guessed the last verdict (greedy only): no Propose for them.
+        ready = [r.ready_drafts[:k] if r.ready_drafts and k else None for r, k in zip(batch, ks)]
+        leaves = [self.leaves_for(r, k, len(batch)) if drafts is None else (0, 0)
+                  for r, k, drafts in zip(batch, ks, ready)]
         proposed, proposed_q, next_best, draft_cached_len, draft_compute = self._propose(
-            batch, ks, [[most] if most else [] for most, _ in leaves])
+            batch, ks, [[most] if most else [] for most, _ in leaves], ready)
         drafted = time.perf_counter()
         calls = [Call(r.seq_id, r.target_len, r.history[r.target_len :]) for r in batch]
         verified_leaves = [self._leaves_to_verify(at, tokens, k, *counts)
                            for at, tokens, k, counts in zip(next_best, proposed, ks, leaves)]
+        guessing = self._start_ahead(batch, proposed, ks, draft_cached_len)  # beside the verify
         verdicts, target_compute = self._verify(batch, calls, proposed, proposed_q, verified_leaves)
+        guesses = self._finish_ahead(batch, guessing)
         verified = time.perf_counter()
         outcomes = []  # (drafted, accepted) of each sequence that drafted: what the policy learns from
         stepped_ks = []  # the k each stepped sequence drafted
         first_rejections = []  # rank of the target's token among the draft's next-best ones, at each rejected first draft
         leaf_chances = leaf_hits = 0  # first drafts rejected with leaves verified; and of those, leaves kept
-        for request, call, tokens, at, (most, _), tried, cached_len, verdict in zip(
-                batch, calls, proposed, next_best, leaves, verified_leaves, draft_cached_len, verdicts):
+        ahead_guessed = ahead_hits = 0
+        for request, call, tokens, at, (most, _), tried, cached_len, verdict, guessed in zip(
+                batch, calls, proposed, next_best, leaves, verified_leaves, draft_cached_len, verdicts, guesses):
+            request.ready_drafts = None
             if verdict is None:  # its target replica failed this step: it runs again once placed
                 continue
             stepped_ks.append(len(tokens))
@@ -96,6 +116,12 @@ class DecodeStep:
             request.target_len = verdict.cached_len
             if request.features is not None:
                 request.features.store(call.keep_len, verdict.features)
+            if guessed is not None:  # the draft kept what it was sent; a verdict it guessed has drafts ready
+                cached_len, by_verdict = guessed
+                ahead_guessed += 1
+                if not leaf:
+                    request.ready_drafts = by_verdict.get((accepted, verdict.next_token))
+                    ahead_hits += request.ready_drafts is not None
             if tokens:
                 # What the draft cached past the history is valid as far as its drafts were accepted
                 # (a plain draft fed itself its first k-1 proposals; an EAGLE-style one keeps none).
@@ -110,7 +136,60 @@ class DecodeStep:
         if first_rejections:
             self.policy.observe_first_rejections(first_rejections)
         return StepStats(len(stepped_ks), stepped_ks, outcomes, drafted - start, verified - drafted,
-                         time.perf_counter() - start, draft_compute, target_compute, leaf_chances, leaf_hits)
+                         time.perf_counter() - start, draft_compute, target_compute, leaf_chances, leaf_hits,
+                         ahead_guessed, ahead_hits)
+
+    # ---- draft ahead -------------------------------------------------------------------------------
+
+    def _start_ahead(self, batch: list[Request], proposed: list[list[int]], ks: list[int],
+                     draft_cached_len: list[int]):
+        """Send one ProposeAhead per draft replica for the greedy sequences that drafted, without
+        waiting (the verify runs meanwhile). Returns the pending calls (empty: none sent)."""
+        if self.placement.draft_replicas is None:
+            return {}
+        wanted = [self.ahead if r.draft_ahead is None else r.draft_ahead for r in batch]
+        chosen = [i for i, tokens in enumerate(proposed)
+                  if tokens and wanted[i] and batch[i].sampling.greedy and batch[i].draft_replica is not None]
+        positions = sum(len(proposed[i]) + 1 for i in chosen)
+        share = self.ahead_rows // positions if positions else 0  # guesses a position, within ahead_rows
+        chosen = [i for i in chosen if min(wanted[i], share)]
+        if not chosen:
+            return {}
+
+        def call(request: Request, i: int) -> Call:
+            # Its uncached tokens (a Propose this step cached all; the last is fed again: a call
+            # feeds one at least) with their target features.
+            start = min(draft_cached_len[i], len(request.history) - 1)
+            features = request.features.for_tokens(start, len(request.history)) if request.features is not None else b""
+            return Call(request.seq_id, start, request.history[start:], features)
+
+        pending = {}
+        for replica, idx in by_draft_replica(batch, chosen).items():
+            if replica is None:
+                continue
+            group = [batch[i] for i in idx]
+            pending[replica] = (idx, self.placement.pool.submit(
+                replica.client.propose_ahead, [call(batch[i], i) for i in idx], [proposed[i] for i in idx],
+                [min(wanted[i], share) for i in idx], [max(ks[i], 1) for i in idx],
+                timeout=call_timeout(group, replica.client.timeout)[0]))
+        return pending
+
+    def _finish_ahead(self, batch: list[Request], pending) -> list:
+        """Per request: None, or (the draft's cached length, {(accepted, next token): drafts})."""
+        guesses: list = [None] * len(batch)
+        for replica, (idx, job) in pending.items():
+            try:
+                result = job.result()
+            except grpc.RpcError as error:  # lossless: the next step proposes as usual
+                log.warning("draft-ahead on %s failed: %s", replica.address, error.code().name)
+                if lost_state(error):
+                    for i in idx:
+                        batch[i].draft_len = 0
+                continue
+            for i, proposal in zip(idx, result.proposals):
+                guesses[i] = (proposal.cached_len, {(g.accepted, g.next_token): list(g.tokens)
+                                                    for g in proposal.guesses})
+        return guesses
 
     @staticmethod
     def _leaves_to_verify(next_best, tokens: list[int], k: int, most: int, verified: int) -> list[list[int]]:
@@ -170,8 +249,8 @@ class DecodeStep:
 
     # ---- propose -----------------------------------------------------------------------------------
 
-    def _propose(self, batch: list[Request], ks: list[int],
-                 leaves: list[list[int]]) -> tuple[list[list[int]], list, list, list[int], float]:
+    def _propose(self, batch: list[Request], ks: list[int], leaves: list[list[int]],
+                 ready: list[list[int] | None]) -> tuple[list[list[int]], list, list, list[int], float]:
         """Draft tokens per request (empty where it does not speculate), the q' each sampled
         request's tokens were drawn from and the leaves proposed beside them (DraftDistribution
         and Leaves messages, passed on to the target as they came), the draft's cached lengths,
@@ -180,7 +259,10 @@ class DecodeStep:
         proposed_q: list = [() for _ in batch]
         proposed_leaves: list = [() for _ in batch]
         cached_len = [0] * len(batch)
-        speculating = [i for i, k in enumerate(ks) if k > 0 and self._can_draft(batch[i])]
+        for i, drafts in enumerate(ready):
+            if drafts is not None:  # drafted ahead; the draft holds what it held
+                proposed[i], cached_len[i] = drafts, batch[i].draft_len
+        speculating = [i for i, k in enumerate(ks) if k > 0 and ready[i] is None and self._can_draft(batch[i])]
         if not speculating or self.placement.draft_replicas is None:
             return proposed, proposed_q, proposed_leaves, cached_len, 0.0
         groups = by_draft_replica(batch, speculating)

@@ -7,6 +7,7 @@ from specbatch.serving import engine_errors_to_status
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 
+from .ahead import AheadItem, propose_ahead
 from .proposer import ProposeItem, proposals
 
 
@@ -26,6 +27,21 @@ class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
                             distributions=[distribution_to_proto(d) for d in proposal.distributions],
                             leaves=[pb.Leaves(tokens=at) for at in proposal.leaves])
                 for item, proposal in zip(items, drafts)
+            ],
+            compute_seconds=seconds,
+        )
+
+    @engine_errors_to_status
+    def ProposeAhead(self, request, context):
+        seqs = sequence_inputs((item.sequence for item in request.items), self.engine.feature_size)
+        items = [AheadItem(seq, list(item.chain), item.guesses, item.k) for seq, item in zip(seqs, request.items)]
+        guesses, seconds = self.observed("ProposeAhead", len(items), propose_ahead, self.engine, items)
+        return pb.AheadResponse(
+            proposals=[
+                pb.AheadProposal(seq_id=item.seq.seq_id, cached_len=self.engine.length(item.seq.seq_id),
+                                 guesses=[pb.Guess(accepted=g.accepted, next_token=g.next_token, tokens=g.tokens)
+                                          for g in item_guesses])
+                for item, item_guesses in zip(items, guesses)
             ],
             compute_seconds=seconds,
         )

@@ -352,6 +352,21 @@ class Engine:
         cache.length, cache.last_used = length, self.clock()
         return length
 
+    def fork(self, new_id: str, source_kv: torch.Tensor, length: int) -> None:
+        """A new sequence ``new_id`` holding a copy of ``source_kv``'s first ``length`` columns
+        (one row of a batch's cache, ``[layers, 2, kv_heads, columns, head_dim]``: columns a call
+        wrote past a sequence's cache count too). Drafting ahead forks a sequence once per guess
+        and releases the forks within the same call, so no state outlives it."""
+        if new_id in self.sequences:
+            raise InvalidRequest(f"sequence id {new_id!r} is taken")
+        if len(self.sequences) >= self.max_sequences:
+            raise CapacityExceeded(f"{len(self.sequences)} sequences cached; the limit is {self.max_sequences}")
+        self.pool.ensure(len(self.sequences) + 1, length + 1, self.max_context + 1)
+        cache = self._new_cache()
+        cache.kv[:, :, :, :length] = source_kv[:, :, :, :length]
+        cache.length, cache.last_used = length, self.clock()
+        self.sequences[new_id] = cache
+
     def reclaim_idle(self, max_idle: float) -> list[str]:
         """Release the sequences no call has touched for more than ``max_idle`` seconds (their
         caller is gone: a coordinator killed or stopped before it released them); their ids.

@@ -8,6 +8,8 @@ from __future__ import annotations
 MAX_K = 16
 # The most leaves (the draft's next-best tokens, verified beside the chain) per drafted position.
 MAX_LEAVES = 8
+# Drafting ahead: the most tokens the draft guesses as the target's at one position (AheadItem.guesses).
+MAX_GUESSES = 8
 
 
 def leaf_option_problems(leaves: int | None = None, unsure_below: float | None = None) -> list[str]:

@@ -1,0 +1,81 @@
+"""Drafting ahead: while the target verifies, the draft guesses the verdict and drafts the next
+step for each guess (draft_service/ahead.py, coordinator/step.py). Output stays exact; right guesses
+skip the next step's Propose; the draft keeps no state of the guesses."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from draft_service.ahead import AheadItem, propose_ahead
+from draft_service.proposer import ProposeItem, propose
+from specbatch.client import generate_all, make_request
+from specbatch.engine import Engine, InvalidRequest, SequenceInput
+from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
+from tiny import VOCAB, greedy_reference
+
+
+def prompts(seed: int, count: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(count)]
+
+
+def test_a_guess_drafts_what_a_propose_after_that_verdict_drafts(draft_model):
+    """A plain draft (no target features): the drafts made ahead for the guess (j, t) are those a
+    Propose makes once the history holds the chain's first j tokens and t; only the sequence's own
+    tokens stay cached, and the forks are gone."""
+    prompt, chain, k = [1, 7, 9, 11, 13], [20, 21, 22], 3
+    engine = Engine(draft_model)
+    guesses = propose_ahead(engine, [AheadItem(SequenceInput("s", 0, prompt), chain, guesses=3, k=k)])[0]
+    assert list(engine.sequences) == ["s"] and engine.length("s") == len(prompt)
+    assert {g.accepted for g in guesses} == {0, 1, 2, 3} and len(guesses) == 3 * (len(chain) + 1)
+    for g in guesses:
+        assert g.accepted == len(chain) or g.next_token != chain[g.accepted]
+        history = prompt + chain[: g.accepted] + [g.next_token]
+        fresh = Engine(draft_model)
+        assert g.tokens == propose(fresh, [ProposeItem(SequenceInput("s", 0, history), k)])[0], g
+
+
+def test_guesses_are_the_drafts_likeliest_tokens(draft_model):
+    """At each position, the guesses are the draft's top tokens there (other than the chain's)."""
+    prompt = [1, 5, 6, 7]
+    engine = Engine(draft_model)
+    chain = propose(Engine(draft_model), [ProposeItem(SequenceInput("s", 0, prompt), 2)])[0]
+    guesses = propose_ahead(engine, [AheadItem(SequenceInput("s", 0, prompt), chain, guesses=2, k=1)])[0]
+    with torch.no_grad():
+        for j in range(len(chain) + 1):
+            logits = draft_model(torch.tensor([prompt + chain[:j]])).logits[0, -1]
+            top = [t for t in logits.topk(4).indices.tolist() if j == len(chain) or t != chain[j]][:2]
+            assert [g.next_token for g in guesses if g.accepted == j] == top
+
+
+def test_bad_ahead_items_are_refused_and_change_nothing(draft_model):
+    engine = Engine(draft_model)
+    for chain, guesses, k in (([], 2, 1), ([5], 0, 1), ([5], 9, 1), ([5], 2, 0)):
+        with pytest.raises(InvalidRequest):
+            propose_ahead(engine, [AheadItem(SequenceInput("s", 0, [1, 5]), chain, guesses, k)])
+    assert not engine.sequences
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+def test_greedy_output_drafting_ahead_matches_generate_and_skips_proposes(target_model, draft_model, eagle_draft,
+                                                                          tokenizer, eagle):
+    """Mixed batches through the services, drafting ahead: every output is target-only decoding,
+    token for token; some verdicts were guessed right (their next step made no Propose), not all."""
+    from specbatch.commands.local import start_local_stack
+
+    stack = start_local_stack(target_model, eagle_draft if eagle else draft_model, tokenizer, max_batch_size=4,
+                              max_new_tokens=64, draft_ahead=3)
+    try:
+        batch = prompts(seed=5, count=8)
+        results = generate_all(stack.client(), [make_request(p, 30, k=2, ignore_eos=True) for p in batch],
+                               concurrency=8)
+        for prompt, result in zip(batch, results):
+            assert result.token_ids == greedy_reference(target_model, prompt, 30)
+        totals = stack.coordinator.scheduler.totals
+        assert 0 < totals.ahead_hits < totals.ahead_guessed, vars(totals)
+        assert not stack.draft_engines[0].sequences and not stack.target_engines[0].sequences
+    finally:
+        stack.stop()
