@@ -170,10 +170,12 @@ class DraftClient(ServiceClient):
                  for c, k, s, n, u in zip(calls, ks, sampling, leaves, unsure_below)]
         return self._call(self.stub.Propose, pb.ProposeRequest(items=items), timeout)
 
-    def propose_ahead(self, calls: list[Call], chains: list[list[int]], guesses: list[int], ks: list[int],
-                      timeout: float | None = None) -> pb.AheadResponse:
+    @staticmethod
+    def ahead_request(calls: list[Call], chains: list[list[int]], guesses: list[int], ks: list[int]) -> pb.AheadRequest:
         """Per sequence: the chain the target is verifying, how many tokens to guess at each of its
         positions, and the drafts to make after each guess (draft_service/ahead.py)."""
-        items = [pb.AheadItem(sequence=_seq(c), chain=chain, guesses=n, k=k)
-                 for c, chain, n, k in zip(calls, chains, guesses, ks)]
-        return self._call(self.stub.ProposeAhead, pb.AheadRequest(items=items), timeout)
+        return pb.AheadRequest(items=[pb.AheadItem(sequence=_seq(c), chain=chain, guesses=n, k=k)
+                                      for c, chain, n, k in zip(calls, chains, guesses, ks)])
+
+    def propose_ahead(self, request: pb.AheadRequest, timeout: float | None = None) -> pb.AheadResponse:
+        return self._call(self.stub.ProposeAhead, request, timeout)

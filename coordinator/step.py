@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 # batch for k forwards). On the 2-core CPU a draft forward of 16 rows costs about 1.5 of one row,
 # so 16 guesses fit well inside a batch-1 verify; more would make the step wait for the draft.
 AHEAD_ROWS = 16
+# The ahead call leaves this long after the Verify: sent at once, the two services and the
+# coordinator all wanted a core as the verify started, and each step waited ~1 ms longer for its
+# verdict (2 cores; docs/engine.md, "Drafting ahead"). The guessing still ends inside the verify.
+AHEAD_DELAY_SECONDS = 0.002
 
 
 class DecodeStep:
@@ -88,7 +92,8 @@ class DecodeStep:
         calls = [Call(r.seq_id, r.target_len, r.history[r.target_len :]) for r in batch]
         verified_leaves = [self._leaves_to_verify(at, tokens, k, *counts)
                            for at, tokens, k, counts in zip(next_best, proposed, ks, leaves)]
-        guessing = self._start_ahead(batch, proposed, ks, draft_cached_len)  # beside the verify
+        guessing = {replica: (idx, self.placement.pool.submit(call))  # beside the verify
+                    for replica, (idx, call) in self._ahead_calls(batch, proposed, ks, draft_cached_len).items()}
         verdicts, target_compute = self._verify(batch, calls, proposed, proposed_q, verified_leaves)
         guesses = self._finish_ahead(batch, guessing)
         verified = time.perf_counter()
@@ -141,10 +146,10 @@ class DecodeStep:
 
     # ---- draft ahead -------------------------------------------------------------------------------
 
-    def _start_ahead(self, batch: list[Request], proposed: list[list[int]], ks: list[int],
-                     draft_cached_len: list[int]):
-        """Send one ProposeAhead per draft replica for the greedy sequences that drafted, without
-        waiting (the verify runs meanwhile). Returns the pending calls (empty: none sent)."""
+    def _ahead_calls(self, batch: list[Request], proposed: list[list[int]], ks: list[int],
+                     draft_cached_len: list[int]) -> dict:
+        """One ProposeAhead per draft replica for the greedy sequences that drafted, to run beside
+        the verify: ``{replica: (their indices, the call)}`` (empty: none this step)."""
         if self.placement.draft_replicas is None:
             return {}
         wanted = [self.ahead if r.draft_ahead is None else r.draft_ahead for r in batch]
@@ -163,16 +168,21 @@ class DecodeStep:
             features = request.features.for_tokens(start, len(request.history)) if request.features is not None else b""
             return Call(request.seq_id, start, request.history[start:], features)
 
-        pending = {}
+        calls = {}
         for replica, idx in by_draft_replica(batch, chosen).items():
             if replica is None:
                 continue
-            group = [batch[i] for i in idx]
-            pending[replica] = (idx, self.placement.pool.submit(
-                replica.client.propose_ahead, [call(batch[i], i) for i in idx], [proposed[i] for i in idx],
-                [min(wanted[i], share) for i in idx], [max(ks[i], 1) for i in idx],
-                timeout=call_timeout(group, replica.client.timeout)[0]))
-        return pending
+
+            # Built here, before the Verify, so the thread that sends it needs little Python.
+            request = replica.client.ahead_request([call(batch[i], i) for i in idx], [proposed[i] for i in idx],
+                                                   [min(wanted[i], share) for i in idx], [max(ks[i], 1) for i in idx])
+            timeout = call_timeout([batch[i] for i in idx], replica.client.timeout)[0]
+            def ahead(client=replica.client, request=request, timeout=timeout):
+                time.sleep(AHEAD_DELAY_SECONDS)  # the Verify first (see AHEAD_DELAY_SECONDS)
+                return client.propose_ahead(request, timeout)
+
+            calls[replica] = (idx, ahead)
+        return calls
 
     def _finish_ahead(self, batch: list[Request], pending) -> list:
         """Per request: None, or (the draft's cached length, {(accepted, next token): drafts})."""

@@ -79,3 +79,31 @@ def test_greedy_output_drafting_ahead_matches_generate_and_skips_proposes(target
         assert not stack.draft_engines[0].sequences and not stack.target_engines[0].sequences
     finally:
         stack.stop()
+
+
+def test_a_draft_that_forgets_its_sequences_while_drafting_ahead_costs_no_token(target_model, eagle_draft,
+                                                                                  tokenizer):
+    """The draft loses every sequence now and then mid-request: a ProposeAhead then finds its
+    sequence gone (FAILED_PRECONDITION), the coordinator rebuilds the draft from the history, and
+    the output is still target-only decoding."""
+    from specbatch.client import generate
+    from specbatch.commands.local import start_local_stack
+
+    stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=64,
+                              draft_ahead=2)
+    engine = stack.draft_engines[0]
+    responses = []
+
+    def forget_every_third(response):
+        responses.append(response)
+        if len(responses) % 3 == 0:
+            engine.run(lambda: engine.release(list(engine.sequences)))
+
+    try:
+        prompt = prompts(seed=11, count=1)[0]
+        result = generate(stack.client(), make_request(prompt, 40, k=2, ignore_eos=True),
+                          on_response=forget_every_third)
+        assert result.token_ids == greedy_reference(target_model, prompt, 40)
+        assert len(responses) > 6 and stack.coordinator.scheduler.totals.ahead_guessed > 0
+    finally:
+        stack.stop()
