@@ -80,7 +80,7 @@ def propose_ahead(engine: Engine, items: list[AheadItem]) -> list[list[Guess]]:
     candidates = [ranked(batch.prefill(1)[:, -1])]
     hidden = [batch.last_hidden()[:, -1] if reads_features else None]
     for step in range(longest):
-        tokens = torch.tensor([item.chain[min(step, len(item.chain) - 1)] for item in items])
+        tokens = torch.tensor([item.chain[min(step, len(item.chain) - 1)] for item in items], device=engine.device)
         candidates.append(ranked(batch.decode(tokens, hidden[-1])))
         hidden.append(batch.last_hidden()[:, -1] if reads_features else None)
     batch.commit([len(item.seq.tokens) for item in items])
