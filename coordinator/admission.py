@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from specbatch.errors import InvalidRequest
 from specbatch.prompts import chat_token_ids
 from specbatch.sampling_params import SamplingParams
-from specbatch.speculation import MAX_GUESSES, MAX_K, leaf_option_problems
+from specbatch.speculation import MAX_K, draft_ahead_problems, leaf_option_problems
 from specbatch.v1 import generation_pb2 as pb
 
 from .requests import Request, TextStream
@@ -91,8 +91,7 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
     unsure_below = message.unsure_below if message.HasField("unsure_below") else None
     problems = leaf_option_problems(fixed_leaves, unsure_below)
     draft_ahead = message.draft_ahead if message.HasField("draft_ahead") else None
-    if draft_ahead is not None and not 0 <= draft_ahead <= MAX_GUESSES:
-        problems.append(f"draft_ahead must be in [0, {MAX_GUESSES}] (got {draft_ahead})")
+    problems += draft_ahead_problems(draft_ahead)
     if problems:
         raise InvalidRequest("; ".join(problems))
     return Request(

@@ -11,7 +11,7 @@ from pathlib import Path
 from specbatch.models import EMBEDDED, ModelSpec, load_tokenizer, model_source
 from specbatch.metrics import new_registry, serve_metrics
 from specbatch.serving import DEFAULT_PORTS, Server, configure_logging
-from specbatch.speculation import MAX_GUESSES, MAX_K, MAX_LEAVES, leaf_option_problems
+from specbatch.speculation import MAX_GUESSES, MAX_K, MAX_LEAVES, draft_ahead_problems, leaf_option_problems
 from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials_from_args,
                            server_credentials_from_args)
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
@@ -99,15 +99,9 @@ def find_eos_token_ids(tokenizer, tokenizer_source: str | None) -> frozenset[int
     return frozenset(ids)
 
 
-def check_draft_ahead(guesses: int) -> None:
-    """``--draft-ahead`` in range, else ValueError."""
-    if not 0 <= guesses <= MAX_GUESSES:
-        raise ValueError(f"--draft-ahead must be in [0, {MAX_GUESSES}] (got {guesses})")
-
-
-def check_leaf_options(leaves: int, unsure_below: float) -> None:
-    """``--leaves`` and ``--unsure-below`` in range, else ValueError."""
-    problems = leaf_option_problems(leaves, unsure_below)
+def check_draft_options(leaves: int, unsure_below: float, draft_ahead: int) -> None:
+    """``--leaves``, ``--unsure-below`` and ``--draft-ahead`` in range, else ValueError."""
+    problems = leaf_option_problems(leaves, unsure_below) + draft_ahead_problems(draft_ahead)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -136,8 +130,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     step after each (0: off; coordinator/step.py). A profile that
     cannot be used, or services that do not fit together, raise ValueError before serving."""
     profile_file = ProfileFile(profile, profile_poll_seconds) if isinstance(profile, (str, Path)) else profile
-    check_leaf_options(leaves, unsure_below)
-    check_draft_ahead(draft_ahead)
+    check_draft_options(leaves, unsure_below, draft_ahead)
     k_policy = parse_policy(policy, MAX_K, profile_file, leaves)
     metrics = CoordinatorMetrics(new_registry())
 
@@ -259,8 +252,7 @@ def main(argv=None) -> None:
     try:
         profile_file = ProfileFile(args.profile, args.profile_poll_seconds) if args.profile else None
         parse_policy(args.k_policy, MAX_K, profile_file)
-        check_leaf_options(args.leaves, args.unsure_below)
-        check_draft_ahead(args.draft_ahead)
+        check_draft_options(args.leaves, args.unsure_below, args.draft_ahead)
     except ValueError as error:
         parser.error(str(error))
     server_credentials = server_credentials_from_args(args, parser)

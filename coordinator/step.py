@@ -162,20 +162,16 @@ class DecodeStep:
         if not chosen:
             return {}
 
-        def call(request: Request, i: int) -> Call:
-            # Its uncached tokens (a Propose this step cached all; the last is fed again: a call
-            # feeds one at least) with their target features.
-            start = min(draft_cached_len[i], len(request.history) - 1)
-            features = request.features.for_tokens(start, len(request.history)) if request.features is not None else b""
-            return Call(request.seq_id, start, request.history[start:], features)
-
         calls = {}
         for replica, idx in by_draft_replica(batch, chosen).items():
             if replica is None:
                 continue
 
             # Built here, before the Verify, so the thread that sends it needs little Python.
-            request = replica.client.ahead_request([call(batch[i], i) for i in idx], [proposed[i] for i in idx],
+            # Each sequence's uncached tokens (where a Propose this step cached them all, the last
+            # is fed again: a call feeds one at least) with their target features.
+            sequences = [self._draft_call(batch[i], min(draft_cached_len[i], len(batch[i].history) - 1)) for i in idx]
+            request = replica.client.ahead_request(sequences, [proposed[i] for i in idx],
                                                    [min(wanted[i], share) for i in idx], [max(ks[i], 1) for i in idx])
             timeout = call_timeout([batch[i] for i in idx], replica.client.timeout)[0]
 
@@ -325,8 +321,10 @@ class DecodeStep:
                     request.draft_len = 0
 
     @staticmethod
-    def _draft_call(request: Request) -> Call:
-        start, end = request.draft_len, len(request.history)
+    def _draft_call(request: Request, start: int | None = None) -> Call:
+        """The history from ``start`` (default: what the draft has not cached) with its features."""
+        start = request.draft_len if start is None else start
+        end = len(request.history)
         features = request.features.for_tokens(start, end) if request.features is not None else b""
         return Call(request.seq_id, start, request.history[start:], features)
 

@@ -23,6 +23,14 @@ def leaf_option_problems(leaves: int | None = None, unsure_below: float | None =
     return problems
 
 
+def draft_ahead_problems(guesses: int | None) -> list[str]:
+    """What is out of range in a draft-ahead guess count (0 to MAX_GUESSES): the coordinator's flag
+    and a request's own value are checked alike."""
+    if guesses is None or 0 <= guesses <= MAX_GUESSES:
+        return []
+    return [f"draft_ahead must be in [0, {MAX_GUESSES}] (got {guesses})"]
+
+
 def tally_positions(outcomes: list[tuple[int, int]], positions: int) -> tuple[list[int], list[int]]:
     """Per draft position i: how many drafts reached it (drafted past i with every earlier
     position accepted) and how many of those were accepted there."""
