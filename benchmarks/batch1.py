@@ -11,7 +11,7 @@ Prints tokens/s of each and the ratios, where each mode's decode step spends its
 coordinator's step totals: RPC time beside the compute the services report), and writes JSON.
 
     .venv/bin/python benchmarks/batch1.py [--prompts 24] [--tokens 96] [--k-policy profile --profile P] [--leaves 0,1,2]
-        [--draft-ahead 1,4]
+        [--draft-ahead 1,4] [--prompt-lookup 4,8]
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def transformers_generate(prompts: list[list[int]], tokens: int, threads: int) -
 
 
 STEP_PARTS = ("step_seconds", "draft_seconds", "draft_compute_seconds", "target_seconds", "target_compute_seconds")
-LEAF_COUNTS = ("leaf_chances", "leaf_hits", "ahead_guessed", "ahead_hits")
+LEAF_COUNTS = ("leaf_chances", "leaf_hits", "ahead_guessed", "ahead_hits", "lookup_chains", "lookup_drafted",
+               "lookup_accepted")
 
 
 def step_totals(stub) -> dict:
@@ -95,6 +96,8 @@ def served(address: str, prompts: list[list[int]], tokens: int,
                    "tokens_per_step": s["generated"] / s["request_steps"] if s["request_steps"] else 0.0,
                    "leaf_hit_rate": s["leaf_hits"] / s["leaf_chances"] if s["leaf_chances"] else 0.0,
                    "ahead_hit_rate": s["ahead_hits"] / s["ahead_guessed"] if s["ahead_guessed"] else 0.0,
+                   "lookup_share": s["lookup_chains"] / s["request_steps"] if s["request_steps"] else 0.0,
+                   "lookup_kept": s["lookup_accepted"] / s["lookup_chains"] if s["lookup_chains"] else 0.0,
                    "ms_per_step": where_step_time_goes(s, s["seconds"])}
             for name, s in sums.items()}
 
@@ -122,6 +125,9 @@ def main() -> int:
     parser.add_argument("--draft-ahead", default="", help="comma-separated guess counts: one more speculative mode "
                         "each, no leaves, the draft guessing each verdict (that many tokens a position) and "
                         "drafting the next step while the target verifies")
+    parser.add_argument("--prompt-lookup", default="", help="comma-separated lengths: one more speculative mode "
+                        "each, no leaves, drafts copied from the request's history where its last tokens occurred "
+                        "before (at most that many, and twice the step's k), the draft asked otherwise")
     parser.add_argument("--out", default="bench-out/batch1.json")
     args = parser.parse_args()
 
@@ -149,7 +155,11 @@ def main() -> int:
     for n in ahead:
         names[f"ahead{n}"] = f"speculative, drafting ahead ({n} guesses a position)"
         fields[f"ahead{n}"] = {"k": None, "leaves": 0, "draft_ahead": n}
-    leaf_counts += unsure + [f"ahead{n}" for n in ahead]  # the speculative modes, in order
+    lookups = [int(n) for n in args.prompt_lookup.split(",") if n]
+    for n in lookups:
+        names[f"lookup{n}"] = f"speculative, prompt lookup (<= {n} tokens)"
+        fields[f"lookup{n}"] = {"k": None, "leaves": 0, "prompt_lookup": n}
+    leaf_counts += unsure + [f"ahead{n}" for n in ahead] + [f"lookup{n}" for n in lookups]  # the speculative modes
     with LocalProcesses(options) as stack:
         modes = served(stack.address, prompts, args.tokens,
                        {"target-only": {"k": 0}, **{names[n]: fields[n] for n in leaf_counts}})
@@ -173,8 +183,10 @@ def main() -> int:
     for n in leaf_counts:
         mode = modes[names[n]]
         print(f"\n{names[n]}: acceptance {mode['acceptance']:.2f} (kept leaves included), tokens per step "
-              f"{mode['tokens_per_step']:.2f}" + (f", leaf hit rate {mode['leaf_hit_rate']:.2f}" if n != 0 and not str(n).startswith("ahead") else "")
-              + (f", verdicts guessed right {mode['ahead_hit_rate']:.2f}" if str(n).startswith("ahead") else ""))
+              f"{mode['tokens_per_step']:.2f}" + (f", leaf hit rate {mode['leaf_hit_rate']:.2f}" if n != 0 and not str(n).startswith(("ahead", "lookup")) else "")
+              + (f", verdicts guessed right {mode['ahead_hit_rate']:.2f}" if str(n).startswith("ahead") else "")
+              + (f", steps drafted by lookup {mode['lookup_share']:.2f} keeping {mode['lookup_kept']:.2f} tokens each"
+                 if str(n).startswith("lookup") else ""))
     print("(targets: >= 1.5x target-only through the services, >= 1.5x transformers generate())")
     print("\n## where a decode step's time goes (ms per step)\n")
     print("| part | target-only (k=0) | " + " | ".join(names[n] for n in leaf_counts) + " |")

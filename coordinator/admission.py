@@ -91,7 +91,8 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
     unsure_below = message.unsure_below if message.HasField("unsure_below") else None
     problems = leaf_option_problems(fixed_leaves, unsure_below)
     draft_ahead = message.draft_ahead if message.HasField("draft_ahead") else None
-    problems += draft_ahead_problems(draft_ahead)
+    prompt_lookup = message.prompt_lookup if message.HasField("prompt_lookup") else None
+    problems += draft_ahead_problems(draft_ahead, prompt_lookup)
     if problems:
         raise InvalidRequest("; ".join(problems))
     return Request(
@@ -105,4 +106,5 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
         fixed_leaves=fixed_leaves,
         unsure_below=unsure_below,
         draft_ahead=draft_ahead,
+        prompt_lookup=prompt_lookup,
     )

@@ -99,9 +99,9 @@ def find_eos_token_ids(tokenizer, tokenizer_source: str | None) -> frozenset[int
     return frozenset(ids)
 
 
-def check_draft_options(leaves: int, unsure_below: float, draft_ahead: int) -> None:
-    """``--leaves``, ``--unsure-below`` and ``--draft-ahead`` in range, else ValueError."""
-    problems = leaf_option_problems(leaves, unsure_below) + draft_ahead_problems(draft_ahead)
+def check_draft_options(leaves: int, unsure_below: float, draft_ahead: int, prompt_lookup: int = 0) -> None:
+    """``--leaves``, ``--unsure-below``, ``--draft-ahead`` and ``--prompt-lookup`` in range, else ValueError."""
+    problems = leaf_option_problems(leaves, unsure_below) + draft_ahead_problems(draft_ahead, prompt_lookup)
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -116,7 +116,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
                       refresh_seconds: float = 10.0,
                       wait_seconds: float = 30.0, metrics_host: str = "127.0.0.1",
                       metrics_port: int | None = 0, leaves: int = 0, unsure_below: float = 0.0,
-                      draft_ahead: int = 0) -> Coordinator:
+                      draft_ahead: int = 0, prompt_lookup: int = 0) -> Coordinator:
     """``target_address``/``draft_address``: one address, a comma-separated list of replicas, or
     ``dns:NAME:PORT`` (re-resolved every ``refresh_seconds``). ``profile``: a path (read now,
     re-read when it changes) or a ProfileFile already open. ``credentials``: TLS for the calls to
@@ -127,10 +127,12 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     ``unsure_below``: where the draft's first token is less likely than this, it drafts that token
     alone with k - 1 more leaves (the same rows on the target); ``draft_ahead``: tokens the draft
     guesses as the target's at each drafted position while the target verifies, drafting the next
-    step after each (0: off; coordinator/step.py). A profile that
+    step after each (0: off; coordinator/step.py); ``prompt_lookup``: the most tokens drafted by
+    copying what followed an earlier occurrence of the history's last tokens, in place of a Propose
+    (0: off; coordinator/lookup.py). A profile that
     cannot be used, or services that do not fit together, raise ValueError before serving."""
     profile_file = ProfileFile(profile, profile_poll_seconds) if isinstance(profile, (str, Path)) else profile
-    check_draft_options(leaves, unsure_below, draft_ahead)
+    check_draft_options(leaves, unsure_below, draft_ahead, prompt_lookup)
     k_policy = parse_policy(policy, MAX_K, profile_file, leaves)
     metrics = CoordinatorMetrics(new_registry())
 
@@ -176,7 +178,8 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     limits = Limits(target_stats.vocab_size, max_context, max_new_tokens, eos_token_ids, max_prompt_tokens)
     metrics.set_policy(k_policy.describe())
     scheduler = Scheduler(targets, drafts, k_policy, max_batch_size, max_queue, max_context, feature_size,
-                          metrics=metrics, leaves=leaves, unsure_below=unsure_below, draft_ahead=draft_ahead)
+                          metrics=metrics, leaves=leaves, unsure_below=unsure_below, draft_ahead=draft_ahead,
+                          prompt_lookup=prompt_lookup)
     metrics.track_load(scheduler.load, max_batch_size)
     scheduler.start()
     if profile_file is not None:
@@ -222,6 +225,10 @@ def main(argv=None) -> None:
                              f"tokens at each drafted position, 0 to {MAX_GUESSES}) and drafts the next step for "
                              "each guess; where one is right the next step needs no Propose (greedy requests; "
                              "default 0: off)")
+    parser.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                        help=f"where the history's last 2-4 tokens occurred before in the request, draft the "
+                             f"tokens that followed them (at most N, 0 to {MAX_K}, and twice the step's k) "
+                             "instead of asking the draft (default 0: off)")
     parser.add_argument("--profile", help="profile JSON made by `specbatch profile`; re-read when the file changes")
     parser.add_argument("--profile-poll-seconds", type=float, default=2.0,
                         help="how often to check the profile file for changes")
@@ -252,7 +259,7 @@ def main(argv=None) -> None:
     try:
         profile_file = ProfileFile(args.profile, args.profile_poll_seconds) if args.profile else None
         parse_policy(args.k_policy, MAX_K, profile_file)
-        check_draft_options(args.leaves, args.unsure_below, args.draft_ahead)
+        check_draft_options(args.leaves, args.unsure_below, args.draft_ahead, args.prompt_lookup)
     except ValueError as error:
         parser.error(str(error))
     server_credentials = server_credentials_from_args(args, parser)
@@ -270,6 +277,7 @@ def main(argv=None) -> None:
         server_credentials=server_credentials, refresh_seconds=args.discovery_seconds,
         wait_seconds=args.wait_for_services, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
         leaves=args.leaves, unsure_below=args.unsure_below, draft_ahead=args.draft_ahead,
+        prompt_lookup=args.prompt_lookup,
     )
     log.info("coordinator serving on %s:%d (k policy %s)", args.host, coordinator.port, args.k_policy)
     coordinator.server.run_until_signal(on_stop=lambda: coordinator.drain(args.drain_seconds))

@@ -71,6 +71,11 @@ class CoordinatorMetrics:
         self.leaf_hits = Counter("specbatch_spec_decode_num_leaf_hits",
                                  "Of those, the ones where the target's token was a leaf and the step kept it.",
                                  registry=r)
+        self.lookup_draft_tokens = Counter("specbatch_spec_decode_num_lookup_draft_tokens",
+                                           "Tokens drafted by prompt lookup (--prompt-lookup), no draft call made.",
+                                           registry=r)
+        self.lookup_accepted_tokens = Counter("specbatch_spec_decode_num_lookup_accepted_tokens",
+                                              "Of those, the ones the target kept.", registry=r)
 
         # ---- requests ----
         self.ttft = Histogram("specbatch_time_to_first_token_seconds", "Arrival to first generated token.",
@@ -132,6 +137,8 @@ class CoordinatorMetrics:
                 self.accepted_per_pos.labels(position=str(i)).inc(n_accepted)
         self.leaf_chances.inc(step.leaf_chances)
         self.leaf_hits.inc(step.leaf_hits)
+        self.lookup_draft_tokens.inc(sum(drafted for drafted, _ in step.lookup_outcomes))
+        self.lookup_accepted_tokens.inc(sum(accepted for _, accepted in step.lookup_outcomes))
         self.step_seconds.labels(phase="draft").observe(step.draft_seconds)
         self.step_seconds.labels(phase="target").observe(step.target_seconds)
         # Clamped: the phases are timed separately, and rounding must not make a negative sample.

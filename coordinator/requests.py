@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from specbatch.sampling_params import SamplingParams
 from specbatch.v1 import generation_pb2 as pb
 
+from .lookup import PromptLookup
+
 FINISH_LENGTH = pb.FINISH_REASON_LENGTH
 FINISH_STOP = pb.FINISH_REASON_STOP
 FINISH_EOS = pb.FINISH_REASON_EOS
@@ -118,6 +120,7 @@ class Request:
     fixed_leaves: int | None = None  # its own leaves beside the first draft (else the coordinator's --leaves)
     unsure_below: float | None = None  # its own --unsure-below (else the coordinator's)
     draft_ahead: int | None = None  # its own --draft-ahead (else the coordinator's)
+    prompt_lookup: int | None = None  # its own --prompt-lookup (else the coordinator's)
     arrival: float = field(default_factory=time.monotonic)
     # The services' key for its caches: always unique, whatever request_id clients send.
     seq_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -128,6 +131,8 @@ class Request:
     # Drafts for its next step, made while the target verified the last one (drafting ahead,
     # coordinator/step.py), where the draft guessed that verdict; None otherwise.
     ready_drafts: list[int] | None = None
+    # Prompt lookup's index of this request's history (coordinator/lookup.py), made on first use.
+    lookup: PromptLookup | None = None
     # The replicas its caches live on (replicas.Replica), for its life unless one fails.
     target_replica: object | None = None
     draft_replica: object | None = None

@@ -46,7 +46,7 @@ class Draining(Exception):
 class Scheduler:
     def __init__(self, target_replicas: ReplicaSet, draft_replicas: ReplicaSet | None, policy, max_batch_size: int,
                  max_queue: int, max_context: int, draft_feature_size: int = 0, metrics=None, leaves: int = 0,
-                 unsure_below: float = 0.0, draft_ahead: int = 0):
+                 unsure_below: float = 0.0, draft_ahead: int = 0, prompt_lookup: int = 0):
         """Each replica's client timeout is the longest one call to it may take; a draft slower
         than that is set aside for a while (steps run target-only) rather than slowing every step."""
         self.placement = Placement(target_replicas, draft_replicas, metrics)
@@ -54,7 +54,7 @@ class Scheduler:
         # with every verdict, and each request keeps them beside its history (float16 rows).
         self.feature_row_bytes = 2 * draft_feature_size if draft_replicas is not None else 0
         self.decode = DecodeStep(self.placement, policy, max_context, self.feature_row_bytes, metrics, leaves,
-                                 unsure_below, ahead=draft_ahead)
+                                 unsure_below, ahead=draft_ahead, lookup=prompt_lookup)
         self.metrics = metrics  # coordinator metrics (coordinator.metrics.CoordinatorMetrics) or None
         self.max_batch_size, self.max_queue, self.max_context = max_batch_size, max_queue, max_context
         self.waiting: deque[Request] = deque()

@@ -30,6 +30,8 @@ class StepStats:
     # Sequences whose verdict the draft guessed at (drafting ahead); of those, the ones it guessed right.
     ahead_guessed: int = 0
     ahead_hits: int = 0
+    # (drafted, accepted) of each chain found by prompt lookup (not in ``outcomes``: those are the draft's).
+    lookup_outcomes: list[tuple[int, int]] = field(default_factory=list)
     # Per draft position: drafts that reached it (every earlier position accepted), and of those,
     # the ones accepted there.
     reached_by_position: list[int] = field(init=False)
@@ -70,9 +72,15 @@ class StepTotals:
     leaf_hits: int = 0  # and of those, leaves kept
     ahead_guessed: int = 0  # sequence-steps whose verdict the draft guessed at, drafting ahead
     ahead_hits: int = 0  # and of those, the ones it guessed right
+    lookup_chains: int = 0  # sequence-steps whose drafts came from prompt lookup, not the draft
+    lookup_drafted: int = 0  # tokens those chains drafted
+    lookup_accepted: int = 0  # and of those, the ones the target kept
 
     def add(self, step: StepStats) -> None:
         self.steps += 1
+        self.lookup_chains += len(step.lookup_outcomes)
+        self.lookup_drafted += sum(drafted for drafted, _ in step.lookup_outcomes)
+        self.lookup_accepted += sum(accepted for _, accepted in step.lookup_outcomes)
         self.ahead_guessed += step.ahead_guessed
         self.ahead_hits += step.ahead_hits
         self.leaf_chances += step.leaf_chances

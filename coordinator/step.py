@@ -10,6 +10,9 @@ Drafting ahead (``ahead`` > 0): while the target verifies, the draft guesses eac
 sequence's verdict and drafts the step after it for each guess (draft_service/ahead.py); where the
 verdict matches a guess, the next step uses those drafts and skips its Propose. A failed or
 missing guess costs nothing but that: the step proposes as usual.
+
+Prompt lookup (``lookup`` > 0): where the history's last tokens occurred before in the request,
+the tokens that followed them are the step's drafts and it skips its Propose (coordinator/lookup.py).
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import time
 import grpc
 
 from specbatch.speculation import MAX_K
+from specbatch.v1 import model_services_pb2 as services_pb
 
 from .backends import Call, lost_state, unreachable
+from .lookup import PromptLookup
 from .placement import Placement, by_draft_replica, by_target_replica, call_timeout
 from .replicas import Replica
 from .requests import Request
@@ -43,7 +48,8 @@ AHEAD_DELAY_SECONDS = 0.002
 
 class DecodeStep:
     def __init__(self, placement: Placement, policy, max_context: int, feature_row_bytes: int, metrics=None,
-                 leaves: int = 0, unsure_below: float = 0.0, ahead: int = 0, ahead_rows: int = AHEAD_ROWS):
+                 leaves: int = 0, unsure_below: float = 0.0, ahead: int = 0, ahead_rows: int = AHEAD_ROWS,
+                 lookup: int = 0):
         self.placement = placement
         self.policy = policy
         self.max_context = max_context
@@ -58,6 +64,8 @@ class DecodeStep:
         self.unsure_below = unsure_below
         # Drafting ahead: tokens guessed at each chain position (0: off), within ahead_rows guesses a call.
         self.ahead, self.ahead_rows = ahead, ahead_rows
+        # Prompt lookup: the most tokens a chain copied from the request's history drafts (0: off).
+        self.lookup = lookup
 
     def leaves_for(self, request: Request, k: int, batch_size: int) -> tuple[int, int]:
         """For a request drafting k: how many next-best tokens the draft proposes at the first
@@ -75,16 +83,34 @@ class DecodeStep:
         """The k this request drafts this step: its own fixed k or the policy's, within its limits.
         Greedy and sampled requests alike (sampled ones are verified by rejection sampling)."""
         k = request.fixed_k if request.fixed_k is not None else self.policy.k_for(batch_size)
-        # Each step yields accepted + 1 tokens; draft no more than the request can still use.
-        k = min(k, request.max_new_tokens - request.generated - 1, self.max_context - len(request.history) - 1, MAX_K)
-        return max(k, 0)
+        return min(k, self._room(request))
+
+    def _room(self, request: Request) -> int:
+        """The most tokens this request may draft: each step yields accepted + 1 tokens, so no more
+        than it can still use, and no more than its context holds."""
+        return max(min(request.max_new_tokens - request.generated - 1, self.max_context - len(request.history) - 1,
+                       MAX_K), 0)
+
+    def lookup_drafts(self, request: Request, k: int) -> list[int] | None:
+        """Drafts copied from the request's own history (prompt lookup), where it speculates this
+        step and they are found; None otherwise. Up to twice the step's k (a lookup costs no draft
+        call and its runs are long), within the request's --prompt-lookup."""
+        most = min(self.lookup if request.prompt_lookup is None else request.prompt_lookup, 2 * k, self._room(request))
+        if not k or most <= 0:
+            return None
+        if request.lookup is None:
+            request.lookup = PromptLookup()
+        return request.lookup.drafts(request.history, most) or None
 
     def run(self, batch: list[Request]) -> StepStats:
         """One draft → verify → accept step over ``batch`` (every request placed on a target)."""
         start = time.perf_counter()
         ks = [self.k_for(r, len(batch)) for r in batch]
-        # Drafts made ahead, where the draft guessed the last verdict (greedy only): no Propose for them.
+        # Drafts made ahead, where the draft guessed the last verdict (greedy only), else drafts
+        # found by prompt lookup: no Propose for them.
         ready = [r.ready_drafts[:k] if r.ready_drafts and k else None for r, k in zip(batch, ks)]
+        looked_up = [self.lookup_drafts(r, k) if drafts is None else None for r, k, drafts in zip(batch, ks, ready)]
+        ready = [drafts if drafts is not None else found for drafts, found in zip(ready, looked_up)]
         leaves = [self.leaves_for(r, k, len(batch)) if drafts is None else (0, 0)
                   for r, k, drafts in zip(batch, ks, ready)]
         proposed, proposed_q, next_best, draft_cached_len, draft_compute = self._propose(
@@ -98,13 +124,15 @@ class DecodeStep:
         verdicts, target_compute = self._verify(batch, calls, proposed, proposed_q, verified_leaves)
         guesses = self._finish_ahead(batch, guessing)
         verified = time.perf_counter()
-        outcomes = []  # (drafted, accepted) of each sequence that drafted: what the policy learns from
+        outcomes = []  # (drafted, accepted) of each sequence the draft drafted for: what the policy learns from
+        lookup_outcomes = []  # the same of each chain found by prompt lookup
         stepped_ks = []  # the k each stepped sequence drafted
         first_rejections = []  # rank of the target's token among the draft's next-best ones, at each rejected first draft
         leaf_chances = leaf_hits = 0  # first drafts rejected with leaves verified; and of those, leaves kept
         ahead_guessed = ahead_hits = 0
-        for request, call, tokens, at, (most, _), tried, cached_len, verdict, guessed in zip(
-                batch, calls, proposed, next_best, leaves, verified_leaves, draft_cached_len, verdicts, guesses):
+        for request, call, tokens, at, (most, _), tried, cached_len, verdict, guessed, found in zip(
+                batch, calls, proposed, next_best, leaves, verified_leaves, draft_cached_len, verdicts, guesses,
+                looked_up):
             request.ready_drafts = None
             if verdict is None:  # its target replica failed this step: it runs again once placed
                 continue
@@ -136,14 +164,14 @@ class DecodeStep:
             request.proposed += len(tokens)
             request.accepted += accepted + len(leaf)
             request.take(tokens[:accepted] + leaf + [verdict.next_token])
-            if tokens:
-                outcomes.append((len(tokens), accepted))  # the chain's: what per-position acceptance counts
-        self.policy.observe(outcomes)
+            if tokens:  # the chain's: what per-position acceptance counts
+                (lookup_outcomes if found else outcomes).append((len(tokens), accepted))
+        self.policy.observe(outcomes)  # the draft's acceptance: a lookup's says nothing of it
         if first_rejections:
             self.policy.observe_first_rejections(first_rejections)
         return StepStats(len(stepped_ks), stepped_ks, outcomes, drafted - start, verified - drafted,
                          time.perf_counter() - start, draft_compute, target_compute, leaf_chances, leaf_hits,
-                         ahead_guessed, ahead_hits)
+                         ahead_guessed, ahead_hits, lookup_outcomes)
 
     # ---- draft ahead -------------------------------------------------------------------------------
 
@@ -268,8 +296,10 @@ class DecodeStep:
         proposed_leaves: list = [() for _ in batch]
         cached_len = [0] * len(batch)
         for i, drafts in enumerate(ready):
-            if drafts is not None:  # drafted ahead; the draft holds what it held
+            if drafts is not None:  # drafted ahead or looked up; the draft holds what it held
                 proposed[i], cached_len[i] = drafts, batch[i].draft_len
+                if not batch[i].sampling.greedy:  # looked up (drafts ahead are greedy only): a point mass
+                    proposed_q[i] = [services_pb.DraftDistribution(token_ids=[token], probs=[1.0]) for token in drafts]
         speculating = [i for i, k in enumerate(ks) if k > 0 and ready[i] is None and self._can_draft(batch[i])]
         if not speculating or self.placement.draft_replicas is None:
             return proposed, proposed_q, proposed_leaves, cached_len, 0.0

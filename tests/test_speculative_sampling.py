@@ -25,12 +25,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from coordinator.lookup import PromptLookup
 from draft_service.proposer import Proposal, ProposeItem, proposals
 from specbatch import acceptance
 from specbatch.eagle import draft_from_target
 from specbatch.engine import Engine, SequenceInput
 from specbatch.models import keep_first_layers
-from specbatch.sampling import (DRAW_ACCEPT, DRAW_DRAFT, DRAW_TARGET, SamplingParams, distributions, params_tensors,
+from specbatch.sampling import (DRAW_ACCEPT, SparseDistribution, DRAW_DRAFT, DRAW_TARGET, SamplingParams, distributions, params_tensors,
                                 sample, target_distribution, uniforms)
 from target_service import verifier
 from target_service.verifier import VerifyItem, verify
@@ -97,12 +98,14 @@ def subset_draft(target):
 
 
 def speculate(target, draft, groups, length, support_size=32, seed_base=0, leaves=(),
-              unsure_below=0.0) -> tuple[list[list[int]], list[float]]:
+              unsure_below=0.0, copied=False) -> tuple[list[list[int]], list[float]]:
     """Sample ``length`` new tokens after PROMPT for every sequence of ``groups`` ([(params without
     seed, k, sequences)]): prefill through the target, then propose/verify steps, as the
     scheduler does, with ``leaves`` (counts per drafted position) asked of the draft. Sequence i
     is seeded ``seed_base + i``. Returns the new tokens and the fraction of drafts accepted (a
-    kept leaf counts as accepted), per sequence."""
+    kept leaf counts as accepted), per sequence. ``copied``: drafts are not the draft's but copied
+    from each sequence's history, as the coordinator's prompt lookup drafts (coordinator/lookup.py;
+    where it finds none, the last token repeated), each from a point mass."""
     specs = [(SamplingParams(seed=seed_base + i, **params), k) for i, (params, k) in
              enumerate((params, k) for params, k, n in groups for _ in range(n))]
     n = len(specs)
@@ -132,8 +135,11 @@ def speculate(target, draft, groups, length, support_size=32, seed_base=0, leave
         if not active:
             break
         drafting = [i for i in active if k[i] > 0]
-        proposed = dict(zip(drafting, proposals(draft_engine, [draft_item(i) for i in drafting], support_size)
-                            if drafting else []))
+        if copied:
+            proposed = {i: copied_proposal(history[i], k[i]) for i in drafting}
+        else:
+            proposed = dict(zip(drafting, proposals(draft_engine, [draft_item(i) for i in drafting], support_size)
+                                if drafting else []))
         empty = Proposal([])
         verdicts = verify(target_engine, [
             VerifyItem(SequenceInput(ids[i], target_len[i], history[i][target_len[i]:]), proposed.get(i, empty).tokens,
@@ -143,7 +149,7 @@ def speculate(target, draft, groups, length, support_size=32, seed_base=0, leave
             tokens, before = proposed.get(i, empty).tokens, len(history[i])
             if eagle:
                 features[i] = torch.cat([features[i][: target_len[i]], v.features.float()])
-            if tokens:
+            if tokens and not copied:
                 draft_len[i] = min(draft_engine.length(ids[i]), before + v.accepted)
             target_len[i] = v.cached_len
             kept = tokens[: v.accepted] + ([] if v.leaf is None else [v.leaf])
@@ -152,6 +158,11 @@ def speculate(target, draft, groups, length, support_size=32, seed_base=0, leave
             accepted_count[i] += len(kept)
     return ([h[len(PROMPT) : len(PROMPT) + length] for h in history],
             [a / max(p, 1) for a, p in zip(accepted_count, proposed_count)])
+
+
+def copied_proposal(history: list[int], k: int) -> Proposal:
+    tokens = PromptLookup().drafts(history, k) or [history[-1]] * k
+    return Proposal(tokens, [SparseDistribution(np.array([t]), np.array([1.0], dtype=np.float32)) for t in tokens])
 
 
 # ---- the test statistic --------------------------------------------------------------------------
@@ -191,7 +202,7 @@ def position_pvalues(target, samples: list[list[int]], params: SamplingParams) -
     return [chi2_pvalue(tokens[:, j], probs[:, j]) for j in range(tokens.shape[1])]
 
 
-def check(target, draft, ks, support_size=32, per_group=1000, seed_base=0, leaves=(), unsure_below=0.0):
+def check(target, draft, ks, support_size=32, per_group=1000, seed_base=0, leaves=(), unsure_below=0.0, copied=False):
     """Samples with and without cuts (mixed in one batch) at each k; returns
     {(cut, k): (p-value per position, mean acceptance)}.
     Each run checks k + 2 positions: the prefill's token, a whole step of k drafts and the bonus
@@ -200,7 +211,7 @@ def check(target, draft, ks, support_size=32, per_group=1000, seed_base=0, leave
     for k in ks:
         groups = [(PLAIN, k, per_group), (CUT, k, per_group)]
         samples, acceptance = speculate(target, draft, groups, k + 2, support_size, seed_base + 10 * k * per_group,
-                                        leaves, unsure_below)
+                                        leaves, unsure_below, copied)
         for g, (params, _, _) in enumerate(groups):
             group = slice(g * per_group, (g + 1) * per_group)
             results[("cut" if params is CUT else "plain", k)] = (
@@ -248,6 +259,14 @@ def test_eagle_draft_over_a_token_subset(target, subset_draft):
     for config, (pvalues, acceptance) in check(target, subset_draft, (4,), seed_base=2_000_000).items():
         assert passes(pvalues), (config, pvalues)
         assert 0.05 < acceptance < 0.95, (config, acceptance)
+
+
+def test_drafts_copied_from_the_history_keep_tokens_distributed_as_p(target):
+    """Prompt lookup's drafts (coordinator/lookup.py) are no draw at all: each is verified as drawn
+    from a point mass, kept with probability p(x), and a rejection draws from p without x."""
+    for config, (pvalues, acceptance) in check(target, target, (3,), seed_base=5_000_000, copied=True).items():
+        assert passes(pvalues), (config, pvalues)
+        assert 0.02 < acceptance < 0.9, (config, acceptance)
 
 
 # ---- negative controls: the same test catches wrong rules ----------------------------------------

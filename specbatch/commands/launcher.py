@@ -82,6 +82,7 @@ class StackOptions:
     leaves: int = 0  # the coordinator's --leaves: the draft's next-best tokens verified beside its first
     unsure_below: float = 0.0  # the coordinator's --unsure-below
     draft_ahead: int = 0  # the coordinator's --draft-ahead: guesses at each drafted position while the target verifies
+    prompt_lookup: int = 0  # the coordinator's --prompt-lookup: the most tokens drafted by copying from the history
 
 
 # The embedded models' profiles, one per form the services run on a CPU (``services_cpu_form``):
@@ -252,6 +253,9 @@ def add_stack_flags(parser) -> None:
                         help="the coordinator's --draft-ahead: while the target verifies, the draft guesses its "
                              "verdict (N tokens at each drafted position) and drafts the next step for each guess "
                              "(default 0: off)")
+    parser.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                        help="the coordinator's --prompt-lookup: where the history's last 2-4 tokens occurred "
+                             "before, draft up to N of the tokens that followed them, no draft call (default 0: off)")
     parser.add_argument("--threads-per-service", type=int, metavar="N",
                         help="intra-op threads of the target and of the draft service (default: half the cores "
                              "this process may use, at least 1; 0: torch's own default)")
@@ -269,7 +273,7 @@ def stack_options(args) -> StackOptions:
         log_level=args.log_level, metrics_ports=dict(DEFAULT_METRICS_PORTS) if args.metrics else None,
         threads_per_service=args.threads_per_service, draft_int8_weights=args.draft_int8_weights,
         bf16_weights=args.bf16_weights, bf16_dot=args.bf16_dot, leaves=args.leaves,
-        unsure_below=args.unsure_below, draft_ahead=args.draft_ahead,
+        unsure_below=args.unsure_below, draft_ahead=args.draft_ahead, prompt_lookup=args.prompt_lookup,
     )
 
 
@@ -384,6 +388,8 @@ class LocalProcesses:
             flags += ["--unsure-below", str(o.unsure_below)]
         if o.draft_ahead:
             flags += ["--draft-ahead", str(o.draft_ahead)]
+        if o.prompt_lookup:
+            flags += ["--prompt-lookup", str(o.prompt_lookup)]
         if o.random_weights:
             from ..models import EMBEDDED
             from ..random_weights import tokenizer_source

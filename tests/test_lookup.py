@@ -1,0 +1,116 @@
+"""Prompt lookup (coordinator/lookup.py): drafts copied from a request's own history, verified like
+any draft. The index finds what a scan of the history finds; output stays target-only decoding;
+lookup steps make no Propose; bad values are refused. (Sampled requests: the distribution test
+in tests/test_speculative_sampling.py, ``copied``.)"""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+
+from coordinator.lookup import LONGEST, SHORTEST, PromptLookup
+from specbatch.client import generate, generate_all, make_request
+from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
+from tiny import VOCAB, greedy_reference
+
+
+def scanned(history: list[int], most: int) -> list[int]:
+    """The definition: the longest suffix (LONGEST down to SHORTEST tokens) that occurred earlier,
+    at its latest earlier occurrence, and what followed it there."""
+    for n in range(min(LONGEST, len(history)), SHORTEST - 1, -1):
+        suffix = history[-n:]
+        for end in range(len(history) - 1, n - 1, -1):
+            if history[end - n : end] == suffix:
+                return history[end : end + most]
+    return []
+
+
+def test_the_index_finds_what_a_scan_finds_as_the_history_grows():
+    rng = random.Random(3)
+    for trial in range(40):
+        history, lookup, found = [], PromptLookup(), 0
+        for _ in range(120):
+            history.append(rng.randrange(4 if trial % 2 else 9))  # small alphabets repeat often
+            most = rng.randrange(0, 7)
+            got = lookup.drafts(history, most)
+            assert got == (scanned(history, most) if most else []), (history, most)
+            found += bool(got)
+        assert found > 10
+
+
+def test_a_lookup_copies_the_latest_longest_match():
+    history = [5, 6, 7, 8, 1, 6, 7, 9, 2, 5, 6, 7]
+    # [5, 6, 7] occurred at the start (followed by 8); [6, 7] last occurred followed by 9: longest wins.
+    assert PromptLookup().drafts(history, 3) == [8, 1, 6]
+    assert PromptLookup().drafts([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert PromptLookup().drafts([1, 2, 1, 2], 4) == [1, 2]  # as far as the history goes
+
+
+def repetitive_prompts(seed: int, count: int) -> list[list[int]]:
+    """Prompts with a phrase said twice, so that lookup finds matches from the start."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        phrase = [rng.randrange(5, VOCAB) for _ in range(rng.randrange(3, 8))]
+        out.append([1] + phrase + [rng.randrange(5, VOCAB)] + phrase[:-1])
+    return out
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+def test_greedy_output_with_prompt_lookup_matches_generate_and_skips_proposes(target_model, draft_model, eagle_draft,
+                                                                              tokenizer, eagle):
+    """A mixed batch through the services, some requests looking up (the coordinator's flag), one
+    not (its own prompt_lookup = 0), one target-only: every output is target-only decoding, token
+    for token; some steps drafted by lookup, the others still asked the draft."""
+    from specbatch.commands.local import start_local_stack
+
+    stack = start_local_stack(target_model, eagle_draft if eagle else draft_model, tokenizer, max_batch_size=4,
+                              max_new_tokens=64, prompt_lookup=4)
+    try:
+        batch = repetitive_prompts(seed=7, count=6)
+        options = [{}] * 4 + [{"prompt_lookup": 0}, {"k": 0}]
+        results = generate_all(stack.client(), [make_request(p, 30, ignore_eos=True, **({"k": 2} | o))
+                                                for p, o in zip(batch, options)], concurrency=6)
+        for prompt, result in zip(batch, results):
+            assert result.token_ids == greedy_reference(target_model, prompt, 30)
+        totals = stack.coordinator.scheduler.totals
+        assert totals.lookup_chains > 0 and 0 < totals.lookup_accepted <= totals.lookup_drafted, vars(totals)
+        assert sum(totals.reached_by_position) > 0  # the draft still drafted where lookup found nothing
+        assert not stack.draft_engines[0].sequences and not stack.target_engines[0].sequences
+    finally:
+        stack.stop()
+
+
+def test_sampled_requests_look_up_too(target_model, draft_model, tokenizer):
+    """Seeded sampled requests with lookup on run to their length and draw the same tokens each
+    time (their distribution: tests/test_speculative_sampling.py)."""
+    from specbatch.commands.local import start_local_stack
+
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64,
+                              prompt_lookup=4)
+    try:
+        prompt = repetitive_prompts(seed=9, count=1)[0]
+        runs = [generate(stack.client(), make_request(prompt, 30, k=2, ignore_eos=True, temperature=0.3, seed=4))
+                for _ in range(2)]
+        assert len(runs[0].token_ids) == 30 and runs[0].token_ids == runs[1].token_ids
+        assert stack.coordinator.scheduler.totals.lookup_chains > 0
+    finally:
+        stack.stop()
+
+
+def test_a_prompt_lookup_out_of_range_is_refused(target_model, draft_model, tokenizer):
+    from specbatch.commands.local import start_local_stack
+
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64)
+    try:
+        for bad in (-1, 17):
+            with pytest.raises(grpc.RpcError) as error:
+                generate(stack.client(), make_request([1, 5, 6], 4, prompt_lookup=bad))
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_lookup" in error.value.details()
+    finally:
+        stack.stop()
+    with pytest.raises(ValueError, match="prompt_lookup"):
+        from coordinator.app import check_draft_options
+        check_draft_options(0, 0.0, 0, 99)
