@@ -5,13 +5,15 @@ In one run, on the same prompts and token counts:
    services are not running yet, so it has the machine to itself);
 2. the three services as processes (``specbatch up``'s launcher, threads pinned per service),
    each prompt sent target-only (``k = 0``) and then under the coordinator's k policy (once per
-   ``--leaves`` count: the draft's next-best tokens verified beside its first), prompt by prompt
-   (so the modes share any drift in the machine's speed).
+   ``--leaves`` count: the draft's next-best tokens verified beside its first; once per
+   ``--prompt-lookup`` length, default 6: drafts copied from the request's history where found, as
+   the embedded default does), prompt by prompt (so the modes share any drift in the machine's speed).
+   Modes other than the lookup ones ask the draft at every step.
 Prints tokens/s of each and the ratios, where each mode's decode step spends its time (the
 coordinator's step totals: RPC time beside the compute the services report), and writes JSON.
 
     .venv/bin/python benchmarks/batch1.py [--prompts 24] [--tokens 96] [--k-policy profile --profile P] [--leaves 0,1,2]
-        [--draft-ahead 1,4] [--prompt-lookup 4,8]
+        [--draft-ahead 1,4] [--prompt-lookup 4,6:policy]
 """
 
 from __future__ import annotations
@@ -125,9 +127,9 @@ def main() -> int:
     parser.add_argument("--draft-ahead", default="", help="comma-separated guess counts: one more speculative mode "
                         "each, no leaves, the draft guessing each verdict (that many tokens a position) and "
                         "drafting the next step while the target verifies")
-    parser.add_argument("--prompt-lookup", default="", help="comma-separated lengths: one more speculative mode "
-                        "each, no leaves, drafts copied from the request's history where its last tokens occurred "
-                        "before (at most that many, and twice the step's k), the draft asked otherwise")
+    parser.add_argument("--prompt-lookup", default="6", help="comma-separated lengths N or N:LEAVES (LEAVES as "
+                        "--leaves; default 0): one more speculative mode each, drafts copied from the request's history where its last tokens occurred "
+                        "before (at most that many, and twice the step's k at batch 1), the draft asked otherwise")
     parser.add_argument("--out", default="bench-out/batch1.json")
     args = parser.parse_args()
 
@@ -139,9 +141,10 @@ def main() -> int:
     if baseline:
         print(f"transformers generate(), fp32: {baseline:.1f} tok/s", flush=True)
     leaf_counts = [None if n == "policy" else int(n) for n in args.leaves.split(",")]
-    options = StackOptions(max_batch_size=8, threads_per_service=args.threads_per_service,
+    # The coordinator looks nothing up unless a mode asks (its requests' own prompt_lookup).
+    options = StackOptions(max_batch_size=8, threads_per_service=args.threads_per_service, prompt_lookup=0,
                            draft_int8_weights=args.draft_int8_weights,
-                           leaves=args.leaves_most if None in leaf_counts else 0)
+                           leaves=args.leaves_most if None in leaf_counts or ":policy" in args.prompt_lookup else 0)
     if args.k_policy:
         options.k_policy, options.profile = args.k_policy, args.profile
     unsure = [float(p) for p in args.unsure_below.split(",") if p]
@@ -155,10 +158,12 @@ def main() -> int:
     for n in ahead:
         names[f"ahead{n}"] = f"speculative, drafting ahead ({n} guesses a position)"
         fields[f"ahead{n}"] = {"k": None, "leaves": 0, "draft_ahead": n}
-    lookups = [int(n) for n in args.prompt_lookup.split(",") if n]
-    for n in lookups:
-        names[f"lookup{n}"] = f"speculative, prompt lookup (<= {n} tokens)"
-        fields[f"lookup{n}"] = {"k": None, "leaves": 0, "prompt_lookup": n}
+    lookups = [n for n in args.prompt_lookup.split(",") if n]
+    for n in lookups:  # "N" or "N:LEAVES" (LEAVES a count or "policy", as --leaves)
+        most, _, leaves = n.partition(":")
+        names[f"lookup{n}"] = f"speculative, prompt lookup (<= {most} tokens)" + (f", leaves {leaves}" if leaves else "")
+        fields[f"lookup{n}"] = {"k": None, "leaves": None if leaves == "policy" else int(leaves or 0),
+                                "prompt_lookup": int(most)}
     leaf_counts += unsure + [f"ahead{n}" for n in ahead] + [f"lookup{n}" for n in lookups]  # the speculative modes
     with LocalProcesses(options) as stack:
         modes = served(stack.address, prompts, args.tokens,

@@ -227,7 +227,7 @@ def main(argv=None) -> None:
                              "default 0: off)")
     parser.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
                         help=f"where the history's last 2-4 tokens occurred before in the request, draft the "
-                             f"tokens that followed them (at most N, 0 to {MAX_K}, and twice the step's k) "
+                             f"tokens that followed them (at most N, 0 to {MAX_K}, and the step's k, twice that at batch 1) "
                              "instead of asking the draft (default 0: off)")
     parser.add_argument("--profile", help="profile JSON made by `specbatch profile`; re-read when the file changes")
     parser.add_argument("--profile-poll-seconds", type=float, default=2.0,

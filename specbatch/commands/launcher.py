@@ -82,7 +82,10 @@ class StackOptions:
     leaves: int = 0  # the coordinator's --leaves: the draft's next-best tokens verified beside its first
     unsure_below: float = 0.0  # the coordinator's --unsure-below
     draft_ahead: int = 0  # the coordinator's --draft-ahead: guesses at each drafted position while the target verifies
-    prompt_lookup: int = 0  # the coordinator's --prompt-lookup: the most tokens drafted by copying from the history
+    # The coordinator's --prompt-lookup: the most tokens drafted by copying from the request's history
+    # (no draft call for that step). On: at batch 1 on the Xeon it took goodput from 1.27x to 1.38x
+    # target-only (docs/engine.md, "Prompt lookup"); it only looks where the policy's k > 0.
+    prompt_lookup: int = 6
 
 
 # The embedded models' profiles, one per form the services run on a CPU (``services_cpu_form``):
@@ -253,9 +256,10 @@ def add_stack_flags(parser) -> None:
                         help="the coordinator's --draft-ahead: while the target verifies, the draft guesses its "
                              "verdict (N tokens at each drafted position) and drafts the next step for each guess "
                              "(default 0: off)")
-    parser.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+    parser.add_argument("--prompt-lookup", type=int, default=StackOptions.prompt_lookup, metavar="N",
                         help="the coordinator's --prompt-lookup: where the history's last 2-4 tokens occurred "
-                             "before, draft up to N of the tokens that followed them, no draft call (default 0: off)")
+                             "before, draft up to N of the tokens that followed them (and the step's k, twice that at batch 1), no "
+                             f"draft call (default {StackOptions.prompt_lookup}; 0: off)")
     parser.add_argument("--threads-per-service", type=int, metavar="N",
                         help="intra-op threads of the target and of the draft service (default: half the cores "
                              "this process may use, at least 1; 0: torch's own default)")
