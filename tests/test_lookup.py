@@ -114,3 +114,31 @@ def test_a_prompt_lookup_out_of_range_is_refused(target_model, draft_model, toke
     with pytest.raises(ValueError, match="prompt_lookup"):
         from coordinator.app import check_draft_options
         check_draft_options(0, 0.0, 0, 99)
+
+
+def test_a_draft_that_forgets_its_sequences_between_looked_up_steps_costs_no_token(target_model, eagle_draft,
+                                                                                   tokenizer):
+    """Steps drafted by lookup leave the draft untouched (its lease is not renewed); a draft that
+    lost the sequence meanwhile is rebuilt from the history at the next Propose, and the output
+    is still target-only decoding."""
+    from specbatch.commands.local import start_local_stack
+
+    stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=64,
+                              prompt_lookup=4)
+    engine = stack.draft_engines[0]
+    responses = []
+
+    def forget_every_third(response):
+        responses.append(response)
+        if len(responses) % 3 == 0:
+            engine.run(lambda: engine.release(list(engine.sequences)))
+
+    try:
+        prompt = repetitive_prompts(seed=11, count=1)[0]
+        result = generate(stack.client(), make_request(prompt, 40, k=2, ignore_eos=True),
+                          on_response=forget_every_third)
+        assert result.token_ids == greedy_reference(target_model, prompt, 40)
+        totals = stack.coordinator.scheduler.totals
+        assert len(responses) > 6 and totals.lookup_chains > 0 and sum(totals.reached_by_position) > 0
+    finally:
+        stack.stop()
