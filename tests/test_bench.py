@@ -174,3 +174,31 @@ def test_bench_compares_every_mode_under_every_traffic(stack, tokenizer, tmp_pat
 def test_bench_needs_a_profile_for_the_policies(capsys):
     assert cli.main(["bench", "--policies", "goodput"]) == 2
     assert "need --profile" in capsys.readouterr().out
+
+
+def test_rounds_sum_each_modes_runs_with_the_modes_taking_turns(stack, tmp_path, monkeypatch):
+    """--rounds 3: each level runs every mode three times, the order rotated each round and each
+    round on its own prompts (seed + round); a row sums its rounds."""
+    from specbatch.commands import bench
+
+    calls = []
+    real_run_one = bench.run_one
+
+    def recording(load, mode, prompts, args, round_=0):
+        calls.append((load.label, mode.name, round_))
+        return real_run_one(load, mode, prompts, args, round_)
+
+    monkeypatch.setattr(bench, "run_one", recording)
+    out = tmp_path / "out"
+    code = cli.main(["bench", "--address", stack.address, "--fixed-k", "1,2", "--traffic", "uniform",
+                     "--concurrency", "1", "--requests", "2", "--rounds", "3", "--max-new-tokens", "5",
+                     "--prompts", "chat", "--out", str(out)])
+    assert code == 0
+    modes = ["k=0 (target only)", "k=1", "k=2"]
+    assert [(mode, r) for _, mode, r in calls] == [(m, r) for r in range(3) for m in modes[r:] + modes[:r]]
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == modes
+    for r in rows:
+        assert r["requests"] == 6 and not r["errors"] and r["tokens"] == 6 * 5
+        assert r["seconds"] > 0 and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
+    assert cli.main(["bench", "--address", stack.address, "--rounds", "0"]) == 2

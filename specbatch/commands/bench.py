@@ -4,7 +4,11 @@ Modes: no speculation (per-request k = 0), fixed k (per-request k), and the coor
 ``profile`` and ``goodput`` (each its own coordinator over the same target and draft services).
 Traffic (specbatch/traffic.py): uniform concurrency levels, a time-varying trace, Poisson
 arrivals at several rates. Every mode runs the same schedule with the same prompts, one mode after
-another within each traffic level, so slow drift of a shared machine spreads over all modes.
+another within each traffic level, so slow drift of a shared machine spreads over all modes. With
+``--rounds N`` each level runs N times, the modes taking turns in an order rotated each round and
+each round on its own prompts (seed + round); a row then sums the rounds (tokens over the rounds'
+wall time, latencies over all their requests): six requests a level spread by ±5 % on two cores,
+more than the 2 % the policy targets ask to resolve.
 
 Per run: TTFT, TPOT and end-to-end latency (mean, p50, p99) as the clients saw them, output
 tokens/s, acceptance, the k the coordinator used (from its Info totals: sequence-steps by k), and
@@ -110,20 +114,42 @@ class InfoSampler(PeriodicSampler):
         return rows
 
 
-def summarize(records, before, after) -> dict:
+@dataclass
+class Run:
+    """One mode's requests at one level (one round): the clients' records and the coordinator's
+    Info totals before and after them."""
+
+    records: list
+    before: object
+    after: object
+    timeline: list[dict]
+
+    @property
+    def wall(self) -> float:
+        ok = [r for r in self.records if not r.error]
+        return (max(r.finished for r in ok) - min(r.sent for r in self.records)) if ok else 0.0
+
+    def grown(self, field_name: str) -> float:
+        return getattr(self.after, field_name) - getattr(self.before, field_name)
+
+
+def summarize(runs: list[Run]) -> dict:
+    """One row over one or more rounds of a mode at a level."""
+    records = [r for run in runs for r in run.records]
     ok = [r for r in records if not r.error]
     errors: dict[str, int] = {}
     for r in records:
         if r.error:
             errors[r.error] = errors.get(r.error, 0) + 1
-    wall = (max(r.finished for r in ok) - min(r.sent for r in records)) if ok else float("nan")
+    wall = sum(run.wall for run in runs) if ok else float("nan")
     tokens = sum(r.tokens for r in ok)
     proposed, accepted = sum(r.proposed for r in ok), sum(r.accepted for r in ok)
-    steps = max(after.steps - before.steps, 1)
-    step = (after.step_seconds - before.step_seconds) / steps
-    draft = (after.draft_compute_seconds - before.draft_compute_seconds) / steps
-    target = (after.target_compute_seconds - before.target_compute_seconds) / steps
-    by_k = [b - a for a, b in zip(before.k_histogram, after.k_histogram)]
+    steps = max(sum(run.grown("steps") for run in runs), 1)
+    step = sum(run.grown("step_seconds") for run in runs) / steps
+    draft = sum(run.grown("draft_compute_seconds") for run in runs) / steps
+    target = sum(run.grown("target_compute_seconds") for run in runs) / steps
+    by_k = [sum(run.after.k_histogram[k] - run.before.k_histogram[k] for run in runs)
+            for k in range(len(runs[0].after.k_histogram))]
     sequence_steps = sum(by_k)
     return {
         "requests": len(ok), "errors": errors, "tokens": tokens, "seconds": wall,
@@ -135,15 +161,15 @@ def summarize(records, before, after) -> dict:
         "mean_k": sum(k * n for k, n in enumerate(by_k)) / sequence_steps if sequence_steps else 0.0,
         "k_share": {k: n / sequence_steps for k, n in enumerate(by_k) if n} if sequence_steps else {},
         "tokens_per_step": tokens / max(sum(r.steps for r in ok), 1),
-        "batch": (after.sequence_steps - before.sequence_steps) / steps,
+        "batch": sum(run.grown("sequence_steps") for run in runs) / steps,
         "step_ms": step * 1000, "draft_ms": draft * 1000, "target_ms": target * 1000,
         "other_ms": (step - draft - target) * 1000,
     }
 
 
-def run_one(load: Load, mode: Mode, prompts: list[str], args) -> dict:
+def run_one(load: Load, mode: Mode, prompts: list[str], args, round_: int = 0) -> Run:
     count = max(args.requests, int(load.value)) if load.kind == "uniform" else len(load.arrivals) or 100_000
-    order = prompt_order(count, len(prompts), args.seed)
+    order = prompt_order(count, len(prompts), args.seed + round_)
 
     def send(i: int):
         request = make_request(prompts[order[i]], args.max_new_tokens, chat=True, k=mode.k, ignore_eos=True)
@@ -158,8 +184,13 @@ def run_one(load: Load, mode: Mode, prompts: list[str], args) -> dict:
         else:
             records = run_open_loop(send, load.arrivals)
     after = mode.stub.Info(pb.InfoRequest()).totals
+    return Run(records, before, after, sampler.timeline())
+
+
+def row(load: Load, mode: Mode, runs: list[Run]) -> dict:
+    """The results table's row (the timeline plotted is the first round's)."""
     return {"traffic": load.kind, "load": load.label, "value": load.value, "mode": mode.name,
-            **summarize(records, before, after), "timeline": sampler.timeline()}
+            **summarize(runs), "timeline": runs[0].timeline}
 
 
 # ---- output ---------------------------------------------------------------------------------------
@@ -273,6 +304,8 @@ def add_bench_flags(parser) -> None:
     parser.add_argument("--trace-speed", type=float, default=1.0, help="play the trace this many times faster")
     parser.add_argument("--rates", default="0.5,1,2", help="poisson traffic: comma-separated requests per second")
     parser.add_argument("--poisson-requests", type=int, default=16, help="poisson traffic: requests per rate and mode")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each level, the modes taking turns (the "
+                        "order rotated, each round its own prompts); a row sums them")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompts", choices=("sharegpt", "chat"), default="sharegpt",
                         help="ShareGPT first user turns (from conversation --prompt-start), or the demo's chat prompts")
@@ -291,6 +324,9 @@ def run_bench(args) -> int:
     unknown = set(kinds) - {"uniform", "trace", "poisson"}
     if unknown:
         print(f"unknown traffic {sorted(unknown)}; known: uniform, trace, poisson")
+        return 2
+    if args.rounds < 1:
+        print("--rounds must be at least 1")
         return 2
     given = dict(entry.split("=", 1) for entry in args.policy_address)
     if args.address and set(policies) - set(given):
@@ -330,11 +366,14 @@ def run_bench(args) -> int:
             generate(mode.stub, make_request("warm up", 4, chat=True, k=mode.k))
         rows = []
         for load in loads:
+            runs: dict[str, list[Run]] = {mode.name: [] for mode in modes}
+            for round_ in range(args.rounds):  # modes take turns, the order rotated each round
+                for mode in modes[round_ % len(modes):] + modes[: round_ % len(modes)]:
+                    runs[mode.name].append(run_one(load, mode, prompts, args, round_))
             for mode in modes:
-                row = run_one(load, mode, prompts, args)
-                rows.append(row)
-                print(f"  {load.label:<22} {mode.name:<18} {row['tokens_per_s']:7.1f} tok/s  mean latency "
-                      f"{row['latency_s']['mean']:.2f} s  mean k {row['mean_k']:.2f}", flush=True)
+                rows.append(result := row(load, mode, runs[mode.name]))
+                print(f"  {load.label:<22} {mode.name:<18} {result['tokens_per_s']:7.1f} tok/s  mean latency "
+                      f"{result['latency_s']['mean']:.2f} s  mean k {result['mean_k']:.2f}", flush=True)
     table = markdown(rows)
     print("\n" + table)
     out = Path(args.out)
