@@ -14,7 +14,7 @@ from draft_service.proposer import ProposeItem, propose
 from specbatch.client import generate_all, make_request
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
 from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
-from tiny import VOCAB, greedy_reference
+from tiny import VOCAB, ForgetEveryThird, greedy_reference
 
 
 def prompts(seed: int, count: int) -> list[list[int]]:
@@ -91,19 +91,13 @@ def test_a_draft_that_forgets_its_sequences_while_drafting_ahead_costs_no_token(
 
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=64,
                               draft_ahead=2)
-    engine = stack.draft_engines[0]
-    responses = []
-
-    def forget_every_third(response):
-        responses.append(response)
-        if len(responses) % 3 == 0:
-            engine.run(lambda: engine.release(list(engine.sequences)))
+    forget_every_third = ForgetEveryThird(stack.draft_engines[0])
 
     try:
         prompt = prompts(seed=11, count=1)[0]
         result = generate(stack.client(), make_request(prompt, 40, k=2, ignore_eos=True),
                           on_response=forget_every_third)
         assert result.token_ids == greedy_reference(target_model, prompt, 40)
-        assert len(responses) > 6 and stack.coordinator.scheduler.totals.ahead_guessed > 0
+        assert len(forget_every_third.responses) > 6 and stack.coordinator.scheduler.totals.ahead_guessed > 0
     finally:
         stack.stop()

@@ -13,7 +13,7 @@ import pytest
 from coordinator.lookup import LONGEST, SHORTEST, PromptLookup
 from specbatch.client import generate, generate_all, make_request
 from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
-from tiny import VOCAB, greedy_reference
+from tiny import VOCAB, ForgetEveryThird, greedy_reference
 
 
 def scanned(history: list[int], most: int) -> list[int]:
@@ -125,13 +125,7 @@ def test_a_draft_that_forgets_its_sequences_between_looked_up_steps_costs_no_tok
 
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=64,
                               prompt_lookup=4)
-    engine = stack.draft_engines[0]
-    responses = []
-
-    def forget_every_third(response):
-        responses.append(response)
-        if len(responses) % 3 == 0:
-            engine.run(lambda: engine.release(list(engine.sequences)))
+    forget_every_third = ForgetEveryThird(stack.draft_engines[0])
 
     try:
         prompt = repetitive_prompts(seed=11, count=1)[0]
@@ -139,6 +133,7 @@ def test_a_draft_that_forgets_its_sequences_between_looked_up_steps_costs_no_tok
                           on_response=forget_every_third)
         assert result.token_ids == greedy_reference(target_model, prompt, 40)
         totals = stack.coordinator.scheduler.totals
-        assert len(responses) > 6 and totals.lookup_chains > 0 and sum(totals.reached_by_position) > 0
+        assert len(forget_every_third.responses) > 6 and totals.lookup_chains > 0
+        assert sum(totals.reached_by_position) > 0
     finally:
         stack.stop()

@@ -87,3 +87,16 @@ def hooked_forwards(engine, before):
         yield
     finally:
         engine.forward = forward
+
+
+class ForgetEveryThird:
+    """A Generate stream's ``on_response``: every third response, ``engine`` (a draft's) drops all
+    its sequences, as a draft that restarted mid-request. ``responses`` counts what was seen."""
+
+    def __init__(self, engine):
+        self.engine, self.responses = engine, []
+
+    def __call__(self, response) -> None:
+        self.responses.append(response)
+        if len(self.responses) % 3 == 0:
+            self.engine.run(lambda: self.engine.release(list(self.engine.sequences)))
