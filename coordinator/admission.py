@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from specbatch.errors import InvalidRequest
 from specbatch.prompts import chat_token_ids
 from specbatch.sampling_params import SamplingParams
-from specbatch.speculation import MAX_K, draft_ahead_problems, leaf_option_problems
+from specbatch.speculation import MAX_K, draft_ahead_problems, leaf_option_problems, prompt_lookup_problems
 from specbatch.v1 import generation_pb2 as pb
 
 from .requests import Request, TextStream
@@ -92,7 +92,7 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
     problems = leaf_option_problems(fixed_leaves, unsure_below)
     draft_ahead = message.draft_ahead if message.HasField("draft_ahead") else None
     prompt_lookup = message.prompt_lookup if message.HasField("prompt_lookup") else None
-    problems += draft_ahead_problems(draft_ahead, prompt_lookup)
+    problems += draft_ahead_problems(draft_ahead) + prompt_lookup_problems(prompt_lookup)
     if problems:
         raise InvalidRequest("; ".join(problems))
     return Request(

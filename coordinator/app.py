@@ -11,7 +11,8 @@ from pathlib import Path
 from specbatch.models import EMBEDDED, ModelSpec, load_tokenizer, model_source
 from specbatch.metrics import new_registry, serve_metrics
 from specbatch.serving import DEFAULT_PORTS, Server, configure_logging
-from specbatch.speculation import MAX_GUESSES, MAX_K, MAX_LEAVES, draft_ahead_problems, leaf_option_problems
+from specbatch.speculation import (MAX_GUESSES, MAX_K, MAX_LEAVES, draft_ahead_problems, leaf_option_problems,
+                                  prompt_lookup_problems)
 from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials_from_args,
                            server_credentials_from_args)
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
@@ -101,7 +102,8 @@ def find_eos_token_ids(tokenizer, tokenizer_source: str | None) -> frozenset[int
 
 def check_draft_options(leaves: int, unsure_below: float, draft_ahead: int, prompt_lookup: int = 0) -> None:
     """``--leaves``, ``--unsure-below``, ``--draft-ahead`` and ``--prompt-lookup`` in range, else ValueError."""
-    problems = leaf_option_problems(leaves, unsure_below) + draft_ahead_problems(draft_ahead, prompt_lookup)
+    problems = (leaf_option_problems(leaves, unsure_below) + draft_ahead_problems(draft_ahead)
+                + prompt_lookup_problems(prompt_lookup))
     if problems:
         raise ValueError("; ".join(problems))
 

@@ -137,8 +137,8 @@ class CoordinatorMetrics:
                 self.accepted_per_pos.labels(position=str(i)).inc(n_accepted)
         self.leaf_chances.inc(step.leaf_chances)
         self.leaf_hits.inc(step.leaf_hits)
-        self.lookup_draft_tokens.inc(sum(drafted for drafted, _ in step.lookup_outcomes))
-        self.lookup_accepted_tokens.inc(sum(accepted for _, accepted in step.lookup_outcomes))
+        self.lookup_draft_tokens.inc(step.lookup_draft_tokens)
+        self.lookup_accepted_tokens.inc(step.lookup_accepted_tokens)
         self.step_seconds.labels(phase="draft").observe(step.draft_seconds)
         self.step_seconds.labels(phase="target").observe(step.target_seconds)
         # Clamped: the phases are timed separately, and rounding must not make a negative sample.

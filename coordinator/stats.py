@@ -50,6 +50,14 @@ class StepStats:
     def accepted_tokens(self) -> int:
         return sum(accepted for _, accepted in self.outcomes)
 
+    @property
+    def lookup_draft_tokens(self) -> int:
+        return sum(drafted for drafted, _ in self.lookup_outcomes)
+
+    @property
+    def lookup_accepted_tokens(self) -> int:
+        return sum(accepted for _, accepted in self.lookup_outcomes)
+
 
 @dataclass
 class StepTotals:
@@ -79,8 +87,8 @@ class StepTotals:
     def add(self, step: StepStats) -> None:
         self.steps += 1
         self.lookup_chains += len(step.lookup_outcomes)
-        self.lookup_drafted += sum(drafted for drafted, _ in step.lookup_outcomes)
-        self.lookup_accepted += sum(accepted for _, accepted in step.lookup_outcomes)
+        self.lookup_drafted += step.lookup_draft_tokens
+        self.lookup_accepted += step.lookup_accepted_tokens
         self.ahead_guessed += step.ahead_guessed
         self.ahead_hits += step.ahead_hits
         self.leaf_chances += step.leaf_chances

@@ -99,7 +99,7 @@ class DecodeStep:
         stay what the policy chose (at batch 4, chains of 2k read no faster than k=1 alone)."""
         most = min(self.lookup if request.prompt_lookup is None else request.prompt_lookup,
                    (2 if batch_size == 1 else 1) * k, self._room(request))
-        if not k or most <= 0:
+        if most <= 0:  # k = 0 too: it does not speculate this step
             return None
         if request.lookup is None:
             request.lookup = PromptLookup()

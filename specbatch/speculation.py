@@ -23,15 +23,20 @@ def leaf_option_problems(leaves: int | None = None, unsure_below: float | None =
     return problems
 
 
-def draft_ahead_problems(guesses: int | None = None, lookup: int | None = None) -> list[str]:
-    """What is out of range in a draft-ahead guess count (0 to MAX_GUESSES) or a prompt-lookup
-    length (0 to MAX_K): the coordinator's flags and a request's own values are checked alike."""
-    problems = []
-    if guesses is not None and not 0 <= guesses <= MAX_GUESSES:
-        problems.append(f"draft_ahead must be in [0, {MAX_GUESSES}] (got {guesses})")
-    if lookup is not None and not 0 <= lookup <= MAX_K:
-        problems.append(f"prompt_lookup must be in [0, {MAX_K}] (got {lookup})")
-    return problems
+def draft_ahead_problems(guesses: int | None) -> list[str]:
+    """What is out of range in a draft-ahead guess count (0 to MAX_GUESSES): the coordinator's flag
+    and a request's own value are checked alike."""
+    if guesses is None or 0 <= guesses <= MAX_GUESSES:
+        return []
+    return [f"draft_ahead must be in [0, {MAX_GUESSES}] (got {guesses})"]
+
+
+def prompt_lookup_problems(most: int | None) -> list[str]:
+    """What is out of range in a prompt-lookup length (0 to MAX_K): the coordinator's flag and a
+    request's own value are checked alike."""
+    if most is None or 0 <= most <= MAX_K:
+        return []
+    return [f"prompt_lookup must be in [0, {MAX_K}] (got {most})"]
 
 
 def tally_positions(outcomes: list[tuple[int, int]], positions: int) -> tuple[list[int], list[int]]:
