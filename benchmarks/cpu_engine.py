@@ -11,7 +11,9 @@ SmolLM2-135M at context 128, median of repeats, for batch × new tokens per sequ
 - ``fp32-bf16w-specbatch``: float32 with the weights read as bf16 on that kernel (the embedded
   services' default where the kernel builds and the CPU lacks AVX512_BF16);
 - ``fp32-bf16dot-specbatch`` (CPUs with AVX512_BF16): the linear layers' inputs rounded to bf16
-  too, pairs' products summed in float32 (the embedded services' default there);
+  too, pairs' products summed in float32 (the embedded services' default there without AVX512_FP16);
+- ``fp32-fp16dot-specbatch`` (CPUs with AVX512_FP16): weights and inputs in float16, products
+  summed in float16 in runs of 32 (the embedded services' default there);
 - ``bf16-specbatch`` (only on CPUs with native bf16, where ``--dtype auto`` picks it): bf16 with
   oneDNN-prepacked weights;
 Then the ratios the issue sets as targets, for the engine the embedded services run here,
@@ -105,12 +107,14 @@ def main() -> int:
         engines["fp32-bf16w-specbatch"] = Engine(fp32, bf16_weights=True)
     if native.bf16_dot_available():
         engines["fp32-bf16dot-specbatch"] = Engine(fp32, bf16_dot=True)
+    if native.fp16_dot_available():
+        engines["fp32-fp16dot-specbatch"] = Engine(fp32, fp16_dot=True)
     native_bf16 = onednn_bf16_available()
     if native_bf16:  # without it bf16 multiplies are emulated: slower than fp32, and never picked
         bf16 = load_model(ModelSpec(), "cpu", torch.bfloat16)
         engines["bf16-specbatch"] = Engine(bf16)
     # what the embedded services run here (specbatch.commands.launcher: services_cpu_form)
-    best = next(name for name in ("fp32-bf16dot-specbatch", "fp32-bf16w-specbatch", "bf16-specbatch",
+    best = next(name for name in ("fp32-fp16dot-specbatch", "fp32-bf16dot-specbatch", "fp32-bf16w-specbatch", "bf16-specbatch",
                                   "fp32-specbatch") if name in engines)
     # Each engine holds the largest batch at CONTEXT tokens; every timed verify keeps exactly
     # CONTEXT (the bench-engine command's timing). The engines take turns, a warm-up call and two
@@ -145,8 +149,12 @@ def main() -> int:
     for before in ("fp32-specbatch-onednn", "fp32-specbatch", "bf16-specbatch"):
         if before in table and before != best:
             ratios[f"one token at batch 1: {before} / {best}"] = table[before]["1x1"] / table[best]["1x1"]
-    for before in ("fp32-transformers", "fp32-specbatch-mkl", "fp32-specbatch-onednn"):
-        ratios[f"5 new tokens / 1 at batch 1, {before}"] = table[before]["1x5"] / table[before]["1x1"]
+    for before in ("fp32-transformers", "fp32-specbatch-mkl", "fp32-specbatch-onednn", "fp32-bf16dot-specbatch"):
+        if before in table and before != best:
+            ratios[f"5 new tokens / 1 at batch 1, {before}"] = table[before]["1x5"] / table[before]["1x1"]
+    if "fp32-bf16dot-specbatch" in table and best != "fp32-bf16dot-specbatch":
+        ratios["4 new tokens / 1 at batch 8, fp32-bf16dot-specbatch"] = (table["fp32-bf16dot-specbatch"]["8x4"]
+                                                                        / table["fp32-bf16dot-specbatch"]["8x1"])
     print("\n| ratio | measured |\n|---|---|")
     for name, value in ratios.items():
         print(f"| {name} | {value:.2f} |")

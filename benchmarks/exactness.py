@@ -50,8 +50,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", default="chain,leaves", help="chain (k = 1, 3, 5 and mixed), leaves (with leaves)")
-    parser.add_argument("--weights", choices=("bf16", "bf16-dot"), default=None,
-                        help="both engines' linear layers (float32 only): bf16 weights, or bf16 dot products")
+    parser.add_argument("--weights", choices=("bf16", "bf16-dot", "fp16-dot"), default=None,
+                        help="both engines' linear layers (float32 only): bf16 weights, bf16 dot products or float16 products")
     parser.add_argument("--draft-int8", action="store_true", help="the draft's linear layers in int8, as served")
     parser.add_argument("--out", default="bench-out/exactness.json")
     args = parser.parse_args()
@@ -62,7 +62,8 @@ def main() -> int:
     tokenizer = load_tokenizer(ModelSpec())
     prompts = [chat_token_ids(tokenizer, [{"role": "user", "content": text}])
                for text in sharegpt_prompts(args.prompts, args.prompt_start)]
-    form = {None: {}, "bf16": {"bf16_weights": True}, "bf16-dot": {"bf16_dot": True}}[args.weights]
+    form = {None: {}, "bf16": {"bf16_weights": True}, "bf16-dot": {"bf16_dot": True},
+            "fp16-dot": {"fp16_dot": True}}[args.weights]
     stack = start_local_stack(target, draft, tokenizer, max_batch_size=16, max_new_tokens=args.tokens,
                               target_engine_options=form,
                               draft_engine_options={"int8_weights": True} if args.draft_int8 else form)

@@ -250,6 +250,12 @@ class Engine:
     # half the arithmetic again, so a verify step's extra rows cost less; still row-exact. The
     # rest of the forward (norms, attention, residuals) stays float32.
     bf16_dot: bool = False
+    # As bf16_dot, in float16 on AVX512_FP16 (native.fp16_dot_available): each linear layer's
+    # weight and input rows (each scaled by a power of two) rounded to float16, products summed in
+    # float16 in runs of 32 and the runs in float32. There a 256-bit float16 multiply-add issues
+    # twice a cycle against one bf16 dot product every two, so a verify step's extra rows cost
+    # about half as much; the rounding is finer than bf16's. Row-exact.
+    fp16_dot: bool = False
     clock: Callable[[], float] = time.monotonic  # for sequence leases (``reclaim_idle``); tests pass their own
     # Steps at bucketed static shapes, replayed as CUDA graphs (specbatch.captured): "auto" (on for
     # CUDA with the own forward), "on" (captured at start-up), "lazy", "static" (padded, no
@@ -286,9 +292,14 @@ class Engine:
                               or self.dtype != torch.float32 or not native.bf16_dot_available()):
             raise ValueError("bf16 dot products need the engine's own forward, in float32 on a CPU with AVX512_BF16 "
                              "where the panel kernel builds, and neither int8 nor bf16 weights beside them")
+        if self.fp16_dot and (own is None or self.int8_weights or self.bf16_weights or self.bf16_dot
+                              or self.device.type != "cpu" or self.dtype != torch.float32
+                              or not native.fp16_dot_available()):
+            raise ValueError("float16 products need the engine's own forward, in float32 on a CPU with AVX512_FP16 "
+                             "where the panel kernel builds, and no other weight form beside them")
         # The forward of one ragged batch (see RaggedBatch); LlamaForward.__call__ is the contract.
         weights = ("int8" if self.int8_weights else "bf16" if self.bf16_weights else "bf16-dot" if self.bf16_dot
-                   else None)
+                   else "fp16-dot" if self.fp16_dot else None)
         self.forward = own(self.model, weights=weights) if own else TransformersForward(self.model)
         self.implementation = "specbatch" if own else "transformers"
         self.captured_steps = resolve_mode(self.captured_steps, self.device, own is not None)

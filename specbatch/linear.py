@@ -162,7 +162,7 @@ def panel_kernel_takes(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and native.available()
 
 
-WEIGHT_FORMATS = ("bf16", "bf16-dot", "int8")  # besides None: the weights as the model has them
+WEIGHT_FORMATS = ("bf16", "bf16-dot", "fp16-dot", "int8")  # besides None: the weights as the model has them
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weights: str | None = None) -> Linear:
@@ -170,16 +170,21 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weights: str 
     ``native.PanelLinear`` where it builds, else ``PackedLinear`` (oneDNN or ``F.linear``);
     "bf16": a float32 weight rounded to bfloat16 on the panel kernel (half the bytes a step reads,
     still row-exact); "bf16-dot": the weight and each input rounded to bfloat16, pairs' products
-    summed in float32 on AVX512_BF16 (``native.bf16_dot_available``; row-exact too); "int8":
-    ``Int8Linear`` (a draft's choice)."""
+    summed in float32 on AVX512_BF16 (``native.bf16_dot_available``; row-exact too); "fp16-dot":
+    the weight and each input (scaled by a power of two) rounded to float16, products summed in
+    float16 in runs of 32, the runs in float32, on AVX512_FP16 (``native.fp16_dot_available``;
+    row-exact); "int8": ``Int8Linear`` (a draft's choice)."""
     if weights == "int8":
         return Int8Linear(weight, bias)
-    if weights in ("bf16", "bf16-dot"):
+    if weights in ("bf16", "bf16-dot", "fp16-dot"):
         if not panel_kernel_takes(weight):
             raise ValueError(f"{weights} weights are for float32 weights on a CPU where the panel kernel builds")
         if weights == "bf16-dot" and not native.bf16_dot_available():
             raise ValueError("bf16-dot weights need a CPU with AVX512_BF16")
-        return native.PanelLinear(weight, bias, bf16_weights=weights == "bf16", bf16_dot=weights == "bf16-dot")
+        if weights == "fp16-dot" and not native.fp16_dot_available():
+            raise ValueError("fp16-dot weights need a CPU with AVX512_FP16")
+        return native.PanelLinear(weight, bias, bf16_weights=weights == "bf16", bf16_dot=weights == "bf16-dot",
+                                  fp16_dot=weights == "fp16-dot")
     if weights is not None:
         raise ValueError(f"unknown weight format {weights!r} (one of {WEIGHT_FORMATS} or None)")
     if panel_kernel_takes(weight):

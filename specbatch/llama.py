@@ -112,7 +112,8 @@ class LlamaForward:
     """``__call__`` runs one ragged batch: see ``specbatch.engine.RaggedBatch`` for the layout.
     ``weights``: how the linear layers keep their weights (``specbatch.linear.linear``): None, as
     the model has them; "bf16", rounded to bfloat16 for a float32 forward; "bf16-dot", the weights
-    and the layers' inputs rounded to bfloat16 for a float32 forward; "int8" (drafts only)."""
+    and the layers' inputs rounded to bfloat16 for a float32 forward; "fp16-dot", to float16 with
+    float16 products; "int8" (drafts only)."""
 
     def __init__(self, model, weights: str | None = None):
         if not supports(model):

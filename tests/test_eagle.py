@@ -205,11 +205,12 @@ def test_int8_eagle_draft_keeps_the_output_exact(target_model, eagle_draft, toke
         stack.stop()
 
 
-@pytest.mark.parametrize("form", ["bf16_weights", "bf16_dot"])
+@pytest.mark.parametrize("form", ["bf16_weights", "bf16_dot", "fp16_dot"])
 def test_bf16_weights_speculate_exactly_against_their_own_target_only_decoding(target_model, eagle_draft, tokenizer,
                                                                              form):
     """Target and draft with their weights kept in bf16 (float32 arithmetic on the panel kernel), or
-    with the layers' inputs rounded to bf16 too (bf16 dot products): the target's rows do not depend
+    with the layers' inputs rounded to bf16 too (bf16 dot products), or both in float16 with
+    float16 products: the target's rows do not depend
     on how many share a multiply, so speculative output at k=3, with leaves, in one mixed batch, is
     token for token the same stack's target-only (k=0) output."""
     from specbatch import native
@@ -219,6 +220,8 @@ def test_bf16_weights_speculate_exactly_against_their_own_target_only_decoding(t
         pytest.skip(f"no panel kernel here: {native.unavailable_reason()}")
     if form == "bf16_dot" and not native.bf16_dot_available():
         pytest.skip("the CPU lacks AVX512_BF16")
+    if form == "fp16_dot" and not native.fp16_dot_available():
+        pytest.skip("the CPU lacks AVX512_FP16")
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=8, max_new_tokens=64,
                               target_engine_options={form: True}, draft_engine_options={form: True})
     try:
@@ -234,9 +237,9 @@ def test_bf16_weights_speculate_exactly_against_their_own_target_only_decoding(t
         assert getattr(stack.draft_engines[0].forward.fuse, form)
     finally:
         stack.stop()
-    with pytest.raises(ValueError, match="bf16"):
+    with pytest.raises(ValueError, match="bf16|float16"):
         Engine(copy.deepcopy(target_model).to(torch.bfloat16), **{form: True})
-    with pytest.raises(ValueError, match="bf16"):
+    with pytest.raises(ValueError, match="bf16|float16"):
         Engine(target_model, implementation="transformers", **{form: True})
 
 

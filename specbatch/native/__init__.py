@@ -42,14 +42,18 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("panel_sgemm.c", "panel_dpbf16.c", "attention.c", "layer_ops.c"))
+                for name in ("panel_sgemm.c", "panel_dpbf16.c", "panel_fp16.c", "attention.c", "layer_ops.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # Where the CPU has AVX-512, the same code compiled for it: 32 vector registers instead of 16, so
 # wider register blocks fit (panel_sgemm.c's BF16_PANELS). Part of the build's cache key.
 AVX512_FLAGS = ("-mavx512f", "-mavx512vl", "-mavx512bw", "-mavx512dq")
 # Where the CPU has AVX512_BF16 besides: panel_dpbf16.c, bf16 dot products (compiled only then).
 BF16_DOT_FLAGS = ("-mavx512bf16",)
+# Where the CPU has AVX512_FP16 besides: panel_fp16.c, float16 products (compiled only then; a
+# compiler without the flag (gcc < 12) builds the rest without it).
+FP16_DOT_FLAGS = ("-mavx512fp16",)
 PANEL = 16  # output features a panel holds: panel_sgemm.c's PANEL
+FP16_PANEL = 32  # panel_fp16.c's FP16_PANEL
 HEAD_DIMS = (8, 16, 32, 64, 128)  # those attention.c is compiled for
 
 
@@ -79,28 +83,41 @@ def _why_not() -> str | None:
     return None
 
 
-def cpu_has_bf16_dot() -> bool:
-    """Whether the CPU has AVX512_BF16's dot-product instruction (read from /proc/cpuinfo)."""
+def _cpu_has(flag: str) -> bool:
+    """Whether /proc/cpuinfo lists this CPU flag."""
     try:
-        return " avx512_bf16" in Path("/proc/cpuinfo").read_text()
+        return f" {flag}" in Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
 
 
-def flags() -> tuple[str, ...]:
+def cpu_has_bf16_dot() -> bool:
+    """Whether the CPU has AVX512_BF16's dot-product instruction."""
+    return _cpu_has("avx512_bf16")
+
+
+def cpu_has_fp16() -> bool:
+    """Whether the CPU has AVX512_FP16's float16 arithmetic."""
+    return _cpu_has("avx512_fp16")
+
+
+def flags(fp16: bool = True) -> tuple[str, ...]:
     """The compiler flags for this CPU: ``FLAGS``, ``AVX512_FLAGS`` where PyTorch sees AVX-512, and
-    ``BF16_DOT_FLAGS`` with them where the CPU has AVX512_BF16."""
+    with them ``BF16_DOT_FLAGS`` where the CPU has AVX512_BF16 and ``FP16_DOT_FLAGS`` where it has
+    AVX512_FP16 (unless ``fp16`` is False)."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return FLAGS
-    return FLAGS + AVX512_FLAGS + (BF16_DOT_FLAGS if cpu_has_bf16_dot() else ())
+    return (FLAGS + AVX512_FLAGS + (BF16_DOT_FLAGS if cpu_has_bf16_dot() else ())
+            + (FP16_DOT_FLAGS if fp16 and cpu_has_fp16() else ()))
 
 
-def build(directory: Path | None = None) -> Path:
-    """The compiled library's path, compiling it first if the cache lacks this source's build."""
+def build(directory: Path | None = None, build_flags: tuple[str, ...] | None = None) -> Path:
+    """The compiled library's path, compiling it first if the cache lacks this source's build
+    (with ``build_flags``, default ``flags()``)."""
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (cc, gcc or clang)")
-    source, build_flags = b"".join(path.read_bytes() for path in SOURCES), flags()
+    source, build_flags = b"".join(path.read_bytes() for path in SOURCES), build_flags or flags()
     key = hashlib.sha256(source + " ".join(build_flags).encode()).hexdigest()[:16]
     directory = directory or _cache_dir()
     target = directory / f"specbatch-native-{key}.so"
@@ -129,7 +146,13 @@ def _library() -> ctypes.CDLL | None:
                         "attention on PyTorch's SDPA", reason)
         return None
     try:
-        library = ctypes.CDLL(str(build()))
+        try:
+            library = ctypes.CDLL(str(build()))
+        except RuntimeError as error:
+            if flags(fp16=False) == flags():
+                raise
+            log.warning("the float16 multiply did not build (%s): building the kernels without it", error)
+            library = ctypes.CDLL(str(build(build_flags=flags(fp16=False))))
     except (OSError, RuntimeError) as error:
         log.warning("the float32 kernels are unavailable (%s): float32 linear layers run on oneDNN, "
                     "attention on PyTorch's SDPA", error)
@@ -141,6 +164,10 @@ def _library() -> ctypes.CDLL | None:
     if hasattr(library, "panel_dpbf16"):
         library.panel_dpbf16.argtypes = [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int]
         library.panel_dpbf16.restype = ctypes.c_int
+    if hasattr(library, "panel_fp16"):
+        library.panel_fp16.argtypes = [pointer, size, size, pointer, size, ctypes.c_float, pointer, pointer,
+                                       ctypes.c_int]
+        library.panel_fp16.restype = ctypes.c_int
     library.attend.argtypes = [pointer, size, size, size, pointer, pointer, size, size, pointer, pointer,
                                size, size, size, size, size, size, ctypes.c_float, ctypes.c_int]
     library.attend.restype = ctypes.c_int
@@ -166,6 +193,13 @@ def bf16_dot_available() -> bool:
     return library is not None and hasattr(library, "panel_dpbf16")
 
 
+def fp16_dot_available() -> bool:
+    """Whether the float16 multiply (``panel_fp16.c``) runs here: the kernels built for a CPU with
+    AVX512_FP16."""
+    library = _library()
+    return library is not None and hasattr(library, "panel_fp16")
+
+
 def unavailable_reason() -> str | None:
     """Why ``available()`` is False (None where it is True)."""
     reason = _why_not()
@@ -187,18 +221,26 @@ class PanelLinear:
     reads) and multiplied with the float32 input in float32 (``panel_sgemm.c``). ``bf16_dot``: the
     weight in bfloat16 and each call's input rounded to bfloat16 too, products of pairs summed in
     float32 by AVX512_BF16's dot-product instruction (``panel_dpbf16.c``: half the arithmetic's
-    cost again, so a verify step's rows ride along further). All three are row-exact."""
+    cost again, so a verify step's rows ride along further). ``fp16_dot``: the weight in float16,
+    each input row scaled by a power of two and rounded to float16, products summed in float16 in
+    runs of 32 and the runs in float32 on AVX512_FP16 (``panel_fp16.c``: half the arithmetic of
+    bf16 dot products on a CPU that has both, and closer to float32). All are row-exact."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16_weights: bool = False,
-                 bf16_dot: bool = False):
+                 bf16_dot: bool = False, fp16_dot: bool = False):
         library = _library()
         if library is None:
             raise RuntimeError(f"the panel kernel is unavailable: {unavailable_reason()}")
         if bf16_dot and not bf16_dot_available():
             raise RuntimeError("bf16 dot products need a CPU with AVX512_BF16 (and the kernels built for it)")
-        if bf16_dot and bf16_weights:
-            raise ValueError("bf16_dot already reads the weights as bf16: ask for one of bf16_weights and bf16_dot")
-        self.bf16_weights, self.bf16_dot = bf16_weights, bf16_dot
+        if fp16_dot and not fp16_dot_available():
+            raise RuntimeError("float16 products need a CPU with AVX512_FP16 (and the kernels built for it)")
+        if bf16_weights + bf16_dot + fp16_dot > 1:
+            raise ValueError("ask for one of bf16_weights, bf16_dot and fp16_dot")
+        self.bf16_weights, self.bf16_dot, self.fp16_dot = bf16_weights, bf16_dot, fp16_dot
+        if fp16_dot:
+            self._init_fp16(library, weight, bias)
+            return
         self._multiply = (library.panel_dpbf16 if bf16_dot else library.panel_sgemm_bf16w if bf16_weights
                           else library.panel_sgemm)
         weight = weight.detach().to(torch.bfloat16 if bf16_weights or bf16_dot else torch.float32)
@@ -216,6 +258,25 @@ class PanelLinear:
         # The kernel loads a panel's bias 16 at a time: padded so the last panel reads no further.
         self.bias = None if bias is None else F.pad(bias.detach().float(), (0, padded)).contiguous()
 
+    def _init_fp16(self, library, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """The float16 form: the weight times a power of two that puts its largest |w| in [1, 2)
+        (exact; panel_fp16.c's range argument), packed [panels, in_features, FP16_PANEL]."""
+        weight = weight.detach().float()
+        self.out_features, self.in_features = weight.shape
+        largest = float(weight.abs().max()) if weight.numel() else 0.0
+        exponent = int(torch.frexp(torch.tensor(largest)).exponent) - 1 if largest > 0 else 0  # 2^e <= largest < 2^(e+1)
+        self.weight_unscale = 2.0 ** exponent
+        scaled = torch.ldexp(weight, torch.tensor(-exponent)).to(torch.float16)
+        scaled = F.pad(scaled, (0, 0, 0, -self.out_features % FP16_PANEL))
+        self.panels = scaled.view(-1, FP16_PANEL, self.in_features).transpose(1, 2).contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        fp16 = library.panel_fp16
+
+        def multiply(x, m, k, panels, n, bias, out, threads):
+            return fp16(x, m, k, panels, n, self.weight_unscale, bias, out, threads)
+
+        self._multiply = multiply
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
@@ -226,7 +287,7 @@ class PanelLinear:
         if rows.shape[0] and self._multiply(rows.data_ptr(), rows.shape[0], self.in_features, self.panels.data_ptr(),
                                             self.out_features, None if self.bias is None else self.bias.data_ptr(),
                                             out.data_ptr(), torch.get_num_threads()):
-            raise MemoryError("panel kernel: no memory for the input's bf16 copy")
+            raise MemoryError("panel kernel: no memory for the input's rounded copy")
         return out.view(*shape[:-1], self.out_features)
 
 
