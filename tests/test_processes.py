@@ -163,6 +163,7 @@ def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatc
 
 
 @pytest.mark.parametrize("native_bf16, panel_kernel, bf16_dot, dtype, profile", [
+    (True, True, "fp16", None, "embedded-cpu-fp16dot.json"),
     (True, True, True, None, "embedded-cpu-bf16dot.json"), (True, True, False, None, "embedded-cpu-bf16w.json"),
     (False, True, False, None, "embedded-cpu-bf16w.json"),
     (True, False, False, None, "embedded-cpu.json"), (False, False, False, None, "embedded-cpu-fp32.json"),
@@ -176,7 +177,8 @@ def test_embedded_default_takes_the_profile_of_the_form_the_services_run(monkeyp
 
     monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: native_bf16)
     monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: panel_kernel)
-    monkeypatch.setattr(launcher, "bf16_dot_expected", lambda: bf16_dot)
+    monkeypatch.setattr(launcher, "bf16_dot_expected", lambda: bool(bf16_dot))
+    monkeypatch.setattr(launcher, "fp16_dot_expected", lambda: bf16_dot == "fp16")
     policy, path = launcher.default_k_policy(StackOptions(dtype=dtype))
     assert policy == "goodput" and Path(path).name == profile and Path(path).exists()
     assert launcher.default_k_policy(StackOptions(dtype=dtype, no_draft=True)) == ("fixed:3", None)
@@ -207,24 +209,30 @@ def test_embedded_draft_runs_int8_where_the_services_run_float32_on_a_cpu(monkey
     (True, {"bf16_dot": False}, ["--dtype", "float32", "--bf16-weights"], ["--dtype", "float32", "--int8-weights"]),
     (False, {"bf16_dot": True}, ["--dtype", "float32", "--bf16-dot"], ["--dtype", "float32", "--int8-weights"]),
     (True, {"dtype": "bf16"}, ["--dtype", "bf16"], ["--dtype", "bf16"]),
-    (True, {"bf16_weights": False}, [], [])])
+    (True, {"bf16_weights": False}, [], []),
+    ("fp16", {}, ["--dtype", "float32", "--fp16-dot"], ["--dtype", "float32", "--int8-weights"]),
+    ("fp16", {"draft_int8_weights": False}, ["--dtype", "float32", "--fp16-dot"], ["--dtype", "float32", "--fp16-dot"]),
+    ("fp16", {"bf16_dot": True}, ["--dtype", "float32", "--bf16-dot"], ["--dtype", "float32", "--int8-weights"]),
+    ("fp16", {"fp16_dot": False}, ["--dtype", "float32", "--bf16-dot"], ["--dtype", "float32", "--int8-weights"]),
+    (True, {"fp16_dot": True}, ["--dtype", "float32", "--fp16-dot"], ["--dtype", "float32", "--int8-weights"])])
 def test_embedded_services_read_bf16_weights_in_float32_where_the_panel_kernel_builds(monkeypatch, dot, options,
                                                                                      target_flags, draft_flags):
     """With the panel kernel, the embedded target and draft run float32 with bf16 weights unless a
-    dtype is asked for, on bf16 dot products where the CPU has AVX512_BF16 (the draft int8 where
-    that is on: it reads a quarter of the bytes)."""
+    dtype is asked for, on float16 products where the CPU has AVX512_FP16, else on bf16 dot products
+    where it has AVX512_BF16 (the draft int8 where that is on: it reads a quarter of the bytes)."""
     import specbatch.commands.launcher as launcher
 
     monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: True)
     monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: True)
-    monkeypatch.setattr(launcher, "bf16_dot_expected", lambda: dot)
+    monkeypatch.setattr(launcher, "bf16_dot_expected", lambda: bool(dot))
+    monkeypatch.setattr(launcher, "fp16_dot_expected", lambda: dot == "fp16")
     monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
     spawned = {}
     LocalProcesses(StackOptions(k_policy="fixed:3", **options),
                    lambda module, args, env: spawned.setdefault(module, args)).start()
     for module, expected in (("target_service", target_flags), ("draft_service", draft_flags)):
         flags = [flag for flag in spawned[module] if flag in ("--dtype", "float32", "bf16", "--bf16-weights",
-                                                                "--bf16-dot", "--int8-weights")]
+                                                                "--bf16-dot", "--fp16-dot", "--int8-weights")]
         assert flags == expected, (module, spawned[module])
 
 
@@ -232,9 +240,11 @@ def test_launcher_and_services_agree_on_native_bf16():
     """The launcher reads the CPU flags without torch; the services ask oneDNN. They must agree,
     or the coordinator would run the other dtype's profile."""
     from specbatch import native
-    from specbatch.commands.launcher import bf16_dot_expected, cpu_multiplies_bf16, panel_kernel_expected
+    from specbatch.commands.launcher import (bf16_dot_expected, cpu_multiplies_bf16, fp16_dot_expected,
+                                             panel_kernel_expected)
     from specbatch.linear import onednn_bf16_available
 
     assert cpu_multiplies_bf16() == onednn_bf16_available()
     assert panel_kernel_expected() == native.available()
     assert bf16_dot_expected() == native.bf16_dot_available()
+    assert fp16_dot_expected() == native.fp16_dot_available()

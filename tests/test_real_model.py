@@ -109,9 +109,10 @@ def test_bf16_output_leaves_target_only_decoding_only_at_near_ties(real, bf16_st
     assert all(m.near_tie for m in mismatches), mismatches
 
 
-def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real):
-    """The embedded services' default where the CPU has AVX512_BF16: float32 with the linear layers
-    on bf16 dot products, the draft int8. Row-exact multiplies and attention make speculative
+@pytest.mark.parametrize("form", ["bf16_dot", "fp16_dot"])
+def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real, form):
+    """The embedded services' default where the CPU has AVX512_BF16 (AVX512_FP16): float32 with the
+    linear layers on bf16 dot products (float16 products), the draft int8. Row-exact multiplies and attention make speculative
     output equal target-only decoding on the same engine token for token, with prompts of different
     lengths prefilled together and k 1-4 in one batch. (Differences show only at near-ties, which
     four short chats rarely reach: tests/test_native.py checks the prefill's bits directly, and
@@ -120,10 +121,10 @@ def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real):
     from specbatch.commands.local import start_local_stack
     from specbatch.exactness import first_mismatch, target_only
 
-    if not native.bf16_dot_available():
-        pytest.skip("the CPU lacks AVX512_BF16")
+    if not (native.bf16_dot_available() if form == "bf16_dot" else native.fp16_dot_available()):
+        pytest.skip(f"the CPU lacks {'AVX512_BF16' if form == 'bf16_dot' else 'AVX512_FP16'}")
     target, draft, tokenizer = real
-    stack = start_local_stack(target, draft, tokenizer, max_batch_size=4, target_engine_options={"bf16_dot": True},
+    stack = start_local_stack(target, draft, tokenizer, max_batch_size=4, target_engine_options={form: True},
                               draft_engine_options={"int8_weights": True})
     try:
         prompts = [chat_ids(tokenizer, c) for c in CHATS]

@@ -79,6 +79,11 @@ class StackOptions:
     # inputs rounded to bf16 too, AVX512_BF16); None: on wherever bf16 weights are and the CPU has
     # AVX512_BF16 (``bf16_dot``).
     bf16_dot: bool | None = None
+    # With bf16 weights, both services' linear layers on float16 products instead (--fp16-dot:
+    # weights and inputs rounded to float16, AVX512_FP16; twice bf16 dot products' arithmetic
+    # a cycle there); None: on wherever bf16 weights are, the CPU has AVX512_FP16 and --bf16-dot
+    # is not asked for (``fp16_dot``).
+    fp16_dot: bool | None = None
     leaves: int = 0  # the coordinator's --leaves: the draft's next-best tokens verified beside its first
     unsure_below: float = 0.0  # the coordinator's --unsure-below
     draft_ahead: int = 0  # the coordinator's --draft-ahead: guesses at each drafted position while the target verifies
@@ -95,7 +100,8 @@ class StackOptions:
 # (docs/profile.md): the step times, and so the best k, differ by 2x and more between them.
 # The adaptive policy served best on them.
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
-EMBEDDED_PROFILES = {"float32+bf16-dot": PROFILES / "embedded-cpu-bf16dot.json",
+EMBEDDED_PROFILES = {"float32+fp16-dot": PROFILES / "embedded-cpu-fp16dot.json",
+                     "float32+bf16-dot": PROFILES / "embedded-cpu-bf16dot.json",
                      "float32+bf16-weights": PROFILES / "embedded-cpu-bf16w.json",
                      "bfloat16": PROFILES / "embedded-cpu.json", "float32": PROFILES / "embedded-cpu-fp32.json"}
 EMBEDDED_POLICY = "goodput"
@@ -143,6 +149,24 @@ def bf16_dot_expected() -> bool:
     return panel_kernel_expected() and " avx512_bf16" in _cpu_flags()
 
 
+def fp16_dot_expected() -> bool:
+    """Whether the engine's float16 multiply should build here (``native.fp16_dot_available``): the
+    panel kernel, a CPU with AVX512_FP16, and a C compiler that knows it (gcc 12 or later)."""
+    if not (panel_kernel_expected() and " avx512_fp16" in _cpu_flags()):
+        return False
+    import shlex
+    import shutil
+    import subprocess
+
+    compiler = shlex.split(os.environ.get("CC", "")) or [next(
+        (found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), "cc")]
+    try:
+        return subprocess.run([*compiler, "-mavx512fp16", "-E", "-x", "c", os.devnull],
+                              capture_output=True).returncode == 0
+    except OSError:
+        return False
+
+
 def bf16_weights(options: StackOptions) -> bool:
     """Whether the model services read their weights as bf16 in float32 arithmetic (``--bf16-weights``):
     as asked, else for the embedded models on a CPU where the panel kernel builds and no dtype is
@@ -162,17 +186,31 @@ def bf16_dot(options: StackOptions) -> bool:
     45.2 ms against 15.8 / 22.4 / 86.3 with bf16 weights in float32 (docs/engine.md)."""
     if options.bf16_dot is not None:
         return options.bf16_dot
-    return bf16_weights(options) and bf16_dot_expected()
+    return bf16_weights(options) and bf16_dot_expected() and not fp16_dot(options)
+
+
+def fp16_dot(options: StackOptions) -> bool:
+    """Whether the model services' linear layers run on float16 products (``--fp16-dot``): as asked,
+    else wherever they read bf16 weights, the CPU has AVX512_FP16 and bf16 dot products are not
+    asked for. On the 2-core Xeon (1 thread) a target step of 5 new tokens costs 1.12-1.17x one
+    against 1.22-1.26x on bf16 dot products, 8 x 4 tokens 90 ms against 131 (docs/engine.md)."""
+    if options.fp16_dot is not None:
+        return options.fp16_dot
+    return bf16_weights(options) and not options.bf16_dot and fp16_dot_expected()
 
 
 def weights_flag(options: StackOptions) -> list[str]:
     """Both services' flag for how they keep their linear layers (the draft's unless int8)."""
+    if fp16_dot(options):
+        return ["--fp16-dot"]
     return ["--bf16-dot"] if bf16_dot(options) else ["--bf16-weights"] if bf16_weights(options) else []
 
 
 def services_cpu_form(options: StackOptions) -> str:
-    """The form the model services run on a CPU with these options: "float32+bf16-dot",
-    "float32+bf16-weights", or a dtype."""
+    """The form the model services run on a CPU with these options: "float32+fp16-dot",
+    "float32+bf16-dot", "float32+bf16-weights", or a dtype."""
+    if fp16_dot(options):
+        return "float32+fp16-dot"
     if bf16_dot(options):
         return "float32+bf16-dot"
     return "float32+bf16-weights" if bf16_weights(options) else services_cpu_dtype(options)
@@ -245,7 +283,11 @@ def add_stack_flags(parser) -> None:
     parser.add_argument("--bf16-dot", action=argparse.BooleanOptionalAction, default=None,
                         help="both services' linear layers on bf16 dot products, the inputs rounded to bf16 too "
                              "(float32 otherwise; the draft's where not int8; default: on wherever bf16 weights are "
-                             "and the CPU has AVX512_BF16)")
+                             "and the CPU has AVX512_BF16 but not AVX512_FP16)")
+    parser.add_argument("--fp16-dot", action=argparse.BooleanOptionalAction, default=None,
+                        help="both services' linear layers on float16 products, weights and inputs rounded to "
+                             "float16 (float32 otherwise; the draft's where not int8; default: on wherever bf16 "
+                             "weights are and the CPU has AVX512_FP16, unless --bf16-dot is asked for)")
     parser.add_argument("--leaves", type=int, default=0, metavar="N",
                         help="the coordinator's --leaves: up to N of the draft's next-best tokens verified beside "
                              "the first draft (default 0: they pay where verifying a row is nearly free)")
@@ -276,7 +318,7 @@ def stack_options(args) -> StackOptions:
         host=args.host, ports={"coordinator": args.port, "target": args.target_port, "draft": args.draft_port},
         log_level=args.log_level, metrics_ports=dict(DEFAULT_METRICS_PORTS) if args.metrics else None,
         threads_per_service=args.threads_per_service, draft_int8_weights=args.draft_int8_weights,
-        bf16_weights=args.bf16_weights, bf16_dot=args.bf16_dot, leaves=args.leaves,
+        bf16_weights=args.bf16_weights, bf16_dot=args.bf16_dot, fp16_dot=args.fp16_dot, leaves=args.leaves,
         unsure_below=args.unsure_below, draft_ahead=args.draft_ahead, prompt_lookup=args.prompt_lookup,
     )
 
