@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -152,17 +153,19 @@ def bf16_dot_expected() -> bool:
 def fp16_dot_expected() -> bool:
     """Whether the engine's float16 multiply should build here (``native.fp16_dot_available``): the
     panel kernel, a CPU with AVX512_FP16, and a C compiler that knows it (gcc 12 or later)."""
-    if not (panel_kernel_expected() and " avx512_fp16" in _cpu_flags()):
-        return False
+    return (panel_kernel_expected() and " avx512_fp16" in _cpu_flags()
+            and _compiler_accepts("-mavx512fp16", os.environ.get("CC", "")))
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_accepts(flag: str, cc: str) -> bool:
+    """Whether the C compiler the kernels build with (``$CC``, else cc, gcc, clang) takes ``flag``."""
     import shlex
     import shutil
-    import subprocess
 
-    compiler = shlex.split(os.environ.get("CC", "")) or [next(
-        (found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), "cc")]
+    compiler = shlex.split(cc) or [next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), "cc")]
     try:
-        return subprocess.run([*compiler, "-mavx512fp16", "-E", "-x", "c", os.devnull],
-                              capture_output=True).returncode == 0
+        return subprocess.run([*compiler, flag, "-E", "-x", "c", os.devnull], capture_output=True).returncode == 0
     except OSError:
         return False
 
@@ -192,8 +195,8 @@ def bf16_dot(options: StackOptions) -> bool:
 def fp16_dot(options: StackOptions) -> bool:
     """Whether the model services' linear layers run on float16 products (``--fp16-dot``): as asked,
     else wherever they read bf16 weights, the CPU has AVX512_FP16 and bf16 dot products are not
-    asked for. On the 2-core Xeon (1 thread) a target step of 5 new tokens costs 1.12-1.17x one
-    against 1.22-1.26x on bf16 dot products, 8 x 4 tokens 90 ms against 131 (docs/engine.md)."""
+    asked for. On the 2-core Xeon (1 thread) a target step of 5 new tokens costs 1.12-1.18x one
+    against 1.22-1.26x on bf16 dot products, 8 x 4 tokens 90 ms against 129-131 (docs/engine.md)."""
     if options.fp16_dot is not None:
         return options.fp16_dot
     return bf16_weights(options) and not options.bf16_dot and fp16_dot_expected()

@@ -1,5 +1,6 @@
 """The engine's own float32 kernels for x86 CPUs, built on first use: a matrix multiply
-(``panel_sgemm.c``), attention (``attention.c``) and a layer's small operations between them
+(``panel_sgemm.c``; with bf16 dot products ``panel_dpbf16.c`` on AVX512_BF16, with float16
+products ``panel_fp16.c`` on AVX512_FP16), attention (``attention.c``) and a layer's small operations between them
 (``layer_ops.c``: residual add with RMS norm, rotary embedding with the KV write, SiLU-gated
 multiply) for the few rows of a decode or verify step.
 
