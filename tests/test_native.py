@@ -81,6 +81,30 @@ def test_bf16_weights_are_the_float32_kernel_on_the_rounded_weights(out_features
         torch.set_num_threads(before)
 
 
+def rows_alone_and_beside_others(layer, x: torch.Tensor, threads: int, row_counts) -> torch.Tensor:
+    """Each row of ``x`` through ``layer`` alone on one thread; asserts that the first n rows, for
+    every n of ``row_counts``, give the same bits together on ``threads`` threads. Returns the rows
+    computed alone."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+        torch.set_num_threads(threads)
+        for rows in row_counts:
+            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+    finally:
+        torch.set_num_threads(before)
+    return alone
+
+
+def layer_and_rows(out_features: int, in_features: int, seed: int, **form):
+    """A random weight and bias, the PanelLinear of them in ``form``, and 40 input rows."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    bias = torch.randn(out_features, generator=generator)
+    return weight, bias, native.PanelLinear(weight, bias, **form), torch.randn(40, in_features, generator=generator)
+
+
 needs_bf16_dot = pytest.mark.skipif(not native.bf16_dot_available(), reason="the CPU lacks AVX512_BF16")
 
 
@@ -92,25 +116,13 @@ def test_bf16_dot_products_are_row_exact_products_of_the_rounded_operands(out_fe
     rounding of the float64 product of the rounded operands (odd K's last pair padded with zero),
     and each row the same bits alone or beside others (1-8 rows a block, 17 and 40 rows split),
     on any thread count."""
-    generator = torch.Generator().manual_seed(out_features * in_features + 1)
-    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
-    bias = torch.randn(out_features, generator=generator)
-    layer = native.PanelLinear(weight, bias, bf16_dot=True)
+    weight, bias, layer, x = layer_and_rows(out_features, in_features, out_features * in_features + 1, bf16_dot=True)
     assert layer.panels.dtype == torch.bfloat16 and layer.bf16_dot and not layer.bf16_weights
-    x = torch.randn(40, in_features, generator=generator)
     rounded_x, rounded_w = x.bfloat16().double(), weight.bfloat16().double()
     exact = rounded_x @ rounded_w.T + bias.double()
     bound = 1e-6 * in_features * (rounded_x.abs() @ rounded_w.abs().T + 1)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
-        assert ((alone.double() - exact).abs() <= bound).all()
-        torch.set_num_threads(threads)
-        for rows in list(range(1, 10)) + [16, 17, 40]:
-            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
-    finally:
-        torch.set_num_threads(before)
+    alone = rows_alone_and_beside_others(layer, x, threads, list(range(1, 10)) + [16, 17, 40])
+    assert ((alone.double() - exact).abs() <= bound).all()
 
 
 needs_fp16 = pytest.mark.skipif(not native.fp16_dot_available(), reason="the CPU lacks AVX512_FP16")
@@ -125,26 +137,14 @@ def test_float16_products_are_row_exact_and_closer_than_bf16(out_features, in_fe
     count; within the worst case of its roundings of the float64 product (each of a run's 32 adds
     rounds by at most 2^-11 of the run's sum of |terms|, the operands by 2^-11 each), and on average
     closer to it than bf16's 8 bits allow."""
-    generator = torch.Generator().manual_seed(out_features * in_features + 2)
-    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
-    bias = torch.randn(out_features, generator=generator)
-    layer = native.PanelLinear(weight, bias, fp16_dot=True)
+    weight, bias, layer, x = layer_and_rows(out_features, in_features, out_features * in_features + 2, fp16_dot=True)
     assert layer.panels.dtype == torch.float16 and layer.fp16_dot and not layer.bf16_dot
-    x = torch.randn(40, in_features, generator=generator)
     exact = x.double() @ weight.double().T + bias.double()
     magnitude = x.double().abs() @ weight.double().abs().T
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
-        error = (alone.double() - exact).abs()
-        assert (error <= 2**-5 * magnitude + 1e-6 * (exact.abs() + 1)).all()
-        assert error.norm() <= 0.5 * ((x.bfloat16().double() @ weight.bfloat16().double().T + bias.double()) - exact).norm()
-        torch.set_num_threads(threads)
-        for rows in list(range(1, 14)) + [17, 25, 40]:
-            assert torch.equal(layer(x[:rows]), alone[:rows]), rows
-    finally:
-        torch.set_num_threads(before)
+    alone = rows_alone_and_beside_others(layer, x, threads, list(range(1, 14)) + [17, 25, 40])
+    error = (alone.double() - exact).abs()
+    assert (error <= 2**-5 * magnitude + 1e-6 * (exact.abs() + 1)).all()
+    assert error.norm() <= 0.5 * ((x.bfloat16().double() @ weight.bfloat16().double().T + bias.double()) - exact).norm()
 
 
 @needs_fp16
@@ -161,26 +161,18 @@ def test_float16_products_take_any_row_scale():
     assert torch.isfinite(layer(x * 1e30)).all() and torch.equal(layer(torch.zeros(2, 576)), torch.zeros(2, 96))
 
 
-def test_bf16_dot_products_are_refused_where_the_cpu_lacks_them(monkeypatch):
+@pytest.mark.parametrize("form, weights, available, flag", [
+    ("bf16_dot", "bf16-dot", "bf16_dot_available", "AVX512_BF16"),
+    ("fp16_dot", "fp16-dot", "fp16_dot_available", "AVX512_FP16")])
+def test_dot_product_forms_are_refused_where_the_cpu_lacks_them(monkeypatch, form, weights, available, flag):
     weight = torch.randn(32, 16)
-    monkeypatch.setattr(native, "bf16_dot_available", lambda: False)
-    with pytest.raises(RuntimeError, match="AVX512_BF16"):
-        native.PanelLinear(weight, bf16_dot=True)
-    with pytest.raises(ValueError, match="AVX512_BF16"):
-        linear(weight, weights="bf16-dot")
-    with pytest.raises(ValueError, match="AVX512_BF16"):
-        Engine(tiny_llama(1, seed=0), bf16_dot=True)
-
-
-def test_float16_products_are_refused_where_the_cpu_lacks_them(monkeypatch):
-    weight = torch.randn(32, 16)
-    monkeypatch.setattr(native, "fp16_dot_available", lambda: False)
-    with pytest.raises(RuntimeError, match="AVX512_FP16"):
-        native.PanelLinear(weight, fp16_dot=True)
-    with pytest.raises(ValueError, match="AVX512_FP16"):
-        linear(weight, weights="fp16-dot")
-    with pytest.raises(ValueError, match="AVX512_FP16"):
-        Engine(tiny_llama(1, seed=0), fp16_dot=True)
+    monkeypatch.setattr(native, available, lambda: False)
+    with pytest.raises(RuntimeError, match=flag):
+        native.PanelLinear(weight, **{form: True})
+    with pytest.raises(ValueError, match=flag):
+        linear(weight, weights=weights)
+    with pytest.raises(ValueError, match=flag):
+        Engine(tiny_llama(1, seed=0), **{form: True})
 
 
 def _attention_inputs(batch, width, end, head_dim, seed, heads=9, kv_heads=3):
