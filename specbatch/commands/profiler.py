@@ -286,7 +286,7 @@ def run_profile(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .launcher import LocalProcesses, bf16_dot, bf16_weights, draft_int8_weights, fp16_dot, stack_options
+    from .launcher import LocalProcesses, draft_int8_weights, services_cpu_form, stack_options, weights_flag
     from ..models import EMBEDDED, ModelSpec, load_tokenizer, parse_dtype, default_device
 
     remote = bool(args.target)
@@ -318,7 +318,7 @@ def run_profile(args) -> int:
     prompts = chat_prompts(tokenizer, sharegpt_prompts(2 * sizes[-1] + 8, args.prompt_start), args.max_prompt_tokens)
     device = args.device or default_device()
     dtype = args.dtype if remote else str(parse_dtype(args.dtype, device)).removeprefix("torch.")
-    if not remote and (bf16_weights(options) or bf16_dot(options) or fp16_dot(options)):  # the launcher runs both in float32 then
+    if not remote and weights_flag(options):  # the launcher runs both in float32 then
         dtype = "float32"
     if not remote:
         print("starting the target and draft services …", file=sys.stderr, flush=True)
@@ -335,6 +335,9 @@ def run_profile(args) -> int:
                                                                                description=text))
         target.close()
         draft.close()
+    # The linear layers' form the launcher gave both services (the draft's, where not int8).
+    form = {} if remote else {flag: services_cpu_form(options) == f"float32+{name}" for flag, name in
+                              (("bf16_weights", "bf16-weights"), ("bf16_dot", "bf16-dot"), ("fp16_dot", "fp16-dot"))}
     hardware = describe_hardware(None if remote else device)
     if remote:
         hardware = {"description": args.hardware or "unknown (remote services; pass --hardware)",
@@ -354,16 +357,10 @@ def run_profile(args) -> int:
         sizes, args.max_k, acceptance, times,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         hardware=hardware,
-        target={"model": names[0], "dtype": dtype or "unknown",
-                **({} if remote else {"bf16_weights": bf16_weights(options) and not bf16_dot(options)
-                                      and not fp16_dot(options),
-                                      "bf16_dot": bf16_dot(options), "fp16_dot": fp16_dot(options)})},
+        target={"model": names[0], "dtype": dtype or "unknown", **form},
         draft={"model": names[1], "dtype": dtype or "unknown",
                **({} if remote else {"int8_weights": draft_int8_weights(options),
-                                     "bf16_weights": (bf16_weights(options) and not bf16_dot(options)
-                                                      and not fp16_dot(options) and not draft_int8_weights(options)),
-                                     "bf16_dot": bf16_dot(options) and not draft_int8_weights(options),
-                                     "fp16_dot": fp16_dot(options) and not draft_int8_weights(options)})},
+                                     **{flag: on and not draft_int8_weights(options) for flag, on in form.items()}})},
         workload=workload,
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
