@@ -14,7 +14,7 @@ from draft_service.proposer import ProposeItem, propose
 from specbatch.client import generate_all, make_request
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
 from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
-from tiny import VOCAB, ForgetEveryThird, greedy_reference
+from tiny import VOCAB, decode_while_the_draft_forgets, greedy_reference
 
 
 def prompts(seed: int, count: int) -> list[list[int]]:
@@ -86,18 +86,12 @@ def test_a_draft_that_forgets_its_sequences_while_drafting_ahead_costs_no_token(
     """The draft loses every sequence now and then mid-request: a ProposeAhead then finds its
     sequence gone (FAILED_PRECONDITION), the coordinator rebuilds the draft from the history, and
     the output is still target-only decoding."""
-    from specbatch.client import generate
     from specbatch.commands.local import start_local_stack
 
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=64,
                               draft_ahead=2)
-    forget_every_third = ForgetEveryThird(stack.draft_engines[0])
-
     try:
-        prompt = prompts(seed=11, count=1)[0]
-        result = generate(stack.client(), make_request(prompt, 40, k=2, ignore_eos=True),
-                          on_response=forget_every_third)
-        assert result.token_ids == greedy_reference(target_model, prompt, 40)
-        assert len(forget_every_third.responses) > 6 and stack.coordinator.scheduler.totals.ahead_guessed > 0
+        responses = decode_while_the_draft_forgets(stack, target_model, prompts(seed=11, count=1)[0])
+        assert responses > 6 and stack.coordinator.scheduler.totals.ahead_guessed > 0
     finally:
         stack.stop()

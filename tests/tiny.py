@@ -100,3 +100,16 @@ class ForgetEveryThird:
         self.responses.append(response)
         if len(self.responses) % 3 == 0:
             self.engine.run(lambda: self.engine.release(list(self.engine.sequences)))
+
+
+def decode_while_the_draft_forgets(stack, target_model, prompt: list[int], max_new_tokens: int = 40) -> int:
+    """One greedy k = 2 request through ``stack`` whose (first) draft drops all its sequences every
+    third response (``ForgetEveryThird``); asserts the output is target-only decoding and returns
+    how many responses streamed."""
+    from specbatch.client import generate, make_request
+
+    forget_every_third = ForgetEveryThird(stack.draft_engines[0])
+    result = generate(stack.client(), make_request(prompt, max_new_tokens, k=2, ignore_eos=True),
+                      on_response=forget_every_third)
+    assert result.token_ids == greedy_reference(target_model, prompt, max_new_tokens)
+    return len(forget_every_third.responses)
