@@ -114,8 +114,8 @@ def main() -> int:
         bf16 = load_model(ModelSpec(), "cpu", torch.bfloat16)
         engines["bf16-specbatch"] = Engine(bf16)
     # what the embedded services run here (specbatch.commands.launcher: services_cpu_form)
-    best = next(name for name in ("fp32-fp16dot-specbatch", "fp32-bf16dot-specbatch", "fp32-bf16w-specbatch", "bf16-specbatch",
-                                  "fp32-specbatch") if name in engines)
+    best = next(name for name in ("fp32-fp16dot-specbatch", "fp32-bf16dot-specbatch", "fp32-bf16w-specbatch",
+                                  "bf16-specbatch", "fp32-specbatch") if name in engines)
     # Each engine holds the largest batch at CONTEXT tokens; every timed verify keeps exactly
     # CONTEXT (the bench-engine command's timing). The engines take turns, a warm-up call and two
     # timed ones each, so the machine's drift lands on all of them alike (measured one after

@@ -24,8 +24,10 @@
  * shuffle port as busy as the two FMA ports; 64-wide panels kept it idler but fit only 6 rows).
  * Blocks: up to 12 rows by one panel. On SmolLM2's decoder layers and head, 1 thread, Xeon: 1 row
  * 18.6 ms, 6 rows 20.0, 12 rows 25.3 (64-wide panels of up to 6 rows: 18.7, 19.3, and 32.3 for 12
- * rows as two blocks); past 12 rows a call takes further blocks, each reading the panels from
- * cache (13 rows 34.5 ms: a second block costs more than its arithmetic).
+ * rows as two blocks). Past 12 rows a call takes further blocks and goes run by run: the blocks
+ * after the first read the run's 2 KB of the panel from L1, so the weights stream from memory once
+ * (13 rows 31.4-33.7 ms, 32 rows 65.5). Past ~10 rows it is bound by arithmetic, at ~1.5 of the
+ * two multiply-adds a cycle could issue (the broadcasts share a port with them).
  *
  * Exactness: every output is the float32 sum, in order, of its runs' float16 sums, each run summed
  * in order of k, whatever the rows of the call, their block, or the thread that runs the panel; the
