@@ -3,11 +3,11 @@
  * a decode or verify step. Compiled only where the CPU has AVX512_FP16 (the library is built with
  * -mavx512fp16 there; specbatch.native.fp16_dot_available()).
  *
- * Why: on the 2-core Xeon (AVX512_FP16 and AVX512_BF16, no AMX exposed) vdpbf16ps issues about once
- * every two cycles, 23 pairs a cycle, while a 256-bit vfmadd231ph issues twice a cycle: 32
- * multiply-adds a cycle. One row reads the weights at the memory's speed either way (both keep 2
- * bytes a weight); each further row of a verify step costs arithmetic, and this halves it
- * (docs/engine.md, "float16 products").
+ * Why: on the 2-core Xeon (AVX512_FP16 and AVX512_BF16, no AMX exposed) vdpbf16ps reaches 46 G
+ * pairs a second, while a 512-bit vfmadd231ph with an embedded broadcast reaches ~115 G float16
+ * multiply-adds a second (8 rows, panel in L1). One row reads the weights at the memory's speed
+ * either way (both keep 2 bytes a weight); each further row of a verify step costs arithmetic, and
+ * this cuts it by more than half (docs/engine.md, "float16 products").
  *
  * Precision: float16 keeps 11 significant bits (bfloat16 8), so the rounded inputs and weights are
  * 8x closer to their float32 values. A float16 sum of up to FP16_RUN products rounds at each add;
@@ -19,15 +19,15 @@
  * float32 at the end. Tiny products fall into float16's subnormals, at most 2^-24 off each.
  *
  * Layout: W [N, K] is packed once into panels of 32 output features, [ceil(N/32)][K][32] (zero-
- * padded), so one k of a panel is one 64-byte line, two 16-lane vectors. A row's x[k] is broadcast
- * against them (vpbroadcastw, a shuffle: one a row per k beside two multiply-adds, which keeps the
- * shuffle port as busy as the two FMA ports; 64-wide panels kept it idler but fit only 6 rows).
- * Blocks: up to 12 rows by one panel. On SmolLM2's decoder layers and head, 1 thread, Xeon: 1 row
- * 18.6 ms, 6 rows 20.0, 12 rows 25.3 (64-wide panels of up to 6 rows: 18.7, 19.3, and 32.3 for 12
- * rows as two blocks). Past 12 rows a call takes further blocks and goes run by run: the blocks
- * after the first read the run's 2 KB of the panel from L1, so the weights stream from memory once
- * (13 rows 31.4-33.7 ms, 32 rows 65.5). Past ~10 rows it is bound by arithmetic, at ~1.5 of the
- * two multiply-adds a cycle could issue (the broadcasts share a port with them).
+ * padded), so one k of a panel is one 64-byte line, one 32-lane vector. Each row's x[k] enters its
+ * multiply-add as an embedded broadcast from memory ({1to32}): a load, no shuffle. (The first form,
+ * two 16-lane vectors a k and a vpbroadcastw a row, kept the shuffle port as busy as the multiply-
+ * adds and was bound at ~1.5 256-bit multiply-adds a cycle: 12 rows 0.48 ns a k and row, against
+ * 0.28 now.) Blocks: up to 24 rows by one panel, 24 sums in registers beside the panel's vector. On
+ * SmolLM2's decoder layers and head, 1 thread, Xeon, the two forms in one run (ms): 1 row 19.6 ->
+ * 18.9, 5 rows 21.9 -> 20.8, 12 rows 27.5 -> 23.9, 16 rows 37.2 -> 26.0, 32 rows 65.9 -> 43.4.
+ * Past 24 rows a call takes further blocks and goes run by run: the blocks after the first read
+ * the run's 2 KB of the panel from L1, so the weights stream from memory once.
  *
  * Exactness: every output is the float32 sum, in order, of its runs' float16 sums, each run summed
  * in order of k, whatever the rows of the call, their block, or the thread that runs the panel; the
@@ -43,45 +43,46 @@
 #include <string.h>
 
 #define FP16_PANEL 32
-#define FP16_MAX_ROWS 12  /* 2 x 12 float16 sums in registers, with the panel's 2 vectors and a broadcast */
+#define FP16_MAX_ROWS 24  /* 24 rows' float16 sums in registers, with the panel's vector */
 #define FP16_RUN 32       /* products summed in float16 before they join the float32 sum */
 #define FP16_PREFETCH_L2 8192
 #define FP16_PREFETCH_L1 1024
 
 /* One run of a panel (k in [start, end)) for rows x[0..R) (float16, K apart): each row's float16
- * sums of the run added to its float32 totals, total[i * FP16_PANEL ...]. */
+ * sums of the run added to its float32 totals, total[i * FP16_PANEL ...]. One k of the panel is one
+ * 512-bit vector; each row's x[k] reaches its multiply-add as an embedded broadcast ({1to32}, from
+ * the load port), so no shuffle shares a port with the multiply-adds. */
 #define FP16_BLOCK(R)                                                                                   \
     static void fp16_##R(const _Float16 *x, int64_t K, const _Float16 *panel, int64_t start, int64_t end, \
                          float *total) {                                                                 \
-        __m256h run[R][2];                                                                               \
-        _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                                          \
-            run[i][0] = _mm256_setzero_ph();                                                             \
-            run[i][1] = _mm256_setzero_ph();                                                             \
-        }                                                                                                \
+        __m512h run[R];                                                                                  \
+        _Pragma("GCC unroll 24") for (int i = 0; i < R; i++) run[i] = _mm512_setzero_ph();              \
         for (int64_t k = start; k < end; k++) {                                                          \
             const _Float16 *w = panel + k * FP16_PANEL;                                                  \
             _mm_prefetch((const char *)w + FP16_PREFETCH_L2, _MM_HINT_T1);                              \
             _mm_prefetch((const char *)w + FP16_PREFETCH_L1, _MM_HINT_T0);                              \
-            __m256h w0 = _mm256_loadu_ph(w), w1 = _mm256_loadu_ph(w + 16);                               \
-            _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                                      \
-                __m256h b = _mm256_set1_ph(x[i * K + k]);                                                \
-                run[i][0] = _mm256_fmadd_ph(w0, b, run[i][0]);                                           \
-                run[i][1] = _mm256_fmadd_ph(w1, b, run[i][1]);                                           \
-            }                                                                                            \
+            __m512h weights = _mm512_loadu_ph(w);                                                        \
+            _Pragma("GCC unroll 24") for (int i = 0; i < R; i++)                                        \
+                run[i] = _mm512_fmadd_ph(weights, _mm512_set1_ph(x[i * K + k]), run[i]);                 \
         }                                                                                                \
-        _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                                          \
+        _Pragma("GCC unroll 24") for (int i = 0; i < R; i++) {                                          \
             float *t = total + i * FP16_PANEL;                                                           \
-            _mm512_storeu_ps(t, _mm512_add_ps(_mm512_loadu_ps(t), _mm512_cvtxph_ps(run[i][0])));         \
-            _mm512_storeu_ps(t + 16, _mm512_add_ps(_mm512_loadu_ps(t + 16), _mm512_cvtxph_ps(run[i][1]))); \
+            __m256h low = _mm512_castph512_ph256(run[i]);                                                \
+            __m256h high = _mm256_castps_ph(_mm512_extractf32x8_ps(_mm512_castph_ps(run[i]), 1));        \
+            _mm512_storeu_ps(t, _mm512_add_ps(_mm512_loadu_ps(t), _mm512_cvtxph_ps(low)));               \
+            _mm512_storeu_ps(t + 16, _mm512_add_ps(_mm512_loadu_ps(t + 16), _mm512_cvtxph_ps(high)));    \
         }                                                                                                \
     }
 
 FP16_BLOCK(1) FP16_BLOCK(2) FP16_BLOCK(3) FP16_BLOCK(4) FP16_BLOCK(5) FP16_BLOCK(6)
 FP16_BLOCK(7) FP16_BLOCK(8) FP16_BLOCK(9) FP16_BLOCK(10) FP16_BLOCK(11) FP16_BLOCK(12)
+FP16_BLOCK(13) FP16_BLOCK(14) FP16_BLOCK(15) FP16_BLOCK(16) FP16_BLOCK(17) FP16_BLOCK(18)
+FP16_BLOCK(19) FP16_BLOCK(20) FP16_BLOCK(21) FP16_BLOCK(22) FP16_BLOCK(23) FP16_BLOCK(24)
 
 typedef void (*fp16_block)(const _Float16 *, int64_t, const _Float16 *, int64_t, int64_t, float *);
-static const fp16_block fp16_blocks[FP16_MAX_ROWS + 1] = {0, fp16_1, fp16_2, fp16_3, fp16_4, fp16_5, fp16_6,
-                                                          fp16_7, fp16_8, fp16_9, fp16_10, fp16_11, fp16_12};
+static const fp16_block fp16_blocks[FP16_MAX_ROWS + 1] = {
+    0,       fp16_1,  fp16_2,  fp16_3,  fp16_4,  fp16_5,  fp16_6,  fp16_7,  fp16_8,  fp16_9,  fp16_10, fp16_11, fp16_12,
+    fp16_13, fp16_14, fp16_15, fp16_16, fp16_17, fp16_18, fp16_19, fp16_20, fp16_21, fp16_22, fp16_23, fp16_24};
 
 /* Row m of x [M, K] float32, times 2^e so its largest |x| lies in [64, 128), rounded to float16
  * (nearest even); unscale[m] = 2^-e * weight_unscale. A zero row keeps scale 1. */
