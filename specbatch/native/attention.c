@@ -16,6 +16,12 @@
  * thread count. A token verified beside drafts, or as a leaf whose keys/values sit in a scratch
  * column past the chain, sees the same columns in the same order as when it is decoded alone,
  * so it gets bitwise the same output: what float32 speculation needs to stay exact.
+ *
+ * Built for AVX-512, head_dim 16-128 take attend_row_512 (below): 512-bit vectors and 16 columns'
+ * scores summed at once. SmolLM2's 30 layers, 1 thread, Xeon, the AVX2 form -> it (ms): 1 sequence
+ * x 5 rows 1.55 -> 1.25; 8 x 4 11.4 -> 9.3; 32 x 1 at 300 columns 49.0 -> 42.0. From batch 8 on,
+ * reading the float32 keys and values from memory is most of it (8 x 1 at 129 columns: 47 MB a
+ * step, 4.2 ms either form; 1.8 ms where they sit in cache).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -107,11 +113,133 @@ static inline float sum8(__m256 v) {
             _mm256_storeu_ps(out + 8 * d, _mm256_mul_ps(acc[d], inverse));                              \
     }
 
-ATTEND_ROW(1)   /* head_dim 8 and 16: small test models */
+ATTEND_ROW(1)   /* head_dim 8 (and 16 without AVX-512): small test models */
+#ifndef __AVX512F__ /* there, attend_row_512 below takes head_dim 16-128 */
 ATTEND_ROW(2)
 ATTEND_ROW(4)   /* 32 */
 ATTEND_ROW(8)   /* 64: SmolLM2, Llama 3.2 1B */
 ATTEND_ROW(16)  /* 128: most larger models */
+#endif
+
+#ifdef __AVX512F__
+/* The AVX-512 form of attend_row for head_dim 16-128, 512-bit vectors. Scores go 16 columns at a
+ * time: each column's 16-lane partial dot product (its q . k over 16-lane pieces of the head, two
+ * chains) goes into one of 16 vectors, and one transposing sum (sum16x16) turns the 16 vectors
+ * into the 16 columns' scores, ~3 shuffles and adds a column instead of a horizontal sum of its
+ * own (~8). Columns the row does not see are computed with their block and dropped (compress-
+ * stored away); blocks with none seen are skipped.
+ *
+ * Exactness, as attend_row: every column's score is summed in the same order whatever its place
+ * in its block (sum16x16 adds every vector's lanes in one association, (a_i + a_i+8) + (a_i+4 +
+ * a_i+12), then pairs, then the last pair), so a score depends on its query and key alone; the
+ * seen scores are then compacted in column order and the rest is a function of that list. */
+static inline __m512 exp16(__m512 x) {
+    const __m512 lowest = _mm512_set1_ps(-87.0f);
+    __mmask16 underflow = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
+    x = _mm512_max_ps(x, lowest);
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~underflow, p, _mm512_castsi512_ps(bits));
+}
+
+/* Lane j of the result: the sum of the 16 lanes of v[4 * (j % 4) + j / 4]. */
+static inline __m512 sum16x16(const __m512 *v) {
+    __m512 halves[8], quarters[4], eighths[2];
+    for (int i = 0; i < 8; i++) /* lanes 0-7: v[2i]'s i + (i+8); 8-15: v[2i+1]'s */
+        halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                  _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 4; i++) /* quarter q: v[4i + q]'s (i + (i+8)) + ((i+4) + (i+12)), i < 4 */
+        quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(halves[2 * i], halves[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int i = 0; i < 2; i++) /* quarter q, lanes 0-1: v[8i + q]'s two sums; 2-3: v[8i + 4 + q]'s */
+        eighths[i] = _mm512_add_ps(
+            _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(quarters[2 * i]), _mm512_castps_pd(quarters[2 * i + 1]))),
+            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(quarters[2 * i]), _mm512_castps_pd(quarters[2 * i + 1]))));
+    return _mm512_add_ps(_mm512_shuffle_ps(eighths[0], eighths[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(eighths[0], eighths[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+#define ATTEND_ROW_512(CHUNKS)                                                                          \
+    static void attend_row_512_##CHUNKS(const float *q, const float *keys, const float *values, int64_t row, \
+                                        const uint8_t *seen, int64_t end, float scale, float *scores,    \
+                                        float *out) {                                                   \
+        __m512 qv[CHUNKS], acc[CHUNKS];                                                                 \
+        _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                       \
+            qv[d] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * d), _mm512_set1_ps(scale));                  \
+        int32_t *columns = (int32_t *)(scores + end + 16);                                              \
+        int64_t count = 0;                                                                              \
+        __m512 top = _mm512_set1_ps(-INFINITY);                                                         \
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);  \
+        for (int64_t c0 = 0; c0 < end; c0 += 16) {                                                      \
+            int64_t width = end - c0 < 16 ? end - c0 : 16;                                              \
+            __mmask16 in = (__mmask16)(width == 16 ? 0xffff : (1u << width) - 1);                       \
+            __mmask16 visible = _mm_mask_cmpneq_epi8_mask(in, _mm_maskz_loadu_epi8(in, seen + c0),      \
+                                                          _mm_setzero_si128());                         \
+            if (!visible) continue;                                                                     \
+            __m512 part[16];                                                                            \
+            for (int j = 0; j < 16; j++) {                                                              \
+                __m512 *slot = &part[4 * (j % 4) + j / 4];                                              \
+                if (j >= width) {                                                                       \
+                    *slot = _mm512_setzero_ps();                                                        \
+                    continue;                                                                           \
+                }                                                                                       \
+                const float *k = keys + (c0 + j) * row;                                                 \
+                __m512 even = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k)), odd = _mm512_setzero_ps();      \
+                _Pragma("GCC unroll 8") for (int d = 1; d < CHUNKS; d++) {                             \
+                    if (d % 2) odd = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(k + 16 * d), odd);          \
+                    else even = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(k + 16 * d), even);              \
+                }                                                                                       \
+                *slot = _mm512_add_ps(even, odd);                                                       \
+            }                                                                                           \
+            __m512 s = sum16x16(part);                                                                  \
+            _mm512_mask_compressstoreu_ps(scores + count, visible, s);                                  \
+            _mm512_mask_compressstoreu_epi32(columns + count, visible,                                  \
+                                             _mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)c0)));   \
+            count += __builtin_popcount(visible);                                                       \
+            top = _mm512_mask_max_ps(top, visible, top, s);                                             \
+        }                                                                                               \
+        if (count == 0) {                                                                               \
+            _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                   \
+                _mm512_storeu_ps(out + 16 * d, _mm512_setzero_ps());                                    \
+            return;                                                                                     \
+        }                                                                                               \
+        /* p_c = exp(s_c - top), 16 at a time (the tail padded with -inf, whose exp is 0) */            \
+        __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));                                        \
+        int64_t padded = (count + 15) & ~(int64_t)15;                                                   \
+        for (int64_t j = count; j < padded; j++) scores[j] = -INFINITY;                                 \
+        __m512 total = _mm512_setzero_ps();                                                             \
+        for (int64_t j = 0; j < padded; j += 16) {                                                      \
+            __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + j), most));                         \
+            _mm512_storeu_ps(scores + j, p);                                                            \
+            total = _mm512_add_ps(total, p);                                                            \
+        }                                                                                               \
+        _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++) acc[d] = _mm512_setzero_ps();         \
+        for (int64_t j = 0; j < count; j++) {                                                           \
+            const float *v = values + (int64_t)columns[j] * row;                                        \
+            __m512 p = _mm512_set1_ps(scores[j]);                                                       \
+            _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                   \
+                acc[d] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * d), acc[d]);                       \
+        }                                                                                               \
+        __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));                            \
+        _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                       \
+            _mm512_storeu_ps(out + 16 * d, _mm512_mul_ps(acc[d], inverse));                             \
+    }
+
+ATTEND_ROW_512(1)  /* 16 */
+ATTEND_ROW_512(2)  /* 32 */
+ATTEND_ROW_512(4)  /* 64 */
+ATTEND_ROW_512(8)  /* 128 */
+#endif
 
 typedef void (*attend_row_fn)(const float *, const float *, const float *, int64_t, const uint8_t *, int64_t, float,
                               float *, float *);
@@ -124,8 +252,13 @@ typedef void (*attend_row_fn)(const float *, const float *, const float *, int64
 int attend(const float *q, int64_t q_b, int64_t q_h, int64_t q_w, const float *keys, const float *values,
            int64_t kv_b, int64_t kv_h, const uint8_t *mask, float *out, int64_t B, int64_t H, int64_t KVH, int64_t W,
            int64_t end, int64_t D, float scale, int threads) {
+#ifdef __AVX512F__
+    attend_row_fn attend_row = D == 8 ? attend_row_1 : D == 16 ? attend_row_512_1 : D == 32 ? attend_row_512_2
+                              : D == 64 ? attend_row_512_4 : D == 128 ? attend_row_512_8 : 0;
+#else
     attend_row_fn attend_row = D == 8 ? attend_row_1 : D == 16 ? attend_row_2 : D == 32 ? attend_row_4
                               : D == 64 ? attend_row_8 : D == 128 ? attend_row_16 : 0;
+#endif
     if (!attend_row || H % KVH) return -1;
     int64_t group = H / KVH;
     int failed = 0;
@@ -134,7 +267,7 @@ int attend(const float *q, int64_t q_b, int64_t q_h, int64_t q_w, const float *k
         /* per thread: the scores of one row (padded to a multiple of 8) and their columns. Every
          * thread enters the loop (a worksharing loop some threads skipped would hang the rest at
          * its barrier); one without scratch memory only reports it. */
-        float *scores = (float *)malloc((size_t)(end + 8) * sizeof(float) + (size_t)end * sizeof(int32_t));
+        float *scores = (float *)malloc((size_t)(end + 16) * sizeof(float) + (size_t)end * sizeof(int32_t));
 #pragma omp for schedule(static)
         for (int64_t bk = 0; bk < B * KVH; bk++) {
             if (!scores) {
