@@ -28,6 +28,7 @@ what limit the batch-8 ratio).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -59,14 +60,20 @@ def time_split(engine: Engine, batch: int, new: int, repeats: int = 10) -> dict:
     for _ in range(3):
         verify(engine, items)
     start = time.perf_counter()
-    # The engine's own kernel is a C call the profiler does not see: named here, while profiling.
-    kernel_call = native.PanelLinear.__call__
+    # The engine's own kernels are C calls the profiler does not see: named here, while profiling.
+    def named(function, name):
+        def call(*args, **kwargs):
+            with record_function(name):
+                return function(*args, **kwargs)
+        return call
 
-    def named(self, x):
-        with record_function("panel_sgemm"):
-            return kernel_call(self, x)
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof, mock.patch.object(native.PanelLinear, "__call__", named):
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(native.PanelLinear, "__call__", named(native.PanelLinear.__call__, "panel_sgemm")))
+        patches.enter_context(mock.patch.object(native.Attention, "__call__", named(native.Attention.__call__, "native_attention")))
+        for layer_op in ("add_rms_norm", "silu_mul"):
+            patches.enter_context(mock.patch.object(native, layer_op, named(getattr(native, layer_op), f"native_{layer_op}")))
+        patches.enter_context(mock.patch.object(native.Rope, "__call__", named(native.Rope.__call__, "native_rope")))
+        prof = patches.enter_context(profile(activities=[ProfilerActivity.CPU]))
         for _ in range(repeats):
             verify(engine, items)
     wall = (time.perf_counter() - start) / repeats * 1000
@@ -76,7 +83,7 @@ def time_split(engine: Engine, batch: int, new: int, repeats: int = 10) -> dict:
         ms = event.self_cpu_time_total / 1000 / repeats
         if any(name in event.key for name in ("linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "panel_sgemm")):
             split["matmul"] += ms
-        elif "scaled_dot_product" in event.key:
+        elif "scaled_dot_product" in event.key or "native_attention" in event.key:
             split["attention"] += ms
         else:
             split["other operators"] += ms
