@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specbatch import native
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
 from specbatch.sampling import (DRAW_DRAFT, MAX_SUPPORT, SamplingParams, SparseDistribution, distributions,
                                 params_tensors, sample, uniforms)
@@ -99,7 +100,7 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
     def pick(logits: torch.Tensor, step: int) -> torch.Tensor:
         if most_leaves[step]:  # the drafted token and the leaves are among these
             ranked[step] = logits.topk(min(most_leaves[step] + 1, logits.shape[-1]), dim=-1).indices
-        columns = torch.empty(len(items), dtype=torch.long, device=logits.device) if everyone else logits.argmax(-1)
+        columns = torch.empty(len(items), dtype=torch.long, device=logits.device) if everyone else native.argmax(logits)
         if sampled:
             q = distributions(logits if everyone else logits[sampled_rows], temperature, top_k, top_p)
             top, support = torch.topk(q.kept(), min(support_size, logits.shape[-1]), dim=-1)

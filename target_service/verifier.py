@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specbatch import native
 from specbatch.acceptance import SampledDrafts, greedy_accept, leaf_hit, rejection_sample, sampled_drafts
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
 from specbatch.sampling import (DRAW_ACCEPT, DRAW_TARGET, SamplingParams, SparseDistribution, distributions,
@@ -89,7 +90,7 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
         return logits if len(which) == len(items) else logits[which]
 
     if greedy:
-        predicted = rows(greedy).argmax(-1).tolist()
+        predicted = native.argmax(rows(greedy)).tolist()
         for i, row in zip(greedy, predicted):
             item, leaves = items[i], leaf_counts[i]
             accepted, token = greedy_accept(row[width - leaves - len(item.drafts) - 1 : width - leaves], item.drafts)

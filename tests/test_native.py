@@ -451,3 +451,29 @@ def test_a_compiler_that_fails_is_reported(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="no-such-compiler"):
         native.build(tmp_path)
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_argmax_is_torchs_on_ties_nans_infinities_and_signed_zeros():
+    """The greedy verdict's argmax: torch.argmax's index in every case, the first of equal largest
+    values, a row's first NaN, a row of -inf at 0, -0 and +0 equal; any row length (the 8-float
+    passes and their tail); other dtypes go to PyTorch."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 49152, generator=generator)
+    x[1, 100] = x[1].max() + 1
+    x[1, 200] = x[1, 100]  # a tie: the first
+    x[2] = 0.0
+    x[2, 7] = -0.0
+    x[3] = -float("inf")
+    x[4, 5] = x[4, 9] = float("nan")
+    x[5] = float("nan")
+    x[6, -1] = x[6, -3] = 100.0  # in the tail past the last full 8
+    x[7] = 1.0
+    x[8] = -0.0
+    x[8, 3] = 0.0
+    x[9, 49150] = x[9, 20] = float("inf")
+    for columns in (49152, 8192, 49149, 13, 8, 7, 1):
+        rows = x[:, :columns]
+        assert torch.equal(native.argmax(rows), rows.argmax(-1)), columns
+        assert torch.equal(native.argmax(rows.reshape(3, 4, columns)), rows.reshape(3, 4, columns).argmax(-1))
+    assert torch.equal(native.argmax(x.t()), x.t().argmax(-1))  # not contiguous: a contiguous copy
+    assert torch.equal(native.argmax(x.double()), x.double().argmax(-1))

@@ -179,6 +179,8 @@ def _library() -> ctypes.CDLL | None:
     library.rope_write.argtypes = [pointer, size, size, size, size, size, pointer, pointer, pointer, pointer,
                                    pointer, pointer, size, size, ctypes.c_int]
     library.rope_write.restype = ctypes.c_int
+    library.argmax_rows.argtypes = [pointer, size, size, pointer]
+    library.argmax_rows.restype = None
     return library
 
 
@@ -339,6 +341,20 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     out = torch.empty_like(x)
     _library().add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(), x.numel() // n, n,
                             weight.data_ptr(), eps, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``, the same indices (the first of equal largest values; a row's first NaN where
+    it has one), on the kernel for float32 CPU tensors: PyTorch's runs ~85 us a row over a 49152-token
+    vocabulary, the kernel a few. Anything else (another dtype or device, no kernel) goes to
+    PyTorch."""
+    library = _library() if x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] else None
+    if library is None:
+        return x.argmax(-1)
+    x = x.contiguous()
+    out = torch.empty(x.shape[:-1], dtype=torch.int64)
+    library.argmax_rows(x.data_ptr(), out.numel(), x.shape[-1], out.data_ptr())
     return out
 
 

@@ -125,3 +125,46 @@ int rope_write(float *qkv, int64_t B, int64_t W, int64_t H, int64_t KVH, int64_t
     }
     return 0;
 }
+
+/* out[r] = the index of the largest of x [rows, n] row r, the first where several are equal, and a
+ * row's first NaN where it holds one: torch.argmax's rule. Why: PyTorch's CPU argmax over a
+ * 49152-token vocabulary runs ~85 us a row here (a verify step of 5 tokens: 0.42 ms, of 32 rows
+ * 2.7 ms); a max pass and a find pass, 8 floats at a time, take a few us. The greedy verdict of
+ * every step reads it, target-only decoding's too. */
+void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *row = x + r * n;
+        __m256 most = _mm256_set1_ps(-INFINITY);
+        __m256 unordered = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= n; k += 8) {
+            __m256 v = _mm256_loadu_ps(row + k);
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            most = _mm256_max_ps(most, v);
+        }
+        float top = -INFINITY;
+        int nan = _mm256_movemask_ps(unordered) != 0;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, most);
+        for (int j = 0; j < 8; j++) top = lanes[j] > top ? lanes[j] : top;
+        for (int64_t j = k; j < n; j++) {
+            if (row[j] != row[j]) nan = 1;
+            else if (row[j] > top) top = row[j];
+        }
+        int64_t at = 0; /* a row of -inf only (or of nothing): index 0, as torch */
+        if (nan) {
+            for (at = 0; at < n && row[at] == row[at]; at++) {
+            }
+        } else {
+            __m256 target = _mm256_set1_ps(top);
+            for (k = 0; k + 8 <= n; k += 8) {
+                int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + k), target, _CMP_EQ_OQ));
+                if (hits) break;
+            }
+            for (at = k; at < n && row[at] != top; at++) {
+            }
+            if (at == n) at = 0;
+        }
+        out[r] = at;
+    }
+}
