@@ -252,9 +252,9 @@ class Engine:
     bf16_dot: bool = False
     # As bf16_dot, in float16 on AVX512_FP16 (native.fp16_dot_available): each linear layer's
     # weight and input rows (each scaled by a power of two) rounded to float16, products summed in
-    # float16 in runs of 32 and the runs in float32. There a 256-bit float16 multiply-add issues
-    # twice a cycle against one bf16 dot product every two, so a verify step's extra rows cost
-    # about half as much; the rounding is finer than bf16's. Row-exact.
+    # float16 in runs of 32 and the runs in float32. There a 512-bit float16 multiply-add with an
+    # embedded broadcast reaches ~2.5x bf16 dot products' arithmetic, so a verify step's extra rows
+    # cost well under half as much; the rounding is finer than bf16's. Row-exact.
     fp16_dot: bool = False
     clock: Callable[[], float] = time.monotonic  # for sequence leases (``reclaim_idle``); tests pass their own
     # Steps at bucketed static shapes, replayed as CUDA graphs (specbatch.captured): "auto" (on for

@@ -209,7 +209,7 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
     parser.add_argument("--fp16-dot", action="store_true",
                         help="as --bf16-dot in float16: weights and inputs rounded to float16, products summed in "
                              "float16 in runs of 32 and the runs in float32 (CPUs with AVX512_FP16, where a "
-                             "verify step's extra rows cost half what bf16 dot products' do); row-exact")
+                             "verify step's extra rows cost under half what bf16 dot products' do); row-exact")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 … (default: cuda if available)")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (auto: bfloat16 on GPUs and on CPUs with native bf16, else float32)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")

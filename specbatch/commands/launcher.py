@@ -195,8 +195,8 @@ def bf16_dot(options: StackOptions) -> bool:
 def fp16_dot(options: StackOptions) -> bool:
     """Whether the model services' linear layers run on float16 products (``--fp16-dot``): as asked,
     else wherever they read bf16 weights, the CPU has AVX512_FP16 and bf16 dot products are not
-    asked for. On the 2-core Xeon (1 thread) a target step of 5 new tokens costs 1.12-1.18x one
-    against 1.22-1.26x on bf16 dot products, 8 x 4 tokens 90 ms against 129-131 (docs/engine.md)."""
+    asked for. On the 2-core Xeon (1 thread) a target step of 5 new tokens costs 1.14-1.15x one
+    against 1.23-1.28x on bf16 dot products, 8 x 4 tokens 65-67 ms against 125-130 (docs/engine.md)."""
     if options.fp16_dot is not None:
         return options.fp16_dot
     return bf16_weights(options) and not options.bf16_dot and fp16_dot_expected()
