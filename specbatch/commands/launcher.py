@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import signal
@@ -13,6 +12,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ..c_compiler import compiler_accepts
 from ..metrics import DEFAULT_METRICS_PORTS
 from ..prefork import popen
 from ..serving import DEFAULT_PORTS, wait_until_serving
@@ -154,20 +154,7 @@ def fp16_dot_expected() -> bool:
     """Whether the engine's float16 multiply should build here (``native.fp16_dot_available``): the
     panel kernel, a CPU with AVX512_FP16, and a C compiler that knows it (gcc 12 or later)."""
     return (panel_kernel_expected() and " avx512_fp16" in _cpu_flags()
-            and _compiler_accepts("-mavx512fp16", os.environ.get("CC", "")))
-
-
-@functools.lru_cache(maxsize=None)
-def _compiler_accepts(flag: str, cc: str) -> bool:
-    """Whether the C compiler the kernels build with (``$CC``, else cc, gcc, clang) takes ``flag``."""
-    import shlex
-    import shutil
-
-    compiler = shlex.split(cc) or [next((found for name in ("cc", "gcc", "clang") if (found := shutil.which(name))), "cc")]
-    try:
-        return subprocess.run([*compiler, flag, "-E", "-x", "c", os.devnull], capture_output=True).returncode == 0
-    except OSError:
-        return False
+            and compiler_accepts("-mavx512fp16"))
 
 
 def bf16_weights(options: StackOptions) -> bool:

@@ -31,14 +31,14 @@ import hashlib
 import logging
 import os
 import platform
-import shlex
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from ..c_compiler import c_compiler
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +64,6 @@ def _cache_dir() -> Path:
     return cache_root() / "native"
 
 
-def _compiler() -> list[str] | None:
-    """The C compiler's command: ``$CC`` (split as a shell would: "ccache gcc"), else cc, gcc, clang."""
-    if os.environ.get("CC"):
-        return shlex.split(os.environ["CC"])
-    found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    return [found] if found else None
-
-
 def _why_not() -> str | None:
     if os.environ.get("SPECBATCH_NATIVE", "1") == "0":
         return "SPECBATCH_NATIVE=0"
@@ -79,7 +71,7 @@ def _why_not() -> str | None:
         return f"not an x86-64 CPU ({platform.machine()})"
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return f"the CPU lacks AVX2/FMA (PyTorch sees {torch.backends.cpu.get_cpu_capability()})"
-    if _compiler() is None:
+    if c_compiler() is None:
         return "no C compiler (cc, gcc or clang) to build it with"
     return None
 
@@ -115,7 +107,7 @@ def flags(fp16: bool = True) -> tuple[str, ...]:
 def build(directory: Path | None = None, build_flags: tuple[str, ...] | None = None) -> Path:
     """The compiled library's path, compiling it first if the cache lacks this source's build
     (with ``build_flags``, default ``flags()``)."""
-    compiler = _compiler()
+    compiler = c_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (cc, gcc or clang)")
     source, build_flags = b"".join(path.read_bytes() for path in SOURCES), build_flags or flags()
