@@ -73,18 +73,22 @@ def time_split(engine: Engine, batch: int, new: int, repeats: int = 10) -> dict:
         for layer_op in ("add_rms_norm", "silu_mul"):
             patches.enter_context(mock.patch.object(native, layer_op, named(getattr(native, layer_op), f"native_{layer_op}")))
         patches.enter_context(mock.patch.object(native.Rope, "__call__", named(native.Rope.__call__, "native_rope")))
+        patches.enter_context(mock.patch.object(native.DecoderLayers, "__call__",
+                                                named(native.DecoderLayers.__call__, "native_decoder_layers")))
         prof = patches.enter_context(profile(activities=[ProfilerActivity.CPU]))
         for _ in range(repeats):
             verify(engine, items)
     wall = (time.perf_counter() - start) / repeats * 1000
     engine.release(ids)
-    split = {"matmul": 0.0, "attention": 0.0, "other operators": 0.0}
+    split = {"matmul": 0.0, "attention": 0.0, "other operators": 0.0, "decoder layers, one C call": 0.0}
     for event in prof.key_averages():
         ms = event.self_cpu_time_total / 1000 / repeats
         if any(name in event.key for name in ("linear_pointwise", "aten::mm", "aten::addmm", "aten::bmm", "panel_sgemm")):
             split["matmul"] += ms
         elif "scaled_dot_product" in event.key or "native_attention" in event.key:
             split["attention"] += ms
+        elif "native_decoder_layers" in event.key:  # the layers in one C call: multiplies, attention and all
+            split["decoder layers, one C call"] = split.get("decoder layers, one C call", 0.0) + ms
         else:
             split["other operators"] += ms
     split["Python and the rest"] = max(wall - sum(split.values()), 0.0)
@@ -100,6 +104,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--out", default="bench-out/cpu_engine.json")
+    parser.add_argument("--engines", default="", help="comma-separated engine names to time (default: all); the "
+                        "embedded form's name with '-python-loop' is that form with its layers called from Python")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -116,6 +122,12 @@ def main() -> int:
         engines["fp32-bf16dot-specbatch"] = Engine(fp32, bf16_dot=True)
     if native.fp16_dot_available():
         engines["fp32-fp16dot-specbatch"] = Engine(fp32, fp16_dot=True)
+    # The embedded form with its decoder layers called one kernel at a time from Python, as before
+    # they ran in one C call (specbatch/native/decoder.c): what that call saves.
+    for name, engine in list(engines.items()):
+        if name.startswith("fp32-") and "dot" in name:
+            engines[f"{name}-python-loop"] = loop = Engine(fp32, bf16_dot="bf16dot" in name, fp16_dot="fp16dot" in name)
+            loop.forward.decoder_layers = None
     native_bf16 = onednn_bf16_available()
     if native_bf16:  # without it bf16 multiplies are emulated: slower than fp32, and never picked
         bf16 = load_model(ModelSpec(), "cpu", torch.bfloat16)
@@ -123,6 +135,9 @@ def main() -> int:
     # what the embedded services run here (specbatch.commands.launcher: services_cpu_form)
     best = next(name for name in ("fp32-fp16dot-specbatch", "fp32-bf16dot-specbatch", "fp32-bf16w-specbatch",
                                   "bf16-specbatch", "fp32-specbatch") if name in engines)
+    if args.engines:
+        chosen = set(args.engines.split(",")) | {best, "fp32-transformers"}  # the ratios' baselines stay
+        engines = {name: engine for name, engine in engines.items() if name in chosen}
     # Each engine holds the largest batch at CONTEXT tokens; every timed verify keeps exactly
     # CONTEXT (the bench-engine command's timing). The engines take turns, a warm-up call and two
     # timed ones each, so the machine's drift lands on all of them alike (measured one after
@@ -153,7 +168,7 @@ def main() -> int:
         f"5 new tokens / 1 at batch 1, {best} (target <= 1.15)": table[best]["1x5"] / table[best]["1x1"],
         f"4 new tokens / 1 at batch 8, {best} (target <= 1.3)": table[best]["8x4"] / table[best]["8x1"],
     }
-    for before in ("fp32-specbatch-onednn", "fp32-specbatch", "bf16-specbatch"):
+    for before in ("fp32-specbatch-onednn", "fp32-specbatch", "bf16-specbatch", f"{best}-python-loop"):
         if before in table and before != best:
             ratios[f"one token at batch 1: {before} / {best}"] = table[before]["1x1"] / table[best]["1x1"]
     for before in ("fp32-transformers", "fp32-specbatch-mkl", "fp32-specbatch-onednn", "fp32-bf16dot-specbatch"):

@@ -155,6 +155,25 @@ class LlamaForward:
         self.native_layer_ops = (self.native_attention
                                  and getattr(self.rotary, "rope_type", "default") not in ("dynamic", "longrope"))
         self._angles: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, signed sin) [positions, head_dim]
+        # And the whole layer loop in one C call where every projection is on the panel kernel: the
+        # same kernels in the same order, bitwise the loop below, without its ~9 Python calls a layer
+        # (~3 ms of SmolLM2's ~16 ms one-token step on a 2-core EPYC). None: the loop runs in Python.
+        self.decoder_layers = self._native_decoder_layers() if self.native_layer_ops else None
+
+    def _native_decoder_layers(self) -> native.DecoderLayers | None:
+        layers = self.layers
+        first = layers[0]
+        if not all(isinstance(linear, native.PanelLinear)
+                   for layer in layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            return None  # a draft's int8 projections, say
+        if any((layer.head_dim, layer.q_size, layer.kv_size, layer.intermediate)
+               != (first.head_dim, first.q_size, first.kv_size, first.intermediate) for layer in layers):
+            return None
+        return native.DecoderLayers(
+            [(layer.qkv, layer.o, layer.gate_up, layer.down, layer.norm_in, layer.norm_post, layer.eps, layer.scaling)
+             for layer in layers],
+            first.q_size // first.head_dim, first.kv_size // first.head_dim, first.head_dim, first.intermediate,
+            self.norm, self.eps)
 
     def _angle_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for every position up to the largest in ``positions``, grown by doubling.
@@ -205,6 +224,9 @@ class LlamaForward:
             attention = native.Attention(mask)
         else:
             attention = functools.partial(self._sdpa, mask=mask.repeat(1, 1, self.folded_groups, 1))
+        if self.decoder_layers is not None and self.native_layer_ops and self.native_attention:
+            hidden = self.decoder_layers(x.contiguous(), rope, attention, kv)
+            return self.head(hidden[:, -logits_to_keep:]).float(), hidden
         delta = None  # what the last layer adds to the residual stream x (x is updated in place)
         for i, layer in enumerate(self.layers):
             h = add_rms_norm(x, delta, layer.norm_in, layer.eps)

@@ -277,6 +277,64 @@ def test_a_prompt_prefills_to_the_same_bits_alone_or_beside_a_longer_one(other_l
     assert torch.equal(last_logits(prompt[:12]), last_logits(prompt[:12], other))
 
 
+# ---- the decoder's layers in one call (decoder.c) ------------------------------------------------------
+
+FORMS = [pytest.param({}, id="float32"), pytest.param({"bf16_weights": True}, id="bf16-weights"),
+         pytest.param({"bf16_dot": True}, id="bf16-dot", marks=needs_bf16_dot),
+         pytest.param({"fp16_dot": True}, id="fp16-dot", marks=needs_fp16)]
+
+
+def _prompts_then_a_ragged_step(engine: Engine) -> list[torch.Tensor]:
+    """Two prompts prefilled together (37 and 7 tokens), then a step feeding 3 and 1 tokens: the
+    logits and final hidden states of both calls."""
+    prompt = list(range(3, 40))
+    batch = engine.start([SequenceInput("a", 0, prompt), SequenceInput("b", 0, prompt[:7])], create=True)
+    outputs = [batch.prefill(2), batch.last_hidden()]
+    batch.commit([len(prompt), 7])
+    step = engine.start([SequenceInput("a", len(prompt), [5, 6, 7]), SequenceInput("b", 7, [9])])
+    outputs += [step.prefill(3), step.last_hidden()]
+    engine.release(["a", "b"])
+    return outputs
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_layers_in_one_call_are_bitwise_the_python_loop(form, threads):
+    """decoder.c runs the layer loop's kernels in its order with its arguments: logits, hidden
+    states are the loop's bit for bit, for prompts and for a ragged step that reads the keys and
+    values they wrote."""
+    engine = Engine(tiny_llama(3, seed=5), max_sequences=2, **form)
+    layers = engine.forward.decoder_layers
+    assert layers is not None
+
+    def run(one_call: bool) -> list[torch.Tensor]:
+        engine.forward.decoder_layers = layers if one_call else None
+        return _with_threads(threads, lambda: _prompts_then_a_ragged_step(engine))
+
+    for ours, theirs in zip(run(True), run(False), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_the_layers_in_one_call_refuse_a_pool_that_does_not_match():
+    engine = Engine(tiny_llama(2, seed=6), max_sequences=2)
+    forward = engine.forward
+    positions = torch.tensor([[4]])
+    rope = native.Rope(positions, positions, *forward._angle_table(positions))
+    attention = native.Attention(torch.ones(1, 1, 1, 5, dtype=torch.bool))
+    x = torch.randn(1, 1, engine.hidden_size)
+    kv = torch.zeros(2, 2, 1, 2, 8, 16)  # 2 layers, 2 key/value heads of 16, 8 columns: the tiny model's
+    assert forward.decoder_layers.kv_heads == 2 and forward.decoder_layers.head_dim == 16
+    forward.decoder_layers(x.clone(), rope, attention, kv)  # fits
+    for wrong in (kv[:1], kv[:, :, :, :1], kv[..., :4], kv.transpose(4, 5), kv[:, :, :, :, :3]):
+        with pytest.raises(ValueError, match="decoder layers"):
+            forward.decoder_layers(x.clone(), rope, attention, wrong)
+
+
+def test_a_draft_with_int8_projections_keeps_the_python_loop():
+    assert Engine(tiny_llama(1, seed=0), int8_weights=True).forward.decoder_layers is None
+    assert Engine(tiny_llama(1, seed=0).to(torch.bfloat16)).forward.decoder_layers is None
+
+
 # ---- a layer's small operations (layer_ops.c) ---------------------------------------------------------
 
 def _with_threads(threads: int, fn):

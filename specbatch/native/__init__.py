@@ -43,7 +43,8 @@ from ..c_compiler import c_compiler
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("panel_sgemm.c", "panel_dpbf16.c", "panel_fp16.c", "attention.c", "layer_ops.c"))
+                for name in ("panel_sgemm.c", "panel_dpbf16.c", "panel_fp16.c", "attention.c", "layer_ops.c",
+                             "decoder.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # Where the CPU has AVX-512, the same code compiled for it: 32 vector registers instead of 16, so
 # wider register blocks fit (panel_sgemm.c's BF16_PANELS). Part of the build's cache key.
@@ -173,6 +174,10 @@ def _library() -> ctypes.CDLL | None:
     library.rope_write.restype = ctypes.c_int
     library.argmax_rows.argtypes = [pointer, size, size, pointer]
     library.argmax_rows.restype = None
+    library.decoder_layers.argtypes = [pointer, size, size, pointer, size, size, size, size, size, pointer, pointer,
+                                       pointer, pointer, pointer, size, size, size, size, pointer, size, pointer,
+                                       ctypes.c_float, pointer, ctypes.c_int]
+    library.decoder_layers.restype = ctypes.c_int
     return library
 
 
@@ -233,6 +238,9 @@ class PanelLinear:
         if bf16_weights + bf16_dot + fp16_dot > 1:
             raise ValueError("ask for one of bf16_weights, bf16_dot and fp16_dot")
         self.bf16_weights, self.bf16_dot, self.fp16_dot = bf16_weights, bf16_dot, fp16_dot
+        # Which kernel reads the packed weight (decoder.c's FORM_* codes), for DecoderLayers.
+        self.form = 3 if fp16_dot else 2 if bf16_dot else 1 if bf16_weights else 0
+        self.weight_unscale = 1.0  # the float16 form's power of two (_init_fp16)
         if fp16_dot:
             self._init_fp16(library, weight, bias)
             return
@@ -284,6 +292,80 @@ class PanelLinear:
                                             out.data_ptr(), torch.get_num_threads()):
             raise MemoryError("panel kernel: no memory for the input's rounded copy")
         return out.view(*shape[:-1], self.out_features)
+
+
+class _LinearArgs(ctypes.Structure):
+    """decoder.c's panel_linear: one PanelLinear's packed weight and the kernel that reads it."""
+    _fields_ = [("form", ctypes.c_int32), ("weight_unscale", ctypes.c_float), ("packed", ctypes.c_void_p),
+                ("bias", ctypes.c_void_p), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64)]
+
+    @classmethod
+    def of(cls, linear: PanelLinear) -> "_LinearArgs":
+        return cls(linear.form, linear.weight_unscale, linear.panels.data_ptr(),
+                   None if linear.bias is None else linear.bias.data_ptr(), linear.in_features, linear.out_features)
+
+
+class _LayerArgs(ctypes.Structure):
+    """decoder.c's decoder_layer."""
+    _fields_ = [("qkv", _LinearArgs), ("o", _LinearArgs), ("gate_up", _LinearArgs), ("down", _LinearArgs),
+                ("norm_in", ctypes.c_void_p), ("norm_post", ctypes.c_void_p), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float)]
+
+
+class DecoderLayers:
+    """A Llama decoder's layers and final norm in one call (``decoder.c``): the kernels of
+    ``specbatch.llama``'s layer loop, called in its order with its arguments, so the result is
+    bitwise the loop's, without its ~9 Python calls a layer. ``layers``: per layer, its fused QKV,
+    output, fused gate/up and down projections (``PanelLinear``, any form), its two norms' weights,
+    their epsilon and the attention scale. The tensors are held here: the C side keeps pointers."""
+
+    def __init__(self, layers: list[tuple], heads: int, kv_heads: int, head_dim: int, intermediate: int,
+                 final_norm: torch.Tensor, final_eps: float):
+        self._library = _library()
+        if self._library is None:
+            raise RuntimeError(f"the kernels are unavailable: {unavailable_reason()}")
+        hidden = layers[0][0].in_features
+        for qkv, o, gate_up, down, norm_in, norm_post, _, _ in layers:
+            _float32_rows("decoder layers", norm_in, norm_post)
+            if ((qkv.in_features, qkv.out_features) != (hidden, (heads + 2 * kv_heads) * head_dim)
+                    or (o.in_features, o.out_features) != (heads * head_dim, hidden)
+                    or (gate_up.in_features, gate_up.out_features) != (hidden, 2 * intermediate)
+                    or (down.in_features, down.out_features) != (intermediate, hidden)
+                    or norm_in.shape != (hidden,) or norm_post.shape != (hidden,)):
+                raise ValueError("decoder layers: every layer's projections and norms must fit one shape")
+        _float32_rows("decoder layers", final_norm)
+        self._held = (layers, final_norm)
+        self.count, self.hidden = len(layers), hidden
+        self.heads, self.kv_heads, self.head_dim, self.intermediate = heads, kv_heads, head_dim, intermediate
+        self.final_norm, self.final_eps = final_norm, final_eps
+        self._layers = (_LayerArgs * len(layers))(*[
+            _LayerArgs(_LinearArgs.of(qkv), _LinearArgs.of(o), _LinearArgs.of(gate_up), _LinearArgs.of(down),
+                       norm_in.data_ptr(), norm_post.data_ptr(), eps, scale)
+            for qkv, o, gate_up, down, norm_in, norm_post, eps, scale in layers])
+
+    def __call__(self, x: torch.Tensor, rope: "Rope", attention: "Attention", kv: torch.Tensor) -> torch.Tensor:
+        """x ``[batch, width, hidden]``, the embedded tokens (the residual stream, updated in place);
+        ``rope`` and ``attention`` this forward's (positions, KV columns and angles; mask); kv
+        ``[layers, 2, batch, kv_heads, columns, head_dim]`` (written in place). Returns the final
+        norm of the residual stream, ``[batch, width, hidden]``."""
+        _float32_rows("decoder layers", x)
+        batch, width = rope.batch, rope.width
+        if (x.shape != (batch, width, self.hidden) or (attention.batch, attention.width) != (batch, width)
+                or kv.dtype != torch.float32 or kv.dim() != 6 or kv.shape[0] < self.count
+                or kv.shape[1:4] != (2, batch, self.kv_heads) or kv.shape[5] != self.head_dim
+                or kv.stride()[4:] != (self.head_dim, 1) or max(rope.last_column, attention.end - 1) >= kv.shape[4]
+                or rope.cos.shape[1] != self.head_dim):
+            raise ValueError("decoder layers: x, the positions, mask and KV pool must match the batch, the layers "
+                             "and their heads, with a column's floats contiguous and every column within the pool")
+        out = torch.empty_like(x)
+        if self._library.decoder_layers(
+                x.data_ptr(), batch, width, self._layers, self.count, self.heads, self.kv_heads, self.head_dim,
+                self.intermediate, rope.positions.data_ptr(), rope.columns.data_ptr(), rope.cos.data_ptr(),
+                rope.signed_sin.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+                attention.seen.data_ptr(), attention.end, self.final_norm.data_ptr(), self.final_eps, out.data_ptr(),
+                torch.get_num_threads()):
+            raise RuntimeError("decoder layers: a kernel refused its arguments, or memory ran out")
+        return out
 
 
 class Attention:

@@ -1,0 +1,124 @@
+/* A Llama decoder's layers in one call: the same kernels, in the same order, as specbatch.llama's
+ * layer loop calls them one by one from Python.
+ *
+ * Why: a layer is nine kernel calls (two RMS norms with their residual adds, four multiplies, the
+ * rotary embedding with the KV write, attention, the SiLU-gated multiply). From Python each costs
+ * its checks, its output tensor and a ctypes call, ~10-20 us, so SmolLM2's 30 layers spent ~3 ms of
+ * a ~16 ms one-token step between kernels on a 2-core EPYC, in every mode: target-only decoding,
+ * each verify and each drafted token alike (docs/engine.md, "The layers in one call").
+ *
+ * Exactness: each kernel is called with the arguments Python passes it, on buffers of the same
+ * shapes and layout, so every output is bitwise what the Python loop computes (tests/test_native.py
+ * compares them); rows stay independent of each other as each kernel keeps them.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+/* The kernels (panel_sgemm.c, panel_dpbf16.c, panel_fp16.c, attention.c, layer_ops.c). */
+void panel_sgemm(const float *x, int64_t M, int64_t K, const float *packed, int64_t N, const float *bias, float *y,
+                 int threads);
+void panel_sgemm_bf16w(const float *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N, const float *bias,
+                       float *y, int threads);
+#ifdef __AVX512BF16__
+int panel_dpbf16(const float *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N, const float *bias, float *y,
+                 int threads);
+#endif
+#ifdef __AVX512FP16__
+int panel_fp16(const float *x, int64_t M, int64_t K, const _Float16 *packed, int64_t N, float weight_unscale,
+               const float *bias, float *y, int threads);
+#endif
+int attend(const float *q, int64_t q_b, int64_t q_h, int64_t q_w, const float *keys, const float *values,
+           int64_t kv_b, int64_t kv_h, const uint8_t *mask, float *out, int64_t B, int64_t H, int64_t KVH, int64_t W,
+           int64_t end, int64_t D, float scale, int threads);
+void add_rms_norm(float *x, const float *delta, int64_t rows, int64_t n, const float *weight, float eps, float *out,
+                  int threads);
+void silu_mul(const float *h, int64_t rows, int64_t n, float *out, int threads);
+int rope_write(float *qkv, int64_t B, int64_t W, int64_t H, int64_t KVH, int64_t D, const int64_t *positions,
+               const int64_t *columns, const float *cos, const float *signed_sin, float *keys, float *values,
+               int64_t kv_b, int64_t kv_h, int threads);
+
+/* One linear layer as specbatch.native.PanelLinear packs it; `form` says which kernel reads it. */
+enum { FORM_F32 = 0, FORM_BF16_WEIGHTS = 1, FORM_BF16_DOT = 2, FORM_FP16_DOT = 3 };
+
+typedef struct {
+    int32_t form;
+    float weight_unscale; /* FORM_FP16_DOT only */
+    const void *packed;
+    const float *bias; /* or NULL */
+    int64_t in_features, out_features;
+} panel_linear;
+
+typedef struct {
+    panel_linear qkv, o, gate_up, down;
+    const float *norm_in, *norm_post;
+    float eps, scale;
+} decoder_layer;
+
+/* y [M, out] = x [M, in] @ W^T (+ bias). Nonzero: no memory, or a form this build lacks. */
+static int multiply(const panel_linear *l, const float *x, int64_t M, float *y, int threads) {
+    switch (l->form) {
+    case FORM_F32:
+        panel_sgemm(x, M, l->in_features, (const float *)l->packed, l->out_features, l->bias, y, threads);
+        return 0;
+    case FORM_BF16_WEIGHTS:
+        panel_sgemm_bf16w(x, M, l->in_features, (const uint16_t *)l->packed, l->out_features, l->bias, y, threads);
+        return 0;
+#ifdef __AVX512BF16__
+    case FORM_BF16_DOT:
+        return panel_dpbf16(x, M, l->in_features, (const uint16_t *)l->packed, l->out_features, l->bias, y, threads);
+#endif
+#ifdef __AVX512FP16__
+    case FORM_FP16_DOT:
+        return panel_fp16(x, M, l->in_features, (const _Float16 *)l->packed, l->out_features, l->weight_unscale,
+                          l->bias, y, threads);
+#endif
+    default:
+        return -1;
+    }
+}
+
+/* The residual stream x [B, W, hidden] through `count` decoder layers and the final RMS norm, as
+ * specbatch.llama.LlamaForward's loop: x is updated in place (the residual stream, last layer's
+ * MLP output not yet added), `out` [B, W, hidden] receives the final norm of x after it. Layer i's
+ * keys and values live at kv + i * kv_layer and kv + i * kv_layer + kv_values, [B, KVH, columns, D]
+ * with strides kv_b, kv_h (a column D floats on); token (b, i) sits at positions[b, i], writes
+ * column columns[b, i] and attends where seen[b, i, :end] is nonzero. Every layer has H query and
+ * KVH key/value heads of D, and `intermediate` MLP features. Returns 0, or nonzero where a kernel
+ * refuses (a head_dim attention.c or rope_write lacks, a form this build lacks) or memory runs out. */
+int decoder_layers(float *x, int64_t B, int64_t W, const decoder_layer *layers, int64_t count, int64_t H,
+                   int64_t KVH, int64_t D, int64_t intermediate, const int64_t *positions, const int64_t *columns,
+                   const float *cos, const float *signed_sin, float *kv, int64_t kv_layer, int64_t kv_values,
+                   int64_t kv_b, int64_t kv_h, const uint8_t *seen, int64_t end, const float *final_norm,
+                   float final_eps, float *out, int threads) {
+    if (count < 1) return -1;
+    int64_t M = B * W, hidden = layers[0].qkv.in_features, width = (H + 2 * KVH) * D;
+    size_t floats = (size_t)M * (size_t)(hidden + width + H * D + hidden + 2 * intermediate + intermediate + hidden);
+    float *scratch = malloc(floats * sizeof(float));
+    if (!scratch) return 1;
+    float *h = scratch, *qkv = h + M * hidden, *attn = qkv + M * width, *projected = attn + M * H * D;
+    float *gate_up = projected + M * hidden, *act = gate_up + M * 2 * intermediate, *delta = act + M * intermediate;
+    int status = 0;
+    const float *added = NULL; /* what the last layer adds to x (none before the first) */
+    for (int64_t i = 0; i < count && !status; i++) {
+        const decoder_layer *layer = layers + i;
+        float *keys = kv + i * kv_layer, *values = keys + kv_values;
+        add_rms_norm(x, added, M, hidden, layer->norm_in, layer->eps, h, threads);
+        if ((status = multiply(&layer->qkv, h, M, qkv, threads))) break;
+        if ((status = rope_write(qkv, B, W, H, KVH, D, positions, columns, cos, signed_sin, keys, values, kv_b, kv_h,
+                                 threads)))
+            break;
+        /* The rotated queries in place in qkv: [B, H, W, D] with strides (W * width, D, width). */
+        if ((status = attend(qkv, W * width, D, width, keys, values, kv_b, kv_h, seen, attn, B, H, KVH, W, end, D,
+                             layer->scale, threads)))
+            break;
+        if ((status = multiply(&layer->o, attn, M, projected, threads))) break;
+        add_rms_norm(x, projected, M, hidden, layer->norm_post, layer->eps, h, threads);
+        if ((status = multiply(&layer->gate_up, h, M, gate_up, threads))) break;
+        silu_mul(gate_up, M, intermediate, act, threads);
+        if ((status = multiply(&layer->down, act, M, delta, threads))) break;
+        added = delta;
+    }
+    if (!status) add_rms_norm(x, added, M, hidden, final_norm, final_eps, out, threads);
+    free(scratch);
+    return status;
+}
