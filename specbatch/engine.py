@@ -256,6 +256,15 @@ class Engine:
     # embedded broadcast reaches ~2.5x bf16 dot products' arithmetic, so a verify step's extra rows
     # cost well under half as much; the rounding is finer than bf16's. Row-exact.
     fp16_dot: bool = False
+    # Calls of at least ``wide_from_rows`` rows (sequences × tokens fed) run on ``wide_threads``
+    # threads where the layers run in one C call (llama.LlamaForward), the rest on the process's
+    # thread count; 0: every call on it. On a 2-core AVX-512 EPYC with bf16 dot products a second
+    # thread loses at a step's few rows (1 row 13.8 -> 17.1 ms) and gains from 12 rows on, where the
+    # multiplies are bound by arithmetic (12 rows 1.14x, 32 rows 1.24-1.53x, 64 rows 1.46x;
+    # docs/engine.md, "Wide calls"). The kernels' results do not depend on the thread count, so
+    # neither does the output.
+    wide_threads: int = 0
+    wide_from_rows: int = 12
     clock: Callable[[], float] = time.monotonic  # for sequence leases (``reclaim_idle``); tests pass their own
     # Steps at bucketed static shapes, replayed as CUDA graphs (specbatch.captured): "auto" (on for
     # CUDA with the own forward), "on" (captured at start-up), "lazy", "static" (padded, no
@@ -301,6 +310,10 @@ class Engine:
         weights = ("int8" if self.int8_weights else "bf16" if self.bf16_weights else "bf16-dot" if self.bf16_dot
                    else "fp16-dot" if self.fp16_dot else None)
         self.forward = own(self.model, weights=weights) if own else TransformersForward(self.model)
+        if self.wide_threads < 0 or self.wide_from_rows < 1:
+            raise ValueError("wide_threads must be 0 (off) or more, wide_from_rows 1 or more")
+        if self.wide_threads and isinstance(self.forward, llama.LlamaForward):
+            self.forward.wide_threads, self.forward.wide_from_rows = self.wide_threads, self.wide_from_rows
         self.implementation = "specbatch" if own else "transformers"
         self.captured_steps = resolve_mode(self.captured_steps, self.device, own is not None)
         self.capture_report: dict = {}

@@ -159,6 +159,9 @@ class LlamaForward:
         # same kernels in the same order, bitwise the loop below, without its ~9 Python calls a layer
         # (~3 ms of SmolLM2's ~16 ms one-token step on a 2-core EPYC). None: the loop runs in Python.
         self.decoder_layers = self._native_decoder_layers() if self.native_layer_ops else None
+        # Calls of at least wide_from_rows rows run the layers in one call, and the output head, on
+        # wide_threads threads (0: the process's count; specbatch.engine.Engine sets them).
+        self.wide_threads, self.wide_from_rows = 0, 1
 
     def _native_decoder_layers(self) -> native.DecoderLayers | None:
         layers = self.layers
@@ -225,8 +228,13 @@ class LlamaForward:
         else:
             attention = functools.partial(self._sdpa, mask=mask.repeat(1, 1, self.folded_groups, 1))
         if self.decoder_layers is not None and self.native_layer_ops and self.native_attention:
-            hidden = self.decoder_layers(x.contiguous(), rope, attention, kv)
-            return self.head(hidden[:, -logits_to_keep:]).float(), hidden
+            threads = (self.wide_threads if self.wide_threads and batch * width >= self.wide_from_rows
+                       else torch.get_num_threads())
+            hidden = self.decoder_layers(x.contiguous(), rope, attention, kv, threads)
+            head = self.head
+            logits = (head(hidden[:, -logits_to_keep:], threads) if isinstance(head, native.PanelLinear)
+                      else head(hidden[:, -logits_to_keep:]))
+            return logits.float(), hidden
         delta = None  # what the last layer adds to the residual stream x (x is updated in place)
         for i, layer in enumerate(self.layers):
             h = add_rms_norm(x, delta, layer.norm_in, layer.eps)

@@ -225,6 +225,13 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
                         help="intra-op threads (torch.set_num_threads; default: OMP_NUM_THREADS, else torch's, one "
                              "per core). Where several services share cores, give each its share: "
                              "docs/operations.md#threads")
+    parser.add_argument("--wide-threads", type=int, default=0, metavar="N",
+                        help="threads for calls of at least --wide-from-rows rows (sequences x tokens fed), where "
+                             "the layers run in one C call; the rest run on --threads (default 0: every call "
+                             "on --threads). Where the service has the cores to itself during its big calls: "
+                             "docs/operations.md#threads")
+    parser.add_argument("--wide-from-rows", type=int, default=12, metavar="R",
+                        help="the fewest rows a call runs on --wide-threads (default 12)")
     parser.add_argument("--trust-remote-code", action="store_true")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
@@ -246,6 +253,8 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
         parser.error("--sequence-lease-seconds must be 0 (no lease) or more")
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be 1 or more")
+    if args.wide_threads < 0 or args.wide_from_rows < 1:
+        parser.error("--wide-threads must be 0 (off) or more, --wide-from-rows 1 or more")
     credentials = server_credentials_from_args(args, parser)  # bad TLS flags: refused before loading
     configure_logging(args.log_level, args.log_format)
     # /metrics first: a taken port fails before a model load of minutes, and the process's memory
@@ -265,12 +274,14 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
         engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,
                         max_cache_bytes=int(args.kv_cache_gb * 2**30), captured_steps=args.cuda_graphs,
                         int8_weights=getattr(args, "int8_weights", False), bf16_weights=args.bf16_weights,
-                        bf16_dot=args.bf16_dot, fp16_dot=args.fp16_dot)
+                        bf16_dot=args.bf16_dot, fp16_dot=args.fp16_dot, wide_threads=args.wide_threads,
+                        wide_from_rows=args.wide_from_rows)
         weights = (" (linear layers int8)" if engine.int8_weights else " (weights bf16)" if engine.bf16_weights
                    else " (linear layers on bf16 dot products)" if engine.bf16_dot
                    else " (linear layers on float16 products)" if engine.fp16_dot else "")
-        log.info("%s service: loaded %s in %.1fs on %s/%s%s, %d threads, captured steps %s", kind, spec.describe(),
-                 time.perf_counter() - started, engine.device, engine.dtype, weights, torch.get_num_threads(),
+        wide = f" ({args.wide_threads} from {args.wide_from_rows} rows a call)" if args.wide_threads else ""
+        log.info("%s service: loaded %s in %.1fs on %s/%s%s, %d threads%s, captured steps %s", kind, spec.describe(),
+                 time.perf_counter() - started, engine.device, engine.dtype, weights, torch.get_num_threads(), wide,
                  engine.captured_steps)
         metrics = ServiceMetrics(kind, engine, registry)
         server = Server(f"{args.host}:{args.port}", max_workers=8, credentials=credentials,

@@ -315,6 +315,27 @@ def test_the_layers_in_one_call_are_bitwise_the_python_loop(form, threads):
         assert torch.equal(ours, theirs)
 
 
+def test_wide_calls_run_on_more_threads_with_the_same_bits():
+    """Engine(wide_threads=2, wide_from_rows=R): a call of at least R rows runs its layers and head
+    on 2 threads, smaller ones on the process's count; the kernels' results do not depend on the
+    thread count, so the outputs are the narrow engine's bit for bit."""
+    narrow = Engine(tiny_llama(3, seed=7), max_sequences=2, bf16_weights=True)
+    wide = Engine(tiny_llama(3, seed=7), max_sequences=2, bf16_weights=True, wide_threads=2, wide_from_rows=8)
+    layers, threads_seen = wide.forward.decoder_layers, []
+
+    def recording(*args):
+        threads_seen.append(args[-1])
+        return layers(*args)
+
+    wide.forward.decoder_layers = recording
+    ours = _with_threads(1, lambda: _prompts_then_a_ragged_step(wide))
+    assert threads_seen == [2, 1]  # the prompts: 2 rows x 37 columns; the step: 2 x 3
+    for mine, theirs in zip(ours, _with_threads(1, lambda: _prompts_then_a_ragged_step(narrow)), strict=True):
+        assert torch.equal(mine, theirs)
+    with pytest.raises(ValueError, match="wide_threads"):
+        Engine(tiny_llama(1, seed=0), wide_threads=-1)
+
+
 def test_the_layers_in_one_call_refuse_a_pool_that_does_not_match():
     engine = Engine(tiny_llama(2, seed=6), max_sequences=2)
     forward = engine.forward

@@ -133,10 +133,37 @@ def test_launcher_pins_each_services_threads(monkeypatch, chosen, cores, service
     assert "--threads" not in command and env["OMP_NUM_THREADS"] == "1"
 
 
+@pytest.mark.parametrize("chosen_threads, chosen_wide, cores, wide", [
+    (None, None, 2, "2"), (None, None, 8, "8"), (None, None, 1, None), (0, None, 8, None), (None, 0, 8, None),
+    (1, 3, 8, "3")])
+def test_launcher_gives_big_calls_the_cores(monkeypatch, chosen_threads, chosen_wide, cores, wide):
+    """Within a step the draft computes, then the target: a service's calls of many rows may have
+    every core (--wide-threads), with idle OpenMP threads sleeping, not spinning, between them.
+    Off where the services already take every core, or where asked."""
+    import specbatch.commands.launcher as launcher
+
+    spawned = {}
+    monkeypatch.setattr(launcher, "available_cores", lambda: cores)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    stack = LocalProcesses(StackOptions(threads_per_service=chosen_threads, wide_threads=chosen_wide),
+                           lambda module, args, env: spawned.setdefault(module, (args, env)))
+    for name, module in (("target", "target_service"), ("draft", "draft_service"), ("coordinator", "coordinator")):
+        stack._spawn(name, module, [])
+    for module in ("target_service", "draft_service"):
+        command, env = spawned[module]
+        if wide is None:
+            assert "--wide-threads" not in command and "OMP_WAIT_POLICY" not in env
+        else:
+            assert command[command.index("--wide-threads") + 1] == wide and env["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert "--wide-threads" not in spawned["coordinator"][0]
+
+
 def test_services_take_a_thread_count():
     from specbatch.model_service import model_service_parser
 
     assert model_service_parser("target", 50052, "x").parse_args(["--threads", "3"]).threads == 3
+    wide = model_service_parser("target", 50052, "x").parse_args(["--wide-threads", "4", "--wide-from-rows", "16"])
+    assert (wide.wide_threads, wide.wide_from_rows) == (4, 16)
     with pytest.raises(SystemExit):  # refused before any model loads
         from target_service.__main__ import main
 

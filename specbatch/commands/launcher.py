@@ -35,6 +35,16 @@ def threads_per_service(cores: int) -> int:
     return max(1, cores // 2)
 
 
+def wide_threads(options: "StackOptions", threads: int) -> int:
+    """Each model service's --wide-threads: ``options.wide_threads`` where given, else every core
+    this process may use where that is more than the services' ``threads`` (0: torch's default, which
+    already takes them all), else 0 (off)."""
+    if options.wide_threads is not None:
+        return options.wide_threads
+    cores = available_cores()
+    return cores if threads and cores > threads else 0
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free now on ``host`` (for a process to bind in a moment)."""
     with socket.socket() as s:
@@ -69,6 +79,11 @@ class StackOptions:
     # Intra-op threads of each model service: None = threads_per_service(available cores);
     # 0 = torch's own default (the environment's OMP_NUM_THREADS, else one per core).
     threads_per_service: int | None = None
+    # Each model service's --wide-threads (its calls of 12 rows and more on this many threads):
+    # None = every core this process may use, where that is more than threads_per_service (within
+    # a step the draft computes, then the target, so a big call has the cores; ``wide_threads``);
+    # 0 = off.
+    wide_threads: int | None = None
     # The draft service's --int8-weights; None: on for the embedded draft where the services run
     # float32 on a CPU (``draft_int8_weights``).
     draft_int8_weights: bool | None = None
@@ -295,6 +310,10 @@ def add_stack_flags(parser) -> None:
     parser.add_argument("--threads-per-service", type=int, metavar="N",
                         help="intra-op threads of the target and of the draft service (default: half the cores "
                              "this process may use, at least 1; 0: torch's own default)")
+    parser.add_argument("--wide-threads", type=int, metavar="N",
+                        help="each model service's --wide-threads: its calls of 12 rows and more on N threads "
+                             "(default: all the cores this process may use, where that is more than "
+                             "--threads-per-service; 0: off)")
 
 
 def stack_options(args) -> StackOptions:
@@ -307,7 +326,8 @@ def stack_options(args) -> StackOptions:
         max_batch_size=args.max_batch_size,
         host=args.host, ports={"coordinator": args.port, "target": args.target_port, "draft": args.draft_port},
         log_level=args.log_level, metrics_ports=dict(DEFAULT_METRICS_PORTS) if args.metrics else None,
-        threads_per_service=args.threads_per_service, draft_int8_weights=args.draft_int8_weights,
+        threads_per_service=args.threads_per_service, wide_threads=args.wide_threads,
+        draft_int8_weights=args.draft_int8_weights,
         bf16_weights=args.bf16_weights, bf16_dot=args.bf16_dot, fp16_dot=args.fp16_dot, leaves=args.leaves,
         unsure_below=args.unsure_below, draft_ahead=args.draft_ahead, prompt_lookup=args.prompt_lookup,
     )
@@ -363,9 +383,16 @@ class LocalProcesses:
         env = os.environ.copy()
         if module == "coordinator":
             env["OMP_NUM_THREADS"] = "1"  # it tokenizes and schedules: no tensor math worth a team
-        elif self.threads:
-            args += ["--threads", str(self.threads)]
-            env["OMP_NUM_THREADS"] = str(self.threads)  # also sizes the OpenMP pool before torch starts
+        else:
+            if self.threads:
+                args += ["--threads", str(self.threads)]
+                env["OMP_NUM_THREADS"] = str(self.threads)  # also sizes the OpenMP pool before torch starts
+            wide = wide_threads(self.options, self.threads)
+            if wide:
+                args += ["--wide-threads", str(wide)]
+                # A wide call's helper threads sleep when it ends instead of spinning on the core the
+                # other service or the coordinator needs next (libgomp spins ~a few hundred us by default).
+                env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         self.processes.append((name, self.start_process(module, args, env)))
 
     def start(self, timeout: float = 600.0) -> "LocalProcesses":

@@ -286,7 +286,8 @@ def run_profile(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .launcher import LocalProcesses, draft_int8_weights, services_cpu_form, stack_options, weights_flag
+    from .launcher import (LocalProcesses, draft_int8_weights, services_cpu_form, stack_options, weights_flag,
+                           wide_threads)
     from ..models import EMBEDDED, ModelSpec, load_tokenizer, parse_dtype, default_device
 
     remote = bool(args.target)
@@ -323,6 +324,8 @@ def run_profile(args) -> int:
     if not remote:
         print("starting the target and draft services …", file=sys.stderr, flush=True)
     with context as processes:
+        # The services' threads for their calls of many rows (step times past ~12 rows depend on it).
+        wide = {} if remote else {"wide_threads": wide_threads(options, processes.threads)}
         target = TargetClient(args.target or processes.target_address, timeout=600)
         draft = DraftClient(args.draft or processes.draft_address, timeout=600)
         names = (target.cache_stats().model, draft.cache_stats().model)
@@ -357,8 +360,8 @@ def run_profile(args) -> int:
         sizes, args.max_k, acceptance, times,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         hardware=hardware,
-        target={"model": names[0], "dtype": dtype or "unknown", **form},
-        draft={"model": names[1], "dtype": dtype or "unknown",
+        target={"model": names[0], "dtype": dtype or "unknown", **form, **wide},
+        draft={"model": names[1], "dtype": dtype or "unknown", **wide,
                **({} if remote else {"int8_weights": draft_int8_weights(options),
                                      **{flag: on and not draft_int8_weights(options) for flag, on in form.items()}})},
         workload=workload,

@@ -280,7 +280,8 @@ class PanelLinear:
 
         self._multiply = multiply
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """``threads``: how many to split the panels among (default: torch's count)."""
         shape = x.shape
         rows = x.reshape(-1, self.in_features)
         if rows.dtype != torch.float32 or rows.device.type != "cpu":
@@ -289,7 +290,7 @@ class PanelLinear:
         out = torch.empty(rows.shape[0], self.out_features)
         if rows.shape[0] and self._multiply(rows.data_ptr(), rows.shape[0], self.in_features, self.panels.data_ptr(),
                                             self.out_features, None if self.bias is None else self.bias.data_ptr(),
-                                            out.data_ptr(), torch.get_num_threads()):
+                                            out.data_ptr(), threads or torch.get_num_threads()):
             raise MemoryError("panel kernel: no memory for the input's rounded copy")
         return out.view(*shape[:-1], self.out_features)
 
@@ -343,11 +344,13 @@ class DecoderLayers:
                        norm_in.data_ptr(), norm_post.data_ptr(), eps, scale)
             for qkv, o, gate_up, down, norm_in, norm_post, eps, scale in layers])
 
-    def __call__(self, x: torch.Tensor, rope: "Rope", attention: "Attention", kv: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, rope: "Rope", attention: "Attention", kv: torch.Tensor,
+                 threads: int | None = None) -> torch.Tensor:
         """x ``[batch, width, hidden]``, the embedded tokens (the residual stream, updated in place);
         ``rope`` and ``attention`` this forward's (positions, KV columns and angles; mask); kv
-        ``[layers, 2, batch, kv_heads, columns, head_dim]`` (written in place). Returns the final
-        norm of the residual stream, ``[batch, width, hidden]``."""
+        ``[layers, 2, batch, kv_heads, columns, head_dim]`` (written in place); ``threads`` for
+        every kernel (default: torch's count). Returns the final norm of the residual stream,
+        ``[batch, width, hidden]``."""
         _float32_rows("decoder layers", x)
         batch, width = rope.batch, rope.width
         if (x.shape != (batch, width, self.hidden) or (attention.batch, attention.width) != (batch, width)
@@ -363,7 +366,7 @@ class DecoderLayers:
                 self.intermediate, rope.positions.data_ptr(), rope.columns.data_ptr(), rope.cos.data_ptr(),
                 rope.signed_sin.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
                 attention.seen.data_ptr(), attention.end, self.final_norm.data_ptr(), self.final_eps, out.data_ptr(),
-                torch.get_num_threads()):
+                threads or torch.get_num_threads()):
             raise RuntimeError("decoder layers: a kernel refused its arguments, or memory ran out")
         return out
 
