@@ -173,8 +173,11 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weights: str 
     summed in float32 on AVX512_BF16 (``native.bf16_dot_available``; row-exact too); "fp16-dot":
     the weight and each input (scaled by a power of two) rounded to float16, products summed in
     float16 in runs of 32, the runs in float32, on AVX512_FP16 (``native.fp16_dot_available``;
-    row-exact); "int8": ``Int8Linear`` (a draft's choice)."""
+    row-exact); "int8" (a draft's choice): int8 weights and inputs, on the panel kernel where the CPU
+    has AVX512_VNNI (each input row its own scale: row-exact), else ``Int8Linear`` (fbgemm)."""
     if weights == "int8":
+        if panel_kernel_takes(weight) and native.int8_dot_available():  # row-exact, and one C call a layer
+            return native.PanelLinear(weight, bias, int8_dot=True)
         return Int8Linear(weight, bias)
     if weights in ("bf16", "bf16-dot", "fp16-dot"):
         if not panel_kernel_takes(weight):

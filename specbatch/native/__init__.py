@@ -43,8 +43,8 @@ from ..c_compiler import c_compiler
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("panel_sgemm.c", "panel_dpbf16.c", "panel_fp16.c", "attention.c", "layer_ops.c",
-                             "decoder.c"))
+                for name in ("panel_sgemm.c", "panel_dpbf16.c", "panel_fp16.c", "panel_int8.c", "attention.c",
+                             "layer_ops.c", "decoder.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # Where the CPU has AVX-512, the same code compiled for it: 32 vector registers instead of 16, so
 # wider register blocks fit (panel_sgemm.c's BF16_PANELS). Part of the build's cache key.
@@ -54,6 +54,9 @@ BF16_DOT_FLAGS = ("-mavx512bf16",)
 # Where the CPU has AVX512_FP16 besides: panel_fp16.c, float16 products (compiled only then; a
 # compiler without the flag (gcc < 12) builds the rest without it).
 FP16_DOT_FLAGS = ("-mavx512fp16",)
+# Where the CPU has AVX512_VNNI besides: panel_int8.c, int8 products summed exactly (a draft's
+# layers; compiled only then).
+INT8_DOT_FLAGS = ("-mavx512vnni",)
 PANEL = 16  # output features a panel holds: panel_sgemm.c's PANEL
 FP16_PANEL = 32  # panel_fp16.c's FP16_PANEL
 HEAD_DIMS = (8, 16, 32, 64, 128)  # those attention.c is compiled for
@@ -90,6 +93,11 @@ def cpu_has_bf16_dot() -> bool:
     return _cpu_has("avx512_bf16")
 
 
+def cpu_has_vnni() -> bool:
+    """Whether the CPU has AVX512_VNNI's int8 dot-product instruction."""
+    return _cpu_has("avx512_vnni")
+
+
 def cpu_has_fp16() -> bool:
     """Whether the CPU has AVX512_FP16's float16 arithmetic."""
     return _cpu_has("avx512_fp16")
@@ -102,7 +110,7 @@ def flags(fp16: bool = True) -> tuple[str, ...]:
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return FLAGS
     return (FLAGS + AVX512_FLAGS + (BF16_DOT_FLAGS if cpu_has_bf16_dot() else ())
-            + (FP16_DOT_FLAGS if fp16 and cpu_has_fp16() else ()))
+            + (INT8_DOT_FLAGS if cpu_has_vnni() else ()) + (FP16_DOT_FLAGS if fp16 and cpu_has_fp16() else ()))
 
 
 def build(directory: Path | None = None, build_flags: tuple[str, ...] | None = None) -> Path:
@@ -158,6 +166,10 @@ def _library() -> ctypes.CDLL | None:
     if hasattr(library, "panel_dpbf16"):
         library.panel_dpbf16.argtypes = [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int]
         library.panel_dpbf16.restype = ctypes.c_int
+    if hasattr(library, "panel_int8"):
+        library.panel_int8.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer, pointer,
+                                       ctypes.c_int]
+        library.panel_int8.restype = ctypes.c_int
     if hasattr(library, "panel_fp16"):
         library.panel_fp16.argtypes = [pointer, size, size, pointer, size, ctypes.c_float, pointer, pointer,
                                        ctypes.c_int]
@@ -200,6 +212,13 @@ def fp16_dot_available() -> bool:
     return library is not None and hasattr(library, "panel_fp16")
 
 
+def int8_dot_available() -> bool:
+    """Whether the int8 multiply (``panel_int8.c``) runs here: the kernels built for a CPU with
+    AVX512_VNNI."""
+    library = _library()
+    return library is not None and hasattr(library, "panel_int8")
+
+
 def unavailable_reason() -> str | None:
     """Why ``available()`` is False (None where it is True)."""
     reason = _why_not()
@@ -224,10 +243,13 @@ class PanelLinear:
     cost again, so a verify step's rows ride along further). ``fp16_dot``: the weight in float16,
     each input row scaled by a power of two and rounded to float16, products summed in float16 in
     runs of 32 and the runs in float32 on AVX512_FP16 (``panel_fp16.c``: half the arithmetic of
-    bf16 dot products on a CPU that has both, and closer to float32). All are row-exact."""
+    bf16 dot products on a CPU that has both, and closer to float32). ``int8_dot``: the weight in
+    int8 with a scale per output feature, each input row quantized to int8 with a scale of its
+    own, the products summed exactly in int32 on AVX512_VNNI (``panel_int8.c``: a draft's layers).
+    All are row-exact."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16_weights: bool = False,
-                 bf16_dot: bool = False, fp16_dot: bool = False):
+                 bf16_dot: bool = False, fp16_dot: bool = False, int8_dot: bool = False):
         library = _library()
         if library is None:
             raise RuntimeError(f"the panel kernel is unavailable: {unavailable_reason()}")
@@ -235,14 +257,20 @@ class PanelLinear:
             raise RuntimeError("bf16 dot products need a CPU with AVX512_BF16 (and the kernels built for it)")
         if fp16_dot and not fp16_dot_available():
             raise RuntimeError("float16 products need a CPU with AVX512_FP16 (and the kernels built for it)")
-        if bf16_weights + bf16_dot + fp16_dot > 1:
-            raise ValueError("ask for one of bf16_weights, bf16_dot and fp16_dot")
-        self.bf16_weights, self.bf16_dot, self.fp16_dot = bf16_weights, bf16_dot, fp16_dot
+        if int8_dot and not int8_dot_available():
+            raise RuntimeError("int8 products need a CPU with AVX512_VNNI (and the kernels built for it)")
+        if bf16_weights + bf16_dot + fp16_dot + int8_dot > 1:
+            raise ValueError("ask for one of bf16_weights, bf16_dot, fp16_dot and int8_dot")
+        self.bf16_weights, self.bf16_dot, self.fp16_dot, self.int8_dot = bf16_weights, bf16_dot, fp16_dot, int8_dot
         # Which kernel reads the packed weight (decoder.c's FORM_* codes), for DecoderLayers.
-        self.form = 3 if fp16_dot else 2 if bf16_dot else 1 if bf16_weights else 0
+        self.form = 4 if int8_dot else 3 if fp16_dot else 2 if bf16_dot else 1 if bf16_weights else 0
         self.weight_unscale = 1.0  # the float16 form's power of two (_init_fp16)
+        self.weight_scale = self.weight_offset = None  # the int8 form's (_init_int8)
         if fp16_dot:
             self._init_fp16(library, weight, bias)
+            return
+        if int8_dot:
+            self._init_int8(library, weight, bias)
             return
         self._multiply = (library.panel_dpbf16 if bf16_dot else library.panel_sgemm_bf16w if bf16_weights
                           else library.panel_sgemm)
@@ -280,6 +308,29 @@ class PanelLinear:
 
         self._multiply = multiply
 
+    def _init_int8(self, library, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """The int8 form: each output feature scaled to [-127, 127] and rounded, packed
+        [panels, quads of input features, PANEL, 4]; its scale and 128 times its quantized sum
+        (panel_int8.c's offset), padded to the panels' width."""
+        weight = weight.detach().float()
+        self.out_features, self.in_features = weight.shape
+        scale = weight.abs().amax(dim=1) / 127
+        quantized = torch.where(scale[:, None] > 0, weight / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None],
+                                torch.zeros_like(weight)).round().clamp(-127, 127).to(torch.int8)
+        padded = -self.out_features % PANEL
+        quantized = F.pad(quantized, (0, -self.in_features % 4, 0, padded))
+        self.panels = quantized.view(-1, PANEL, quantized.shape[1] // 4, 4).transpose(1, 2).contiguous()
+        self.weight_scale = F.pad(scale, (0, padded)).contiguous()
+        self.weight_offset = (128 * quantized.to(torch.int32).sum(dim=1)).to(torch.int32).contiguous()
+        self.bias = None if bias is None else F.pad(bias.detach().float(), (0, padded)).contiguous()
+        int8 = library.panel_int8
+
+        def multiply(x, m, k, panels, n, bias, out, threads):
+            return int8(x, m, k, panels, self.weight_scale.data_ptr(), self.weight_offset.data_ptr(), n, bias, out,
+                        threads)
+
+        self._multiply = multiply
+
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         """``threads``: how many to split the panels among (default: torch's count)."""
         shape = x.shape
@@ -298,12 +349,17 @@ class PanelLinear:
 class _LinearArgs(ctypes.Structure):
     """decoder.c's panel_linear: one PanelLinear's packed weight and the kernel that reads it."""
     _fields_ = [("form", ctypes.c_int32), ("weight_unscale", ctypes.c_float), ("packed", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64)]
+                ("bias", ctypes.c_void_p), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
+                ("weight_scale", ctypes.c_void_p), ("weight_offset", ctypes.c_void_p)]
 
     @classmethod
     def of(cls, linear: PanelLinear) -> "_LinearArgs":
-        return cls(linear.form, linear.weight_unscale, linear.panels.data_ptr(),
-                   None if linear.bias is None else linear.bias.data_ptr(), linear.in_features, linear.out_features)
+        def address(tensor: torch.Tensor | None):
+            return None if tensor is None else tensor.data_ptr()
+
+        return cls(linear.form, linear.weight_unscale, linear.panels.data_ptr(), address(linear.bias),
+                   linear.in_features, linear.out_features, address(linear.weight_scale),
+                   address(linear.weight_offset))
 
 
 class _LayerArgs(ctypes.Structure):
