@@ -12,6 +12,8 @@ engine's linear layers, in the same dtype, round differently with more rows.
     # the embedded services' default where the CPU has AVX512_BF16: float32, linear layers on bf16
     # dot products (the target's and the draft's), or with --draft-int8 the draft in int8 as served
     .venv/bin/python benchmarks/exactness.py --dtype float32 --weights bf16-dot [--draft-int8]
+    # as specbatch up serves on 2 cores: one thread a call, every core for calls of 12 rows and more
+    .venv/bin/python benchmarks/exactness.py --dtype float32 --weights bf16-dot --draft-int8 --threads 1 --wide-threads 2
 """
 
 from __future__ import annotations
@@ -53,6 +55,9 @@ def main() -> int:
     parser.add_argument("--weights", choices=("bf16", "bf16-dot", "fp16-dot"), default=None,
                         help="both engines' linear layers (float32 only): bf16 weights, bf16 dot products or float16 products")
     parser.add_argument("--draft-int8", action="store_true", help="the draft's linear layers in int8, as served")
+    parser.add_argument("--wide-threads", type=int, default=0,
+                        help="both engines' calls of 12 rows and more on this many threads, the rest on --threads "
+                             "(as specbatch up serves: --threads 1 --wide-threads 2); 0: every call on --threads")
     parser.add_argument("--out", default="bench-out/exactness.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -64,9 +69,10 @@ def main() -> int:
                for text in sharegpt_prompts(args.prompts, args.prompt_start)]
     form = {None: {}, "bf16": {"bf16_weights": True}, "bf16-dot": {"bf16_dot": True},
             "fp16-dot": {"fp16_dot": True}}[args.weights]
+    wide = {"wide_threads": args.wide_threads} if args.wide_threads else {}
     stack = start_local_stack(target, draft, tokenizer, max_batch_size=16, max_new_tokens=args.tokens,
-                              target_engine_options=form,
-                              draft_engine_options={"int8_weights": True} if args.draft_int8 else form)
+                              target_engine_options={**form, **wide},
+                              draft_engine_options={"int8_weights": True, **wide} if args.draft_int8 else {**form, **wide})
     try:
         start = time.perf_counter()
         references = [target_only(stack.target_engine, p, args.tokens) for p in prompts]
