@@ -88,7 +88,7 @@ def time_split(engine: Engine, batch: int, new: int, repeats: int = 10) -> dict:
         elif "scaled_dot_product" in event.key or "native_attention" in event.key:
             split["attention"] += ms
         elif "native_decoder_layers" in event.key:  # the layers in one C call: multiplies, attention and all
-            split["decoder layers, one C call"] = split.get("decoder layers, one C call", 0.0) + ms
+            split["decoder layers, one C call"] += ms
         else:
             split["other operators"] += ms
     split["Python and the rest"] = max(wall - sum(split.values()), 0.0)

@@ -160,20 +160,9 @@ def _library() -> ctypes.CDLL | None:
                     "attention on PyTorch's SDPA", error)
         return None
     pointer, size = ctypes.c_void_p, ctypes.c_int64
-    for multiply in (library.panel_sgemm, library.panel_sgemm_bf16w):
-        multiply.argtypes = [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int]
-        multiply.restype = None
-    if hasattr(library, "panel_dpbf16"):
-        library.panel_dpbf16.argtypes = [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int]
-        library.panel_dpbf16.restype = ctypes.c_int
-    if hasattr(library, "panel_int8"):
-        library.panel_int8.argtypes = [pointer, size, size, pointer, pointer, pointer, size, pointer, pointer,
-                                       ctypes.c_int]
-        library.panel_int8.restype = ctypes.c_int
-    if hasattr(library, "panel_fp16"):
-        library.panel_fp16.argtypes = [pointer, size, size, pointer, size, ctypes.c_float, pointer, pointer,
-                                       ctypes.c_int]
-        library.panel_fp16.restype = ctypes.c_int
+    # Every form's multiply is reached through decoder.c's one entry, by a PanelLinear's _LinearArgs.
+    library.panel_linear_multiply.argtypes = [pointer, pointer, size, pointer, ctypes.c_int]
+    library.panel_linear_multiply.restype = ctypes.c_int
     library.attend.argtypes = [pointer, size, size, size, pointer, pointer, size, size, pointer, pointer,
                                size, size, size, size, size, size, ctypes.c_float, ctypes.c_int]
     library.attend.restype = ctypes.c_int
@@ -262,18 +251,24 @@ class PanelLinear:
         if bf16_weights + bf16_dot + fp16_dot + int8_dot > 1:
             raise ValueError("ask for one of bf16_weights, bf16_dot, fp16_dot and int8_dot")
         self.bf16_weights, self.bf16_dot, self.fp16_dot, self.int8_dot = bf16_weights, bf16_dot, fp16_dot, int8_dot
-        # Which kernel reads the packed weight (decoder.c's FORM_* codes), for DecoderLayers.
+        # Which kernel reads the packed weight (decoder.c's FORM_* codes).
         self.form = 4 if int8_dot else 3 if fp16_dot else 2 if bf16_dot else 1 if bf16_weights else 0
         self.weight_unscale = 1.0  # the float16 form's power of two (_init_fp16)
         self.weight_scale = self.weight_offset = None  # the int8 form's (_init_int8)
+        self._multiply = library.panel_linear_multiply
         if fp16_dot:
-            self._init_fp16(library, weight, bias)
-            return
-        if int8_dot:
-            self._init_int8(library, weight, bias)
-            return
-        self._multiply = (library.panel_dpbf16 if bf16_dot else library.panel_sgemm_bf16w if bf16_weights
-                          else library.panel_sgemm)
+            self._init_fp16(weight, bias)
+        elif int8_dot:
+            self._init_int8(weight, bias)
+        else:
+            self._init_panels(weight, bias)
+        # What the kernel reads of this layer (decoder.c's panel_linear), made once: the tensors it
+        # points into live as long as the layer.
+        self.args = _LinearArgs.of(self)
+
+    def _init_panels(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """float32, bf16 weights and bf16 dot products: packed by panels of PANEL output features."""
+        bf16_weights, bf16_dot = self.bf16_weights, self.bf16_dot
         weight = weight.detach().to(torch.bfloat16 if bf16_weights or bf16_dot else torch.float32)
         self.out_features, self.in_features = weight.shape
         padded = -self.out_features % PANEL
@@ -289,7 +284,7 @@ class PanelLinear:
         # The kernel loads a panel's bias 16 at a time: padded so the last panel reads no further.
         self.bias = None if bias is None else F.pad(bias.detach().float(), (0, padded)).contiguous()
 
-    def _init_fp16(self, library, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def _init_fp16(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """The float16 form: the weight times a power of two that puts its largest |w| in [1, 2)
         (exact; panel_fp16.c's range argument), packed [panels, in_features, FP16_PANEL]."""
         weight = weight.detach().float()
@@ -301,14 +296,8 @@ class PanelLinear:
         scaled = F.pad(scaled, (0, 0, 0, -self.out_features % FP16_PANEL))
         self.panels = scaled.view(-1, FP16_PANEL, self.in_features).transpose(1, 2).contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        fp16 = library.panel_fp16
 
-        def multiply(x, m, k, panels, n, bias, out, threads):
-            return fp16(x, m, k, panels, n, self.weight_unscale, bias, out, threads)
-
-        self._multiply = multiply
-
-    def _init_int8(self, library, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def _init_int8(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """The int8 form: each output feature scaled to [-127, 127] and rounded, packed
         [panels, quads of input features, PANEL, 4]; its scale and 128 times its quantized sum
         (panel_int8.c's offset), padded to the panels' width."""
@@ -323,13 +312,6 @@ class PanelLinear:
         self.weight_scale = F.pad(scale, (0, padded)).contiguous()
         self.weight_offset = (128 * quantized.to(torch.int32).sum(dim=1)).to(torch.int32).contiguous()
         self.bias = None if bias is None else F.pad(bias.detach().float(), (0, padded)).contiguous()
-        int8 = library.panel_int8
-
-        def multiply(x, m, k, panels, n, bias, out, threads):
-            return int8(x, m, k, panels, self.weight_scale.data_ptr(), self.weight_offset.data_ptr(), n, bias, out,
-                        threads)
-
-        self._multiply = multiply
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         """``threads``: how many to split the panels among (default: torch's count)."""
@@ -339,9 +321,8 @@ class PanelLinear:
             raise TypeError(f"the panel kernel multiplies float32 CPU tensors, not {rows.dtype} on {rows.device}")
         rows = rows.contiguous()
         out = torch.empty(rows.shape[0], self.out_features)
-        if rows.shape[0] and self._multiply(rows.data_ptr(), rows.shape[0], self.in_features, self.panels.data_ptr(),
-                                            self.out_features, None if self.bias is None else self.bias.data_ptr(),
-                                            out.data_ptr(), threads or torch.get_num_threads()):
+        if rows.shape[0] and self._multiply(ctypes.byref(self.args), rows.data_ptr(), rows.shape[0], out.data_ptr(),
+                                            threads or torch.get_num_threads()):
             raise MemoryError("panel kernel: no memory for the input's rounded copy")
         return out.view(*shape[:-1], self.out_features)
 
@@ -396,8 +377,7 @@ class DecoderLayers:
         self.heads, self.kv_heads, self.head_dim, self.intermediate = heads, kv_heads, head_dim, intermediate
         self.final_norm, self.final_eps = final_norm, final_eps
         self._layers = (_LayerArgs * len(layers))(*[
-            _LayerArgs(_LinearArgs.of(qkv), _LinearArgs.of(o), _LinearArgs.of(gate_up), _LinearArgs.of(down),
-                       norm_in.data_ptr(), norm_post.data_ptr(), eps, scale)
+            _LayerArgs(qkv.args, o.args, gate_up.args, down.args, norm_in.data_ptr(), norm_post.data_ptr(), eps, scale)
             for qkv, o, gate_up, down, norm_in, norm_post, eps, scale in layers])
 
     def __call__(self, x: torch.Tensor, rope: "Rope", attention: "Attention", kv: torch.Tensor,

@@ -60,8 +60,10 @@ typedef struct {
     float eps, scale;
 } decoder_layer;
 
-/* y [M, out] = x [M, in] @ W^T (+ bias). Nonzero: no memory, or a form this build lacks. */
-static int multiply(const panel_linear *l, const float *x, int64_t M, float *y, int threads) {
+/* y [M, out] = x [M, in] @ W^T (+ bias) on the kernel of l's form: the one entry for a linear layer,
+ * from the layer loop below and from specbatch.native.PanelLinear alike. Nonzero: no memory, or a
+ * form this build lacks. */
+int panel_linear_multiply(const panel_linear *l, const float *x, int64_t M, float *y, int threads) {
     switch (l->form) {
     case FORM_F32:
         panel_sgemm(x, M, l->in_features, (const float *)l->packed, l->out_features, l->bias, y, threads);
@@ -114,7 +116,7 @@ int decoder_layers(float *x, int64_t B, int64_t W, const decoder_layer *layers, 
         const decoder_layer *layer = layers + i;
         float *keys = kv + i * kv_layer, *values = keys + kv_values;
         add_rms_norm(x, added, M, hidden, layer->norm_in, layer->eps, h, threads);
-        if ((status = multiply(&layer->qkv, h, M, qkv, threads))) break;
+        if ((status = panel_linear_multiply(&layer->qkv, h, M, qkv, threads))) break;
         if ((status = rope_write(qkv, B, W, H, KVH, D, positions, columns, cos, signed_sin, keys, values, kv_b, kv_h,
                                  threads)))
             break;
@@ -122,11 +124,11 @@ int decoder_layers(float *x, int64_t B, int64_t W, const decoder_layer *layers, 
         if ((status = attend(qkv, W * width, D, width, keys, values, kv_b, kv_h, seen, attn, B, H, KVH, W, end, D,
                              layer->scale, threads)))
             break;
-        if ((status = multiply(&layer->o, attn, M, projected, threads))) break;
+        if ((status = panel_linear_multiply(&layer->o, attn, M, projected, threads))) break;
         add_rms_norm(x, projected, M, hidden, layer->norm_post, layer->eps, h, threads);
-        if ((status = multiply(&layer->gate_up, h, M, gate_up, threads))) break;
+        if ((status = panel_linear_multiply(&layer->gate_up, h, M, gate_up, threads))) break;
         silu_mul(gate_up, M, intermediate, act, threads);
-        if ((status = multiply(&layer->down, act, M, delta, threads))) break;
+        if ((status = panel_linear_multiply(&layer->down, act, M, delta, threads))) break;
         added = delta;
     }
     if (!status) add_rms_norm(x, added, M, hidden, final_norm, final_eps, out, threads);
