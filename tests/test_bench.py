@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import threading
 import time
@@ -192,13 +193,51 @@ def test_rounds_sum_each_modes_runs_with_the_modes_taking_turns(stack, tmp_path,
     out = tmp_path / "out"
     code = cli.main(["bench", "--address", stack.address, "--fixed-k", "1,2", "--traffic", "uniform",
                      "--concurrency", "1", "--requests", "2", "--rounds", "3", "--max-new-tokens", "5",
-                     "--prompts", "chat", "--out", str(out)])
+                     "--prompts", "chat", "--control", "--out", str(out)])
     assert code == 0
-    modes = ["k=0 (target only)", "k=1", "k=2"]
+    modes = ["k=0 (target only)", "k=1", "k=2", "k=0 (control)"]
     assert [(mode, r) for _, mode, r in calls] == [(m, r) for r in range(3) for m in modes[r:] + modes[:r]]
-    rows = json.loads((out / "results.json").read_text())["rows"]
-    assert [r["mode"] for r in rows] == modes
-    for r in rows:
+    results = json.loads((out / "results.json").read_text())
+    assert [r["mode"] for r in results["rows"]] == modes
+    # The control (k=0 again) against k=0, round by round: three rounds, an interval around its ratio.
+    (control,) = results["comparisons"]
+    assert (control["mode"], control["reference"], control["rounds"]) == ("k=0 (control)", "k=0 (target only)", 3)
+    assert control["low"] <= control["ratio"] <= control["high"]
+    assert "| uniform c=1 | k=0 (control) | k=0 (target only) |" in (out / "results.md").read_text()
+    for r in results["rows"]:
         assert r["requests"] == 6 and not r["errors"] and r["tokens"] == 6 * 5
         assert r["seconds"] > 0 and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
     assert cli.main(["bench", "--address", stack.address, "--rounds", "0"]) == 2
+
+
+def test_paired_ratio_is_the_geometric_mean_of_the_rounds_ratios_with_a_t_interval():
+    from specbatch.commands.bench_pairs import paired_ratio, t975
+
+    same = paired_ratio([10.0, 20.0, 40.0], [10.0, 20.0, 40.0])  # drift between rounds cancels
+    assert same["ratio"] == pytest.approx(1.0) and same["low"] == pytest.approx(1.0) and same["high"] == pytest.approx(1.0)
+    r = paired_ratio([11.0, 9.0 * 1.2, 12.0], [10.0, 9.0, 10.0])  # ratios 1.1, 1.2, 1.2
+    logs = [math.log(1.1), math.log(1.2), math.log(1.2)]
+    half = 4.303 * statistics.stdev(logs) / math.sqrt(3)
+    assert r["rounds"] == 3 and r["ratio"] == pytest.approx(math.exp(statistics.fmean(logs)))
+    assert (r["low"], r["high"]) == pytest.approx((math.exp(statistics.fmean(logs) - half),
+                                                   math.exp(statistics.fmean(logs) + half)))
+    assert paired_ratio([5.0], [4.0])["high"] == math.inf  # one round: no interval
+    assert paired_ratio([0.0, 3.0], [1.0, 3.0])["rounds"] == 1  # a round with no result is left out
+    assert t975(11) == 2.228 and t975(100) == 1.96
+
+
+def test_compare_picks_the_best_fixed_k_and_reads_latency_inverted():
+    from specbatch.commands.bench_pairs import compare, markdown
+
+    per_round = {"k=0": [100.0, 80.0], "k=1": [120.0, 100.0], "goodput": [119.0, 99.5], "again": [101.0, 79.0]}
+    rows = compare("uniform", per_round, ["k=0", "k=1"], ["goodput"], ("again", "k=0"))
+    assert [(r["mode"], r["reference"]) for r in rows] == [("goodput", "k=1"), ("again", "k=0")]
+    assert 0.99 < rows[0]["ratio"] < 1.0
+    # Latency (the trace): lower is better, so the fixed mode with the lowest latency is the reference
+    # and a policy with half its latency reads 2.
+    latency = {"k=0": [4.0, 5.0], "k=1": [3.0, 4.0], "profile": [1.5, 2.0]}
+    (row,) = compare("trace", latency, ["k=0", "k=1"], ["profile"])
+    assert row["reference"] == "k=1" and row["ratio"] == pytest.approx(2.0)
+    table = markdown([{"load": "uniform c=1", **r} for r in rows] + [{"load": "trace", **row}])
+    assert "| uniform c=1 | goodput | k=1 |" in table and "| trace | profile | k=1 | 2.000 |" in table
+    assert "not resolved" in table or "yes" in table

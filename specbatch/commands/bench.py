@@ -8,7 +8,9 @@ another within each traffic level, so slow drift of a shared machine spreads ove
 ``--rounds N`` each level runs N times, the modes taking turns in an order rotated each round and
 each round on its own prompts (seed + round); a row then sums the rounds (tokens over the rounds'
 wall time, latencies over all their requests): six requests a level spread by ±5 % on two cores,
-more than the 2 % the policy targets ask to resolve.
+more than the 2 % the policy targets ask to resolve. So each policy is also compared with the best
+fixed k round by round, with a 95 % interval over the rounds (bench_pairs.py), and ``--control``
+runs k = 0 twice a round to show the smallest difference the run can resolve.
 
 Per run: TTFT, TPOT and end-to-end latency (mean, p50, p99) as the clients saw them, output
 tokens/s, acceptance, the k the coordinator used (from its Info totals: sequence-steps by k), and
@@ -27,10 +29,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..client import connect, generate, make_request
+from . import bench_pairs
 from .launcher import LocalProcesses, free_port, stack_options
 from ..prompts import CHAT_PROMPTS
 from ..traffic import DEFAULT_TRACE, Trace, poisson_arrivals, prompt_order, run_closed_loop, run_open_loop, stream
 from ..v1 import generation_pb2 as pb
+
+
+CONTROL = "k=0 (control)"  # --control: k = 0 once more a round, to measure the bench's own spread
 
 
 @dataclass
@@ -131,6 +137,15 @@ class Run:
 
     def grown(self, field_name: str) -> float:
         return getattr(self.after, field_name) - getattr(self.before, field_name)
+
+    def metric(self, traffic: str) -> float:
+        """What a round compares (bench_pairs): tokens/s under uniform traffic, else mean latency."""
+        ok = [r for r in self.records if not r.error]
+        if not ok:
+            return 0.0
+        if bench_pairs.higher_is_better(traffic):
+            return sum(r.tokens for r in ok) / self.wall if self.wall else 0.0
+        return statistics.fmean(r.latency for r in ok)
 
 
 def summarize(runs: list[Run]) -> dict:
@@ -306,6 +321,9 @@ def add_bench_flags(parser) -> None:
     parser.add_argument("--poisson-requests", type=int, default=16, help="poisson traffic: requests per rate and mode")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each level, the modes taking turns (the "
                         "order rotated, each round its own prompts); a row sums them")
+    parser.add_argument("--control", action="store_true",
+                        help="run k=0 twice a round (a control): its ratio to k=0 shows the smallest difference "
+                             "the run resolves (with --rounds 2 and more)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompts", choices=("sharegpt", "chat"), default="sharegpt",
                         help="ShareGPT first user turns (from conversation --prompt-start), or the demo's chat prompts")
@@ -358,13 +376,16 @@ def run_bench(args) -> int:
         main_stub = connect(args.address or processes.address)
         addresses = {p: given.get(p) or processes.add_coordinator(p, free_port(), args.profile) for p in policies}
         modes = [Mode("k=0 (target only)", main_stub, 0)] + [Mode(f"k={k}", main_stub, k) for k in fixed if k]
+        fixed_names = [m.name for m in modes]
+        if args.control:
+            modes.append(Mode(CONTROL, main_stub, 0))
         modes += [Mode(p, connect(address), None) for p, address in addresses.items()]
         info = main_stub.Info(pb.InfoRequest())
         print(f"target {info.target_model} | draft {info.draft_model} | modes: {', '.join(m.name for m in modes)} | "
               f"{args.max_new_tokens} new tokens per request, greedy, {args.prompts} prompts\n", flush=True)
         for mode in modes:  # warm up every coordinator's path once
             generate(mode.stub, make_request("warm up", 4, chat=True, k=mode.k))
-        rows = []
+        rows, comparisons = [], []
         for load in loads:
             runs: dict[str, list[Run]] = {mode.name: [] for mode in modes}
             for round_ in range(args.rounds):  # modes take turns, the order rotated each round
@@ -374,13 +395,20 @@ def run_bench(args) -> int:
                 rows.append(result := row(load, mode, runs[mode.name]))
                 print(f"  {load.label:<22} {mode.name:<18} {result['tokens_per_s']:7.1f} tok/s  mean latency "
                       f"{result['latency_s']['mean']:.2f} s  mean k {result['mean_k']:.2f}", flush=True)
+            if args.rounds > 1 and (policies or args.control):
+                per_round = {name: [run.metric(load.kind) for run in mode_runs] for name, mode_runs in runs.items()}
+                comparisons += [{"load": load.label, **c} for c in bench_pairs.compare(
+                    load.kind, per_round, fixed_names, policies, (CONTROL, fixed_names[0]) if args.control else None)]
     table = markdown(rows)
+    if comparisons:
+        table += ("\n\nRound by round against the best fixed k (tokens/s under uniform traffic, else mean latency; "
+                  "above 1: better):\n\n" + bench_pairs.markdown(comparisons))
     print("\n" + table)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "fn"},
-                                                  "rows": rows}, indent=1, default=str))
+                                                  "rows": rows, "comparisons": comparisons}, indent=1, default=str))
     images = plot(rows, out, trace)
     print(f"\nwrote {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in images))
     return 0
