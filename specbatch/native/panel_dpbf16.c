@@ -14,10 +14,16 @@
  * the operand of one vdpbf16ps. Each call rounds its input rows to bf16 (round to nearest even)
  * into [M][ceil(K/2)] pairs first; a row's pair is broadcast against the panel's line.
  *
- * Blocks: R rows by one panel, up to 8 rows (8 sums in registers); rows beyond 8 go in further
+ * Blocks: R rows by one panel (R sums in registers). Up to 12 rows are one block; more rows go in
  * blocks of at most 8, sized evenly. Measured on SmolLM2's weights: blocks over 2-8 panels were
- * slower at every row count (1 row over 8 panels: 16.9 ms against 13.6), and taller blocks (10-16
- * rows) too.
+ * slower at every row count (1 row over 8 panels: 16.9 ms against 13.6). Why one block up to 12:
+ * up to ~8 rows a step waits on memory and the multiply-adds hide under the weights' stream; a
+ * second block of rows re-reads the panels from L2 after the stream has passed, so its arithmetic
+ * no longer overlaps anything: 9 rows cost 1.45x 8 rows in two blocks (5 + 4), 1.09x in one
+ * (30 layers' multiplies, 1 thread, AVX-512 EPYC: 8 rows 10.0 ms; 9 rows 14.7 -> 10.9, 10 rows
+ * 14.7 -> 11.9, 11 rows 15.0 -> 12.8, 12 rows 15.6 -> 14.4). From 13 rows on the arithmetic
+ * bounds the step anyway, and blocks of 13-16 were no faster than two of at most 8 (16: 20.0 ms
+ * in one block against 17.6 in two).
  *
  * Exactness: every output is the sum over pairs q = 0, 1, ..., ceil(K/2)-1 of one vdpbf16ps term
  * each, in that order, whatever the rows of the call, their block, or the thread that runs the
@@ -31,7 +37,8 @@
 #include <stdlib.h>
 
 #define PANEL 16
-#define DOT_MAX_ROWS 8
+#define DOT_MAX_ROWS 12   /* rows of the tallest block: a call of up to this many rows is one block */
+#define DOT_SPLIT_ROWS 8  /* above that, blocks of at most this many */
 #define DOT_PANEL_GROUP 4   /* panels a thread takes at a time */
 /* Two prefetches a line: far ahead into L2, near ahead into L1. One step at one row reads all the
  * weights once (270 MB for SmolLM2), more than a core's L2/L3 share keeps, so it waits on memory;
@@ -46,27 +53,29 @@
     static void dot_##R(const uint32_t *x, int64_t Kp, const uint16_t *panel, float *y, int64_t N,      \
                         int64_t valid, const float *bias) {                                             \
         __m512 sum[R];                                                                                  \
-        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) sum[i] = _mm512_setzero_ps();               \
+        _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) sum[i] = _mm512_setzero_ps();              \
         for (int64_t q = 0; q < Kp; q++) {                                                              \
             const uint16_t *w = panel + q * 2 * PANEL;                                                  \
             _mm_prefetch((const char *)w + DOT_PREFETCH_L2, _MM_HINT_T1);                               \
             _mm_prefetch((const char *)w + DOT_PREFETCH_L1, _MM_HINT_T0);                               \
             __m512bh line = (__m512bh)_mm512_loadu_si512(w);                                            \
-            _Pragma("GCC unroll 8") for (int i = 0; i < R; i++) {                                      \
+            _Pragma("GCC unroll 12") for (int i = 0; i < R; i++) {                                     \
                 __m512bh pair = (__m512bh)_mm512_set1_epi32((int)x[i * Kp + q]);                        \
                 sum[i] = _mm512_dpbf16_ps(sum[i], pair, line);                                          \
             }                                                                                           \
         }                                                                                               \
         __mmask16 keep = (__mmask16)((1u << valid) - 1);                                                \
         __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();                                  \
-        _Pragma("GCC unroll 8") for (int i = 0; i < R; i++)                                            \
+        _Pragma("GCC unroll 12") for (int i = 0; i < R; i++)                                           \
             _mm512_mask_storeu_ps(y + i * N, keep, _mm512_add_ps(sum[i], b));                          \
     }
 
 DOT_BLOCK(1) DOT_BLOCK(2) DOT_BLOCK(3) DOT_BLOCK(4) DOT_BLOCK(5) DOT_BLOCK(6) DOT_BLOCK(7) DOT_BLOCK(8)
+DOT_BLOCK(9) DOT_BLOCK(10) DOT_BLOCK(11) DOT_BLOCK(12)
 
 typedef void (*dot_block)(const uint32_t *, int64_t, const uint16_t *, float *, int64_t, int64_t, const float *);
-static const dot_block dot_blocks[DOT_MAX_ROWS + 1] = {0, dot_1, dot_2, dot_3, dot_4, dot_5, dot_6, dot_7, dot_8};
+static const dot_block dot_blocks[DOT_MAX_ROWS + 1] = {0,     dot_1, dot_2, dot_3,  dot_4,  dot_5, dot_6,
+                                                       dot_7, dot_8, dot_9, dot_10, dot_11, dot_12};
 
 /* x [M, K] float32 rounded to bf16 pairs [M][Kp], the odd K's last pair padded with zero. */
 static void round_to_pairs(const float *x, int64_t M, int64_t K, int64_t Kp, uint32_t *pairs) {
@@ -94,7 +103,7 @@ int panel_dpbf16(const float *x, int64_t M, int64_t K, const uint16_t *packed, i
     round_to_pairs(x, M, K, Kp, pairs);
     int64_t panels = (N + PANEL - 1) / PANEL;
     int64_t groups = (panels + DOT_PANEL_GROUP - 1) / DOT_PANEL_GROUP;
-    int64_t blocks = (M + DOT_MAX_ROWS - 1) / DOT_MAX_ROWS;
+    int64_t blocks = M <= DOT_MAX_ROWS ? 1 : (M + DOT_SPLIT_ROWS - 1) / DOT_SPLIT_ROWS;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t g = 0; g < groups; g++) {
         int64_t first = g * DOT_PANEL_GROUP, end = first + DOT_PANEL_GROUP < panels ? first + DOT_PANEL_GROUP : panels;
