@@ -47,6 +47,16 @@ class Trace:
                 return concurrency
         return 0
 
+    def closed_loop_latency(self, tokens_per_s: dict[int, float], tokens_per_request: int) -> float:
+        """The mean latency a closed loop over this trace sees at these steady throughputs (output
+        tokens/s at each of its concurrencies). In a segment of T seconds at concurrency C, requests
+        finish at tokens_per_s[C] / tokens_per_request a second and each takes C over that rate
+        (Little's law), so every segment adds C·T request-seconds whatever the speed: the mean
+        latency is Σ C·T over the requests finished, and a faster mode lowers it only as far as it
+        finishes more requests. (Segment edges and the last requests' drain are left out.)"""
+        finished = sum(seconds * tokens_per_s[c] / tokens_per_request for seconds, c in self.segments)
+        return sum(seconds * c for seconds, c in self.segments) / finished
+
     def scaled(self, speed: float) -> "Trace":
         """The same shape, ``speed`` times faster."""
         return Trace(self.name, tuple((seconds / speed, c) for seconds, c in self.segments))

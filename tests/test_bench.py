@@ -241,3 +241,26 @@ def test_compare_picks_the_best_fixed_k_and_reads_latency_inverted():
     table = markdown([{"load": "uniform c=1", **r} for r in rows] + [{"load": "trace", **row}])
     assert "| uniform c=1 | goodput | k=1 |" in table and "| trace | profile | k=1 | 2.000 |" in table
     assert "not resolved" in table or "yes" in table
+
+
+def test_a_closed_loop_over_a_trace_gains_latency_only_by_finishing_more_requests():
+    trace = Trace("two", ((10.0, 1), (10.0, 4)))
+    # 10 + 20 requests finish; the segments hold 1·10 + 4·10 request-seconds (Little's law).
+    assert trace.closed_loop_latency({1: 10.0, 4: 20.0}, 10) == pytest.approx(50 / 30)
+    assert trace.closed_loop_latency({1: 20.0, 4: 40.0}, 10) == pytest.approx(50 / 60)
+
+
+def test_trace_headroom_bounds_what_a_policy_can_gain_over_the_best_fixed_k():
+    from specbatch.commands.bench import trace_headroom
+
+    measured = {"k=0 (target only)": {1: 10.0, 4: 40.0}, "k=1": {1: 20.0, 4: 30.0}, "goodput": {1: 19.0, 4: 39.0}}
+    rows = [{"traffic": "uniform", "value": c, "mode": mode, "tokens_per_s": tps}
+            for mode, levels in measured.items() for c, tps in levels.items()]
+    trace = Trace("two", ((10.0, 1), (10.0, 4)))
+    table = trace_headroom(rows, trace, 10)
+    # k=0 and k=1 both finish 50 requests (latency 1.0 s); the oracle runs k=1 at c=1 and k=0 at
+    # c=4 and finishes 60: 16.7 % under; goodput finishes 58.
+    assert "the best single fixed k is k=0 (target only)" in table
+    assert "| oracle: the best fixed k of each segment | 0.83 | +16.7% |" in table
+    assert "| goodput | 0.86 | +13.8% |" in table
+    assert trace_headroom(rows, Trace("wide", ((10.0, 1), (10.0, 8))), 10) == ""  # c=8 not measured

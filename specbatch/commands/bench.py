@@ -236,6 +236,32 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def trace_headroom(rows: list[dict], trace: Trace, tokens_per_request: int) -> str:
+    """What the uniform levels predict for a closed loop over ``trace`` (Trace.closed_loop_latency):
+    each mode's mean latency, and an oracle's that runs the best fixed mode of each segment's
+    concurrency: the most any k policy can gain on the trace over the best single fixed k, at
+    these throughputs. Empty where the levels do not cover the trace's concurrencies."""
+    uniform = [r for r in rows if r["traffic"] == "uniform"]
+    by_mode: dict[str, dict[int, float]] = {}
+    for r in uniform:
+        by_mode.setdefault(r["mode"], {})[int(r["value"])] = r["tokens_per_s"]
+    needed = {c for _, c in trace.segments}
+    fixed = [m for m in by_mode if m == "k=0 (target only)" or (m.startswith("k=") and m != CONTROL)]
+    if not fixed or any(not needed <= set(by_mode[m]) for m in fixed):
+        return ""
+    latency = {m: trace.closed_loop_latency(by_mode[m], tokens_per_request)
+               for m in by_mode if needed <= set(by_mode[m])}
+    oracle = {c: max(by_mode[m][c] for m in fixed) for c in needed}
+    latency["oracle: the best fixed k of each segment"] = trace.closed_loop_latency(oracle, tokens_per_request)
+    best = min(fixed, key=latency.get)
+    lines = [f"Predicted from the uniform levels for a closed loop over trace {trace.name} "
+             f"(mean latency; the best single fixed k is {best}):", "",
+             "| mode | predicted mean latency s | under the best fixed k |", "|---|---|---|"]
+    for mode, seconds in latency.items():
+        lines.append(f"| {mode} | {seconds:.2f} | {1 - seconds / latency[best]:+.1%} |")
+    return "\n".join(lines)
+
+
 def plot(rows: list[dict], out: Path, trace: Trace | None) -> list[Path]:
     import matplotlib
 
@@ -400,6 +426,9 @@ def run_bench(args) -> int:
                 comparisons += [{"load": load.label, **c} for c in bench_pairs.compare(
                     load.kind, per_round, fixed_names, policies, (CONTROL, fixed_names[0]) if args.control else None)]
     table = markdown(rows)
+    headroom = trace_headroom(rows, trace or Trace.load(args.trace), args.max_new_tokens)
+    if headroom:
+        table += "\n\n" + headroom
     if comparisons:
         table += ("\n\nRound by round against the best fixed k (tokens/s under uniform traffic, else mean latency; "
                   "above 1: better):\n\n" + bench_pairs.markdown(comparisons))
