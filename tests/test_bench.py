@@ -264,3 +264,29 @@ def test_trace_headroom_bounds_what_a_policy_can_gain_over_the_best_fixed_k():
     assert "| oracle: the best fixed k of each segment | 0.83 | +16.7% |" in table
     assert "| goodput | 0.86 | +13.8% |" in table
     assert trace_headroom(rows, Trace("wide", ((10.0, 1), (10.0, 8))), 10) == ""  # c=8 not measured
+
+
+def test_policies_are_also_compared_with_a_fixed_k_run_through_a_coordinator_of_its_own(stack, tokenizer, tmp_path):
+    """--policies fixed:1,goodput: goodput is compared with the best per-request fixed k and, round
+    by round, with fixed:1, which makes fixed decisions on the same path as goodput (its own
+    coordinator)."""
+    profile = tmp_path / "profile.json"
+    synthetic_profile(gpu_like, [0.9, 0.85, 0.8, 0.75], sizes=(1, 2, 4, 8)).save(profile)
+    services = (f"127.0.0.1:{stack.target.port}", f"127.0.0.1:{stack.draft.port}")
+    coordinators = {p: build_coordinator(*services, tokenizer, policy=p, profile=str(profile), max_batch_size=8)
+                    for p in ("fixed:1", "goodput")}
+    out = tmp_path / "out"
+    try:
+        code = cli.main(["bench", "--address", stack.address, "--policies", "fixed:1,goodput",
+                         *[f"--policy-address={p}=127.0.0.1:{c.port}" for p, c in coordinators.items()],
+                         "--fixed-k", "1", "--concurrency", "1", "--requests", "2", "--rounds", "2",
+                         "--max-new-tokens", "4", "--prompts", "chat", "--out", str(out)])
+    finally:
+        for coordinator in coordinators.values():
+            coordinator.stop(grace=1)
+    assert code == 0
+    comparisons = json.loads((out / "results.json").read_text())["comparisons"]
+    pairs = [(c["mode"], c["reference"] in ("k=0 (target only)", "k=1")) for c in comparisons[:2]]
+    assert pairs == [("fixed:1", True), ("goodput", True)]
+    (same_path,) = comparisons[2:]
+    assert (same_path["mode"], same_path["reference"], same_path["rounds"]) == ("goodput", "fixed:1", 2)

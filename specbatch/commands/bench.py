@@ -425,6 +425,14 @@ def run_bench(args) -> int:
                 per_round = {name: [run.metric(load.kind) for run in mode_runs] for name, mode_runs in runs.items()}
                 comparisons += [{"load": load.label, **c} for c in bench_pairs.compare(
                     load.kind, per_round, fixed_names, policies, (CONTROL, fixed_names[0]) if args.control else None)]
+                # `fixed:K` policies run fixed decisions through a coordinator of their own, as the
+                # other policies run: the same-path reference (profile.md 6j: a second coordinator
+                # read ~3 % under the stack's with the same decisions).
+                same_path = [p for p in policies if p.startswith("fixed:")]
+                adaptive = [p for p in policies if p not in same_path]
+                if same_path and adaptive:
+                    comparisons += [{"load": load.label, **c}
+                                    for c in bench_pairs.compare(load.kind, per_round, same_path, adaptive)]
     table = markdown(rows)
     headroom = trace_headroom(rows, trace or Trace.load(args.trace), args.max_new_tokens)
     if headroom:
