@@ -416,6 +416,10 @@ def run_bench(args) -> int:
             runs: dict[str, list[Run]] = {mode.name: [] for mode in modes}
             for round_ in range(args.rounds):  # modes take turns, the order rotated each round
                 for mode in modes[round_ % len(modes):] + modes[: round_ % len(modes)]:
+                    # Its coordinator warmed just before (untimed): a policy's coordinator sits idle
+                    # while the others run, and identical decisions read 3.4 % slower through it
+                    # started cold, 2.0 % warmed (profile.md 6j; both within the spread).
+                    generate(mode.stub, make_request("warm up", 4, chat=True, k=mode.k))
                     runs[mode.name].append(run_one(load, mode, prompts, args, round_))
             for mode in modes:
                 rows.append(result := row(load, mode, runs[mode.name]))
