@@ -130,25 +130,36 @@ def test_percentiles():
     assert stats["mean"] == 22.0 and stats["p50"] == 3.0 and stats["p99"] == pytest.approx(96.16)
 
 
-def test_bench_compares_every_mode_under_every_traffic(stack, tokenizer, tmp_path, capsys):
+def policy_coordinators(stack, tokenizer, tmp_path, policies: tuple[str, ...]) -> dict:
+    """One coordinator per policy over the stack's services, on a synthetic profile where
+    drafting pays at batch 1-8."""
     profile = tmp_path / "profile.json"
     synthetic_profile(gpu_like, [0.9, 0.85, 0.8, 0.75], sizes=(1, 2, 4, 8)).save(profile)
     services = (f"127.0.0.1:{stack.target.port}", f"127.0.0.1:{stack.draft.port}")
-    adaptive = {p: build_coordinator(*services, tokenizer, policy=p, profile=str(profile), max_batch_size=8)
-                for p in ("profile", "goodput")}
+    return {p: build_coordinator(*services, tokenizer, policy=p, profile=str(profile), max_batch_size=8)
+            for p in policies}
+
+
+def bench_with_policies(stack, coordinators: dict, *flags: str) -> int:
+    """``specbatch bench`` against the stack's coordinator and these policy coordinators, which it
+    stops afterwards."""
+    try:
+        return cli.main(["bench", "--address", stack.address, "--policies", ",".join(coordinators),
+                         *[f"--policy-address={p}=127.0.0.1:{c.port}" for p, c in coordinators.items()], *flags])
+    finally:
+        for coordinator in coordinators.values():
+            coordinator.stop(grace=1)
+
+
+def test_bench_compares_every_mode_under_every_traffic(stack, tokenizer, tmp_path, capsys):
+    adaptive = policy_coordinators(stack, tokenizer, tmp_path, ("profile", "goodput"))
     trace = tmp_path / "trace.json"
     trace.write_text(json.dumps({"name": "tiny", "segments": [{"seconds": 0.4, "concurrency": 1},
                                                               {"seconds": 0.4, "concurrency": 3}]}))
     out = tmp_path / "out"
-    try:
-        code = cli.main(["bench", "--address", stack.address, "--policies", "profile,goodput",
-                         *[f"--policy-address={p}=127.0.0.1:{c.port}" for p, c in adaptive.items()],
-                         "--fixed-k", "1,2", "--traffic", "uniform,trace,poisson", "--concurrency", "1,3",
-                         "--requests", "3", "--trace", str(trace), "--rates", "20", "--poisson-requests", "3",
-                         "--max-new-tokens", "6", "--prompts", "chat", "--out", str(out)])
-    finally:
-        for coordinator in adaptive.values():
-            coordinator.stop(grace=1)
+    code = bench_with_policies(stack, adaptive, "--fixed-k", "1,2", "--traffic", "uniform,trace,poisson",
+                               "--concurrency", "1,3", "--requests", "3", "--trace", str(trace), "--rates", "20",
+                               "--poisson-requests", "3", "--max-new-tokens", "6", "--prompts", "chat", "--out", str(out))
     assert code == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
     modes = ["k=0 (target only)", "k=1", "k=2", "profile", "goodput"]
@@ -270,20 +281,10 @@ def test_policies_are_also_compared_with_a_fixed_k_run_through_a_coordinator_of_
     """--policies fixed:1,goodput: goodput is compared with the best per-request fixed k and, round
     by round, with fixed:1, which makes fixed decisions on the same path as goodput (its own
     coordinator)."""
-    profile = tmp_path / "profile.json"
-    synthetic_profile(gpu_like, [0.9, 0.85, 0.8, 0.75], sizes=(1, 2, 4, 8)).save(profile)
-    services = (f"127.0.0.1:{stack.target.port}", f"127.0.0.1:{stack.draft.port}")
-    coordinators = {p: build_coordinator(*services, tokenizer, policy=p, profile=str(profile), max_batch_size=8)
-                    for p in ("fixed:1", "goodput")}
+    coordinators = policy_coordinators(stack, tokenizer, tmp_path, ("fixed:1", "goodput"))
     out = tmp_path / "out"
-    try:
-        code = cli.main(["bench", "--address", stack.address, "--policies", "fixed:1,goodput",
-                         *[f"--policy-address={p}=127.0.0.1:{c.port}" for p, c in coordinators.items()],
-                         "--fixed-k", "1", "--concurrency", "1", "--requests", "2", "--rounds", "2",
-                         "--max-new-tokens", "4", "--prompts", "chat", "--out", str(out)])
-    finally:
-        for coordinator in coordinators.values():
-            coordinator.stop(grace=1)
+    code = bench_with_policies(stack, coordinators, "--fixed-k", "1", "--concurrency", "1", "--requests", "2",
+                               "--rounds", "2", "--max-new-tokens", "4", "--prompts", "chat", "--out", str(out))
     assert code == 0
     comparisons = json.loads((out / "results.json").read_text())["comparisons"]
     pairs = [(c["mode"], c["reference"] in ("k=0 (target only)", "k=1")) for c in comparisons[:2]]
