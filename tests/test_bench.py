@@ -268,13 +268,14 @@ def test_trace_headroom_bounds_what_a_policy_can_gain_over_the_best_fixed_k():
     rows = [{"traffic": "uniform", "value": c, "mode": mode, "tokens_per_s": tps}
             for mode, levels in measured.items() for c, tps in levels.items()]
     trace = Trace("two", ((10.0, 1), (10.0, 4)))
-    table = trace_headroom(rows, trace, 10)
+    fixed = ["k=0 (target only)", "k=1"]
+    table = trace_headroom(rows, trace, 10, fixed)
     # k=0 and k=1 both finish 50 requests (latency 1.0 s); the oracle runs k=1 at c=1 and k=0 at
     # c=4 and finishes 60: 16.7 % under; goodput finishes 58.
     assert "the best single fixed k is k=0 (target only)" in table
     assert "| oracle: the best fixed k of each segment | 0.83 | +16.7% |" in table
     assert "| goodput | 0.86 | +13.8% |" in table
-    assert trace_headroom(rows, Trace("wide", ((10.0, 1), (10.0, 8))), 10) == ""  # c=8 not measured
+    assert trace_headroom(rows, Trace("wide", ((10.0, 1), (10.0, 8))), 10, fixed) == ""  # c=8 not measured
 
 
 def test_policies_are_also_compared_with_a_fixed_k_run_through_a_coordinator_of_its_own(stack, tokenizer, tmp_path):

@@ -110,19 +110,25 @@ def test_threads_per_service_is_half_the_cores():
     assert [threads_per_service(cores) for cores in (1, 2, 3, 4, 8, 16)] == [1, 1, 1, 2, 4, 8]
 
 
-@pytest.mark.parametrize("chosen, cores, service_threads", [(None, 8, "4"), (None, 2, "1"), (3, 8, "3"), (0, 8, None)])
-def test_launcher_pins_each_services_threads(monkeypatch, chosen, cores, service_threads):
-    """`specbatch up` gives each model service its threads (flag and OMP_NUM_THREADS), the
-    coordinator one; 0 leaves torch's default and the environment alone."""
+def spawn_stack(monkeypatch, cores: int, options: StackOptions) -> dict:
+    """The three processes `specbatch up` would start with ``options`` on ``cores`` cores, recorded
+    instead of started: module -> (its command-line flags, its environment)."""
     import specbatch.commands.launcher as launcher
 
     spawned = {}
     monkeypatch.setattr(launcher, "available_cores", lambda: cores)
-    monkeypatch.setenv("OMP_NUM_THREADS", "7")
-    stack = LocalProcesses(StackOptions(threads_per_service=chosen),
-                           lambda module, args, env: spawned.setdefault(module, (args, env)))
+    stack = LocalProcesses(options, lambda module, args, env: spawned.setdefault(module, (args, env)))
     for name, module in (("target", "target_service"), ("draft", "draft_service"), ("coordinator", "coordinator")):
         stack._spawn(name, module, [])
+    return spawned
+
+
+@pytest.mark.parametrize("chosen, cores, service_threads", [(None, 8, "4"), (None, 2, "1"), (3, 8, "3"), (0, 8, None)])
+def test_launcher_pins_each_services_threads(monkeypatch, chosen, cores, service_threads):
+    """`specbatch up` gives each model service its threads (flag and OMP_NUM_THREADS), the
+    coordinator one; 0 leaves torch's default and the environment alone."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    spawned = spawn_stack(monkeypatch, cores, StackOptions(threads_per_service=chosen))
     for module in ("target_service", "draft_service"):
         command, env = spawned[module]
         if service_threads is None:
@@ -140,15 +146,8 @@ def test_launcher_gives_big_calls_the_cores(monkeypatch, chosen_threads, chosen_
     """Within a step the draft computes, then the target: a service's calls of many rows may have
     every core (--wide-threads), with idle OpenMP threads sleeping, not spinning, between them.
     Off where the services already take every core, or where asked."""
-    import specbatch.commands.launcher as launcher
-
-    spawned = {}
-    monkeypatch.setattr(launcher, "available_cores", lambda: cores)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    stack = LocalProcesses(StackOptions(threads_per_service=chosen_threads, wide_threads=chosen_wide),
-                           lambda module, args, env: spawned.setdefault(module, (args, env)))
-    for name, module in (("target", "target_service"), ("draft", "draft_service"), ("coordinator", "coordinator")):
-        stack._spawn(name, module, [])
+    spawned = spawn_stack(monkeypatch, cores, StackOptions(threads_per_service=chosen_threads, wide_threads=chosen_wide))
     for module in ("target_service", "draft_service"):
         command, env = spawned[module]
         if wide is None:

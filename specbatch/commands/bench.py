@@ -236,18 +236,17 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def trace_headroom(rows: list[dict], trace: Trace, tokens_per_request: int) -> str:
+def trace_headroom(rows: list[dict], trace: Trace, tokens_per_request: int, fixed: list[str]) -> str:
     """What the uniform levels predict for a closed loop over ``trace`` (Trace.closed_loop_latency):
-    each mode's mean latency, and an oracle's that runs the best fixed mode of each segment's
-    concurrency: the most any k policy can gain on the trace over the best single fixed k, at
-    these throughputs. Empty where the levels do not cover the trace's concurrencies."""
-    uniform = [r for r in rows if r["traffic"] == "uniform"]
+    each mode's mean latency, and an oracle's that runs the best of the ``fixed`` modes at each
+    segment's concurrency: the most any k policy can gain on the trace over the best single fixed
+    k, at these throughputs. Empty where the levels do not cover the trace's concurrencies."""
     by_mode: dict[str, dict[int, float]] = {}
-    for r in uniform:
-        by_mode.setdefault(r["mode"], {})[int(r["value"])] = r["tokens_per_s"]
+    for r in rows:
+        if r["traffic"] == "uniform":
+            by_mode.setdefault(r["mode"], {})[int(r["value"])] = r["tokens_per_s"]
     needed = {c for _, c in trace.segments}
-    fixed = [m for m in by_mode if m == "k=0 (target only)" or (m.startswith("k=") and m != CONTROL)]
-    if not fixed or any(not needed <= set(by_mode[m]) for m in fixed):
+    if not fixed or any(not needed <= set(by_mode.get(m, ())) for m in fixed):
         return ""
     latency = {m: trace.closed_loop_latency(by_mode[m], tokens_per_request)
                for m in by_mode if needed <= set(by_mode[m])}
@@ -409,16 +408,14 @@ def run_bench(args) -> int:
         info = main_stub.Info(pb.InfoRequest())
         print(f"target {info.target_model} | draft {info.draft_model} | modes: {', '.join(m.name for m in modes)} | "
               f"{args.max_new_tokens} new tokens per request, greedy, {args.prompts} prompts\n", flush=True)
-        for mode in modes:  # warm up every coordinator's path once
-            generate(mode.stub, make_request("warm up", 4, chat=True, k=mode.k))
         rows, comparisons = [], []
         for load in loads:
             runs: dict[str, list[Run]] = {mode.name: [] for mode in modes}
             for round_ in range(args.rounds):  # modes take turns, the order rotated each round
                 for mode in modes[round_ % len(modes):] + modes[: round_ % len(modes)]:
-                    # Its coordinator warmed just before (untimed): a policy's coordinator sits idle
-                    # while the others run, and identical decisions read 3.4 % slower through it
-                    # started cold, 2.0 % warmed (profile.md 6j; both within the spread).
+                    # Its coordinator's path warmed just before (untimed): a policy's coordinator
+                    # sits idle while the others run, and started cold it read identical decisions
+                    # 3.4 % slower (profile.md 6j).
                     generate(mode.stub, make_request("warm up", 4, chat=True, k=mode.k))
                     runs[mode.name].append(run_one(load, mode, prompts, args, round_))
             for mode in modes:
@@ -438,7 +435,7 @@ def run_bench(args) -> int:
                     comparisons += [{"load": load.label, **c}
                                     for c in bench_pairs.compare(load.kind, per_round, same_path, adaptive)]
     table = markdown(rows)
-    headroom = trace_headroom(rows, trace or Trace.load(args.trace), args.max_new_tokens)
+    headroom = trace_headroom(rows, trace or Trace.load(args.trace), args.max_new_tokens, fixed_names)
     if headroom:
         table += "\n\n" + headroom
     if comparisons:
