@@ -9,11 +9,16 @@ In one run, on the same prompts and token counts:
    ``--prompt-lookup`` length, default 6: drafts copied from the request's history where found, as
    the embedded default does), prompt by prompt (so the modes share any drift in the machine's speed).
    Modes other than the lookup ones ask the draft at every step.
+   With ``--shared-lookup TOKENS`` each lookup mode has a twin that also drafts from finished
+   requests' texts (the coordinator's shared index). Before the timed prompts, ``--shared-warmup``
+   other ShareGPT prompts (from ``--shared-warmup-start``, none equal to a timed one) are served
+   target-only into the index, as a server would have served other users; during the run only the
+   shared twins read or add to it, so no mode drafts from an answer to the prompt it is serving.
 Prints tokens/s of each and the ratios, where each mode's decode step spends its time (the
 coordinator's step totals: RPC time beside the compute the services report), and writes JSON.
 
     .venv/bin/python benchmarks/batch1.py [--prompts 24] [--tokens 96] [--k-policy profile --profile P] [--leaves 0,1,2]
-        [--draft-ahead 1,4] [--prompt-lookup 4,6:policy]
+        [--draft-ahead 1,4] [--prompt-lookup 4,6:policy] [--shared-lookup 200000 --shared-warmup 256]
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from specbatch.client import connect, generate, make_request
+from specbatch.client import connect, generate, generate_all, make_request
 from specbatch.commands.launcher import LocalProcesses, StackOptions, draft_int8_weights
 from specbatch.models import ModelSpec, load_model, load_tokenizer
 from specbatch.prompts import chat_token_ids, sharegpt_prompts
@@ -51,6 +56,7 @@ def transformers_generate(prompts: list[list[int]], tokens: int, threads: int) -
 
 STEP_PARTS = ("step_seconds", "draft_seconds", "draft_compute_seconds", "target_seconds", "target_compute_seconds")
 LEAF_COUNTS = ("leaf_chances", "leaf_hits", "ahead_guessed", "ahead_hits", "lookup_chains", "lookup_drafted",
+               "shared_lookup_chains", "shared_lookup_accepted",
                "lookup_accepted")
 
 
@@ -81,8 +87,8 @@ def served(address: str, prompts: list[list[int]], tokens: int,
     prompt: a machine whose speed drifts during the run (shared hosts do, by 10 % and more) then
     slows every mode alike."""
     stub = connect(address)
-    for fields in modes.values():
-        generate(stub, make_request(prompts[0], 4, ignore_eos=True, **fields))  # warm-up
+    for fields in modes.values():  # warm-up (kept out of any shared index: prompts[0] is timed below)
+        generate(stub, make_request(prompts[0], 4, ignore_eos=True, **{**fields, "shared_lookup": False}))
     sums = {name: collections.Counter() for name in modes}
     for prompt in prompts:
         for name, fields in modes.items():
@@ -100,8 +106,20 @@ def served(address: str, prompts: list[list[int]], tokens: int,
                    "ahead_hit_rate": s["ahead_hits"] / s["ahead_guessed"] if s["ahead_guessed"] else 0.0,
                    "lookup_share": s["lookup_chains"] / s["request_steps"] if s["request_steps"] else 0.0,
                    "lookup_kept": s["lookup_accepted"] / s["lookup_chains"] if s["lookup_chains"] else 0.0,
+                   "shared_lookup_share": s["shared_lookup_chains"] / s["request_steps"] if s["request_steps"] else 0.0,
+                   "shared_lookup_kept": (s["shared_lookup_accepted"] / s["shared_lookup_chains"]
+                                          if s["shared_lookup_chains"] else 0.0),
                    "ms_per_step": where_step_time_goes(s, s["seconds"])}
             for name, s in sums.items()}
+
+
+def fill_shared_index(address: str, prompts: list[list[int]], tokens: int) -> float:
+    """Serve ``prompts`` target-only, 16 at a time, into the coordinator's shared index: the
+    earlier traffic of a server that has run a while. Returns the seconds it took."""
+    start = time.perf_counter()
+    generate_all(connect(address), [make_request(p, tokens, k=0, shared_lookup=True) for p in prompts],
+                 concurrency=16, timeout=1200)
+    return time.perf_counter() - start
 
 
 def main() -> int:
@@ -130,19 +148,26 @@ def main() -> int:
     parser.add_argument("--prompt-lookup", default="6", help="comma-separated lengths N or N:LEAVES (LEAVES as "
                         "--leaves; default 0): one more speculative mode each, drafts copied from the request's history where its last tokens occurred "
                         "before (at most that many, and twice the step's k at batch 1), the draft asked otherwise")
+    parser.add_argument("--shared-lookup", type=int, default=0, metavar="TOKENS",
+                        help="the coordinator's shared lookup index size; each lookup mode gets a twin that uses it "
+                             "(default 0: none)")
+    parser.add_argument("--shared-warmup", type=int, default=256, help="prompts served into the index first")
+    parser.add_argument("--shared-warmup-start", type=int, default=16400,
+                        help="ShareGPT conversation the warm-up prompts start at")
     parser.add_argument("--out", default="bench-out/batch1.json")
     args = parser.parse_args()
 
     tokenizer = load_tokenizer(ModelSpec())
     prompts = [ids for text in sharegpt_prompts(4 * args.prompts, args.prompt_start)
                if len(ids := chat_token_ids(tokenizer, [{"role": "user", "content": text}])) <= args.max_prompt_tokens]
-    prompts = prompts[: args.prompts]
+    prompts = list({tuple(p): p for p in prompts}.values())[: args.prompts]  # a prompt sent twice is timed once
     baseline = None if args.no_baseline else transformers_generate(prompts, args.tokens, args.threads)
     if baseline:
         print(f"transformers generate(), fp32: {baseline:.1f} tok/s", flush=True)
     leaf_counts = [None if n == "policy" else int(n) for n in args.leaves.split(",")]
     # The coordinator looks nothing up unless a mode asks (its requests' own prompt_lookup).
     options = StackOptions(max_batch_size=8, threads_per_service=args.threads_per_service, prompt_lookup=0,
+                           shared_lookup=args.shared_lookup,
                            draft_int8_weights=args.draft_int8_weights,
                            leaves=args.leaves_most if None in leaf_counts or ":policy" in args.prompt_lookup else 0)
     if args.k_policy:
@@ -164,10 +189,25 @@ def main() -> int:
         names[f"lookup{n}"] = f"speculative, prompt lookup (<= {most} tokens)" + (f", leaves {leaves}" if leaves else "")
         fields[f"lookup{n}"] = {"k": None, "leaves": None if leaves == "policy" else int(leaves or 0),
                                 "prompt_lookup": int(most)}
+    if args.shared_lookup:  # every mode kept out of the shared index, but the lookup modes' twins
+        for n in lookups:
+            names[f"lookup{n}shared"] = names[f"lookup{n}"] + ", shared"
+            fields[f"lookup{n}shared"] = {**fields[f"lookup{n}"], "shared_lookup": True}
+        lookups += [f"{n}shared" for n in lookups]
+        for n in fields:
+            fields[n].setdefault("shared_lookup", False)
     leaf_counts += unsure + [f"ahead{n}" for n in ahead] + [f"lookup{n}" for n in lookups]  # the speculative modes
     with LocalProcesses(options) as stack:
+        if args.shared_lookup:
+            timed = set(map(tuple, prompts))
+            warmup = [ids for text in sharegpt_prompts(2 * args.shared_warmup, args.shared_warmup_start)
+                      if len(ids := chat_token_ids(tokenizer, [{"role": "user", "content": text}]))
+                      <= args.max_prompt_tokens and tuple(ids) not in timed][: args.shared_warmup]
+            seconds = fill_shared_index(stack.address, warmup, args.tokens)
+            print(f"shared index: {len(warmup)} other prompts served into it first ({seconds:.0f} s)", flush=True)
         modes = served(stack.address, prompts, args.tokens,
-                       {"target-only": {"k": 0}, **{names[n]: fields[n] for n in leaf_counts}})
+                       {"target-only": {"k": 0, **({"shared_lookup": False} if args.shared_lookup else {})},
+                        **{names[n]: fields[n] for n in leaf_counts}})
     target_only = modes["target-only"]
     policy = stack.options.k_policy
     print(f"services, target-only (k=0): {target_only['tokens_per_second']:.1f} tok/s; k policy {policy}, draft int8 "
@@ -191,7 +231,9 @@ def main() -> int:
               f"{mode['tokens_per_step']:.2f}" + (f", leaf hit rate {mode['leaf_hit_rate']:.2f}" if n != 0 and not str(n).startswith(("ahead", "lookup")) else "")
               + (f", verdicts guessed right {mode['ahead_hit_rate']:.2f}" if str(n).startswith("ahead") else "")
               + (f", steps drafted by lookup {mode['lookup_share']:.2f} keeping {mode['lookup_kept']:.2f} tokens each"
-                 if str(n).startswith("lookup") else ""))
+                 if str(n).startswith("lookup") else "")
+              + (f", of which from the shared index {mode['shared_lookup_share']:.2f} keeping "
+                 f"{mode['shared_lookup_kept']:.2f} each" if str(n).endswith("shared") else ""))
     print("(targets: >= 1.5x target-only through the services, >= 1.5x transformers generate())")
     print("\n## where a decode step's time goes (ms per step)\n")
     print("| part | target-only (k=0) | " + " | ".join(names[n] for n in leaf_counts) + " |")

@@ -107,4 +107,5 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
         unsure_below=unsure_below,
         draft_ahead=draft_ahead,
         prompt_lookup=prompt_lookup,
+        shared_lookup=not message.HasField("shared_lookup") or message.shared_lookup,
     )

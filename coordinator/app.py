@@ -12,7 +12,7 @@ from specbatch.models import EMBEDDED, ModelSpec, load_tokenizer, model_source
 from specbatch.metrics import new_registry, serve_metrics
 from specbatch.serving import DEFAULT_PORTS, Server, configure_logging
 from specbatch.speculation import (MAX_GUESSES, MAX_K, MAX_LEAVES, draft_ahead_problems, leaf_option_problems,
-                                  prompt_lookup_problems)
+                                  prompt_lookup_problems, shared_lookup_problems)
 from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials_from_args,
                            server_credentials_from_args)
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
@@ -100,10 +100,12 @@ def find_eos_token_ids(tokenizer, tokenizer_source: str | None) -> frozenset[int
     return frozenset(ids)
 
 
-def check_draft_options(leaves: int, unsure_below: float, draft_ahead: int, prompt_lookup: int = 0) -> None:
-    """``--leaves``, ``--unsure-below``, ``--draft-ahead`` and ``--prompt-lookup`` in range, else ValueError."""
+def check_draft_options(leaves: int, unsure_below: float, draft_ahead: int, prompt_lookup: int = 0,
+                        shared_lookup: int = 0) -> None:
+    """``--leaves``, ``--unsure-below``, ``--draft-ahead``, ``--prompt-lookup`` and
+    ``--shared-lookup`` in range, else ValueError."""
     problems = (leaf_option_problems(leaves, unsure_below) + draft_ahead_problems(draft_ahead)
-                + prompt_lookup_problems(prompt_lookup))
+                + prompt_lookup_problems(prompt_lookup) + shared_lookup_problems(shared_lookup))
     if problems:
         raise ValueError("; ".join(problems))
 
@@ -118,7 +120,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
                       refresh_seconds: float = 10.0,
                       wait_seconds: float = 30.0, metrics_host: str = "127.0.0.1",
                       metrics_port: int | None = 0, leaves: int = 0, unsure_below: float = 0.0,
-                      draft_ahead: int = 0, prompt_lookup: int = 0) -> Coordinator:
+                      draft_ahead: int = 0, prompt_lookup: int = 0, shared_lookup: int = 0) -> Coordinator:
     """``target_address``/``draft_address``: one address, a comma-separated list of replicas, or
     ``dns:NAME:PORT`` (re-resolved every ``refresh_seconds``). ``profile``: a path (read now,
     re-read when it changes) or a ProfileFile already open. ``credentials``: TLS for the calls to
@@ -131,10 +133,11 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     guesses as the target's at each drafted position while the target verifies, drafting the next
     step after each (0: off; coordinator/step.py); ``prompt_lookup``: the most tokens drafted by
     copying what followed an earlier occurrence of the history's last tokens, in place of a Propose
-    (0: off; coordinator/lookup.py). A profile that
+    (0: off; coordinator/lookup.py); ``shared_lookup``: tokens of finished requests' texts kept for
+    lookup where a request's own history has no match (0: off). A profile that
     cannot be used, or services that do not fit together, raise ValueError before serving."""
     profile_file = ProfileFile(profile, profile_poll_seconds) if isinstance(profile, (str, Path)) else profile
-    check_draft_options(leaves, unsure_below, draft_ahead, prompt_lookup)
+    check_draft_options(leaves, unsure_below, draft_ahead, prompt_lookup, shared_lookup)
     k_policy = parse_policy(policy, MAX_K, profile_file, leaves)
     metrics = CoordinatorMetrics(new_registry())
 
@@ -181,7 +184,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     metrics.set_policy(k_policy.describe())
     scheduler = Scheduler(targets, drafts, k_policy, max_batch_size, max_queue, max_context, feature_size,
                           metrics=metrics, leaves=leaves, unsure_below=unsure_below, draft_ahead=draft_ahead,
-                          prompt_lookup=prompt_lookup)
+                          prompt_lookup=prompt_lookup, shared_lookup=shared_lookup)
     metrics.track_load(scheduler.load, max_batch_size)
     scheduler.start()
     if profile_file is not None:
@@ -231,6 +234,11 @@ def main(argv=None) -> None:
                         help=f"where the history's last 2-4 tokens occurred before in the request, draft the "
                              f"tokens that followed them (at most N, 0 to {MAX_K}, and the step's k, twice that at batch 1) "
                              "instead of asking the draft (default 0: off)")
+    parser.add_argument("--shared-lookup", type=int, default=0, metavar="TOKENS",
+                        help="keep the last TOKENS tokens of finished requests' prompts and outputs, and where a "
+                             "request's own history has no match for --prompt-lookup, draft what followed its last "
+                             "3-8 tokens there, where those texts agree (default 0: off; output is unchanged, but "
+                             "a request's speed then depends on what others sent: docs/operations.md)")
     parser.add_argument("--profile", help="profile JSON made by `specbatch profile`; re-read when the file changes")
     parser.add_argument("--profile-poll-seconds", type=float, default=2.0,
                         help="how often to check the profile file for changes")
@@ -261,7 +269,7 @@ def main(argv=None) -> None:
     try:
         profile_file = ProfileFile(args.profile, args.profile_poll_seconds) if args.profile else None
         parse_policy(args.k_policy, MAX_K, profile_file)
-        check_draft_options(args.leaves, args.unsure_below, args.draft_ahead, args.prompt_lookup)
+        check_draft_options(args.leaves, args.unsure_below, args.draft_ahead, args.prompt_lookup, args.shared_lookup)
     except ValueError as error:
         parser.error(str(error))
     server_credentials = server_credentials_from_args(args, parser)
@@ -279,7 +287,7 @@ def main(argv=None) -> None:
         server_credentials=server_credentials, refresh_seconds=args.discovery_seconds,
         wait_seconds=args.wait_for_services, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
         leaves=args.leaves, unsure_below=args.unsure_below, draft_ahead=args.draft_ahead,
-        prompt_lookup=args.prompt_lookup,
+        prompt_lookup=args.prompt_lookup, shared_lookup=args.shared_lookup,
     )
     log.info("coordinator serving on %s:%d (k policy %s)", args.host, coordinator.port, args.k_policy)
     coordinator.server.run_until_signal(on_stop=lambda: coordinator.drain(args.drain_seconds))

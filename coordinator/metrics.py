@@ -76,6 +76,11 @@ class CoordinatorMetrics:
                                            registry=r)
         self.lookup_accepted_tokens = Counter("specbatch_spec_decode_num_lookup_accepted_tokens",
                                               "Of those, the ones the target kept.", registry=r)
+        self.shared_lookup_draft_tokens = Counter(
+            "specbatch_spec_decode_num_shared_lookup_draft_tokens",
+            "Of the lookup's draft tokens, those found in other requests' texts (--shared-lookup).", registry=r)
+        self.shared_lookup_accepted_tokens = Counter("specbatch_spec_decode_num_shared_lookup_accepted_tokens",
+                                                     "Of those, the ones the target kept.", registry=r)
 
         # ---- requests ----
         self.ttft = Histogram("specbatch_time_to_first_token_seconds", "Arrival to first generated token.",
@@ -139,6 +144,8 @@ class CoordinatorMetrics:
         self.leaf_hits.inc(step.leaf_hits)
         self.lookup_draft_tokens.inc(step.lookup_draft_tokens)
         self.lookup_accepted_tokens.inc(step.lookup_accepted_tokens)
+        self.shared_lookup_draft_tokens.inc(sum(drafted for drafted, _ in step.shared_lookup_outcomes))
+        self.shared_lookup_accepted_tokens.inc(sum(accepted for _, accepted in step.shared_lookup_outcomes))
         self.step_seconds.labels(phase="draft").observe(step.draft_seconds)
         self.step_seconds.labels(phase="target").observe(step.target_seconds)
         # Clamped: the phases are timed separately, and rounding must not make a negative sample.

@@ -121,6 +121,7 @@ class Request:
     unsure_below: float | None = None  # its own --unsure-below (else the coordinator's)
     draft_ahead: int | None = None  # its own --draft-ahead (else the coordinator's)
     prompt_lookup: int | None = None  # its own --prompt-lookup (else the coordinator's)
+    shared_lookup: bool = True  # False: kept out of the coordinator's shared lookup index
     arrival: float = field(default_factory=time.monotonic)
     # The services' key for its caches: always unique, whatever request_id clients send.
     seq_id: str = field(default_factory=lambda: uuid.uuid4().hex)

@@ -32,6 +32,8 @@ class StepStats:
     ahead_hits: int = 0
     # (drafted, accepted) of each chain found by prompt lookup (not in ``outcomes``: those are the draft's).
     lookup_outcomes: list[tuple[int, int]] = field(default_factory=list)
+    # Of those, the chains found in other requests' texts (shared lookup).
+    shared_lookup_outcomes: list[tuple[int, int]] = field(default_factory=list)
     # Per draft position: drafts that reached it (every earlier position accepted), and of those,
     # the ones accepted there.
     reached_by_position: list[int] = field(init=False)
@@ -83,12 +85,18 @@ class StepTotals:
     lookup_chains: int = 0  # sequence-steps whose drafts came from prompt lookup, not the draft
     lookup_drafted: int = 0  # tokens those chains drafted
     lookup_accepted: int = 0  # and of those, the ones the target kept
+    shared_lookup_chains: int = 0  # of the lookup chains, those found in other requests' texts
+    shared_lookup_drafted: int = 0
+    shared_lookup_accepted: int = 0
 
     def add(self, step: StepStats) -> None:
         self.steps += 1
         self.lookup_chains += len(step.lookup_outcomes)
         self.lookup_drafted += step.lookup_draft_tokens
         self.lookup_accepted += step.lookup_accepted_tokens
+        self.shared_lookup_chains += len(step.shared_lookup_outcomes)
+        self.shared_lookup_drafted += sum(drafted for drafted, _ in step.shared_lookup_outcomes)
+        self.shared_lookup_accepted += sum(accepted for _, accepted in step.shared_lookup_outcomes)
         self.ahead_guessed += step.ahead_guessed
         self.ahead_hits += step.ahead_hits
         self.leaf_chances += step.leaf_chances

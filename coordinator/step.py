@@ -13,6 +13,8 @@ missing guess costs nothing but that: the step proposes as usual.
 
 Prompt lookup (``lookup`` > 0): where the history's last tokens occurred before in the request,
 the tokens that followed them are the step's drafts and it skips its Propose (coordinator/lookup.py).
+With a shared index (``shared``), where the request's own history has no match, the texts of
+requests that finished before it are searched too.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from specbatch.speculation import MAX_K
 from specbatch.v1 import model_services_pb2 as services_pb
 
 from .backends import Call, lost_state, unreachable
-from .lookup import PromptLookup
+from .lookup import PromptLookup, SharedLookup
 from .placement import Placement, by_draft_replica, by_target_replica, call_timeout
 from .replicas import Replica
 from .requests import Request
@@ -49,7 +51,7 @@ AHEAD_DELAY_SECONDS = 0.002
 class DecodeStep:
     def __init__(self, placement: Placement, policy, max_context: int, feature_row_bytes: int, metrics=None,
                  leaves: int = 0, unsure_below: float = 0.0, ahead: int = 0, ahead_rows: int = AHEAD_ROWS,
-                 lookup: int = 0):
+                 lookup: int = 0, shared: SharedLookup | None = None):
         self.placement = placement
         self.policy = policy
         self.max_context = max_context
@@ -66,6 +68,8 @@ class DecodeStep:
         self.ahead, self.ahead_rows = ahead, ahead_rows
         # Prompt lookup: the most tokens a chain copied from the request's history drafts (0: off).
         self.lookup = lookup
+        # Shared lookup: finished requests' texts, searched where a request's own has no match (None: off).
+        self.shared = shared
 
     def leaves_for(self, request: Request, k: int, batch_size: int) -> tuple[int, int]:
         """For a request drafting k: how many next-best tokens the draft proposes at the first
@@ -91,9 +95,10 @@ class DecodeStep:
         return max(min(request.max_new_tokens - request.generated - 1, self.max_context - len(request.history) - 1,
                        MAX_K), 0)
 
-    def lookup_drafts(self, request: Request, k: int, batch_size: int) -> list[int] | None:
-        """Drafts copied from the request's own history (prompt lookup), where it speculates this
-        step and they are found; None otherwise; within the request's --prompt-lookup. Alone in the
+    def lookup_drafts(self, request: Request, k: int, batch_size: int) -> tuple[list[int], bool] | None:
+        """Drafts copied from the request's own history (prompt lookup), else from other requests'
+        (the shared index, where kept and the request is in it), where it speculates this step and
+        they are found: (drafts, whether shared); None otherwise; within the request's --prompt-lookup. Alone in the
         batch, up to twice the step's k: its lookup spares the step's only draft call, and its runs
         are long. Beside others, up to k: the Propose happens anyway, and the batch's verify rows
         stay what the policy chose (at batch 4, chains of 2k read no faster than k=1 alone)."""
@@ -103,7 +108,18 @@ class DecodeStep:
             return None
         if request.lookup is None:
             request.lookup = PromptLookup()
-        return request.lookup.drafts(request.history, most) or None
+        if found := request.lookup.drafts(request.history, most):
+            return found, False
+        if self.shared is not None and request.shared_lookup:
+            if found := self.shared.drafts(request.history, most):
+                return found, True
+        return None
+
+    def finished(self, request: Request) -> None:
+        """A request that ended with its output: its history joins the shared index (if kept and
+        the request is in it)."""
+        if self.shared is not None and request.shared_lookup and request.generated:
+            self.shared.add(request.history)
 
     def run(self, batch: list[Request]) -> StepStats:
         """One draft → verify → accept step over ``batch`` (every request placed on a target)."""
@@ -114,7 +130,7 @@ class DecodeStep:
         ready = [r.ready_drafts[:k] if r.ready_drafts and k else None for r, k in zip(batch, ks)]
         looked_up = [self.lookup_drafts(r, k, len(batch)) if drafts is None else None
                      for r, k, drafts in zip(batch, ks, ready)]
-        ready = [drafts if drafts is not None else found for drafts, found in zip(ready, looked_up)]
+        ready = [drafts if drafts is not None else found[0] if found else None for drafts, found in zip(ready, looked_up)]
         leaves = [self.leaves_for(r, k, len(batch)) if drafts is None else (0, 0)
                   for r, k, drafts in zip(batch, ks, ready)]
         proposed, proposed_q, next_best, draft_cached_len, draft_compute = self._propose(
@@ -130,6 +146,7 @@ class DecodeStep:
         verified = time.perf_counter()
         outcomes = []  # (drafted, accepted) of each sequence the draft drafted for: what the policy learns from
         lookup_outcomes = []  # the same of each chain found by prompt lookup
+        shared_lookup_outcomes = []  # and of those, the ones found in other requests' texts
         stepped_ks = []  # the k each stepped sequence drafted
         first_rejections = []  # rank of the target's token among the draft's next-best ones, at each rejected first draft
         leaf_chances = leaf_hits = 0  # first drafts rejected with leaves verified; and of those, leaves kept
@@ -170,12 +187,14 @@ class DecodeStep:
             request.take(tokens[:accepted] + leaf + [verdict.next_token])
             if tokens:  # the chain's: what per-position acceptance counts
                 (lookup_outcomes if found else outcomes).append((len(tokens), accepted))
+                if found and found[1]:
+                    shared_lookup_outcomes.append((len(tokens), accepted))
         self.policy.observe(outcomes)  # the draft's acceptance: a lookup's says nothing of it
         if first_rejections:
             self.policy.observe_first_rejections(first_rejections)
         return StepStats(len(stepped_ks), stepped_ks, outcomes, drafted - start, verified - drafted,
                          time.perf_counter() - start, draft_compute, target_compute, leaf_chances, leaf_hits,
-                         ahead_guessed, ahead_hits, lookup_outcomes)
+                         ahead_guessed, ahead_hits, lookup_outcomes, shared_lookup_outcomes)
 
     # ---- draft ahead -------------------------------------------------------------------------------
 

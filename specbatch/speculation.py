@@ -39,6 +39,17 @@ def prompt_lookup_problems(most: int | None) -> list[str]:
     return [f"prompt_lookup must be in [0, {MAX_K}] (got {most})"]
 
 
+# The most tokens a shared lookup index may keep (--shared-lookup): ~250 bytes of index a token.
+MAX_SHARED_LOOKUP_TOKENS = 10_000_000
+
+
+def shared_lookup_problems(tokens: int) -> list[str]:
+    """What is out of range in the shared lookup index's size (0: off, to MAX_SHARED_LOOKUP_TOKENS)."""
+    if 0 <= tokens <= MAX_SHARED_LOOKUP_TOKENS:
+        return []
+    return [f"shared_lookup must be in [0, {MAX_SHARED_LOOKUP_TOKENS}] tokens (got {tokens})"]
+
+
 def tally_positions(outcomes: list[tuple[int, int]], positions: int) -> tuple[list[int], list[int]]:
     """Per draft position i: how many drafts reached it (drafted past i with every earlier
     position accepted) and how many of those were accepted there."""

@@ -188,6 +188,12 @@ def test_bench_needs_a_profile_for_the_policies(capsys):
     assert "need --profile" in capsys.readouterr().out
 
 
+def test_bench_refuses_a_shared_lookup_index(capsys):
+    """Its modes and rounds send the same prompts: a shared index would draft from their own answers."""
+    assert cli.main(["bench", "--shared-lookup", "1000", "--policies", ""]) == 2
+    assert "--shared-lookup" in capsys.readouterr().out
+
+
 def test_rounds_sum_each_modes_runs_with_the_modes_taking_turns(stack, tmp_path, monkeypatch):
     """--rounds 3: each level runs every mode three times, the order rotated each round and each
     round on its own prompts (seed + round); a row sums its rounds."""

@@ -1,6 +1,6 @@
-"""Prompt lookup (coordinator/lookup.py): drafts copied from a request's own history, verified like
-any draft. The index finds what a scan of the history finds; output stays target-only decoding;
-lookup steps make no Propose; bad values are refused. (Sampled requests: the distribution test
+"""Prompt lookup (coordinator/lookup.py): drafts copied from a request's own history (or, with a
+shared index, from finished requests' texts), verified like any draft. The indexes find what a scan
+finds; output stays target-only decoding; lookup steps make no Propose; bad values are refused. (Sampled requests: the distribution test
 in tests/test_speculative_sampling.py, ``copied``.)"""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import random
 import grpc
 import pytest
 
-from coordinator.lookup import LONGEST, SHORTEST, PromptLookup
+from coordinator.lookup import (CHAIN_SUPPORT, FIRST_SUPPORT, LONGEST, SHARED_LONGEST, SHARED_OCCURRENCES,
+                               SHARED_SHORTEST, SHORTEST, PromptLookup, SharedLookup)
 from specbatch.client import generate, generate_all, make_request
 from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
 from tiny import VOCAB, decode_while_the_draft_forgets, greedy_reference
@@ -132,3 +133,122 @@ def test_a_draft_that_forgets_its_sequences_between_looked_up_steps_costs_no_tok
         assert sum(totals.reached_by_position) > 0
     finally:
         stack.stop()
+
+
+# ---- shared lookup ---------------------------------------------------------------------------------
+
+
+def scanned_shared(texts: list[list[int]], history: list[int], most: int) -> list[int]:
+    """The definition: the latest SHARED_OCCURRENCES occurrences of the history's last
+    SHARED_SHORTEST tokens in the texts (each with a token after it), the longest of their matches
+    with the history (up to SHARED_LONGEST), and the tokens their continuations agree on."""
+    if most <= 0 or len(history) < SHARED_SHORTEST:
+        return []
+    key = history[-SHARED_SHORTEST:]
+    found = [(text, end) for text in texts for end in range(SHARED_SHORTEST, len(text))
+             if text[end - SHARED_SHORTEST : end] == key][-SHARED_OCCURRENCES:]
+
+    def match(text, end):
+        n = SHARED_SHORTEST
+        while n < min(SHARED_LONGEST, len(history)) and n < end and text[end - n - 1] == history[-n - 1]:
+            n += 1
+        return n
+
+    if not found:
+        return []
+    longest = max(match(t, e) for t, e in found)
+    continuations = [t[e : e + most] for t, e in found if match(t, e) == longest]
+    out, support = [], 1.0
+    for position in range(most):
+        next_tokens = [c[position] for c in continuations if len(c) > position]
+        if not next_tokens:
+            break
+        token = max(next_tokens, key=lambda t: (next_tokens.count(t), -next_tokens.index(t)))
+        share = next_tokens.count(token) / len(continuations)
+        if position == 0 and share < FIRST_SUPPORT:
+            return []
+        support *= share
+        if support < CHAIN_SUPPORT:
+            break
+        out.append(token)
+        continuations = [c for c in continuations if len(c) > position and c[position] == token]
+    return out
+
+
+def test_shared_lookup_finds_what_a_scan_finds_as_texts_come_and_go():
+    rng = random.Random(5)
+    hits = 0
+    for trial in range(30):
+        budget = rng.choice([40, 120, 10_000])
+        shared, kept = SharedLookup(budget), []
+        for _ in range(25):
+            text = [rng.randrange(3 if trial % 2 else 6) for _ in range(rng.randrange(2, 30))]
+            shared.add(text)
+            if len(text) > SHARED_SHORTEST:
+                kept.append(text[-budget:])
+                while sum(map(len, kept)) > budget:
+                    kept.pop(0)
+            assert shared.tokens == sum(map(len, kept)) <= budget
+            for _ in range(4):
+                history = [rng.randrange(3 if trial % 2 else 6) for _ in range(rng.randrange(0, 12))]
+                most = rng.randrange(0, 7)
+                got = shared.drafts(history, most)
+                assert got == scanned_shared(kept, history, most), (kept, history, most)
+                hits += bool(got)
+        # What is indexed is what is kept: no key or occurrence outlives its text.
+        live = set(shared.texts)
+        assert all(occurrences and all(o >> 32 in live for o in occurrences) for occurrences in shared.ends.values())
+        assert set(shared.ends) == {tuple(t[e - SHARED_SHORTEST : e]) for t in kept
+                                    for e in range(SHARED_SHORTEST, len(t))}
+    assert hits > 100
+
+
+def test_shared_lookup_takes_the_longest_match_and_what_the_matches_agree_on():
+    shared = SharedLookup(1000)
+    shared.add([8, 2, 3, 4, 5, 6])
+    shared.add([7, 2, 3, 4, 9, 9])
+    assert shared.drafts([1, 7, 2, 3, 4], 3) == [9, 9]  # [7, 2, 3, 4] beats the later-added [2, 3, 4]
+    assert shared.drafts([1, 0, 2, 3, 4], 3) == [5, 6]  # a tie of two 3-token matches: the first most common
+    split = SharedLookup(1000)
+    for tail in ([10], [11], [12]):
+        split.add([1, 2, 3] + tail)
+    assert split.drafts([0, 1, 2, 3], 2) == []  # no first token backed by half of the matches
+    chains = SharedLookup(1000)
+    for tail in ([5, 6, 7], [5, 6, 8], [5, 9, 1], [5, 9, 2], [5, 9, 3]):
+        chains.add([1, 2, 3] + tail)
+    # 5 (all five), then 9 (3 of 5: support 0.6), then no token with a third of the rest (0.2 < 0.25)
+    assert chains.drafts([0, 1, 2, 3], 4) == [5, 9]
+    assert SharedLookup(1000).drafts([1, 2, 3], 4) == []  # empty index
+
+
+def test_shared_lookup_drafts_from_finished_requests_and_output_is_unchanged(target_model, draft_model,
+                                                                           tokenizer):
+    """A second request with the same prompt drafts from the first one's text (the shared index),
+    and its output is still target-only decoding; a request kept out of the index neither drafts
+    from it nor joins it."""
+    from specbatch.commands.local import start_local_stack
+
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64,
+                              prompt_lookup=4, shared_lookup=10_000)
+    try:
+        client, shared = stack.client(), stack.coordinator.scheduler.decode.shared
+        prompt = [1, 17, 23, 42, 8, 31]  # no token repeats: the request's own lookup finds nothing at first
+        reference = greedy_reference(target_model, prompt, 24)
+        out = generate(client, make_request(prompt, 24, k=2, ignore_eos=True, shared_lookup=False)).token_ids
+        totals = stack.coordinator.scheduler.totals
+        assert out == reference and totals.shared_lookup_chains == 0 and shared.tokens == 0  # kept out
+        assert generate(client, make_request(prompt, 24, k=2, ignore_eos=True)).token_ids == reference
+        assert totals.shared_lookup_chains == 0 and shared.tokens == len(prompt) + 24  # now in the index
+        assert generate(client, make_request(prompt, 24, k=2, ignore_eos=True)).token_ids == reference
+        assert 0 < totals.shared_lookup_accepted <= totals.shared_lookup_drafted
+        assert totals.shared_lookup_chains <= totals.lookup_chains
+    finally:
+        stack.stop()
+
+
+def test_a_shared_lookup_size_out_of_range_is_refused():
+    from coordinator.app import check_draft_options
+
+    with pytest.raises(ValueError, match="shared_lookup"):
+        check_draft_options(0, 0.0, 0, 4, -1)
+    check_draft_options(0, 0.0, 0, 4, 100_000)

@@ -371,6 +371,11 @@ def run_bench(args) -> int:
     if args.rounds < 1:
         print("--rounds must be at least 1")
         return 2
+    if args.shared_lookup:
+        print("--shared-lookup: every mode and round here sends the same prompts, so a shared index would "
+              "draft from their own earlier answers; benchmarks/batch1.py --shared-lookup measures it on prompts "
+              "the index has not seen")
+        return 2
     given = dict(entry.split("=", 1) for entry in args.policy_address)
     if args.address and set(policies) - set(given):
         print(f"with --address, give each policy's coordinator with --policy-address POLICY=ADDRESS "

@@ -107,6 +107,10 @@ class StackOptions:
     # (no draft call for that step). On: at batch 1 on the Xeon it took goodput from 1.27x to 1.38x
     # target-only (docs/engine.md, "Prompt lookup"); it only looks where the policy's k > 0.
     prompt_lookup: int = 6
+    # The coordinator's --shared-lookup: tokens of finished requests' texts searched where a
+    # request's own history has no match. Off unless asked: a benchmark that sends the same prompts
+    # again (each mode in turn, round after round) would draft from its own earlier answers.
+    shared_lookup: int = 0
 
 
 # The embedded models' profiles, one per form the services run on a CPU (``services_cpu_form``):
@@ -307,6 +311,10 @@ def add_stack_flags(parser) -> None:
                         help="the coordinator's --prompt-lookup: where the history's last 2-4 tokens occurred "
                              "before, draft up to N of the tokens that followed them (and the step's k, twice that at batch 1), no "
                              f"draft call (default {StackOptions.prompt_lookup}; 0: off)")
+    parser.add_argument("--shared-lookup", type=int, default=StackOptions.shared_lookup, metavar="TOKENS",
+                        help="the coordinator's --shared-lookup: keep the last TOKENS tokens of finished requests' "
+                             "texts and draft from them where a request's own history has no match (default 0: "
+                             "off; see docs/operations.md before turning it on)")
     parser.add_argument("--threads-per-service", type=int, metavar="N",
                         help="intra-op threads of the target and of the draft service (default: half the cores "
                              "this process may use, at least 1; 0: torch's own default)")
@@ -330,6 +338,7 @@ def stack_options(args) -> StackOptions:
         draft_int8_weights=args.draft_int8_weights,
         bf16_weights=args.bf16_weights, bf16_dot=args.bf16_dot, fp16_dot=args.fp16_dot, leaves=args.leaves,
         unsure_below=args.unsure_below, draft_ahead=args.draft_ahead, prompt_lookup=args.prompt_lookup,
+        shared_lookup=args.shared_lookup,
     )
 
 
@@ -453,6 +462,8 @@ class LocalProcesses:
             flags += ["--draft-ahead", str(o.draft_ahead)]
         if o.prompt_lookup:
             flags += ["--prompt-lookup", str(o.prompt_lookup)]
+        if o.shared_lookup:
+            flags += ["--shared-lookup", str(o.shared_lookup)]
         if o.random_weights:
             from ..models import EMBEDDED
             from ..random_weights import tokenizer_source
