@@ -39,7 +39,8 @@ def prompt_lookup_problems(most: int | None) -> list[str]:
     return [f"prompt_lookup must be in [0, {MAX_K}] (got {most})"]
 
 
-# The most tokens a shared lookup index may keep (--shared-lookup): ~250 bytes of index a token.
+# The most tokens a shared lookup index may keep (--shared-lookup): ~370 bytes of Python objects a
+# token (measured on 140k tokens of ShareGPT prompts and answers), so 3.7 GB at this bound.
 MAX_SHARED_LOOKUP_TOKENS = 10_000_000
 
 
