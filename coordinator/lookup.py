@@ -151,10 +151,10 @@ class SharedLookup:
                 longest, continuations = n, []
             if n == longest:
                 continuations.append(text[end : end + most])
-        return _agreed(continuations, most)
+        return agreed(continuations, most)
 
 
-def _agreed(continuations: list[list[int]], most: int) -> list[int]:
+def agreed(continuations: list[list[int]], most: int) -> list[int]:
     """The tokens the continuations agree on, position by position (each the most common among
     those that agreed so far), while the shares' product stays at least CHAIN_SUPPORT; [] where
     the first token has less than FIRST_SUPPORT of them."""

@@ -10,8 +10,8 @@ import random
 import grpc
 import pytest
 
-from coordinator.lookup import (CHAIN_SUPPORT, FIRST_SUPPORT, LONGEST, SHARED_LONGEST, SHARED_OCCURRENCES,
-                               SHARED_SHORTEST, SHORTEST, PromptLookup, SharedLookup)
+from coordinator.lookup import (LONGEST, SHARED_LONGEST, SHARED_OCCURRENCES, SHARED_SHORTEST, SHORTEST, PromptLookup,
+                               SharedLookup, agreed)
 from specbatch.client import generate, generate_all, make_request
 from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
 from tiny import VOCAB, decode_while_the_draft_forgets, greedy_reference
@@ -141,7 +141,8 @@ def test_a_draft_that_forgets_its_sequences_between_looked_up_steps_costs_no_tok
 def scanned_shared(texts: list[list[int]], history: list[int], most: int) -> list[int]:
     """The definition: the latest SHARED_OCCURRENCES occurrences of the history's last
     SHARED_SHORTEST tokens in the texts (each with a token after it), the longest of their matches
-    with the history (up to SHARED_LONGEST), and the tokens their continuations agree on."""
+    with the history (up to SHARED_LONGEST), and the tokens their continuations agree on (the
+    vote itself: the worked examples in the next test)."""
     if most <= 0 or len(history) < SHARED_SHORTEST:
         return []
     key = history[-SHARED_SHORTEST:]
@@ -157,22 +158,7 @@ def scanned_shared(texts: list[list[int]], history: list[int], most: int) -> lis
     if not found:
         return []
     longest = max(match(t, e) for t, e in found)
-    continuations = [t[e : e + most] for t, e in found if match(t, e) == longest]
-    out, support = [], 1.0
-    for position in range(most):
-        next_tokens = [c[position] for c in continuations if len(c) > position]
-        if not next_tokens:
-            break
-        token = max(next_tokens, key=lambda t: (next_tokens.count(t), -next_tokens.index(t)))
-        share = next_tokens.count(token) / len(continuations)
-        if position == 0 and share < FIRST_SUPPORT:
-            return []
-        support *= share
-        if support < CHAIN_SUPPORT:
-            break
-        out.append(token)
-        continuations = [c for c in continuations if len(c) > position and c[position] == token]
-    return out
+    return agreed([t[e : e + most] for t, e in found if match(t, e) == longest], most)
 
 
 def test_shared_lookup_finds_what_a_scan_finds_as_texts_come_and_go():
