@@ -232,6 +232,38 @@ def test_shared_lookup_drafts_from_finished_requests_and_output_is_unchanged(tar
         stack.stop()
 
 
+def test_who_is_in_the_shared_index_by_default():
+    """Everyone unless kept out, but a sampled request with a seed of its own: its tokens follow
+    from its seed, k and the draft, and must not follow from other requests' texts too."""
+    from coordinator.admission import in_shared_lookup
+
+    assert in_shared_lookup(make_request([1, 2], 4))
+    assert in_shared_lookup(make_request([1, 2], 4, temperature=0.7))  # its seed is drawn at admission
+    assert not in_shared_lookup(make_request([1, 2], 4, temperature=0.7, seed=3))
+    assert in_shared_lookup(make_request([1, 2], 4, temperature=0.7, seed=3, shared_lookup=True))
+    assert not in_shared_lookup(make_request([1, 2], 4, shared_lookup=False))
+
+
+def test_a_seeded_sampled_request_gives_the_same_tokens_whatever_the_shared_index_holds(target_model,
+                                                                                       draft_model, tokenizer):
+    from specbatch.commands.local import start_local_stack
+
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64,
+                              prompt_lookup=4, shared_lookup=10_000)
+    try:
+        client, totals = stack.client(), stack.coordinator.scheduler.totals
+        prompt = [1, 17, 23, 42, 8, 31]
+        seeded = make_request(prompt, 24, k=2, ignore_eos=True, temperature=0.8, seed=11)
+        before = generate(client, seeded).token_ids
+        for _ in range(2):  # the index now holds this prompt's greedy answer, twice
+            generate(client, make_request(prompt, 24, k=2, ignore_eos=True))
+        chains = totals.shared_lookup_chains
+        assert chains > 0  # the second greedy request drafted from the first
+        assert generate(client, seeded).token_ids == before and totals.shared_lookup_chains == chains
+    finally:
+        stack.stop()
+
+
 def test_a_shared_lookup_size_out_of_range_is_refused():
     from coordinator.app import check_draft_options
 
