@@ -144,8 +144,8 @@ class CoordinatorMetrics:
         self.leaf_hits.inc(step.leaf_hits)
         self.lookup_draft_tokens.inc(step.lookup_draft_tokens)
         self.lookup_accepted_tokens.inc(step.lookup_accepted_tokens)
-        self.shared_lookup_draft_tokens.inc(sum(drafted for drafted, _ in step.shared_lookup_outcomes))
-        self.shared_lookup_accepted_tokens.inc(sum(accepted for _, accepted in step.shared_lookup_outcomes))
+        self.shared_lookup_draft_tokens.inc(step.shared_lookup_draft_tokens)
+        self.shared_lookup_accepted_tokens.inc(step.shared_lookup_accepted_tokens)
         self.step_seconds.labels(phase="draft").observe(step.draft_seconds)
         self.step_seconds.labels(phase="target").observe(step.target_seconds)
         # Clamped: the phases are timed separately, and rounding must not make a negative sample.

@@ -60,6 +60,14 @@ class StepStats:
     def lookup_accepted_tokens(self) -> int:
         return sum(accepted for _, accepted in self.lookup_outcomes)
 
+    @property
+    def shared_lookup_draft_tokens(self) -> int:
+        return sum(drafted for drafted, _ in self.shared_lookup_outcomes)
+
+    @property
+    def shared_lookup_accepted_tokens(self) -> int:
+        return sum(accepted for _, accepted in self.shared_lookup_outcomes)
+
 
 @dataclass
 class StepTotals:
@@ -95,8 +103,8 @@ class StepTotals:
         self.lookup_drafted += step.lookup_draft_tokens
         self.lookup_accepted += step.lookup_accepted_tokens
         self.shared_lookup_chains += len(step.shared_lookup_outcomes)
-        self.shared_lookup_drafted += sum(drafted for drafted, _ in step.shared_lookup_outcomes)
-        self.shared_lookup_accepted += sum(accepted for _, accepted in step.shared_lookup_outcomes)
+        self.shared_lookup_drafted += step.shared_lookup_draft_tokens
+        self.shared_lookup_accepted += step.shared_lookup_accepted_tokens
         self.ahead_guessed += step.ahead_guessed
         self.ahead_hits += step.ahead_hits
         self.leaf_chances += step.leaf_chances
