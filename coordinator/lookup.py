@@ -28,8 +28,7 @@ first token chosen by at least half of them, the chain while the product of the 
 or above a quarter). Measured offline on 640 held-out ShareGPT prompts' greedy answers from the
 embedded target (96 tokens each, every earlier request in the index, duplicate prompts left out),
 the rule fired at 27 % of the positions where a request's own history had no match and kept 1.32
-tokens there; first tokens backed by fewer than half kept 0.2-0.4 (docs/engine.md, "Shared
-lookup"). The target verifies what is drafted, so output is unchanged; what other requests'
+tokens there; first tokens backed by fewer than half kept 0.28 (docs/engine.md, "Shared lookup"). The target verifies what is drafted, so output is unchanged; what other requests'
 texts can change is the step's time, which is why a request may keep out (``shared_lookup =
 false``: it neither drafts from the index nor adds to it).
 """
@@ -74,12 +73,13 @@ class PromptLookup:
         self.indexed = max(self.indexed, through)
 
 
-# Shared lookup: the n-gram found in other texts is 3 to 8 tokens long (a 2-token match across
-# requests kept too little to pay for its rows).
+# Shared lookup: the n-gram found in other texts is 3 to 8 tokens long. Where only 2 tokens
+# matched across requests, the chains mostly kept 0.09-0.38 tokens, too few to pay for a step
+# without a Propose (those backed by at least 4 matches and half their votes kept 0.85: untried).
 SHARED_SHORTEST = 3
 SHARED_LONGEST = 8
 # The most recent occurrences of a 3-gram that a lookup weighs (the index keeps no more): bounds a
-# lookup's work at a common phrase (~0.1 ms of Python at 128).
+# lookup's work at a common phrase (0.1-0.3 ms of Python at 128).
 SHARED_OCCURRENCES = 128
 # The first drafted token needs at least this share of the matches' next tokens; the chain goes on
 # while the product of the shares is at least CHAIN_SUPPORT.
