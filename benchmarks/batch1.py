@@ -34,7 +34,7 @@ import torch
 from specbatch.client import connect, generate, generate_all, make_request
 from specbatch.commands.launcher import LocalProcesses, StackOptions, draft_int8_weights
 from specbatch.models import ModelSpec, load_model, load_tokenizer
-from specbatch.prompts import chat_token_ids, sharegpt_prompts
+from specbatch.prompts import chat_prompts, sharegpt_prompts
 from specbatch.v1 import generation_pb2 as pb
 
 
@@ -56,8 +56,7 @@ def transformers_generate(prompts: list[list[int]], tokens: int, threads: int) -
 
 STEP_PARTS = ("step_seconds", "draft_seconds", "draft_compute_seconds", "target_seconds", "target_compute_seconds")
 LEAF_COUNTS = ("leaf_chances", "leaf_hits", "ahead_guessed", "ahead_hits", "lookup_chains", "lookup_drafted",
-               "shared_lookup_chains", "shared_lookup_accepted",
-               "lookup_accepted")
+               "lookup_accepted", "shared_lookup_chains", "shared_lookup_accepted")
 
 
 def step_totals(stub) -> dict:
@@ -158,8 +157,7 @@ def main() -> int:
     args = parser.parse_args()
 
     tokenizer = load_tokenizer(ModelSpec())
-    prompts = [ids for text in sharegpt_prompts(4 * args.prompts, args.prompt_start)
-               if len(ids := chat_token_ids(tokenizer, [{"role": "user", "content": text}])) <= args.max_prompt_tokens]
+    prompts = chat_prompts(tokenizer, sharegpt_prompts(4 * args.prompts, args.prompt_start), args.max_prompt_tokens)
     prompts = list({tuple(p): p for p in prompts}.values())[: args.prompts]  # a prompt sent twice is timed once
     baseline = None if args.no_baseline else transformers_generate(prompts, args.tokens, args.threads)
     if baseline:
@@ -200,9 +198,9 @@ def main() -> int:
     with LocalProcesses(options) as stack:
         if args.shared_lookup:
             timed = set(map(tuple, prompts))
-            warmup = [ids for text in sharegpt_prompts(2 * args.shared_warmup, args.shared_warmup_start)
-                      if len(ids := chat_token_ids(tokenizer, [{"role": "user", "content": text}]))
-                      <= args.max_prompt_tokens and tuple(ids) not in timed][: args.shared_warmup]
+            warmup = [ids for ids in chat_prompts(tokenizer, sharegpt_prompts(2 * args.shared_warmup,
+                                                                               args.shared_warmup_start),
+                                                  args.max_prompt_tokens) if tuple(ids) not in timed][: args.shared_warmup]
             seconds = fill_shared_index(stack.address, warmup, args.tokens)
             print(f"shared index: {len(warmup)} other prompts served into it first ({seconds:.0f} s)", flush=True)
         modes = served(stack.address, prompts, args.tokens,

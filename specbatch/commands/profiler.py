@@ -31,7 +31,7 @@ from coordinator.replicas import ReplicaSet
 from coordinator.scheduler import Scheduler
 
 from ..profile import Profile, build_profile
-from ..prompts import chat_token_ids, sharegpt_prompts
+from ..prompts import chat_prompts, sharegpt_prompts
 from ..random_weights import fit_vocab
 from ..sampling import SamplingParams
 
@@ -67,17 +67,6 @@ def powers_of_two(limit: int) -> list[int]:
         sizes.append(b)
         b *= 2
     return sizes + [limit]
-
-
-def chat_prompts(tokenizer, texts: list[str], max_tokens: int) -> list[list[int]]:
-    """Each text as a user turn in the chat template, as the coordinator renders chat requests;
-    prompts longer than ``max_tokens`` are skipped."""
-    prompts = []
-    for text in texts:
-        ids = chat_token_ids(tokenizer, [{"role": "user", "content": text}])
-        if len(ids) <= max_tokens:
-            prompts.append(ids)
-    return prompts
 
 
 def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[list[int]], sweep: Sweep,
