@@ -432,8 +432,8 @@ def run_bench(args) -> int:
                 comparisons += [{"load": load.label, **c} for c in bench_pairs.compare(
                     load.kind, per_round, fixed_names, policies, (CONTROL, fixed_names[0]) if args.control else None)]
                 # `fixed:K` policies run fixed decisions through a coordinator of their own, as the
-                # other policies run: the same-path reference (profile.md 6j: a second coordinator
-                # read ~3 % under the stack's with the same decisions).
+                # other policies run: the same-path reference (profile.md 6j: started cold, a second
+                # coordinator read ~3 % under the stack's with the same decisions; warmed, 0.988-1.002).
                 same_path = [p for p in policies if p.startswith("fixed:")]
                 adaptive = [p for p in policies if p not in same_path]
                 if same_path and adaptive:
