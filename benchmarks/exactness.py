@@ -14,6 +14,8 @@ engine's linear layers, in the same dtype, round differently with more rows.
     .venv/bin/python benchmarks/exactness.py --dtype float32 --weights bf16-dot [--draft-int8]
     # as specbatch up serves on 2 cores: one thread a call, every core for calls of 12 rows and more
     .venv/bin/python benchmarks/exactness.py --dtype float32 --weights bf16-dot --draft-int8 --threads 1 --wide-threads 2
+    # with both services' keys and values in bf16 (--kv-bf16)
+    .venv/bin/python benchmarks/exactness.py --dtype float32 --weights bf16-dot --draft-int8 --threads 1 --wide-threads 2 --kv-bf16
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def main() -> int:
     parser.add_argument("--weights", choices=("bf16", "bf16-dot", "fp16-dot"), default=None,
                         help="both engines' linear layers (float32 only): bf16 weights, bf16 dot products or float16 products")
     parser.add_argument("--draft-int8", action="store_true", help="the draft's linear layers in int8, as served")
+    parser.add_argument("--kv-bf16", action="store_true", help="both engines keep their keys and values in bf16")
     parser.add_argument("--wide-threads", type=int, default=0,
                         help="both engines' calls of 12 rows and more on this many threads, the rest on --threads "
                              "(as specbatch up serves: --threads 1 --wide-threads 2); 0: every call on --threads")
@@ -69,10 +72,11 @@ def main() -> int:
                for text in sharegpt_prompts(args.prompts, args.prompt_start)]
     form = {None: {}, "bf16": {"bf16_weights": True}, "bf16-dot": {"bf16_dot": True},
             "fp16-dot": {"fp16_dot": True}}[args.weights]
-    wide = {"wide_threads": args.wide_threads} if args.wide_threads else {}
+    both = {"wide_threads": args.wide_threads} if args.wide_threads else {}  # both engines' options
+    both.update({"kv_bf16": True} if args.kv_bf16 else {})
     stack = start_local_stack(target, draft, tokenizer, max_batch_size=16, max_new_tokens=args.tokens,
-                              target_engine_options={**form, **wide},
-                              draft_engine_options={"int8_weights": True, **wide} if args.draft_int8 else {**form, **wide})
+                              target_engine_options={**form, **both},
+                              draft_engine_options={"int8_weights": True, **both} if args.draft_int8 else {**form, **both})
     try:
         start = time.perf_counter()
         references = [target_only(stack.target_engine, p, args.tokens) for p in prompts]
@@ -98,7 +102,8 @@ def main() -> int:
     dependence = row_dependence([(960, 576), (3072, 576), (576, 1536), (576, 576), (49152, 576)],
                                 [1, 2, 4, 6, 8, 16, 32, 64], dtype=target.dtype,
                                 layer=lambda weight: linear(weight, weights=args.weights))
-    dtype = str(target.dtype).removeprefix("torch.") + (f" ({args.weights} linear layers)" if args.weights else "")
+    dtype = (str(target.dtype).removeprefix("torch.") + (f" ({args.weights} linear layers)" if args.weights else "")
+             + (" (bf16 keys and values)" if args.kv_bf16 else ""))
 
     print(f"\n## {dtype} greedy exactness ({len(prompts)} held-out ShareGPT prompts, {args.tokens} tokens each; "
           f"near-tie bound {NEAR_TIE} logits)\n")

@@ -256,6 +256,13 @@ class Engine:
     # embedded broadcast reaches ~2.5x bf16 dot products' arithmetic, so a verify step's extra rows
     # cost well under half as much; the rounding is finer than bf16's. Row-exact.
     fp16_dot: bool = False
+    # Keys and values kept in bfloat16 (rounded to nearest as they are written; attention widens
+    # them back and computes in float32): the own Llama forward in float32 on the engine's CPU
+    # kernels (native.available). From batch 8 on a step reads its cached keys and values from
+    # memory, and they outweigh the weights at 32 sequences of 300 tokens; this halves those bytes
+    # and the pool's memory. The model's numbers move (as a bf16 model's own cache rounds them);
+    # speculation stays exact against target-only decoding with the same setting.
+    kv_bf16: bool = False
     # Calls of at least ``wide_from_rows`` rows (sequences × tokens fed) run on ``wide_threads``
     # threads where the layers run in one C call (llama.LlamaForward), the rest on the process's
     # thread count; 0: every call on it. On a 2-core AVX-512 EPYC with bf16 dot products a second
@@ -283,7 +290,6 @@ class Engine:
         param = next(self.model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.kv_shape = self.run(self._probe_kv_shape)
-        self.pool = KVPool(self.kv_shape, self.dtype, self.device, self.max_cache_bytes)
         if self.implementation not in ("auto", "specbatch", "transformers"):
             raise ValueError(f"unknown forward implementation {self.implementation!r}")
         own = own_forward(self.model) if self.implementation != "transformers" else None
@@ -310,12 +316,19 @@ class Engine:
         weights = ("int8" if self.int8_weights else "bf16" if self.bf16_weights else "bf16-dot" if self.bf16_dot
                    else "fp16-dot" if self.fp16_dot else None)
         self.forward = own(self.model, weights=weights) if own else TransformersForward(self.model)
+        if self.kv_bf16 and not getattr(self.forward, "native_attention", False):
+            raise ValueError("bf16 keys and values need the engine's own Llama forward in float32 on a CPU where its "
+                             f"kernels build ({native.unavailable_reason() or 'they do'})")
+        self.pool = KVPool(self.kv_shape, torch.bfloat16 if self.kv_bf16 else self.dtype, self.device,
+                           self.max_cache_bytes)
         if self.wide_threads < 0 or self.wide_from_rows < 1:
             raise ValueError("wide_threads must be 0 (off) or more, wide_from_rows 1 or more")
         if self.wide_threads and isinstance(self.forward, llama.LlamaForward):
             self.forward.wide_threads, self.forward.wide_from_rows = self.wide_threads, self.wide_from_rows
         self.implementation = "specbatch" if own else "transformers"
         self.captured_steps = resolve_mode(self.captured_steps, self.device, own is not None)
+        if self.kv_bf16 and self.captured_steps != "off":
+            raise ValueError("bf16 keys and values run on the CPU kernels; captured steps are for CUDA")
         self.capture_report: dict = {}
         if self.captured_steps != "off":  # the pool must stay where the graphs point
             self.pool.fix(self.max_sequences, self.max_context + 1)

@@ -262,6 +262,27 @@ def test_embedded_services_read_bf16_weights_in_float32_where_the_panel_kernel_b
         assert flags == expected, (module, spawned[module])
 
 
+@pytest.mark.parametrize("dot, options, kv_bf16", [
+    (True, {}, True), ("fp16", {}, True), (False, {}, False), (True, {"kv_bf16": False}, False),
+    (False, {"kv_bf16": True}, True), (True, {"dtype": "bf16"}, False), (True, {"bf16_dot": False}, False)])
+def test_embedded_services_keep_bf16_keys_and_values_where_their_layers_run_on_dot_products(monkeypatch, dot, options,
+                                                                                          kv_bf16):
+    """Where the layers' inputs are rounded to 16 bits (bf16 or float16 dot products), both services
+    keep their keys and values in bf16 too unless told otherwise; elsewhere only when asked."""
+    import specbatch.commands.launcher as launcher
+
+    monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: True)
+    monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: True)
+    monkeypatch.setattr(launcher, "bf16_dot_expected", lambda: bool(dot))
+    monkeypatch.setattr(launcher, "fp16_dot_expected", lambda: dot == "fp16")
+    monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
+    spawned = {}
+    LocalProcesses(StackOptions(k_policy="fixed:3", **options),
+                   lambda module, args, env: spawned.setdefault(module, args)).start()
+    for module in ("target_service", "draft_service"):
+        assert ("--kv-bf16" in spawned[module]) is kv_bf16, (module, spawned[module])
+
+
 def test_launcher_and_services_agree_on_native_bf16():
     """The launcher reads the CPU flags without torch; the services ask oneDNN. They must agree,
     or the coordinator would run the other dtype's profile."""

@@ -275,7 +275,7 @@ def run_profile(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .launcher import (LocalProcesses, draft_int8_weights, services_cpu_form, stack_options, weights_flag,
+    from .launcher import (LocalProcesses, draft_int8_weights, kv_bf16, services_cpu_form, stack_options, weights_flag,
                            wide_threads)
     from ..models import EMBEDDED, ModelSpec, load_tokenizer, parse_dtype, default_device
 
@@ -330,6 +330,7 @@ def run_profile(args) -> int:
     # The linear layers' form the launcher gave both services (the draft's, where not int8).
     form = {} if remote else {flag: services_cpu_form(options) == f"float32+{name}" for flag, name in
                               (("bf16_weights", "bf16-weights"), ("bf16_dot", "bf16-dot"), ("fp16_dot", "fp16-dot"))}
+    kv = {} if remote else {"kv_bf16": kv_bf16(options)}
     hardware = describe_hardware(None if remote else device)
     if remote:
         hardware = {"description": args.hardware or "unknown (remote services; pass --hardware)",
@@ -349,8 +350,8 @@ def run_profile(args) -> int:
         sizes, args.max_k, acceptance, times,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         hardware=hardware,
-        target={"model": names[0], "dtype": dtype or "unknown", **form, **wide},
-        draft={"model": names[1], "dtype": dtype or "unknown", **wide,
+        target={"model": names[0], "dtype": dtype or "unknown", **form, **kv, **wide},
+        draft={"model": names[1], "dtype": dtype or "unknown", **kv, **wide,
                **({} if remote else {"int8_weights": draft_int8_weights(options),
                                      **{flag: on and not draft_int8_weights(options) for flag, on in form.items()}})},
         workload=workload,

@@ -60,6 +60,8 @@ INT8_DOT_FLAGS = ("-mavx512vnni",)
 PANEL = 16  # output features a panel holds: panel_sgemm.c's PANEL
 FP16_PANEL = 32  # panel_fp16.c's FP16_PANEL
 HEAD_DIMS = (8, 16, 32, 64, 128)  # those attention.c is compiled for
+# What the KV pool may hold for the kernels: rope_write writes and attend reads either.
+KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _cache_dir() -> Path:
@@ -163,21 +165,21 @@ def _library() -> ctypes.CDLL | None:
     # Every form's multiply is reached through decoder.c's one entry, by a PanelLinear's _LinearArgs.
     library.panel_linear_multiply.argtypes = [pointer, pointer, size, pointer, ctypes.c_int]
     library.panel_linear_multiply.restype = ctypes.c_int
-    library.attend.argtypes = [pointer, size, size, size, pointer, pointer, size, size, pointer, pointer,
-                               size, size, size, size, size, size, ctypes.c_float, ctypes.c_int]
+    library.attend.argtypes = [pointer, size, size, size, pointer, pointer, size, size, ctypes.c_int, pointer,
+                               pointer, size, size, size, size, size, size, ctypes.c_float, ctypes.c_int]
     library.attend.restype = ctypes.c_int
     library.add_rms_norm.argtypes = [pointer, pointer, size, size, pointer, ctypes.c_float, pointer, ctypes.c_int]
     library.add_rms_norm.restype = None
     library.silu_mul.argtypes = [pointer, size, size, pointer, ctypes.c_int]
     library.silu_mul.restype = None
     library.rope_write.argtypes = [pointer, size, size, size, size, size, pointer, pointer, pointer, pointer,
-                                   pointer, pointer, size, size, ctypes.c_int]
+                                   pointer, pointer, size, size, ctypes.c_int, ctypes.c_int]
     library.rope_write.restype = ctypes.c_int
     library.argmax_rows.argtypes = [pointer, size, size, pointer]
     library.argmax_rows.restype = None
     library.decoder_layers.argtypes = [pointer, size, size, pointer, size, size, size, size, size, pointer, pointer,
-                                       pointer, pointer, pointer, size, size, size, size, pointer, size, pointer,
-                                       ctypes.c_float, pointer, ctypes.c_int]
+                                       pointer, pointer, pointer, size, size, size, size, ctypes.c_int, pointer, size,
+                                       pointer, ctypes.c_float, pointer, ctypes.c_int]
     library.decoder_layers.restype = ctypes.c_int
     return library
 
@@ -390,19 +392,20 @@ class DecoderLayers:
         _float32_rows("decoder layers", x)
         batch, width = rope.batch, rope.width
         if (x.shape != (batch, width, self.hidden) or (attention.batch, attention.width) != (batch, width)
-                or kv.dtype != torch.float32 or kv.dim() != 6 or kv.shape[0] < self.count
+                or kv.dtype not in KV_DTYPES or kv.dim() != 6 or kv.shape[0] < self.count
                 or kv.shape[1:4] != (2, batch, self.kv_heads) or kv.shape[5] != self.head_dim
                 or kv.stride()[4:] != (self.head_dim, 1) or max(rope.last_column, attention.end - 1) >= kv.shape[4]
                 or rope.cos.shape[1] != self.head_dim):
-            raise ValueError("decoder layers: x, the positions, mask and KV pool must match the batch, the layers "
-                             "and their heads, with a column's floats contiguous and every column within the pool")
+            raise ValueError("decoder layers: x, the positions, mask and KV pool (float32 or bfloat16) must match the "
+                             "batch, the layers and their heads, with a column's elements contiguous and every "
+                             "column within the pool")
         out = torch.empty_like(x)
         if self._library.decoder_layers(
                 x.data_ptr(), batch, width, self._layers, self.count, self.heads, self.kv_heads, self.head_dim,
                 self.intermediate, rope.positions.data_ptr(), rope.columns.data_ptr(), rope.cos.data_ptr(),
                 rope.signed_sin.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-                attention.seen.data_ptr(), attention.end, self.final_norm.data_ptr(), self.final_eps, out.data_ptr(),
-                threads or torch.get_num_threads()):
+                kv.dtype == torch.bfloat16, attention.seen.data_ptr(), attention.end, self.final_norm.data_ptr(),
+                self.final_eps, out.data_ptr(), threads or torch.get_num_threads()):
             raise RuntimeError("decoder layers: a kernel refused its arguments, or memory ran out")
         return out
 
@@ -410,7 +413,8 @@ class DecoderLayers:
 class Attention:
     """Attention over one forward's mask, ``[batch, 1, width, end]`` (True: may attend), for every
     layer of the forward (the mask is prepared once). Query head h reads key/value head
-    h // (heads / kv_heads). Float32 CPU tensors, head_dim one of ``HEAD_DIMS``."""
+    h // (heads / kv_heads). Float32 CPU tensors (keys and values float32 or bfloat16), head_dim one
+    of ``HEAD_DIMS``."""
 
     def __init__(self, mask: torch.Tensor):
         self.batch, _, self.width, self.end = mask.shape
@@ -423,15 +427,16 @@ class Attention:
         projection reads."""
         _, heads, _, head_dim = q.shape
         if (values.stride() != keys.stride() or q.shape[::2] != (self.batch, self.width) or keys.shape[2] != self.end
-                or q.stride(-1) != 1 or keys.stride()[2:] != (head_dim, 1)):
-            raise ValueError("attention: q, keys and values must match the mask, each head's columns lie "
-                             "contiguous, values share the keys' strides")
+                or q.stride(-1) != 1 or keys.stride()[2:] != (head_dim, 1) or q.dtype != torch.float32
+                or keys.dtype not in KV_DTYPES or values.dtype != keys.dtype):
+            raise ValueError("attention: q (float32), keys and values (float32 or bfloat16, alike) must match the "
+                             "mask, each head's columns lie contiguous, values share the keys' strides")
         out = torch.empty(self.batch, self.width, heads * head_dim)
         q_b, q_h, q_w, _ = q.stride()
         kv_b, kv_h, _, _ = keys.stride()
         if self._attend(q.data_ptr(), q_b, q_h, q_w, keys.data_ptr(), values.data_ptr(), kv_b, kv_h,
-                        self.seen.data_ptr(), out.data_ptr(), self.batch, heads, keys.shape[1], self.width,
-                        self.end, head_dim, scale, torch.get_num_threads()):
+                        keys.dtype == torch.bfloat16, self.seen.data_ptr(), out.data_ptr(), self.batch, heads,
+                        keys.shape[1], self.width, self.end, head_dim, scale, torch.get_num_threads()):
             raise MemoryError("attention: no scratch memory for the scores")
         return out
 
@@ -501,18 +506,22 @@ class Rope:
                  values: torch.Tensor) -> torch.Tensor:
         """``qkv`` ``[batch, width, (heads + 2 kv_heads) * head_dim]``: rotated keys and the values
         are written into ``keys`` and ``values`` ``[batch, kv_heads, columns, head_dim]`` (the same
-        strides; a column's head_dim floats contiguous); returns the rotated queries, ``[batch,
+        strides and dtype, float32 or bfloat16 (rounded to nearest even); a column's head_dim
+        elements contiguous); returns the rotated queries, ``[batch,
         heads, width, head_dim]``, a view into ``qkv`` (rotated in place)."""
         head_dim = self.cos.shape[1]
         _float32_rows("rope", qkv)
         if (qkv.shape != (self.batch, self.width, (heads + 2 * kv_heads) * head_dim) or keys.stride() != values.stride()
                 or keys.shape[:2] != (self.batch, kv_heads) or keys.shape[3] != head_dim
-                or keys.stride()[2:] != (head_dim, 1) or self.last_column >= keys.shape[2]):
-            raise ValueError("rope: qkv must match the positions and head counts, keys and values the batch and "
-                             "head_dim with a column's floats contiguous, every column within them")
+                or keys.stride()[2:] != (head_dim, 1) or self.last_column >= keys.shape[2]
+                or keys.dtype not in KV_DTYPES or values.dtype != keys.dtype):
+            raise ValueError("rope: qkv must match the positions and head counts, keys and values (float32 or "
+                             "bfloat16, alike) the batch and head_dim with a column's elements contiguous, every "
+                             "column within them")
         if self._write(qkv.data_ptr(), self.batch, self.width, heads, kv_heads, head_dim, self.positions.data_ptr(),
                        self.columns.data_ptr(), self.cos.data_ptr(), self.signed_sin.data_ptr(), keys.data_ptr(),
-                       values.data_ptr(), keys.stride(0), keys.stride(1), torch.get_num_threads()):
+                       values.data_ptr(), keys.stride(0), keys.stride(1), keys.dtype == torch.bfloat16,
+                       torch.get_num_threads()):
             raise ValueError(f"rope: head_dim must be even and at most 256 (got {head_dim})")
         return qkv[..., : heads * head_dim].view(self.batch, self.width, heads, head_dim).transpose(1, 2)
 

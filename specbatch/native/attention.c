@@ -22,6 +22,12 @@
  * x 5 rows 1.55 -> 1.25; 8 x 4 11.4 -> 9.3; 32 x 1 at 300 columns 49.0 -> 42.0. From batch 8 on,
  * reading the float32 keys and values from memory is most of it (8 x 1 at 129 columns: 47 MB a
  * step, 4.2 ms either form; 1.8 ms where they sit in cache).
+ *
+ * Keys and values may be kept in bfloat16 (`kv_bf16`: the engine's --kv-bf16; layer_ops.c's
+ * rope_write rounds them when it writes them): every load widens a bfloat16 to the float32 with
+ * the same bits above (exact), and the arithmetic is the float32 arithmetic above, so exactness
+ * holds as it does for float32 keys and values. Why: from batch 8 on reading them is most of
+ * attention, and bfloat16 halves the bytes.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -64,10 +70,18 @@ static inline float sum8(__m256 v) {
  * where the row may attend; out [D]. `scores`: room for end + 8 floats (the scores, padded to a
  * multiple of 8), then end int32 (the columns they belong to). CHUNKS is a compile-time constant
  * so that the query and the output's sums stay in registers. */
-#define ATTEND_ROW(CHUNKS)                                                                              \
-    static void attend_row_##CHUNKS(const float *q, const float *keys, const float *values, int64_t row, \
+/* 8 (16) keys' or values' elements widened to float32: float32 as it is, bfloat16 by its bits. */
+#define LOAD8_F32(p) _mm256_loadu_ps(p)
+#define LOAD8_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define LOAD16_F32(p) _mm512_loadu_ps(p)
+#define LOAD16_BF16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+
+#define ATTEND_ROW(CHUNKS, KV, T, LOAD)                                                                 \
+    static void attend_row_##KV##_##CHUNKS(const float *q, const void *keys_, const void *values_, int64_t row, \
                                     const uint8_t *seen, int64_t end, float scale, float *scores,        \
                                     float *out) {                                                       \
+        const T *keys = keys_, *values = values_;                                                       \
         __m256 qv[CHUNKS], acc[CHUNKS];                                                                 \
         _Pragma("GCC unroll 32") for (int d = 0; d < CHUNKS; d++)                                      \
             qv[d] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * d), _mm256_set1_ps(scale));                   \
@@ -76,11 +90,11 @@ static inline float sum8(__m256 v) {
         float top = -INFINITY;                                                                          \
         for (int64_t c = 0; c < end; c++) {                                                             \
             if (!seen[c]) continue;                                                                     \
-            const float *k = keys + c * row;                                                            \
-            __m256 even = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k)), odd = _mm256_setzero_ps();          \
+            const T *k = keys + c * row;                                                                \
+            __m256 even = _mm256_mul_ps(qv[0], LOAD(k)), odd = _mm256_setzero_ps();          \
             _Pragma("GCC unroll 32") for (int d = 1; d < CHUNKS; d++) {                                \
-                if (d % 2) odd = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k + 8 * d), odd);               \
-                else even = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k + 8 * d), even);                   \
+                if (d % 2) odd = _mm256_fmadd_ps(qv[d], LOAD(k + 8 * d), odd);               \
+                else even = _mm256_fmadd_ps(qv[d], LOAD(k + 8 * d), even);                   \
             }                                                                                           \
             float s = sum8(_mm256_add_ps(even, odd));                                                   \
             scores[count] = s;                                                                          \
@@ -103,22 +117,27 @@ static inline float sum8(__m256 v) {
         }                                                                                               \
         _Pragma("GCC unroll 32") for (int d = 0; d < CHUNKS; d++) acc[d] = _mm256_setzero_ps();        \
         for (int64_t j = 0; j < count; j++) {                                                           \
-            const float *v = values + (int64_t)columns[j] * row;                                        \
+            const T *v = values + (int64_t)columns[j] * row;                                            \
             __m256 p = _mm256_set1_ps(scores[j]);                                                       \
             _Pragma("GCC unroll 32") for (int d = 0; d < CHUNKS; d++)                                  \
-                acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * d), acc[d]);                        \
+                acc[d] = _mm256_fmadd_ps(p, LOAD(v + 8 * d), acc[d]);                        \
         }                                                                                               \
         __m256 inverse = _mm256_set1_ps(1.0f / sum8(total));                                            \
         _Pragma("GCC unroll 32") for (int d = 0; d < CHUNKS; d++)                                      \
             _mm256_storeu_ps(out + 8 * d, _mm256_mul_ps(acc[d], inverse));                              \
     }
 
-ATTEND_ROW(1)   /* head_dim 8 (and 16 without AVX-512): small test models */
+ATTEND_ROW(1, f32, float, LOAD8_F32)   /* head_dim 8 (and 16 without AVX-512): small test models */
+ATTEND_ROW(1, bf16, uint16_t, LOAD8_BF16)
 #ifndef __AVX512F__ /* there, attend_row_512 below takes head_dim 16-128 */
-ATTEND_ROW(2)
-ATTEND_ROW(4)   /* 32 */
-ATTEND_ROW(8)   /* 64: SmolLM2, Llama 3.2 1B */
-ATTEND_ROW(16)  /* 128: most larger models */
+ATTEND_ROW(2, f32, float, LOAD8_F32)
+ATTEND_ROW(4, f32, float, LOAD8_F32)   /* 32 */
+ATTEND_ROW(8, f32, float, LOAD8_F32)   /* 64: SmolLM2, Llama 3.2 1B */
+ATTEND_ROW(16, f32, float, LOAD8_F32)  /* 128: most larger models */
+ATTEND_ROW(2, bf16, uint16_t, LOAD8_BF16)
+ATTEND_ROW(4, bf16, uint16_t, LOAD8_BF16)
+ATTEND_ROW(8, bf16, uint16_t, LOAD8_BF16)
+ATTEND_ROW(16, bf16, uint16_t, LOAD8_BF16)
 #endif
 
 #ifdef __AVX512F__
@@ -169,10 +188,11 @@ static inline __m512 sum16x16(const __m512 *v) {
                          _mm512_shuffle_ps(eighths[0], eighths[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-#define ATTEND_ROW_512(CHUNKS)                                                                          \
-    static void attend_row_512_##CHUNKS(const float *q, const float *keys, const float *values, int64_t row, \
+#define ATTEND_ROW_512(CHUNKS, KV, T, LOAD)                                                             \
+    static void attend_row_512_##KV##_##CHUNKS(const float *q, const void *keys_, const void *values_, int64_t row, \
                                         const uint8_t *seen, int64_t end, float scale, float *scores,    \
                                         float *out) {                                                   \
+        const T *keys = keys_, *values = values_;                                                       \
         __m512 qv[CHUNKS], acc[CHUNKS];                                                                 \
         _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                       \
             qv[d] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * d), _mm512_set1_ps(scale));                  \
@@ -193,11 +213,11 @@ static inline __m512 sum16x16(const __m512 *v) {
                     *slot = _mm512_setzero_ps();                                                        \
                     continue;                                                                           \
                 }                                                                                       \
-                const float *k = keys + (c0 + j) * row;                                                 \
-                __m512 even = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k)), odd = _mm512_setzero_ps();      \
+                const T *k = keys + (c0 + j) * row;                                                     \
+                __m512 even = _mm512_mul_ps(qv[0], LOAD(k)), odd = _mm512_setzero_ps();      \
                 _Pragma("GCC unroll 8") for (int d = 1; d < CHUNKS; d++) {                             \
-                    if (d % 2) odd = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(k + 16 * d), odd);          \
-                    else even = _mm512_fmadd_ps(qv[d], _mm512_loadu_ps(k + 16 * d), even);              \
+                    if (d % 2) odd = _mm512_fmadd_ps(qv[d], LOAD(k + 16 * d), odd);          \
+                    else even = _mm512_fmadd_ps(qv[d], LOAD(k + 16 * d), even);              \
                 }                                                                                       \
                 *slot = _mm512_add_ps(even, odd);                                                       \
             }                                                                                           \
@@ -225,42 +245,58 @@ static inline __m512 sum16x16(const __m512 *v) {
         }                                                                                               \
         _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++) acc[d] = _mm512_setzero_ps();         \
         for (int64_t j = 0; j < count; j++) {                                                           \
-            const float *v = values + (int64_t)columns[j] * row;                                        \
+            const T *v = values + (int64_t)columns[j] * row;                                            \
             __m512 p = _mm512_set1_ps(scores[j]);                                                       \
             _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                   \
-                acc[d] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * d), acc[d]);                       \
+                acc[d] = _mm512_fmadd_ps(p, LOAD(v + 16 * d), acc[d]);                       \
         }                                                                                               \
         __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));                            \
         _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                       \
             _mm512_storeu_ps(out + 16 * d, _mm512_mul_ps(acc[d], inverse));                             \
     }
 
-ATTEND_ROW_512(1)  /* 16 */
-ATTEND_ROW_512(2)  /* 32 */
-ATTEND_ROW_512(4)  /* 64 */
-ATTEND_ROW_512(8)  /* 128 */
+ATTEND_ROW_512(1, f32, float, LOAD16_F32)  /* 16 */
+ATTEND_ROW_512(2, f32, float, LOAD16_F32)  /* 32 */
+ATTEND_ROW_512(4, f32, float, LOAD16_F32)  /* 64 */
+ATTEND_ROW_512(8, f32, float, LOAD16_F32)  /* 128 */
+ATTEND_ROW_512(1, bf16, uint16_t, LOAD16_BF16)
+ATTEND_ROW_512(2, bf16, uint16_t, LOAD16_BF16)
+ATTEND_ROW_512(4, bf16, uint16_t, LOAD16_BF16)
+ATTEND_ROW_512(8, bf16, uint16_t, LOAD16_BF16)
 #endif
 
-typedef void (*attend_row_fn)(const float *, const float *, const float *, int64_t, const uint8_t *, int64_t, float,
+typedef void (*attend_row_fn)(const float *, const void *, const void *, int64_t, const uint8_t *, int64_t, float,
                               float *, float *);
 
-/* out [B, W, H, D] (contiguous: the layout the output projection reads) from q [B, H, W, D] (strides
- * q_b, q_h, q_w; D contiguous), keys and values [B, KVH, columns, D] (strides kv_b, kv_h; a column
- * D floats on, D contiguous), mask [B, W, end] (contiguous, nonzero: may attend). Returns 0, or -1
- * where D is not 8, 16, 32, 64 or 128 (native.HEAD_DIMS), or scratch memory runs out. Rows are
- * split among `threads` threads by (batch, key/value head). */
-int attend(const float *q, int64_t q_b, int64_t q_h, int64_t q_w, const float *keys, const float *values,
-           int64_t kv_b, int64_t kv_h, const uint8_t *mask, float *out, int64_t B, int64_t H, int64_t KVH, int64_t W,
-           int64_t end, int64_t D, float scale, int threads) {
+static attend_row_fn row_kernel(int64_t D, int kv_bf16) {
 #ifdef __AVX512F__
-    attend_row_fn attend_row = D == 8 ? attend_row_1 : D == 16 ? attend_row_512_1 : D == 32 ? attend_row_512_2
-                              : D == 64 ? attend_row_512_4 : D == 128 ? attend_row_512_8 : 0;
+    if (kv_bf16)
+        return D == 8 ? attend_row_bf16_1 : D == 16 ? attend_row_512_bf16_1 : D == 32 ? attend_row_512_bf16_2
+             : D == 64 ? attend_row_512_bf16_4 : D == 128 ? attend_row_512_bf16_8 : 0;
+    return D == 8 ? attend_row_f32_1 : D == 16 ? attend_row_512_f32_1 : D == 32 ? attend_row_512_f32_2
+         : D == 64 ? attend_row_512_f32_4 : D == 128 ? attend_row_512_f32_8 : 0;
 #else
-    attend_row_fn attend_row = D == 8 ? attend_row_1 : D == 16 ? attend_row_2 : D == 32 ? attend_row_4
-                              : D == 64 ? attend_row_8 : D == 128 ? attend_row_16 : 0;
+    if (kv_bf16)
+        return D == 8 ? attend_row_bf16_1 : D == 16 ? attend_row_bf16_2 : D == 32 ? attend_row_bf16_4
+             : D == 64 ? attend_row_bf16_8 : D == 128 ? attend_row_bf16_16 : 0;
+    return D == 8 ? attend_row_f32_1 : D == 16 ? attend_row_f32_2 : D == 32 ? attend_row_f32_4
+         : D == 64 ? attend_row_f32_8 : D == 128 ? attend_row_f32_16 : 0;
 #endif
+}
+
+/* out [B, W, H, D] (contiguous: the layout the output projection reads) from q [B, H, W, D] (strides
+ * q_b, q_h, q_w; D contiguous), keys and values [B, KVH, columns, D] (strides kv_b, kv_h in
+ * elements: float32, or bfloat16 where kv_bf16; a column D elements on, D contiguous), mask
+ * [B, W, end] (contiguous, nonzero: may attend). Returns 0, or -1 where D is not 8, 16, 32, 64 or
+ * 128 (native.HEAD_DIMS), or scratch memory runs out. Rows are split among `threads` threads by
+ * (batch, key/value head). */
+int attend(const float *q, int64_t q_b, int64_t q_h, int64_t q_w, const void *keys, const void *values,
+           int64_t kv_b, int64_t kv_h, int kv_bf16, const uint8_t *mask, float *out, int64_t B, int64_t H,
+           int64_t KVH, int64_t W, int64_t end, int64_t D, float scale, int threads) {
+    attend_row_fn attend_row = row_kernel(D, kv_bf16);
     if (!attend_row || H % KVH) return -1;
     int64_t group = H / KVH;
+    size_t element = kv_bf16 ? sizeof(uint16_t) : sizeof(float);
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
     {
@@ -275,7 +311,8 @@ int attend(const float *q, int64_t q_b, int64_t q_h, int64_t q_w, const float *k
                 continue;
             }
             int64_t b = bk / KVH, kvh = bk % KVH;
-            const float *k = keys + b * kv_b + kvh * kv_h, *v = values + b * kv_b + kvh * kv_h;
+            size_t at = (size_t)(b * kv_b + kvh * kv_h) * element;
+            const void *k = (const char *)keys + at, *v = (const char *)values + at;
             for (int64_t h = kvh * group; h < (kvh + 1) * group; h++)
                 for (int64_t i = 0; i < W; i++)
                     attend_row(q + b * q_b + h * q_h + i * q_w, k, v, D, mask + (b * W + i) * end, end, scale,

@@ -31,15 +31,15 @@ int panel_int8(const float *x, int64_t M, int64_t K, const int8_t *packed, const
 int panel_fp16(const float *x, int64_t M, int64_t K, const _Float16 *packed, int64_t N, float weight_unscale,
                const float *bias, float *y, int threads);
 #endif
-int attend(const float *q, int64_t q_b, int64_t q_h, int64_t q_w, const float *keys, const float *values,
-           int64_t kv_b, int64_t kv_h, const uint8_t *mask, float *out, int64_t B, int64_t H, int64_t KVH, int64_t W,
-           int64_t end, int64_t D, float scale, int threads);
+int attend(const float *q, int64_t q_b, int64_t q_h, int64_t q_w, const void *keys, const void *values,
+           int64_t kv_b, int64_t kv_h, int kv_bf16, const uint8_t *mask, float *out, int64_t B, int64_t H,
+           int64_t KVH, int64_t W, int64_t end, int64_t D, float scale, int threads);
 void add_rms_norm(float *x, const float *delta, int64_t rows, int64_t n, const float *weight, float eps, float *out,
                   int threads);
 void silu_mul(const float *h, int64_t rows, int64_t n, float *out, int threads);
 int rope_write(float *qkv, int64_t B, int64_t W, int64_t H, int64_t KVH, int64_t D, const int64_t *positions,
-               const int64_t *columns, const float *cos, const float *signed_sin, float *keys, float *values,
-               int64_t kv_b, int64_t kv_h, int threads);
+               const int64_t *columns, const float *cos, const float *signed_sin, void *keys, void *values,
+               int64_t kv_b, int64_t kv_h, int kv_bf16, int threads);
 
 /* One linear layer as specbatch.native.PanelLinear packs it; `form` says which kernel reads it. */
 enum { FORM_F32 = 0, FORM_BF16_WEIGHTS = 1, FORM_BF16_DOT = 2, FORM_FP16_DOT = 3, FORM_INT8_DOT = 4 };
@@ -94,14 +94,15 @@ int panel_linear_multiply(const panel_linear *l, const float *x, int64_t M, floa
  * specbatch.llama.LlamaForward's loop: x is updated in place (the residual stream, last layer's
  * MLP output not yet added), `out` [B, W, hidden] receives the final norm of x after it. Layer i's
  * keys and values live at kv + i * kv_layer and kv + i * kv_layer + kv_values, [B, KVH, columns, D]
- * with strides kv_b, kv_h (a column D floats on); token (b, i) sits at positions[b, i], writes
+ * with strides kv_b, kv_h (all in elements: float32, or bfloat16 where kv_bf16; a column D
+ * elements on); token (b, i) sits at positions[b, i], writes
  * column columns[b, i] and attends where seen[b, i, :end] is nonzero. Every layer has H query and
  * KVH key/value heads of D, and `intermediate` MLP features. Returns 0, or nonzero where a kernel
  * refuses (a head_dim attention.c or rope_write lacks, a form this build lacks) or memory runs out. */
 int decoder_layers(float *x, int64_t B, int64_t W, const decoder_layer *layers, int64_t count, int64_t H,
                    int64_t KVH, int64_t D, int64_t intermediate, const int64_t *positions, const int64_t *columns,
-                   const float *cos, const float *signed_sin, float *kv, int64_t kv_layer, int64_t kv_values,
-                   int64_t kv_b, int64_t kv_h, const uint8_t *seen, int64_t end, const float *final_norm,
+                   const float *cos, const float *signed_sin, void *kv, int64_t kv_layer, int64_t kv_values,
+                   int64_t kv_b, int64_t kv_h, int kv_bf16, const uint8_t *seen, int64_t end, const float *final_norm,
                    float final_eps, float *out, int threads) {
     if (count < 1) return -1;
     int64_t M = B * W, hidden = layers[0].qkv.in_features, width = (H + 2 * KVH) * D;
@@ -114,15 +115,16 @@ int decoder_layers(float *x, int64_t B, int64_t W, const decoder_layer *layers, 
     const float *added = NULL; /* what the last layer adds to x (none before the first) */
     for (int64_t i = 0; i < count && !status; i++) {
         const decoder_layer *layer = layers + i;
-        float *keys = kv + i * kv_layer, *values = keys + kv_values;
+        size_t element = kv_bf16 ? sizeof(uint16_t) : sizeof(float);
+        char *keys = (char *)kv + (size_t)(i * kv_layer) * element, *values = keys + (size_t)kv_values * element;
         add_rms_norm(x, added, M, hidden, layer->norm_in, layer->eps, h, threads);
         if ((status = panel_linear_multiply(&layer->qkv, h, M, qkv, threads))) break;
         if ((status = rope_write(qkv, B, W, H, KVH, D, positions, columns, cos, signed_sin, keys, values, kv_b, kv_h,
-                                 threads)))
+                                 kv_bf16, threads)))
             break;
         /* The rotated queries in place in qkv: [B, H, W, D] with strides (W * width, D, width). */
-        if ((status = attend(qkv, W * width, D, width, keys, values, kv_b, kv_h, seen, attn, B, H, KVH, W, end, D,
-                             layer->scale, threads)))
+        if ((status = attend(qkv, W * width, D, width, keys, values, kv_b, kv_h, kv_bf16, seen, attn, B, H, KVH, W,
+                             end, D, layer->scale, threads)))
             break;
         if ((status = panel_linear_multiply(&layer->o, attn, M, projected, threads))) break;
         add_rms_norm(x, projected, M, hidden, layer->norm_post, layer->eps, h, threads);

@@ -98,14 +98,24 @@ static inline void rotate(float *x, const float *cos, const float *signed_sin, i
     for (int64_t j = 0; j < D; j++) x[j] = rotated[j];
 }
 
+/* float32 -> bfloat16, rounded to nearest, ties to even (as torch's .to(torch.bfloat16)); a NaN
+ * stays a (quiet) NaN. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 /* For a fused QKV projection's output qkv [B, W, (H + 2 KVH) * D] (queries, keys, values): rotate
  * the queries in place, and write the rotated keys and the values of token (b, i) into column
- * columns[b, i] of keys and values [B, KVH, columns, D] (strides kv_b, kv_h; a column D floats on).
- * The angles of token (b, i) are row positions[b, i] of cos and signed_sin [positions, D]. Returns
- * 0, or -1 where D is odd or over 256. */
+ * columns[b, i] of keys and values [B, KVH, columns, D] (strides kv_b, kv_h in elements; a column
+ * D elements on), as float32, or rounded to bfloat16 where kv_bf16. The angles of token (b, i) are
+ * row positions[b, i] of cos and signed_sin [positions, D]. Returns 0, or -1 where D is odd or
+ * over 256. */
 int rope_write(float *qkv, int64_t B, int64_t W, int64_t H, int64_t KVH, int64_t D, const int64_t *positions,
-               const int64_t *columns, const float *cos, const float *signed_sin, float *keys, float *values,
-               int64_t kv_b, int64_t kv_h, int threads) {
+               const int64_t *columns, const float *cos, const float *signed_sin, void *keys, void *values,
+               int64_t kv_b, int64_t kv_h, int kv_bf16, int threads) {
     if (D % 2 || D > 256) return -1;
     int64_t width = (H + 2 * KVH) * D;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && B * W * width >= PARALLEL_FLOATS)
@@ -117,9 +127,18 @@ int rope_write(float *qkv, int64_t B, int64_t W, int64_t H, int64_t KVH, int64_t
         for (int64_t g = 0; g < KVH; g++) {
             int64_t at = b * kv_b + g * kv_h + columns[t] * D;
             const float *k = row + (H + g) * D, *v = row + (H + KVH + g) * D;
-            for (int64_t j = 0; j < D; j++) {
-                keys[at + j] = k[j];
-                values[at + j] = v[j];
+            if (kv_bf16) {
+                uint16_t *key = (uint16_t *)keys + at, *value = (uint16_t *)values + at;
+                for (int64_t j = 0; j < D; j++) {
+                    key[j] = to_bf16(k[j]);
+                    value[j] = to_bf16(v[j]);
+                }
+            } else {
+                float *key = (float *)keys + at, *value = (float *)values + at;
+                for (int64_t j = 0; j < D; j++) {
+                    key[j] = k[j];
+                    value[j] = v[j];
+                }
             }
         }
     }
