@@ -11,9 +11,10 @@ SmolLM2-135M at context 128, median of repeats, for batch × new tokens per sequ
 - ``fp32-bf16w-specbatch``: float32 with the weights read as bf16 on that kernel (the embedded
   services' default where the kernel builds and the CPU lacks AVX512_BF16);
 - ``fp32-bf16dot-specbatch`` (CPUs with AVX512_BF16): the linear layers' inputs rounded to bf16
-  too, pairs' products summed in float32 (the embedded services' default there without AVX512_FP16);
+  too, pairs' products summed in float32, keys and values kept in bf16 (the embedded services'
+  default there without AVX512_FP16);
 - ``fp32-fp16dot-specbatch`` (CPUs with AVX512_FP16): weights and inputs in float16, products
-  summed in float16 in runs of 32 (the embedded services' default there);
+  summed in float16 in runs of 32, keys and values in bf16 (the embedded services' default there);
 - ``bf16-specbatch`` (only on CPUs with native bf16, where ``--dtype auto`` picks it): bf16 with
   oneDNN-prepacked weights;
 Then the ratios the issue sets as targets, for the engine the embedded services run here,
@@ -119,14 +120,15 @@ def main() -> int:
     if native.available():
         engines["fp32-bf16w-specbatch"] = Engine(fp32, bf16_weights=True)
     if native.bf16_dot_available():
-        engines["fp32-bf16dot-specbatch"] = Engine(fp32, bf16_dot=True)
+        engines["fp32-bf16dot-specbatch"] = Engine(fp32, bf16_dot=True, kv_bf16=True)
     if native.fp16_dot_available():
-        engines["fp32-fp16dot-specbatch"] = Engine(fp32, fp16_dot=True)
+        engines["fp32-fp16dot-specbatch"] = Engine(fp32, fp16_dot=True, kv_bf16=True)
     # The embedded form with its decoder layers called one kernel at a time from Python, as before
     # they ran in one C call (specbatch/native/decoder.c): what that call saves.
     for name, engine in list(engines.items()):
         if name.startswith("fp32-") and "dot" in name:
-            engines[f"{name}-python-loop"] = loop = Engine(fp32, bf16_dot="bf16dot" in name, fp16_dot="fp16dot" in name)
+            engines[f"{name}-python-loop"] = loop = Engine(fp32, bf16_dot="bf16dot" in name, fp16_dot="fp16dot" in name,
+                                                           kv_bf16=True)
             loop.forward.decoder_layers = None
     native_bf16 = onednn_bf16_available()
     if native_bf16:  # without it bf16 multiplies are emulated: slower than fp32, and never picked

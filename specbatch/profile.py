@@ -18,9 +18,9 @@ The document is versioned JSON (docs/profile.md describes every field):
 (1 + expected accepted drafts), the latter from ``acceptance_by_position`` pooled over the whole
 measurement. Pooling keeps every cell's estimate on the same thousands of drafted tokens instead
 of the few dozen steps of that cell; acceptance does not depend on batch size (greedy), and the
-step times in each cell are measured directly. ``best_k`` is the k of lowest ``ms_per_token`` per
-batch size. It may be edited by hand: the ``profile`` policy follows ``best_k``, while
-``goodput`` works from the table.
+step times in each cell are measured directly. ``best_k`` is, per batch size, the smallest k whose
+``ms_per_token`` is within ``NEAR_BEST`` of the lowest (see there). It may be edited by hand: the
+``profile`` policy follows ``best_k``, while ``goodput`` works from the table.
 """
 
 from __future__ import annotations
@@ -33,6 +33,13 @@ from pathlib import Path
 FORMAT = "specbatch-profile"
 VERSION = 1
 CELL_TIMES = ("draft_ms", "target_ms", "step_ms")
+# best_k takes the smallest k whose ms_per_token is within this fraction of the batch size's lowest:
+# as fast as the profile can tell, with less work thrown away when drafts miss. A profile's close
+# cells are inside its own resolution: three measurements of the embedded bf16-dot profile on one
+# machine put batch 1's k = 4 at -3.8 %, +1.3 % and +2.9 % against k = 3, and the served benchmark
+# (prompt lookup on) read k = 3 ahead of k = 4 in four runs of four (by 0.3-4.3 %; docs/profile.md
+# 6k). Cells 5 % apart or more keep the faster k.
+NEAR_BEST = 0.05
 
 
 class ProfileError(ValueError):
@@ -159,6 +166,12 @@ def load_profile(path: str | Path) -> Profile:
     return _parse(data, f"profile {path}")
 
 
+def best_k_of(ms_per_token: list[float]) -> int:
+    """The smallest k whose ms_per_token (indexed by k) is within NEAR_BEST of the lowest."""
+    lowest = min(ms_per_token)
+    return next(k for k, ms in enumerate(ms_per_token) if ms <= lowest * (1 + NEAR_BEST))
+
+
 def build_profile(batch_sizes, max_k: int, acceptance: list[float], times: dict[tuple[int, int], dict],
                   **about) -> Profile:
     """A profile from measured times per (batch size, k) and pooled acceptance per position:
@@ -167,8 +180,7 @@ def build_profile(batch_sizes, max_k: int, acceptance: list[float], times: dict[
     for (b, k), t in times.items():
         per_token = t["step_ms"] / (b * expected_tokens(acceptance, k))
         cells[b, k] = Cell(b, k, t["draft_ms"], t["target_ms"], t["step_ms"], t["accepted_per_sequence"], per_token)
-    # Ties go to the smaller k: as fast, and less work thrown away when drafts miss.
-    best = {b: min(range(max_k + 1), key=lambda k: (cells[b, k].ms_per_token, k)) for b in batch_sizes}
+    best = {b: best_k_of([cells[b, k].ms_per_token for k in range(max_k + 1)]) for b in batch_sizes}
     return Profile(tuple(batch_sizes), max_k, tuple(acceptance), cells, best, **about)
 
 

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from coordinator.profile_file import ProfileFile
-from specbatch.profile import Profile, ProfileError, build_profile, expected_tokens, load_profile
+from specbatch.profile import (NEAR_BEST, Profile, ProfileError, best_k_of, build_profile, expected_tokens,
+                               load_profile)
 
 
 def synthetic_profile(step_ms, acceptance, sizes=(1, 2, 4, 8, 16, 32), **about) -> Profile:
@@ -62,11 +63,22 @@ def test_best_k_falls_as_the_batch_grows():
     profile = synthetic_profile(gpu_like, [0.8, 0.75, 0.7, 0.65, 0.6, 0.55])
     best = [profile.best_k[b] for b in profile.batch_sizes]
     assert best == sorted(best, reverse=True)
-    assert best[0] >= 4 and best[-1] <= 1
-    # best_k is the argmin of ms_per_token
+    assert best[0] >= 3 and best[-1] <= 1
+    # best_k is the smallest k within NEAR_BEST of the lowest ms_per_token
     for b in profile.batch_sizes:
         row = [profile.cells[b, k].ms_per_token for k in range(profile.max_k + 1)]
-        assert row[profile.best_k[b]] == min(row)
+        best = profile.best_k[b]
+        assert row[best] <= min(row) * (1 + NEAR_BEST) and all(ms > min(row) * (1 + NEAR_BEST) for ms in row[:best])
+
+
+@pytest.mark.parametrize("row, best", [
+    ([10.0, 8.0, 7.0, 6.9], 2),  # 1.4 % apart: the smaller k
+    ([10.0, 8.0, 7.0, 6.6], 3),  # 6 % apart: the faster one
+    ([10.0, 8.0, 8.0, 9.0], 1),  # a tie
+    ([5.0, 5.2, 4.9, 6.0], 0),  # within 5 % of the lowest, k = 0 first
+])
+def test_best_k_is_the_smallest_within_the_profiles_resolution(row, best):
+    assert best_k_of(row) == best
 
 
 def test_interpolation_between_profiled_sizes():
