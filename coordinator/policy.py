@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specbatch.speculation import tally_positions
-from specbatch.profile import NEAR_BEST, expected_tokens
+from specbatch.profile import expected_tokens
 
 from .profile_file import ProfileFile
 
@@ -159,14 +159,11 @@ class Goodput:
         return range(max(0, min(most, min(self._profile.max_k, self.max_k) - k)) + 1 if k else 1)
 
     def _best(self, batch_size: int, acceptance) -> tuple[int, int]:
-        """The smallest (k, then leaves) whose expected tokens per millisecond are within the
-        profile's resolution (``specbatch.profile.NEAR_BEST``) of the most: as fast as the table can
-        tell, and less work thrown away when drafts miss (the rule ``best_k`` follows)."""
+        """The (k, leaves) of most expected tokens per millisecond. Ties go to the smaller k, then to
+        fewer leaves: as fast, and less work thrown away when drafts miss."""
         choices = [(k, leaves) for k in range(min(self._profile.max_k, self.max_k) + 1)
                    for leaves in self._leaf_choices(k, len(self.leaf_ranks.sums))]
-        rates = {choice: self.goodput(batch_size, choice[0], acceptance, choice[1]) for choice in choices}
-        most = max(rates.values())
-        return min(choice for choice, rate in rates.items() if rate * (1 + NEAR_BEST) >= most)
+        return max(choices, key=lambda c: (self.goodput(batch_size, c[0], acceptance, c[1]), -c[0], -c[1]))
 
     def best_k(self, batch_size: int, acceptance) -> int:
         return self._best(batch_size, acceptance)[0]
