@@ -17,7 +17,7 @@ from specbatch.commands.distill import DistillConfig, distill
 from specbatch.eagle import draft_from_target, reads_target_features
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
 from target_service.verifier import VerifyItem, verify
-from tiny import EOS, VOCAB, greedy_reference
+from tiny import EOS, VOCAB, greedy_mixed_batch, greedy_reference
 
 SMALL = DistillConfig(prompts=24, max_new_tokens=24, max_prompt_tokens=24, corpus_tokens=400, corpus_max_tokens=40,
                       data_batch=12, draft_vocab=64, steps=60, batch_sequences=8, lr=3e-3, checkpoint_every=20,
@@ -226,13 +226,7 @@ def test_bf16_weights_speculate_exactly_against_their_own_target_only_decoding(t
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=8, max_new_tokens=64,
                               target_engine_options={form: True}, draft_engine_options={form: True})
     try:
-        rng = random.Random(11)
-        prompts = [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(6)]
-        outputs = {}
-        for k in (0, 3):
-            results = generate_all(stack.client(), [make_request(p, 30, k=k, ignore_eos=True, leaves=1) for p in prompts],
-                                   concurrency=len(prompts))
-            outputs[k] = [r.token_ids for r in results]
+        outputs = {k: [r.token_ids for r in greedy_mixed_batch(stack, seed=11, k=k)] for k in (0, 3)}
         assert outputs[3] == outputs[0]
         assert getattr(stack.target_engines[0].forward.layers[0].down, form)
         assert getattr(stack.draft_engines[0].forward.fuse, form)

@@ -5,27 +5,15 @@ each other, so speculation stays exact against target-only decoding with the sam
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from specbatch import native
-from specbatch.client import generate_all, make_request
 from specbatch.engine import Engine, SequenceInput
 from specbatch.llama import _signed_sin
-from tests.tiny import VOCAB, tiny_llama
+from tests.tiny import greedy_mixed_batch, tiny_llama, with_threads
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no CPU kernels here: {native.unavailable_reason()}")
-
-
-def _with_threads(threads: int, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("head_dim", native.HEAD_DIMS)
@@ -41,7 +29,7 @@ def test_attention_over_bf16_keys_is_attention_over_their_float32_values(head_di
     mask = torch.rand(batch, 1, width, end, generator=generator) < 0.8
     mask[..., 0] = True
     attention = native.Attention(mask)
-    ours = _with_threads(threads, lambda: attention(q, keys, values, head_dim**-0.5))
+    ours = with_threads(threads, lambda: attention(q, keys, values, head_dim**-0.5))
     widened = pool.float()
     theirs = attention(q, widened[0, 1:, :, :end], widened[1, 1:, :, :end], head_dim**-0.5)
     assert torch.equal(ours, theirs)
@@ -75,7 +63,7 @@ def test_rope_writes_keys_and_values_rounded_as_torch_rounds_them(threads):
     pools = {dtype: torch.zeros(2, 1, kv_heads, width + 1, head_dim, dtype=dtype) for dtype in native.KV_DTYPES}
     for dtype, pool in pools.items():
         rope = native.Rope(positions, positions, cos, _signed_sin(sin).contiguous())
-        _with_threads(threads, lambda: rope(qkv.clone(), heads, kv_heads, pool[0], pool[1]))
+        with_threads(threads, lambda: rope(qkv.clone(), heads, kv_heads, pool[0], pool[1]))
     rounded = pools[torch.float32].bfloat16()
     written = pools[torch.bfloat16]
     assert torch.equal(written.view(torch.int16)[~written.isnan()], rounded.view(torch.int16)[~rounded.isnan()])
@@ -141,14 +129,8 @@ def test_speculation_with_bf16_keys_and_values_is_its_own_target_only_decoding(t
     try:
         assert stack.target_engines[0].pool.kv.dtype == torch.bfloat16
         assert stack.draft_engines[0].pool.kv.dtype == torch.bfloat16
-        rng = random.Random(12)
-        prompts = [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(6)]
-        outputs = {}
-        for k in (0, 3):
-            results = generate_all(stack.client(), [make_request(p, 30, k=k, ignore_eos=True, leaves=1) for p in prompts],
-                                   concurrency=len(prompts))
-            outputs[k] = [r.token_ids for r in results]
-            assert k == 0 or sum(r.stats.draft_tokens_accepted for r in results) > 0
-        assert outputs[3] == outputs[0]
+        speculative = greedy_mixed_batch(stack, seed=12, k=3)
+        assert sum(r.stats.draft_tokens_accepted for r in speculative) > 0
+        assert [r.token_ids for r in speculative] == [r.token_ids for r in greedy_mixed_batch(stack, seed=12, k=0)]
     finally:
         stack.stop()

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from specbatch import native
 from specbatch.engine import Engine, SequenceInput
 from specbatch.linear import fused, linear
-from tests.tiny import VOCAB, tiny_llama
+from tests.tiny import VOCAB, tiny_llama, with_threads as _with_threads
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no panel kernel here: {native.unavailable_reason()}")
 
@@ -394,15 +394,6 @@ def test_projections_off_the_panel_kernel_keep_the_python_loop(monkeypatch):
 
 
 # ---- a layer's small operations (layer_ops.c) ---------------------------------------------------------
-
-def _with_threads(threads: int, fn):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return fn()
-    finally:
-        torch.set_num_threads(before)
-
 
 @pytest.mark.parametrize("rows,n", [(1, 576), (3, 64), (5, 37), (300, 576)])
 def test_add_rms_norm_adds_in_place_and_normalises(rows, n):

@@ -226,6 +226,22 @@ def test_embedded_draft_runs_int8_where_the_services_run_float32_on_a_cpu(monkey
     assert launcher.draft_int8_weights(StackOptions(**options)) is int8
 
 
+def _spawned_on_a_cpu_with(monkeypatch, dot, options: dict) -> dict:
+    """The flags the launcher gives each service (module -> args) with the engine's kernels built
+    and dot products as ``dot`` says (True: bf16, "fp16": float16 too, False: neither)."""
+    import specbatch.commands.launcher as launcher
+
+    monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: True)
+    monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: True)
+    monkeypatch.setattr(launcher, "bf16_dot_expected", lambda: bool(dot))
+    monkeypatch.setattr(launcher, "fp16_dot_expected", lambda: dot == "fp16")
+    monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
+    spawned = {}
+    LocalProcesses(StackOptions(k_policy="fixed:3", **options),
+                   lambda module, args, env: spawned.setdefault(module, args)).start()
+    return spawned
+
+
 @pytest.mark.parametrize("dot, options, target_flags, draft_flags", [
     (False, {}, ["--dtype", "float32", "--bf16-weights"], ["--dtype", "float32", "--int8-weights"]),
     (False, {"draft_int8_weights": False}, ["--dtype", "float32", "--bf16-weights"],
@@ -246,16 +262,7 @@ def test_embedded_services_read_bf16_weights_in_float32_where_the_panel_kernel_b
     """With the panel kernel, the embedded target and draft run float32 with bf16 weights unless a
     dtype is asked for, on float16 products where the CPU has AVX512_FP16, else on bf16 dot products
     where it has AVX512_BF16 (the draft int8 where that is on: it reads a quarter of the bytes)."""
-    import specbatch.commands.launcher as launcher
-
-    monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: True)
-    monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: True)
-    monkeypatch.setattr(launcher, "bf16_dot_expected", lambda: bool(dot))
-    monkeypatch.setattr(launcher, "fp16_dot_expected", lambda: dot == "fp16")
-    monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
-    spawned = {}
-    LocalProcesses(StackOptions(k_policy="fixed:3", **options),
-                   lambda module, args, env: spawned.setdefault(module, args)).start()
+    spawned = _spawned_on_a_cpu_with(monkeypatch, dot, options)
     for module, expected in (("target_service", target_flags), ("draft_service", draft_flags)):
         flags = [flag for flag in spawned[module] if flag in ("--dtype", "float32", "bf16", "--bf16-weights",
                                                                 "--bf16-dot", "--fp16-dot", "--int8-weights")]
@@ -269,16 +276,7 @@ def test_embedded_services_keep_bf16_keys_and_values_where_their_layers_run_on_d
                                                                                           kv_bf16):
     """Where the layers' inputs are rounded to 16 bits (bf16 or float16 dot products), both services
     keep their keys and values in bf16 too unless told otherwise; elsewhere only when asked."""
-    import specbatch.commands.launcher as launcher
-
-    monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: True)
-    monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: True)
-    monkeypatch.setattr(launcher, "bf16_dot_expected", lambda: bool(dot))
-    monkeypatch.setattr(launcher, "fp16_dot_expected", lambda: dot == "fp16")
-    monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
-    spawned = {}
-    LocalProcesses(StackOptions(k_policy="fixed:3", **options),
-                   lambda module, args, env: spawned.setdefault(module, args)).start()
+    spawned = _spawned_on_a_cpu_with(monkeypatch, dot, options)
     for module in ("target_service", "draft_service"):
         assert ("--kv-bf16" in spawned[module]) is kv_bf16, (module, spawned[module])
 

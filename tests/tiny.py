@@ -113,3 +113,26 @@ def decode_while_the_draft_forgets(stack, target_model, prompt: list[int], max_n
                       on_response=forget_every_third)
     assert result.token_ids == greedy_reference(target_model, prompt, max_new_tokens)
     return len(forget_every_third.responses)
+
+
+def with_threads(threads: int, fn):
+    """``fn()`` with torch's intra-op thread count set to ``threads``, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
+def greedy_mixed_batch(stack, seed: int, k: int, prompts: int = 6) -> list:
+    """Six short random prompts (seeded) decoded greedily together through ``stack`` at ``k``, with
+    one leaf: the results, in prompt order."""
+    import random
+
+    from specbatch.client import generate_all, make_request
+
+    rng = random.Random(seed)
+    chosen = [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(prompts)]
+    return generate_all(stack.client(), [make_request(p, 30, k=k, ignore_eos=True, leaves=1) for p in chosen],
+                        concurrency=len(chosen))
