@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..client import connect, generate, generate_all, make_request
-from .launcher import LocalProcesses, services_cpu_form, stack_options
+from .launcher import LocalProcesses, kv_bf16, services_cpu_form, stack_options
 from ..prompts import CHAT_PROMPTS
 
 
@@ -40,7 +40,8 @@ def run_demo(args) -> int:
                   f"{'yes' if alone.token_ids == result.token_ids else 'no'} |", flush=True)
         form = services_cpu_form(processes.options) if processes.options.device in (None, "cpu") else ""
         if form.startswith("float32+"):  # the engine's own kernels: a row's bits never depend on the batch
-            print(f"(the services run {form}, row-exact: the two must be the same tokens)\n", flush=True)
+            kv = ", keys and values in bf16" if kv_bf16(processes.options) else ""
+            print(f"(the services run {form}{kv}, row-exact: the two must be the same tokens)\n", flush=True)
         else:
             print("(where a multiply's results depend on its row count, as bf16's on oneDNN do, the two may part "
                   "where the target's two best tokens nearly tie: docs/engine.md)\n", flush=True)
