@@ -223,10 +223,10 @@ def kv_bf16(options: StackOptions) -> bool:
     """Whether both model services keep their keys and values in bf16 (``--kv-bf16``): as asked,
     else for the embedded models wherever their linear layers run on bf16 or float16 dot products,
     whose inputs are rounded to 16 bits already (other models may have forwards without the
-    engine's attention kernel, which refuse the flag). From batch 8 on a step reads its keys and values from memory; on the
-    2-core EPYC (bf16 dot products) target-only decoding at 32 requests of 256 new tokens served
-    417 -> 481 tok/s, while greedy outputs left the float32 cache's only at top-2 logit gaps below
-    0.05 (23 of 64 held-out prompts, docs/engine.md)."""
+    engine's attention kernel, which refuse the flag). From batch 8 on a step reads its keys and
+    values from memory; on the 2-core EPYC (bf16 dot products) target-only decoding at 32 requests
+    of 256 new tokens served 417 -> 481 tok/s, while greedy outputs left the float32 cache's only
+    at top-2 logit gaps below 0.05 (23 of 64 held-out prompts, docs/engine.md)."""
     if options.kv_bf16 is not None:
         return options.kv_bf16
     return embedded_on_cpu(options) and (bf16_dot(options) or fp16_dot(options))

@@ -507,8 +507,8 @@ class Rope:
         """``qkv`` ``[batch, width, (heads + 2 kv_heads) * head_dim]``: rotated keys and the values
         are written into ``keys`` and ``values`` ``[batch, kv_heads, columns, head_dim]`` (the same
         strides and dtype, float32 or bfloat16 (rounded to nearest even); a column's head_dim
-        elements contiguous); returns the rotated queries, ``[batch,
-        heads, width, head_dim]``, a view into ``qkv`` (rotated in place)."""
+        elements contiguous); returns the rotated queries, ``[batch, heads, width, head_dim]``, a
+        view into ``qkv`` (rotated in place)."""
         head_dim = self.cos.shape[1]
         _float32_rows("rope", qkv)
         if (qkv.shape != (self.batch, self.width, (heads + 2 * kv_heads) * head_dim) or keys.stride() != values.stride()

@@ -72,18 +72,19 @@ static inline float sum8(__m256 v) {
  * so that the query and the output's sums stay in registers. */
 /* 8 (16) keys' or values' elements widened to float32: float32 as it is, bfloat16 by its bits. */
 #define LOAD8_F32(p) _mm256_loadu_ps(p)
-#define LOAD8_BF16(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define LOAD8_BF16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define LOAD16_F32(p) _mm512_loadu_ps(p)
 #define LOAD16_BF16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 
 #define ATTEND_ROW(CHUNKS, KV, T, LOAD)                                                                 \
     static void attend_row_##KV##_##CHUNKS(const float *q, const void *keys_, const void *values_, int64_t row, \
-                                    const uint8_t *seen, int64_t end, float scale, float *scores,        \
+                                    const uint8_t *seen, int64_t end, float scale, float *scores,       \
                                     float *out) {                                                       \
         const T *keys = keys_, *values = values_;                                                       \
         __m256 qv[CHUNKS], acc[CHUNKS];                                                                 \
-        _Pragma("GCC unroll 32") for (int d = 0; d < CHUNKS; d++)                                      \
+        _Pragma("GCC unroll 32") for (int d = 0; d < CHUNKS; d++)                                       \
             qv[d] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * d), _mm256_set1_ps(scale));                   \
         int32_t *columns = (int32_t *)(scores + end + 8);                                               \
         int64_t count = 0;                                                                              \
@@ -91,10 +92,10 @@ static inline float sum8(__m256 v) {
         for (int64_t c = 0; c < end; c++) {                                                             \
             if (!seen[c]) continue;                                                                     \
             const T *k = keys + c * row;                                                                \
-            __m256 even = _mm256_mul_ps(qv[0], LOAD(k)), odd = _mm256_setzero_ps();          \
-            _Pragma("GCC unroll 32") for (int d = 1; d < CHUNKS; d++) {                                \
-                if (d % 2) odd = _mm256_fmadd_ps(qv[d], LOAD(k + 8 * d), odd);               \
-                else even = _mm256_fmadd_ps(qv[d], LOAD(k + 8 * d), even);                   \
+            __m256 even = _mm256_mul_ps(qv[0], LOAD(k)), odd = _mm256_setzero_ps();                     \
+            _Pragma("GCC unroll 32") for (int d = 1; d < CHUNKS; d++) {                                 \
+                if (d % 2) odd = _mm256_fmadd_ps(qv[d], LOAD(k + 8 * d), odd);                          \
+                else even = _mm256_fmadd_ps(qv[d], LOAD(k + 8 * d), even);                              \
             }                                                                                           \
             float s = sum8(_mm256_add_ps(even, odd));                                                   \
             scores[count] = s;                                                                          \
@@ -102,7 +103,7 @@ static inline float sum8(__m256 v) {
             top = s > top ? s : top;                                                                    \
         }                                                                                               \
         if (count == 0) {                                                                               \
-            _Pragma("GCC unroll 32") for (int d = 0; d < CHUNKS; d++)                                  \
+            _Pragma("GCC unroll 32") for (int d = 0; d < CHUNKS; d++)                                   \
                 _mm256_storeu_ps(out + 8 * d, _mm256_setzero_ps());                                     \
             return;                                                                                     \
         }                                                                                               \
@@ -115,15 +116,15 @@ static inline float sum8(__m256 v) {
             _mm256_storeu_ps(scores + j, p);                                                            \
             total = _mm256_add_ps(total, p);                                                            \
         }                                                                                               \
-        _Pragma("GCC unroll 32") for (int d = 0; d < CHUNKS; d++) acc[d] = _mm256_setzero_ps();        \
+        _Pragma("GCC unroll 32") for (int d = 0; d < CHUNKS; d++) acc[d] = _mm256_setzero_ps();         \
         for (int64_t j = 0; j < count; j++) {                                                           \
             const T *v = values + (int64_t)columns[j] * row;                                            \
             __m256 p = _mm256_set1_ps(scores[j]);                                                       \
-            _Pragma("GCC unroll 32") for (int d = 0; d < CHUNKS; d++)                                  \
-                acc[d] = _mm256_fmadd_ps(p, LOAD(v + 8 * d), acc[d]);                        \
+            _Pragma("GCC unroll 32") for (int d = 0; d < CHUNKS; d++)                                   \
+                acc[d] = _mm256_fmadd_ps(p, LOAD(v + 8 * d), acc[d]);                                   \
         }                                                                                               \
         __m256 inverse = _mm256_set1_ps(1.0f / sum8(total));                                            \
-        _Pragma("GCC unroll 32") for (int d = 0; d < CHUNKS; d++)                                      \
+        _Pragma("GCC unroll 32") for (int d = 0; d < CHUNKS; d++)                                       \
             _mm256_storeu_ps(out + 8 * d, _mm256_mul_ps(acc[d], inverse));                              \
     }
 
@@ -190,16 +191,16 @@ static inline __m512 sum16x16(const __m512 *v) {
 
 #define ATTEND_ROW_512(CHUNKS, KV, T, LOAD)                                                             \
     static void attend_row_512_##KV##_##CHUNKS(const float *q, const void *keys_, const void *values_, int64_t row, \
-                                        const uint8_t *seen, int64_t end, float scale, float *scores,    \
+                                        const uint8_t *seen, int64_t end, float scale, float *scores,   \
                                         float *out) {                                                   \
         const T *keys = keys_, *values = values_;                                                       \
         __m512 qv[CHUNKS], acc[CHUNKS];                                                                 \
-        _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                       \
+        _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                        \
             qv[d] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * d), _mm512_set1_ps(scale));                  \
         int32_t *columns = (int32_t *)(scores + end + 16);                                              \
         int64_t count = 0;                                                                              \
         __m512 top = _mm512_set1_ps(-INFINITY);                                                         \
-        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);  \
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);   \
         for (int64_t c0 = 0; c0 < end; c0 += 16) {                                                      \
             int64_t width = end - c0 < 16 ? end - c0 : 16;                                              \
             __mmask16 in = (__mmask16)(width == 16 ? 0xffff : (1u << width) - 1);                       \
@@ -214,10 +215,10 @@ static inline __m512 sum16x16(const __m512 *v) {
                     continue;                                                                           \
                 }                                                                                       \
                 const T *k = keys + (c0 + j) * row;                                                     \
-                __m512 even = _mm512_mul_ps(qv[0], LOAD(k)), odd = _mm512_setzero_ps();      \
-                _Pragma("GCC unroll 8") for (int d = 1; d < CHUNKS; d++) {                             \
-                    if (d % 2) odd = _mm512_fmadd_ps(qv[d], LOAD(k + 16 * d), odd);          \
-                    else even = _mm512_fmadd_ps(qv[d], LOAD(k + 16 * d), even);              \
+                __m512 even = _mm512_mul_ps(qv[0], LOAD(k)), odd = _mm512_setzero_ps();                 \
+                _Pragma("GCC unroll 8") for (int d = 1; d < CHUNKS; d++) {                              \
+                    if (d % 2) odd = _mm512_fmadd_ps(qv[d], LOAD(k + 16 * d), odd);                     \
+                    else even = _mm512_fmadd_ps(qv[d], LOAD(k + 16 * d), even);                         \
                 }                                                                                       \
                 *slot = _mm512_add_ps(even, odd);                                                       \
             }                                                                                           \
@@ -229,7 +230,7 @@ static inline __m512 sum16x16(const __m512 *v) {
             top = _mm512_mask_max_ps(top, visible, top, s);                                             \
         }                                                                                               \
         if (count == 0) {                                                                               \
-            _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                   \
+            _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                    \
                 _mm512_storeu_ps(out + 16 * d, _mm512_setzero_ps());                                    \
             return;                                                                                     \
         }                                                                                               \
@@ -243,15 +244,15 @@ static inline __m512 sum16x16(const __m512 *v) {
             _mm512_storeu_ps(scores + j, p);                                                            \
             total = _mm512_add_ps(total, p);                                                            \
         }                                                                                               \
-        _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++) acc[d] = _mm512_setzero_ps();         \
+        _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++) acc[d] = _mm512_setzero_ps();          \
         for (int64_t j = 0; j < count; j++) {                                                           \
             const T *v = values + (int64_t)columns[j] * row;                                            \
             __m512 p = _mm512_set1_ps(scores[j]);                                                       \
-            _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                   \
-                acc[d] = _mm512_fmadd_ps(p, LOAD(v + 16 * d), acc[d]);                       \
+            _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                    \
+                acc[d] = _mm512_fmadd_ps(p, LOAD(v + 16 * d), acc[d]);                                  \
         }                                                                                               \
         __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));                            \
-        _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                       \
+        _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                        \
             _mm512_storeu_ps(out + 16 * d, _mm512_mul_ps(acc[d], inverse));                             \
     }
 

@@ -113,9 +113,9 @@ int decoder_layers(float *x, int64_t B, int64_t W, const decoder_layer *layers, 
     float *gate_up = projected + M * hidden, *act = gate_up + M * 2 * intermediate, *delta = act + M * intermediate;
     int status = 0;
     const float *added = NULL; /* what the last layer adds to x (none before the first) */
+    size_t element = kv_bf16 ? sizeof(uint16_t) : sizeof(float); /* of the KV pool */
     for (int64_t i = 0; i < count && !status; i++) {
         const decoder_layer *layer = layers + i;
-        size_t element = kv_bf16 ? sizeof(uint16_t) : sizeof(float);
         char *keys = (char *)kv + (size_t)(i * kv_layer) * element, *values = keys + (size_t)kv_values * element;
         add_rms_norm(x, added, M, hidden, layer->norm_in, layer->eps, h, threads);
         if ((status = panel_linear_multiply(&layer->qkv, h, M, qkv, threads))) break;
