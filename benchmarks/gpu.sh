@@ -13,6 +13,14 @@
 #
 #   benchmarks/gpu.sh                      # cuda, bfloat16, the default grids (about 10 minutes on one H100)
 #   DEVICE=cpu benchmarks/gpu.sh           # the same commands with small grids and shapes, to check the script
+#   BUNDLE=.gpu LEASE=1 benchmarks/gpu.sh  # a machine with no package index, for a short lease (below)
+#
+# BUNDLE: a folder packed by benchmarks/gpu_bundle.py (wheels, the embedded tokenizer, the profile's
+# prompts) for a machine that has PyTorch but reaches no package index: python3 as found, no .venv.
+# The embedded pair's weights do not travel there, so its shapes are timed with random weights and
+# profiled with the acceptance the shipped CPU profile measured for the real pair (ACCEPTANCE_SMOLLM2).
+# LEASE=1: smaller grids, each step under its own time limit (9 minutes at most), the most
+# wanted numbers first; everything lands under $OUT and in one archive, $OUT/gpu-results.tgz.
 #
 # The acceptance per draft position is an assumption, not a measurement: random weights accept
 # nothing, so the profile combines its measured step times with ACCEPTANCE (conditional, per
@@ -27,6 +35,7 @@ OUT=${OUT:-runs/gpu-$(date -u +%Y%m%dT%H%M%SZ)}
 ACCEPTANCE=${ACCEPTANCE:-0.7,0.7,0.7,0.7,0.7,0.7}
 ACCEPTANCE_FROM=${ACCEPTANCE_FROM:-}
 
+LEASE=${LEASE:-0}
 if [[ $DEVICE == cuda* ]]; then
     TARGET_SHAPE=opt-6.7b DRAFT_SHAPE=opt-125m
     ENGINE_GRID=()  # bench-engine's defaults: batch 1…64 × tokens 1,2,4,8 and k 1…6 at context 512
@@ -37,6 +46,15 @@ if [[ $DEVICE == cuda* ]]; then
     MAX_CONTEXT=768
     PROFILE_OUT=docs/profile/gpu-opt-6.7b.json
     BATCH1=(--prompts 12 --tokens 96)
+    SMOLLM2_GRID=()
+    SMOLLM2_PROFILE_GRID=(--batch-sizes 1,2,4,8,16,32,64 --max-k 6 --steps 16)
+    if [[ $LEASE == 1 ]]; then
+        ENGINE_GRID=(--batch-sizes 1,4,16,32,64 --tokens 1,2,4,8 --ks 1,2,4,6 --repeats 8)
+        SMOLLM2_GRID=(--batch-sizes 1,4,16,64 --tokens 1,2,4,8 --ks 1,2,4,6 --repeats 8)
+        PROFILE_GRID=(--batch-sizes 1,2,4,8,16,32,64 --max-k 6 --steps 8 --rounds 2)
+        SMOLLM2_PROFILE_GRID=(--batch-sizes 1,2,4,8,16,32,64 --max-k 6 --steps 8 --rounds 2)
+        PROFILE_OUT=$OUT/gpu-opt-6.7b.json
+    fi
 else
     # A 6.7B shape does not fit a small CPU box: the draft's shape stands in for the target. Equal
     # shapes get equal (seeded) weights, so this draft agrees with its target: the given
@@ -48,59 +66,106 @@ else
     MAX_CONTEXT=512
     PROFILE_OUT=$OUT/profile-$TARGET_SHAPE.json
     BATCH1=(--prompts 2 --tokens 16)
+    SMOLLM2_GRID=(--batch-sizes 1,2 --tokens 1,4 --ks 1,3 --context 64 --repeats 3 --warmup 1)
+    SMOLLM2_PROFILE_GRID=(--batch-sizes 1,2 --max-k 2 --steps 2 --warmup-steps 1 --max-prompt-tokens 64)
 fi
+ACCEPTANCE_SMOLLM2=${ACCEPTANCE_SMOLLM2:-specbatch/profiles/embedded-cpu-bf16dot.json}
 if [[ -n $ACCEPTANCE_FROM ]]; then
     GIVEN=(--acceptance-from "$ACCEPTANCE_FROM")
 else
     GIVEN=(--acceptance "$ACCEPTANCE")
 fi
 
-# SKIP_SETUP=1 uses the VENV as it is (a machine without PyPI access, with torch already there).
-VENV=${VENV:-.venv}
-if [[ ${SKIP_SETUP:-0} != 1 ]]; then
-    make setup VENV="$VENV"
-fi
-SPECBATCH=$VENV/bin/specbatch
 mkdir -p "$OUT"
-"$VENV/bin/python" -c "import torch; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(),
+BUNDLE=${BUNDLE:-}
+if [[ -n $BUNDLE ]]; then
+    # No .venv: the machine's python3 (with its PyTorch), the bundle's wheels ahead of its packages.
+    SITE=${SITE:-/tmp/specbatch-site}
+    PYTHON=${PYTHON:-python3}
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+        "$BUNDLE"/whl/*.whl
+    export PYTHONPATH=$PWD/$BUNDLE/site:$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
+    export SPECBATCH_CACHE=$PWD/$BUNDLE/cache
+else
+    # SKIP_SETUP=1 uses the VENV as it is (a machine without PyPI access, with torch already there).
+    VENV=${VENV:-.venv}
+    if [[ ${SKIP_SETUP:-0} != 1 ]]; then
+        make setup VENV="$VENV"
+    fi
+    PYTHON=$VENV/bin/python
+fi
+SPECBATCH=("$PYTHON" -m specbatch.commands.cli)
+# The embedded pair: real weights from a setup, their shapes with random weights from a bundle.
+if [[ -n $BUNDLE ]]; then
+    SMOLLM2=(--random-weights --target-model smollm2-135m --draft-model smollm2-135m-instruct-draft)
+else
+    SMOLLM2=(--target-model smollm2-135m-instruct --draft-model smollm2-135m-instruct-draft)
+fi
+
+# step SECONDS COMMAND…: under LEASE=1 each step has a time limit and a failure does not stop the
+# ones after it (a lease is too short to rerun everything for one broken step).
+step() {
+    local limit=$1; shift
+    if [[ $LEASE == 1 ]]; then
+        timeout --kill-after=10 "$limit" "$@" || echo "!! step exited with $? (limit ${limit}s): $*"
+    else
+        "$@"
+    fi
+}
+
+"$PYTHON" -c "import torch; print('torch', torch.__version__, '| cuda', torch.cuda.is_available(),
       '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')" | tee "$OUT/device.txt"
 
-echo "== captured steps: the tests (on a GPU they capture and replay CUDA graphs for real) =="
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/test_captured.py | tee "$OUT/test_captured.txt"
-
-echo "== bench-engine: SmolLM2-135M-Instruct and its embedded draft (real weights) =="
-"$SPECBATCH" bench-engine --device "$DEVICE" --dtype "$DTYPE" \
-    --target-model smollm2-135m-instruct --draft-model smollm2-135m-instruct-draft \
-    "${ENGINE_GRID[@]}" --out "$OUT/engine-smollm2-135m"
-if [[ $DEVICE == cuda* ]]; then
-    echo "== the same without CUDA graphs (--cuda-graphs off): what capture saves =="
-    "$SPECBATCH" bench-engine --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs off \
-        --target-model smollm2-135m-instruct --draft-model smollm2-135m-instruct-draft \
-        --batch-sizes 1,8,32 --tokens 1,4 --ks 1,4 --out "$OUT/engine-smollm2-135m-eager"
-fi
-
+# The most wanted numbers first: under LEASE=1 a step that runs out of time loses only itself.
 echo "== bench-engine: $TARGET_SHAPE / $DRAFT_SHAPE shapes (random weights) =="
-"$SPECBATCH" bench-engine --device "$DEVICE" --dtype "$DTYPE" --random-weights --kv-cache-gb "$KV_GB" \
+step 120 "${SPECBATCH[@]}" bench-engine --device "$DEVICE" --dtype "$DTYPE" --random-weights --kv-cache-gb "$KV_GB" \
     --target-model "$TARGET_SHAPE" --draft-model "$DRAFT_SHAPE" \
     "${ENGINE_GRID[@]}" --out "$OUT/engine-$TARGET_SHAPE"
 
-echo "== attention at long contexts: dense 4D mask, per-row slices, FlexAttention =="
-"$VENV/bin/python" benchmarks/attention.py --device "$DEVICE" --dtype "$DTYPE" --out "$OUT/attention.json" \
-    $([[ $DEVICE == cuda* ]] || echo --no-flex) | tee "$OUT/attention.txt"
+echo "== bench-engine: SmolLM2-135M-Instruct and its embedded draft (${SMOLLM2[0]}) =="
+step 80 "${SPECBATCH[@]}" bench-engine --device "$DEVICE" --dtype "$DTYPE" "${SMOLLM2[@]}" \
+    "${SMOLLM2_GRID[@]}" --out "$OUT/engine-smollm2-135m"
+if [[ $DEVICE == cuda* ]]; then
+    echo "== the same without CUDA graphs (--cuda-graphs off): what capture saves =="
+    step 40 "${SPECBATCH[@]}" bench-engine --device "$DEVICE" --dtype "$DTYPE" --cuda-graphs off "${SMOLLM2[@]}" \
+        --batch-sizes 1,8,32 --tokens 1,4 --ks 1,4 --repeats 5 --out "$OUT/engine-smollm2-135m-eager"
+fi
 
 echo "== profile: $TARGET_SHAPE / $DRAFT_SHAPE shapes, measured step times, given acceptance =="
-"$SPECBATCH" profile --device "$DEVICE" --dtype "$DTYPE" --random-weights --kv-cache-gb "$KV_GB" \
+step 110 "${SPECBATCH[@]}" profile --device "$DEVICE" --dtype "$DTYPE" --random-weights --kv-cache-gb "$KV_GB" \
     --max-context "$MAX_CONTEXT" \
     --target-model "$TARGET_SHAPE" --draft-model "$DRAFT_SHAPE" \
     "${PROFILE_GRID[@]}" "${GIVEN[@]}" --out "$PROFILE_OUT" --heatmap "${PROFILE_OUT%.json}.png" \
     2> >(tee "$OUT/profile.log" >&2) | tee "$OUT/profile.txt"
 
+echo "== profile: the embedded pair through the services =="
+if [[ -n $BUNDLE ]]; then
+    SMOLLM2_GIVEN=(--acceptance-from "$ACCEPTANCE_SMOLLM2")  # random weights accept nothing
+else
+    SMOLLM2_GIVEN=()  # real weights: acceptance measured as it profiles
+fi
+step 90 "${SPECBATCH[@]}" profile --device "$DEVICE" --dtype "$DTYPE" "${SMOLLM2[@]}" --kv-cache-gb 4 \
+    --max-context "$MAX_CONTEXT" "${SMOLLM2_PROFILE_GRID[@]}" "${SMOLLM2_GIVEN[@]}" \
+    --out "$OUT/profile-smollm2-135m.json" --heatmap "$OUT/profile-smollm2-135m.png" \
+    2> >(tee "$OUT/profile-smollm2.log" >&2) | tee "$OUT/profile-smollm2.txt"
+
+echo "== captured steps: the tests (on a GPU they capture and replay CUDA graphs for real) =="
+step 55 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_captured.py | tee "$OUT/test_captured.txt"
+
 echo "== captured steps (CUDA graphs): capture time and graph memory =="
 # bench-engine's tables end with them; the profile's services log them (WARNING) as they start.
-grep -h "captured" "$OUT"/engine-*/bench-engine.md "$OUT/profile.log" 2>/dev/null || true
+grep -h "captured" "$OUT"/engine-*/bench-engine.md "$OUT"/profile*.log 2>/dev/null || true
 
-echo "== batch 1 through the services: target-only against speculative with 0, 1 and 3 leaves =="
-"$VENV/bin/python" benchmarks/batch1.py --no-baseline "${BATCH1[@]}" --leaves 0,1,policy --leaves-most 3 \
-    --out "$OUT/batch1-leaves.json" | tee "$OUT/batch1-leaves.txt"
+echo "== attention at long contexts: dense 4D mask, per-row slices, FlexAttention =="
+step 25 "$PYTHON" benchmarks/attention.py --device "$DEVICE" --dtype "$DTYPE" --out "$OUT/attention.json" \
+    $([[ $DEVICE == cuda* ]] || echo --no-flex) | tee "$OUT/attention.txt"
 
-echo "results in $OUT; profile: $PROFILE_OUT and ${PROFILE_OUT%.json}.png"
+if [[ -z $BUNDLE ]]; then  # real weights only: random ones accept nothing
+    echo "== batch 1 through the services: target-only against speculative with 0, 1 and 3 leaves =="
+    "$PYTHON" benchmarks/batch1.py --no-baseline "${BATCH1[@]}" --leaves 0,1,policy --leaves-most 3 \
+        --out "$OUT/batch1-leaves.json" | tee "$OUT/batch1-leaves.txt"
+fi
+
+# One archive: a lease brings back only a few files.
+tar -czf /tmp/gpu-results.tgz -C "$OUT" . && mv /tmp/gpu-results.tgz "$OUT/" || true
+echo "results in $OUT ($OUT/gpu-results.tgz); profile: $PROFILE_OUT and ${PROFILE_OUT%.json}.png"

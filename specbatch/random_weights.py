@@ -84,13 +84,10 @@ def random_model(name: str, device: str | torch.device, dtype: torch.dtype, seed
     from transformers import AutoModelForCausalLM
     from transformers.initialization import no_init_weights
 
-    from .eagle import EagleDraftConfig
-
     config = random_config(name)
-    if isinstance(config, EagleDraftConfig):
-        # Its head covers a token subset mapped by a trained index table: no random form.
-        raise ValueError("an EAGLE-style draft has no random-weights form; name a draft shape "
-                         "(e.g. --draft-model opt-125m) or use --draft-layers")
+    # An EAGLE-style draft's head covers a token subset through its trained index table
+    # (draft_to_target); its random form keeps the constructor's table, the first
+    # draft_vocab_size ids: the same shapes and work, and random weights accept nothing anyway.
     with torch.device(device), no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
         model.tie_weights()  # skipped with the init under no_init_weights; a tied head is one matrix

@@ -58,11 +58,23 @@ def test_smollm2_shape_is_the_embedded_models_config():
         assert math.isclose(real[key], value, rel_tol=1e-6) if isinstance(value, float) else real[key] == value, key
 
 
-def test_unknown_shape_and_the_eagle_draft_are_refused():
+def test_unknown_shape_is_refused():
     with pytest.raises(ValueError, match="opt-6.7b"):
         random_config("no-such-model")
-    with pytest.raises(ValueError, match="no random-weights form"):
-        random_model(EMBEDDED_DRAFT, "cpu", torch.float32)
+
+
+def test_the_embedded_eagle_draft_has_a_random_form():
+    """Its shipped config's shape (one layer, an 8192-token head over the first 8192 ids), random
+    and finite, reading target features of the embedded target's width."""
+    draft = random_model(EMBEDDED_DRAFT, "cpu", torch.float32)
+    config = draft.config
+    assert type(draft).__name__ == "EagleDraftForCausalLM" and config.num_hidden_layers == 1
+    assert torch.equal(draft.draft_to_target, torch.arange(config.draft_vocab_size))
+    assert draft.lm_head.weight.shape == (config.draft_vocab_size, config.hidden_size)
+    assert 0.015 < float(draft.lm_head.weight.std()) < 0.025
+    features = torch.randn(1, 4, config.feature_size)
+    logits = draft(input_ids=torch.tensor([[5, 6, 7, 8]]), target_features=features).logits
+    assert logits.shape == (1, 4, config.draft_vocab_size) and bool(torch.isfinite(logits).all())
 
 
 def test_random_model_is_small_finite_seeded_and_on_the_device(tmp_path):
