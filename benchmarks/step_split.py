@@ -102,6 +102,8 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--kv-cache-gb", type=float, default=8.0)
+    parser.add_argument("--no-fast-decode", action="store_true",
+                        help="draft decode steps through CapturedForward.__call__, as before its decode() (to compare)")
     parser.add_argument("--trace", action="store_true",
                         help="also torch.profiler's table of the smallest cell of each call (host ops, kernels outside graphs)")
     args = parser.parse_args()
@@ -115,12 +117,15 @@ def main() -> int:
         return Engine(model, max_sequences=max(grid.batch_sizes), max_context=longest,
                       max_cache_bytes=int(args.kv_cache_gb * 2**30), captured_steps=args.cuda_graphs)
 
+    print(f"decode steps: {'the full call' if args.no_fast_decode else 'CapturedForward.decode'}\n")
     print(f"| call | batch | tokens or k | wall ms | graph ms (GPU) | rest ms | forwards |")
     print("|---|---|---|---|---|---|---|")
     traces: list[tuple[str, str]] = []
     models = [("verify", args.target_model)] + ([("propose", args.draft_model)] if args.draft_model else [])
     for kind, name in models:
         engine = engine_for(name)
+        if args.no_fast_decode and isinstance(engine.forward, CapturedForward):
+            engine.forward.decode = None  # RaggedBatch.decode then takes the full call
         events = timed(engine)
         bench = Bench(engine, grid)
         try:

@@ -217,24 +217,35 @@ class CapturedForward:
 
     # ---- calls -----------------------------------------------------------------------------------
 
-    def _bucket(self, input_ids: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor):
-        """The call's bucket, or None where it must run eagerly."""
+    def _bucket(self, batch: int, width: int, end: int, kv: torch.Tensor):
+        """The bucket of a call of ``batch`` rows × ``width`` tokens attending ``end`` columns over
+        ``kv``, or None where it must run eagerly."""
         pool = self.pool.kv
         if pool.data_ptr() != self.pool_address:  # the pool moved: every graph points at the old one
             self._layout()
         # The pool view from slot 0: the same storage, strides and columns as the pool.
         if kv.data_ptr() != pool.data_ptr() or kv.stride() != pool.stride() or kv.shape[4] != pool.shape[4]:
             return None
-        bucket = self.buckets.bucket_for(input_ids.shape[0], input_ids.shape[1], mask.shape[-1])
+        bucket = self.buckets.bucket_for(batch, width, end)
         if bucket is None or bucket[0] > self.pool.slots or bucket[2] > self.pool.context:
             return None
         return bucket
+
+    def _run(self, bucket: tuple[int, int, int]) -> None:
+        """The bucket's forward over the static buffers as they are: replayed, or eager ("static")."""
+        if not self.capture:
+            self._static_forward(*bucket)
+            return
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            graph = self._capture_lazily(bucket)
+        graph.replay()
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, write_columns: torch.Tensor,
                  kv: torch.Tensor, mask: torch.Tensor, logits_to_keep: int,
                  features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        bucket = self._bucket(input_ids, kv, mask)
+        bucket = self._bucket(input_ids.shape[0], input_ids.shape[1], mask.shape[-1], kv)
         if bucket is None:
             self.eager += 1
             return self.forward(input_ids, positions, write_columns, kv, mask, logits_to_keep, features)
@@ -256,18 +267,52 @@ class CapturedForward:
         if static_features is not None:
             static_features.zero_()
             static_features[:batch, width - fed:] = features
-        if not self.capture:
-            self._static_forward(rows, width, end)
-        else:
-            graph = self.graphs.get(bucket)
-            if graph is None:
-                graph = self._capture_lazily(bucket)
-            graph.replay()
+        self._run(bucket)
         logits = self.logits[: rows * width * self.vocab].view(rows, width, self.vocab)
         hidden = self.hidden[: rows * width * self.hidden_size].view(rows, width, self.hidden_size)
         # Copies: the static outputs are overwritten by the next replay.
         keep = min(logits_to_keep, fed)  # as the eager forward: no more columns than the call has
         return logits[:batch, width - keep:].clone(), hidden[:batch, width - fed:].clone()
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, end: int, kv: torch.Tensor,
+               features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One real token per row: a draft's decode step, with a few device copies where
+        ``__call__`` builds a 4D mask on the host, copies it over and refills five buffers (on a
+        GPU that host work, not the graph, bounded a drafted token: ``benchmarks/step_split.py``).
+
+        ``tokens`` and ``positions`` (each token's position, which is also its write column):
+        ``[batch]`` on the device; ``end``: the largest position plus one, from the host (reading
+        it from the device would wait for the GPU); ``features``: ``[batch, feature_size]`` or
+        None. Returns the logits ``[batch, vocab]`` and the final hidden states ``[batch, hidden]``
+        that ``__call__`` gives for the same call (the same bucket and graph, the same values in
+        every buffer a real row reads), or None where the call fits no bucket (the caller then
+        takes ``__call__``, which runs it eagerly)."""
+        batch = tokens.shape[0]
+        bucket = self._bucket(batch, 1, end, kv)
+        if bucket is None:
+            return None
+        self.replayed += 1
+        rows = bucket[0]
+        static_ids, static_positions, static_valid, static_features = self._views(rows, 1)
+        static_columns, static_sees = self._tree_views(rows, 1)
+        # Padding rows as __call__ leaves them: token 0 at position 0, not real (so they write the
+        # scratch column and see column 0 only); a single real token sees itself.
+        static_ids[batch:].zero_()
+        static_positions[batch:].zero_()
+        static_valid[:batch] = True
+        static_valid[batch:] = False
+        static_ids[:batch, 0] = tokens
+        static_positions[:batch, 0] = positions
+        static_columns.copy_(static_positions)
+        static_sees.copy_(static_valid[:, :, None])
+        if static_features is not None:
+            static_features[batch:].zero_()
+            static_features[:batch, 0] = features
+        self._run(bucket)
+        logits = self.logits[: rows * self.vocab].view(rows, self.vocab)
+        hidden = self.hidden[: rows * self.hidden_size].view(rows, self.hidden_size)
+        return logits[:batch].clone(), hidden[:batch].clone()
 
     def _capture_lazily(self, bucket):
         # Capturing replaces the static inputs with padding: keep the call's and put them back.

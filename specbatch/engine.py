@@ -83,7 +83,9 @@ class RaggedBatch:
     def __init__(self, engine: "Engine", inputs: list[SequenceInput], decode_steps: int = 0):
         self.engine = engine
         self.order = sorted(range(len(inputs)), key=lambda i: engine.sequences[inputs[i].seq_id].slot)
-        # Row r holds the call's item order[r]; item i sits in row inverse[i].
+        # Row r holds the call's item order[r]; item i sits in row inverse[i]. Usually the call
+        # comes in slot order, and then rows need no reordering (on a GPU, two launches fewer a forward).
+        self.in_order = self.order == list(range(len(inputs)))
         self.order_index = to_device(torch.tensor(self.order), engine.device)
         self.inverse = torch.empty_like(self.order_index)
         self.inverse[self.order_index] = torch.arange(len(self.order), device=engine.device)
@@ -138,7 +140,7 @@ class RaggedBatch:
         return logits
 
     def _unsort(self, rows: torch.Tensor) -> torch.Tensor:
-        return rows[self.inverse]
+        return rows if self.in_order else rows[self.inverse]
 
     @torch.inference_mode()
     def prefill(self, logits_to_keep: int = 1) -> torch.Tensor:
@@ -152,12 +154,22 @@ class RaggedBatch:
         """Feed one more token per row (``tokens`` in the call's order, and for a draft that reads
         features, one ``[batch, feature_size]`` row each); returns ``[batch, vocab]``."""
         assert self.tree is None, "a tree call feeds its tokens at once"
-        tokens = tokens.view(-1)[self.order_index].view(-1, 1)
-        if features is not None:
-            features = features[self.order_index][:, None]
-        positions = (self.kept + self.fed + self.decoded)[:, None]
+        tokens = tokens.view(-1) if self.in_order else tokens.view(-1)[self.order_index]
+        if features is not None and not self.in_order:
+            features = features[self.order_index]
+        positions = self.kept + self.fed + self.decoded
         self.decoded += 1
-        logits = self._forward(tokens, positions, torch.ones_like(positions, dtype=torch.bool), 1, features)
+        fast = getattr(self.engine.forward, "decode", None)  # captured steps: far less host work a token
+        if fast is not None:
+            out = fast(tokens, to_device(positions, self.engine.device), int(positions.max()) + 1, self.kv,
+                       None if features is None else to_device(features, self.engine.device))
+            if out is not None:
+                logits, hidden = out
+                self.hidden = hidden[:, None]
+                return self._unsort(logits)
+        positions = positions[:, None]
+        logits = self._forward(tokens[:, None], positions, torch.ones_like(positions, dtype=torch.bool), 1,
+                               None if features is None else features[:, None])
         return self._unsort(logits[:, -1])
 
     def last_hidden(self) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from draft_service.proposer import ProposeItem, propose, proposals
 from specbatch.captured import Buckets, CapturedForward
 from specbatch.engine import CapacityExceeded, Engine, SequenceInput
+from specbatch.kv_pool import write_columns_and_mask
 from target_service.verifier import VerifyItem, verify
 from tiny import VOCAB, greedy_reference, tiny_opt
 
@@ -97,6 +98,38 @@ def test_static_logits_and_hidden_states_match_eager(target_model):
         assert static_logits.shape == eager_logits.shape
         torch.testing.assert_close(static_logits, eager_logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(static_hidden, eager_hidden, rtol=1e-4, atol=1e-4)
+
+
+def test_decode_fast_path_gives_what_the_full_call_gives(target_model):
+    """``CapturedForward.decode`` (one token a row, a few device copies) against ``__call__`` on the
+    same inputs: the same logits and hidden states bit for bit, with padding rows (3 rows in a
+    bucket of 4), across a context bucket (63 -> 64 -> 65 columns), and None for a batch that
+    does not start at slot 0 (its caller then takes ``__call__``, which runs it eagerly)."""
+    engines = [Engine(target_model, max_sequences=4, max_context=100, captured_steps="static") for _ in range(2)]
+    ps = prompts([60, 61, 62], 4)
+    for engine in engines:
+        engine.prefill([SequenceInput(f"s{i}", 0, p) for i, p in enumerate(ps)])
+    fast, full = engines
+    tokens = torch.tensor([7, 8, 9])
+    for step in range(4):  # the longest row reaches columns 62, 63, 64, 65
+        positions = torch.tensor([len(p) + step for p in ps])
+        calls = []
+        for engine in engines:
+            batch = engine.start([SequenceInput(f"s{i}", len(p) + step, [int(tokens[i])]) for i, p in enumerate(ps)])
+            if engine is fast:
+                logits, hidden = fast.forward.decode(tokens, positions, int(positions.max()) + 1, batch.kv)
+            else:
+                columns, mask = write_columns_and_mask(positions[:, None], torch.ones(3, 1, dtype=torch.bool),
+                                                       batch.scratch, int(positions.max()) + 1)
+                out, hidden = full.forward(tokens[:, None], positions[:, None], columns, batch.kv, mask, 1)
+                logits, hidden = out[:, -1], hidden[:, -1]
+            batch.commit([1, 1, 1])
+            calls.append((logits, hidden))
+        assert torch.equal(calls[0][0], calls[1][0]) and torch.equal(calls[0][1], calls[1][1])
+        tokens = calls[0][0].argmax(-1)
+    assert fast.forward.replayed == full.forward.replayed == 4  # the decodes; the wide prefill ran eagerly
+    batch = fast.start([SequenceInput(f"s{i}", fast.length(f"s{i}"), [5]) for i in (1, 2)])  # slots 1 and 2
+    assert fast.forward.decode(torch.tensor([5, 5]), torch.tensor([70, 70]), 71, batch.kv) is None
 
 
 def speculate(target: Engine, draft: Engine, ps: list[list[int]], new_tokens: int, seed: int, leaves: int = 0) -> dict:
