@@ -53,6 +53,19 @@ MODES = ("auto", "on", "lazy", "static", "off")
 SMALLEST_CONTEXT = 64
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A call's host-built tensor on the engine's device. To a GPU through pinned memory without
+    waiting: a plain copy from pageable memory synchronises the stream, so every forward of a
+    step would wait for the one before it; this way a step synchronises with the host once, when
+    its tokens are read back. (The caching host allocator keeps the pinned block until the copy
+    is done.)"""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def _powers(smallest: int, largest: int) -> tuple[int, ...]:
     """Powers of two from ``smallest``, the last the first one reaching ``largest``, capped at it."""
     sizes, size = [], smallest
@@ -112,6 +125,8 @@ class CapturedForward:
     call fits (see the module docstring). ``replayed`` and ``eager`` count the calls of each
     path (a "static" call counts as replayed: it took the padded path)."""
 
+    takes_host_inputs = True  # RaggedBatch hands over the tensors it built on the host (``__call__``)
+
     def __init__(self, forward, pool: KVPool, mode: str, feature_size: int = 0, max_width: int = MAX_K + 1):
         if mode not in ("on", "lazy", "static"):
             raise ValueError(f"CapturedForward runs modes on, lazy or static, not {mode!r}")
@@ -134,12 +149,13 @@ class CapturedForward:
         self.buckets = Buckets.for_pool(self.pool.slots, self.pool.context, self.max_width)
         rows, width = self.buckets.batch[-1], self.buckets.width[-1]
         device = self.pool.device
-        # Flat, so that the first B×W elements viewed as [B, W] are contiguous for every bucket.
-        self.input_ids = torch.zeros(rows * width, dtype=torch.long, device=device)
-        self.positions = torch.zeros(rows * width, dtype=torch.long, device=device)
-        self.columns = torch.zeros(rows * width, dtype=torch.long, device=device)
-        self.valid = torch.zeros(rows * width, dtype=torch.bool, device=device)
-        self.sees = torch.zeros(rows * width * width, dtype=torch.bool, device=device)
+        # Two flat tensors; a bucket of m = B×W tokens reads the first 3m integers (its tokens,
+        # positions and columns, each [B, W]) and the first m + m×W flags (which tokens are real,
+        # and which fed tokens each sees): so a call from the host fills its bucket with two copies
+        # (``_fill_from_host``). Each graph keeps the addresses of its own bucket's views.
+        n = rows * width
+        self.ints = torch.zeros(3 * n, dtype=torch.long, device=device)
+        self.flags = torch.zeros(n + n * width, dtype=torch.bool, device=device)
         self.features = (torch.zeros(rows * width * self.feature_size, dtype=self.pool.dtype, device=device)
                          if self.feature_size else None)
         self.logits = self.hidden = None  # outputs: allocated at the first static forward, when their sizes are known
@@ -149,11 +165,12 @@ class CapturedForward:
     def _views(self, rows: int, width: int):
         n = rows * width
         features = None if self.features is None else self.features[: n * self.feature_size].view(rows, width, -1)
-        return (self.input_ids[:n].view(rows, width), self.positions[:n].view(rows, width),
-                self.valid[:n].view(rows, width), features)
+        return (self.ints[:n].view(rows, width), self.ints[n : 2 * n].view(rows, width),
+                self.flags[:n].view(rows, width), features)
 
     def _tree_views(self, rows: int, width: int):
-        return self.columns[: rows * width].view(rows, width), self.sees[: rows * width * width].view(rows, width, width)
+        n = rows * width
+        return self.ints[2 * n : 3 * n].view(rows, width), self.flags[n : n + n * width].view(rows, width, width)
 
     def _static_forward(self, rows: int, width: int, end: int) -> None:
         """The forward at one bucket, from and into the static buffers: what a graph captures."""
@@ -177,7 +194,7 @@ class CapturedForward:
     # ---- capture ---------------------------------------------------------------------------------
 
     def _inputs(self) -> list[torch.Tensor]:
-        return [t for t in (self.input_ids, self.positions, self.columns, self.valid, self.sees, self.features)
+        return [t for t in (self.ints, self.flags, self.features)
                 if t is not None]
 
     def _capture_one(self, bucket: tuple[int, int, int]) -> torch.cuda.CUDAGraph:
@@ -245,25 +262,28 @@ class CapturedForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, write_columns: torch.Tensor,
                  kv: torch.Tensor, mask: torch.Tensor, logits_to_keep: int,
                  features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the wrapped forward, whose inputs may also come as the host built them (``RaggedBatch``
+        hands them over so: ``takes_host_inputs``): then they reach the static buffers in two
+        copies instead of five copies, five clears and the mask's trip to the device."""
+        device = self.pool.device
         bucket = self._bucket(input_ids.shape[0], input_ids.shape[1], mask.shape[-1], kv)
+        host = all(t.device.type == "cpu" for t in (input_ids, positions, write_columns, mask))
+        if bucket is None or not host:
+            input_ids, positions, write_columns, mask = (to_device(t, device)
+                                                         for t in (input_ids, positions, write_columns, mask))
+        if features is not None:
+            features = to_device(features, device)
         if bucket is None:
             self.eager += 1
             return self.forward(input_ids, positions, write_columns, kv, mask, logits_to_keep, features)
         self.replayed += 1
         rows, width, end = bucket
         batch, fed = input_ids.shape
-        static_ids, static_positions, static_valid, static_features = self._views(rows, width)
-        static_columns, static_sees = self._tree_views(rows, width)
-        for buffer in (static_ids, static_positions, static_columns, static_valid, static_sees):
-            buffer.zero_()
-        # The call's tokens right-aligned in the bucket's columns: a real token never writes to
-        # the scratch column, a padding token always does.
-        valid = write_columns != kv.shape[4] - 1
-        static_ids[:batch, width - fed:] = input_ids
-        static_positions[:batch, width - fed:] = positions
-        static_columns[:batch, width - fed:] = write_columns
-        static_valid[:batch, width - fed:] = valid
-        static_sees[:batch, width - fed:, width - fed:] = fed_visibility(mask, write_columns, valid)
+        if host:
+            self._fill_from_host(rows, width, input_ids, positions, write_columns, mask, kv.shape[4] - 1)
+        else:
+            self._fill_on_device(rows, width, input_ids, positions, write_columns, mask, kv.shape[4] - 1)
+        static_features = self._views(rows, width)[3]
         if static_features is not None:
             static_features.zero_()
             static_features[:batch, width - fed:] = features
@@ -273,6 +293,37 @@ class CapturedForward:
         # Copies: the static outputs are overwritten by the next replay.
         keep = min(logits_to_keep, fed)  # as the eager forward: no more columns than the call has
         return logits[:batch, width - keep:].clone(), hidden[:batch, width - fed:].clone()
+
+    def _fill_on_device(self, rows: int, width: int, input_ids, positions, write_columns, mask, scratch: int) -> None:
+        """The call's tokens right-aligned in the bucket's columns, from device tensors: a real
+        token never writes to the scratch column, a padding token always does."""
+        batch, fed = input_ids.shape
+        static_ids, static_positions, static_valid, _ = self._views(rows, width)
+        static_columns, static_sees = self._tree_views(rows, width)
+        for buffer in (static_ids, static_positions, static_columns, static_valid, static_sees):
+            buffer.zero_()
+        valid = write_columns != scratch
+        static_ids[:batch, width - fed:] = input_ids
+        static_positions[:batch, width - fed:] = positions
+        static_columns[:batch, width - fed:] = write_columns
+        static_valid[:batch, width - fed:] = valid
+        static_sees[:batch, width - fed:, width - fed:] = fed_visibility(mask, write_columns, valid)
+
+    def _fill_from_host(self, rows: int, width: int, input_ids, positions, write_columns, mask, scratch: int) -> None:
+        """What ``_fill_on_device`` writes, built on the host and copied over: one copy for the
+        bucket's integers, one for its flags, without waiting."""
+        batch, fed = input_ids.shape
+        n = rows * width
+        ints = torch.zeros(3, rows, width, dtype=torch.long)
+        flags = torch.zeros(n + n * width, dtype=torch.bool)
+        valid = write_columns != scratch
+        for plane, values in enumerate((input_ids, positions, write_columns)):
+            ints[plane, :batch, width - fed:] = values
+        flags[:n].view(rows, width)[:batch, width - fed:] = valid
+        flags[n:].view(rows, width, width)[:batch, width - fed:, width - fed:] = fed_visibility(mask, write_columns, valid)
+        cuda = self.pool.device.type == "cuda"
+        for static, built in ((self.ints[: 3 * n], ints.view(-1)), (self.flags[: n + n * width], flags)):
+            static.copy_(built.pin_memory() if cuda else built, non_blocking=cuda)
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, end: int, kv: torch.Tensor,

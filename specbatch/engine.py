@@ -38,26 +38,13 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from . import llama, native, opt
-from .captured import CapturedForward, resolve_mode
+from .captured import CapturedForward, resolve_mode, to_device
 from .eagle import reads_target_features
 from .kv_pool import KVPool, SequenceCache, tree_mask, write_columns_and_mask
 from .linear import int8_linears_available
 from .transformers_forward import TransformersForward
 # The refusals live in a torch-free module; imported here too, where callers have long found them.
 from .errors import CapacityExceeded, EngineError, InvalidRequest, StaleCache, UnknownSequence  # noqa: F401
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A call's host-built tensor on the engine's device. To a GPU through pinned memory without
-    waiting: a plain copy from pageable memory synchronises the stream, so every forward of a
-    step would wait for the one before it; this way a step synchronises with the host once, when
-    its tokens are read back. (The caching host allocator keeps the pinned block until the copy
-    is done.)"""
-    if tensor.device == device:
-        return tensor
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 @dataclass
@@ -134,9 +121,11 @@ class RaggedBatch:
         columns, mask = write_columns_and_mask(columns, valid, self.scratch, end)
         if self.tree is not None:
             mask = tree_mask(mask, columns, valid, self.tree[1])
-        logits, self.hidden = self.engine.forward(
-            to_device(input_ids, device), to_device(positions, device), to_device(columns, device), self.kv,
-            to_device(mask, device), logits_to_keep, None if features is None else to_device(features, device))
+        forward = self.engine.forward
+        if not getattr(forward, "takes_host_inputs", False):
+            input_ids, positions, columns, mask = (to_device(t, device) for t in (input_ids, positions, columns, mask))
+            features = None if features is None else to_device(features, device)
+        logits, self.hidden = forward(input_ids, positions, columns, self.kv, mask, logits_to_keep, features)
         return logits
 
     def _unsort(self, rows: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 from draft_service.proposer import ProposeItem, propose, proposals
 from specbatch.captured import Buckets, CapturedForward
 from specbatch.engine import CapacityExceeded, Engine, SequenceInput
-from specbatch.kv_pool import write_columns_and_mask
+from specbatch.kv_pool import tree_mask, write_columns_and_mask
 from target_service.verifier import VerifyItem, verify
 from tiny import VOCAB, greedy_reference, tiny_opt
 
@@ -130,6 +130,34 @@ def test_decode_fast_path_gives_what_the_full_call_gives(target_model):
     assert fast.forward.replayed == full.forward.replayed == 4  # the decodes; the wide prefill ran eagerly
     batch = fast.start([SequenceInput(f"s{i}", fast.length(f"s{i}"), [5]) for i in (1, 2)])  # slots 1 and 2
     assert fast.forward.decode(torch.tensor([5, 5]), torch.tensor([70, 70]), 71, batch.kv) is None
+
+
+def test_static_inputs_from_the_host_and_from_the_device_are_the_same(target_model):
+    """``__call__`` fills the static buffers from host tensors in two copies (``_fill_from_host``)
+    or from device ones slice by slice (``_fill_on_device``, where a call's tokens are already on
+    the GPU): both leave the same values in every buffer, padding included, for a ragged tree call
+    of 3 rows in a bucket of 4 × 8."""
+    engine = Engine(target_model, max_sequences=4, max_context=100, captured_steps="static")
+    forward = engine.forward
+    fed = torch.tensor([[0, 0, 0, 11, 12], [0, 21, 22, 23, 24], [31, 32, 33, 34, 35]])
+    valid = fed != 0
+    kept = torch.tensor([7, 3, 40])
+    positions = (kept[:, None] + valid.cumsum(1) - 1).clamp(min=0)
+    parents = torch.tensor([[0, 0, 0, 1, 0], [0, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)  # row 2's last two: siblings
+    columns, mask = write_columns_and_mask(positions, valid, 99, 46)
+    sees = torch.ones(3, 5, 5, dtype=torch.bool).tril()
+    sees[2, 4, 3] = False  # the last token of row 2 does not descend from the one before it
+    mask = tree_mask(mask, columns, valid, sees & parents[:, :, None])
+    filled = []
+    for fill in (forward._fill_from_host, forward._fill_on_device):
+        forward.ints.fill_(7)  # stale values from an earlier call
+        forward.flags.fill_(True)
+        fill(4, 8, fed, positions, columns, mask, 99)
+        filled.append([t.clone() for t in (*forward._views(4, 8)[:3], *forward._tree_views(4, 8))])
+    assert all(torch.equal(a, b) for a, b in zip(*filled))
+    ids, _, real, columns_seen, _ = filled[0]
+    assert ids[:3, 3:].tolist() == fed.tolist() and int(real.sum()) == int(valid.sum())
+    assert int(ids[3].abs().sum()) == 0 and int(columns_seen[3].abs().sum()) == 0  # the padding row
 
 
 def speculate(target: Engine, draft: Engine, ps: list[list[int]], new_tokens: int, seed: int, leaves: int = 0) -> dict:
