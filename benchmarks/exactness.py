@@ -61,12 +61,13 @@ def main() -> int:
     parser.add_argument("--wide-threads", type=int, default=0,
                         help="both engines' calls of 12 rows and more on this many threads, the rest on --threads "
                              "(as specbatch up serves: --threads 1 --wide-threads 2); 0: every call on --threads")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the engines there (captured steps as served)")
     parser.add_argument("--out", default="bench-out/exactness.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    target = load_model(ModelSpec(), "cpu", args.dtype)
-    draft = load_model(ModelSpec(EMBEDDED_DRAFT), "cpu", args.dtype)
+    target = load_model(ModelSpec(), args.device, args.dtype)
+    draft = load_model(ModelSpec(EMBEDDED_DRAFT), args.device, args.dtype)
     tokenizer = load_tokenizer(ModelSpec())
     prompts = [chat_token_ids(tokenizer, [{"role": "user", "content": text}])
                for text in sharegpt_prompts(args.prompts, args.prompt_start)]

@@ -15,9 +15,17 @@ that travels with the checkout (well under 64 MiB):
     .venv/bin/python benchmarks/gpu_bundle.py --out .gpu        # here, with PyPI
     BUNDLE=.gpu benchmarks/gpu.sh                               # there (carry .gpu)
 
-Real weights do not travel (the GGUF alone is over the limit): with a bundle, gpu.sh times the
-embedded pair's shapes with random weights and profiles them with the acceptance this repo's
-CPU profile measured for the real pair.
+The embedded target's weights (the 94 MiB GGUF) are over one call's limit. Without them, gpu.sh
+times the embedded pair's shapes with random weights and profiles them with the acceptance this
+repo's CPU profile measured for the real pair. With ``--gguf-parts``, the GGUF is also cut into
+parts of 46 MiB, one folder each (``.gpu-gguf/part-1``, ``part-2``; the short last part rides in
+the bundle), to carry in calls of their own on the same warm machine (a lent machine keeps the
+ignored files of earlier calls while it is held); gpu.sh then puts the file together, checks its
+digest, and adds the real-weight runs:
+
+    run 1: carry [".gpu-gguf/part-1"], command: true          # straight after each other:
+    run 2: carry [".gpu-gguf/part-2"], command: true          # a machine idle 30 s goes back
+    run 3: carry [".gpu"], command: BUNDLE=.gpu LEASE=1 benchmarks/gpu.sh
 """
 
 from __future__ import annotations
@@ -87,17 +95,60 @@ def slim_sharegpt(site: Path) -> None:
     (package / "conversations.json").write_text("[" + ",\n".join(json.dumps(c) for c in kept) + "]")
 
 
+PART_BYTES = 46 * 2**20  # a part beside the ~16 MiB working tree stays under a call's 64 MiB
+
+
+def split_gguf(folder: Path, bundle: Path) -> None:
+    """The embedded GGUF in parts of ``PART_BYTES``, ``folder/part-i/gguf``; the short last part
+    rides in the bundle (``bundle/gguf/part-N``), beside the file's digest."""
+    import hashlib
+
+    from specbatch.models import EMBEDDED_GGUF, _embedded_gguf_folder
+
+    data = (_embedded_gguf_folder() / EMBEDDED_GGUF).read_bytes()
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(bundle / "gguf", ignore_errors=True)
+    (bundle / "gguf").mkdir(parents=True)
+    starts = range(0, len(data), PART_BYTES)
+    for i, start in enumerate(starts, 1):
+        part = (folder / f"part-{i}") if i < len(starts) else (bundle / "gguf" / f"part-{i}")
+        part.mkdir(parents=True, exist_ok=True)
+        (part / "gguf").write_bytes(data[start : start + PART_BYTES])
+    (bundle / "gguf" / "parts").write_text("\n".join(
+        str(folder / f"part-{i}") if i < len(starts) else str(bundle / "gguf" / f"part-{i}")
+        for i in range(1, len(starts) + 1)) + "\n")
+    (bundle / "gguf" / "sha256").write_text(hashlib.sha256(data).hexdigest() + "\n")
+
+
+def ignore_in_git(*paths: str) -> None:
+    """Keep the bundle out of git (and so off the working tree a call sends, unless carried)."""
+    exclude = Path(subprocess.run(["git", "rev-parse", "--git-path", "info/exclude"], capture_output=True,
+                                  text=True, check=True).stdout.strip())
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    lines = exclude.read_text().splitlines() if exclude.exists() else []
+    exclude.write_text("\n".join(lines + [f"/{p}/" for p in paths if f"/{p}/" not in lines]) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=".gpu", help="the folder to fill (default .gpu; ignore it in git)")
     parser.add_argument("--python-version", default="3.12", help="the GPU machine's Python (default 3.12)")
+    parser.add_argument("--gguf-parts", metavar="FOLDER", nargs="?", const=".gpu-gguf",
+                        help="also cut the embedded GGUF into parts under FOLDER (default .gpu-gguf)")
     args = parser.parse_args()
     out = Path(args.out)
+    ignore_in_git(*(p for p in (args.out, args.gguf_parts) if p))
+    if args.gguf_parts:
+        split_gguf(Path(args.gguf_parts), out)
     download_wheels(out / "whl", args.python_version)
     copy_tokenizer(out / "cache")
     slim_sharegpt(out / "site")
-    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    print(f"{out}: {size / 2**20:.1f} MiB")
+    for folder in filter(None, (out, args.gguf_parts and Path(args.gguf_parts))):
+        for part in [folder] if folder == out else sorted(folder.iterdir()):
+            size = sum(p.stat().st_size for p in part.rglob("*") if p.is_file()) if part.is_dir() else 0
+            if part.is_dir():
+                print(f"{part}: {size / 2**20:.1f} MiB (carry it in a call of its own)" if folder != out
+                      else f"{part}: {size / 2**20:.1f} MiB")
     return 0
 
 
