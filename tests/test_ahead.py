@@ -22,12 +22,14 @@ def prompts(seed: int, count: int) -> list[list[int]]:
     return [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(count)]
 
 
-def test_a_guess_drafts_what_a_propose_after_that_verdict_drafts(draft_model):
+@pytest.mark.parametrize("captured_steps", ["off", "static"])
+def test_a_guess_drafts_what_a_propose_after_that_verdict_drafts(draft_model, captured_steps):
     """A plain draft (no target features): the drafts made ahead for the guess (j, t) are those a
     Propose makes once the history holds the chain's first j tokens and t; only the sequence's own
-    tokens stay cached, and the forks are gone."""
+    tokens stay cached, and the forks are gone. Also through the captured steps' padded path
+    (``static``: the forks sit in slots after the sequence's, their batch starts past slot 0)."""
     prompt, chain, k = [1, 7, 9, 11, 13], [20, 21, 22], 3
-    engine = Engine(draft_model)
+    engine = Engine(draft_model, max_sequences=16, max_context=64, captured_steps=captured_steps)
     guesses = propose_ahead(engine, [AheadItem(SequenceInput("s", 0, prompt), chain, guesses=3, k=k)])[0]
     assert list(engine.sequences) == ["s"] and engine.length("s") == len(prompt)
     assert {g.accepted for g in guesses} == {0, 1, 2, 3} and len(guesses) == 3 * (len(chain) + 1)
