@@ -86,7 +86,7 @@ def propose_ahead(engine: Engine, items: list[AheadItem]) -> list[list[Guess]]:
     batch.commit([len(item.seq.tokens) for item in items])
 
     forks, guesses, ids = [], [], []
-    rows = batch.inverse.tolist()  # item i's row in the batch's cache
+    rows = batch.item_rows()  # item i's row in the batch's cache
     try:
         for i, item in enumerate(items):
             base = item.seq.keep_len + len(item.seq.tokens)  # the sequence's columns, then the chain's

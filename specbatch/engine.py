@@ -73,9 +73,10 @@ class RaggedBatch:
         # Row r holds the call's item order[r]; item i sits in row inverse[i]. Usually the call
         # comes in slot order, and then rows need no reordering (on a GPU, two launches fewer a forward).
         self.in_order = self.order == list(range(len(inputs)))
-        self.order_index = to_device(torch.tensor(self.order), engine.device)
-        self.inverse = torch.empty_like(self.order_index)
-        self.inverse[self.order_index] = torch.arange(len(self.order), device=engine.device)
+        if not self.in_order:
+            self.order_index = to_device(torch.tensor(self.order), engine.device)
+            self.inverse = torch.empty_like(self.order_index)
+            self.inverse[self.order_index] = torch.arange(len(self.order), device=engine.device)
         self.caches = [engine.sequences[inputs[i].seq_id] for i in self.order]
         self.inputs = [inputs[i] for i in self.order]
         self.kept = torch.tensor([item.keep_len for item in self.inputs])
@@ -127,6 +128,13 @@ class RaggedBatch:
             features = None if features is None else to_device(features, device)
         logits, self.hidden = forward(input_ids, positions, columns, self.kv, mask, logits_to_keep, features)
         return logits
+
+    def item_rows(self) -> list[int]:
+        """The row of each of the call's items in the batch's cache (on the host)."""
+        rows = [0] * len(self.order)
+        for row, item in enumerate(self.order):
+            rows[item] = row
+        return rows
 
     def _unsort(self, rows: torch.Tensor) -> torch.Tensor:
         return rows if self.in_order else rows[self.inverse]

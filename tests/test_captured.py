@@ -160,6 +160,24 @@ def test_static_inputs_from_the_host_and_from_the_device_are_the_same(target_mod
     assert int(ids[3].abs().sum()) == 0 and int(columns_seen[3].abs().sum()) == 0  # the padding row
 
 
+@pytest.mark.parametrize("mode", ["off", "static"])
+def test_a_call_out_of_slot_order_gets_each_sequence_its_own_results(target_model, draft_model, mode):
+    """Rows run in slot order; a call that lists its sequences otherwise gets its results back in
+    its own order (``RaggedBatch``'s reordering, skipped for calls already in slot order)."""
+    ps = prompts([5, 9, 3], 6)
+    results = []
+    for order in ([0, 1, 2], [2, 0, 1]):
+        draft = Engine(draft_model, max_sequences=4, max_context=64, captured_steps=mode)
+        target = Engine(target_model, max_sequences=4, max_context=64, captured_steps=mode)
+        for engine in (draft, target):
+            engine.prefill([SequenceInput(f"s{i}", 0, p) for i, p in enumerate(ps)])  # slots 0, 1, 2
+        drafts = propose(draft, [ProposeItem(SequenceInput(f"s{i}", len(ps[i]), [5 + i]), 2 + i) for i in order])
+        verdicts = verify(target, [VerifyItem(SequenceInput(f"s{i}", len(ps[i]), [5 + i]), d)
+                                   for i, d in zip(order, drafts)])
+        results.append({i: (d, v.accepted, v.next_token) for i, d, v in zip(order, drafts, verdicts)})
+    assert results[0] == results[1]
+
+
 def speculate(target: Engine, draft: Engine, ps: list[list[int]], new_tokens: int, seed: int, leaves: int = 0) -> dict:
     """Greedy speculative decoding of every prompt, the way the coordinator steps: each step takes
     a batch of the unfinished sequences (all of them, a prefix of the slots, or a scattered few),
