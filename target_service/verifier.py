@@ -105,13 +105,14 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
     batch.commit(keep, paths if any(hit is not None for _, hit, _ in decisions) else None)
     features = [None] * len(items)
     if return_features:
-        hidden = batch.last_hidden()
+        # On the host at once: one copy from a GPU, not one (and a wait) per row.
+        hidden = batch.last_hidden().to("cpu", torch.float16)
         columns = hidden.shape[1]
         for row, (item, path) in enumerate(zip(items, paths)):
             first = columns - len(item.seq.tokens) - len(item.drafts) - leaf_counts[row]  # right-aligned
             kept = hidden[row, first : first + keep[row]] if path[-1] == keep[row] - 1 else \
                 hidden[row, [first + index for index in path]]
-            features[row] = kept.to("cpu", torch.float16)
+            features[row] = kept
     return [
         Verdict(accepted, token, item.seq.keep_len + kept, features=feats,
                 leaf=None if hit is None else item.all_leaves()[hit])
