@@ -17,7 +17,7 @@ from specbatch.commands.distill import DistillConfig, distill
 from specbatch.eagle import draft_from_target, reads_target_features
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
 from target_service.verifier import VerifyItem, verify
-from tiny import EOS, VOCAB, greedy_mixed_batch, greedy_reference
+from tiny import EOS, VOCAB, greedy_mixed_batch, greedy_reference, mixed_prompts
 
 SMALL = DistillConfig(prompts=24, max_new_tokens=24, max_prompt_tokens=24, corpus_tokens=400, corpus_max_tokens=40,
                       data_batch=12, draft_vocab=64, steps=60, batch_sequences=8, lr=3e-3, checkpoint_every=20,
@@ -505,3 +505,24 @@ def test_draft_eval_script_compares_drafts_in_one_run(distilled, eagle_draft, ta
     by_label = {r["draft"]: r["evaluation"] for r in results}
     assert all(len(e["acceptance_by_position"]) == 3 and e["prompts"] == 2 for e in by_label.values())
     assert by_label["folder"]["acceptance_by_position"] == by_label["trained-only"]["acceptance_by_position"]
+
+
+def test_the_services_through_the_padded_static_path_stay_exact(target_model, eagle_draft, tokenizer):
+    """Both engines on the captured steps' padded path (``static``: what CUDA graphs replay, run
+    eagerly): the target's features cross the wire to the draft, calls come from the host
+    (``CapturedForward._fill_from_host``), the draft's decode steps take ``CapturedForward.decode``.
+    Speculative output at k=3 with leaves, in one mixed batch, is the same stack's k=0 output,
+    and both paths were taken."""
+    from specbatch.commands.local import start_local_stack
+
+    options = {"captured_steps": "static", "max_sequences": 8, "max_context": 128}
+    stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=8, max_new_tokens=64,
+                              target_engine_options=options, draft_engine_options=options)
+    try:
+        outputs = {k: [r.token_ids for r in greedy_mixed_batch(stack, seed=13, k=k)] for k in (0, 3)}
+        assert outputs[3] == outputs[0]
+        assert outputs[0] == [greedy_reference(target_model, p, 30) for p in mixed_prompts(seed=13)]
+        assert stack.target_engines[0].forward.replayed > 10 and stack.draft_engines[0].forward.replayed > 10
+    finally:
+        stack.stop()
+

@@ -125,14 +125,19 @@ def with_threads(threads: int, fn):
         torch.set_num_threads(before)
 
 
-def greedy_mixed_batch(stack, seed: int, k: int, prompts: int = 6) -> list:
-    """Six short random prompts (seeded) decoded greedily together through ``stack`` at ``k``, with
-    one leaf: the results, in prompt order."""
+def mixed_prompts(seed: int, prompts: int = 6) -> list[list[int]]:
+    """Short random prompts (seeded): those ``greedy_mixed_batch`` decodes."""
     import random
 
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(prompts)]
+
+
+def greedy_mixed_batch(stack, seed: int, k: int, prompts: int = 6) -> list:
+    """Six short random prompts (seeded) decoded greedily together through ``stack`` at ``k``, with
+    one leaf: the results (30 tokens each), in prompt order."""
     from specbatch.client import generate_all, make_request
 
-    rng = random.Random(seed)
-    chosen = [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(prompts)]
+    chosen = mixed_prompts(seed, prompts)
     return generate_all(stack.client(), [make_request(p, 30, k=k, ignore_eos=True, leaves=1) for p in chosen],
                         concurrency=len(chosen))
