@@ -144,7 +144,7 @@ def main() -> int:
         finally:
             bench.close()
         del bench, engine
-        if device.startswith("cuda") if isinstance(device, str) else device.type == "cuda":
+        if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
     for title, table in traces:
         print(f"\n### torch.profiler, 10 calls: {title}\n\n{table}")

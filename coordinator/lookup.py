@@ -28,7 +28,8 @@ first token chosen by at least half of them, the chain while the product of the 
 or above a quarter). Measured offline on 640 held-out ShareGPT prompts' greedy answers from the
 embedded target (96 tokens each, every earlier request in the index, duplicate prompts left out),
 the rule fired at 27 % of the positions where a request's own history had no match and kept 1.32
-tokens there; first tokens backed by fewer than half kept 0.28 (docs/engine.md, "Shared lookup"). The target verifies what is drafted, so output is unchanged; what other requests'
+tokens there; first tokens backed by fewer than half kept 0.28 (docs/engine.md, "Shared
+lookup"). The target verifies what is drafted, so output is unchanged; what other requests'
 texts can change is the step's time, which is why a request may keep out (``shared_lookup =
 false``: it neither drafts from the index nor adds to it).
 """
