@@ -4,8 +4,6 @@ skip the next step's Propose; the draft keeps no state of the guesses."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
@@ -14,12 +12,7 @@ from draft_service.proposer import ProposeItem, propose
 from specbatch.client import generate_all, make_request
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
 from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
-from tiny import VOCAB, decode_while_the_draft_forgets, greedy_reference
-
-
-def prompts(seed: int, count: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(count)]
+from tiny import decode_while_the_draft_forgets, greedy_reference, random_prompts
 
 
 @pytest.mark.parametrize("captured_steps", ["off", "static"])
@@ -71,7 +64,7 @@ def test_greedy_output_drafting_ahead_matches_generate_and_skips_proposes(target
     stack = start_local_stack(target_model, eagle_draft if eagle else draft_model, tokenizer, max_batch_size=4,
                               max_new_tokens=64, draft_ahead=3)
     try:
-        batch = prompts(seed=5, count=8)
+        batch = random_prompts(seed=5, count=8)
         results = generate_all(stack.client(), [make_request(p, 30, k=2, ignore_eos=True) for p in batch],
                                concurrency=8)
         for prompt, result in zip(batch, results):
@@ -93,7 +86,7 @@ def test_a_draft_that_forgets_its_sequences_while_drafting_ahead_costs_no_token(
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=64,
                               draft_ahead=2)
     try:
-        responses = decode_while_the_draft_forgets(stack, target_model, prompts(seed=11, count=1)[0])
+        responses = decode_while_the_draft_forgets(stack, target_model, random_prompts(seed=11, count=1)[0])
         assert responses > 6 and stack.coordinator.scheduler.totals.ahead_guessed > 0
     finally:
         stack.stop()

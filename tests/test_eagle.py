@@ -17,7 +17,7 @@ from specbatch.commands.distill import DistillConfig, distill
 from specbatch.eagle import draft_from_target, reads_target_features
 from specbatch.engine import Engine, InvalidRequest, SequenceInput
 from target_service.verifier import VerifyItem, verify
-from tiny import EOS, VOCAB, greedy_mixed_batch, greedy_reference, mixed_prompts
+from tiny import EOS, VOCAB, greedy_mixed_batch, greedy_reference, random_prompts
 
 SMALL = DistillConfig(prompts=24, max_new_tokens=24, max_prompt_tokens=24, corpus_tokens=400, corpus_max_tokens=40,
                       data_batch=12, draft_vocab=64, steps=60, batch_sequences=8, lr=3e-3, checkpoint_every=20,
@@ -146,8 +146,7 @@ def eagle_stack(target_model, eagle_draft, tokenizer):
 def test_greedy_output_with_an_eagle_draft_matches_generate(eagle_stack, target_model, k):
     """Ten requests through a batch of at most four: the draft reads the features the target
     returns, drafts get accepted, and every output is token-identical to target-only decoding."""
-    rng = random.Random(k)
-    prompts = [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(10)]
+    prompts = random_prompts(k, 10)
     requests = [make_request(p, 30, k=k, ignore_eos=True) for p in prompts]
     results = generate_all(eagle_stack.client(), requests, concurrency=10)
     for prompt, result in zip(prompts, results):
@@ -159,8 +158,7 @@ def test_greedy_output_with_an_eagle_draft_matches_generate(eagle_stack, target_
 def decode_exactly(stack, target_model, seed: int, count: int, k: int) -> list:
     """``count`` random prompts × 30 greedy tokens through ``stack`` at k, all at once; each output
     must be target-only decoding, token for token. Returns the results."""
-    rng = random.Random(seed)
-    prompts = [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(count)]
+    prompts = random_prompts(seed, count)
     results = generate_all(stack.client(), [make_request(p, 30, k=k, ignore_eos=True) for p in prompts],
                            concurrency=count)
     for prompt, result in zip(prompts, results):
@@ -521,7 +519,7 @@ def test_the_services_through_the_padded_static_path_stay_exact(target_model, ea
     try:
         outputs = {k: [r.token_ids for r in greedy_mixed_batch(stack, seed=13, k=k)] for k in (0, 3)}
         assert outputs[3] == outputs[0]
-        assert outputs[0] == [greedy_reference(target_model, p, 30) for p in mixed_prompts(seed=13)]
+        assert outputs[0] == [greedy_reference(target_model, p, 30) for p in random_prompts(13)]
         assert stack.target_engines[0].forward.replayed > 10 and stack.draft_engines[0].forward.replayed > 10
     finally:
         stack.stop()

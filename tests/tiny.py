@@ -125,12 +125,12 @@ def with_threads(threads: int, fn):
         torch.set_num_threads(before)
 
 
-def mixed_prompts(seed: int, prompts: int = 6) -> list[list[int]]:
-    """Short random prompts (seeded): those ``greedy_mixed_batch`` decodes."""
+def random_prompts(seed: int, count: int = 6) -> list[list[int]]:
+    """``count`` short random prompts (seeded): 1 to 19 tokens after a leading 1."""
     import random
 
     rng = random.Random(seed)
-    return [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(prompts)]
+    return [[1] + [rng.randrange(5, VOCAB) for _ in range(rng.randrange(1, 20))] for _ in range(count)]
 
 
 def greedy_mixed_batch(stack, seed: int, k: int, prompts: int = 6) -> list:
@@ -138,6 +138,6 @@ def greedy_mixed_batch(stack, seed: int, k: int, prompts: int = 6) -> list:
     one leaf: the results (30 tokens each), in prompt order."""
     from specbatch.client import generate_all, make_request
 
-    chosen = mixed_prompts(seed, prompts)
+    chosen = random_prompts(seed, prompts)
     return generate_all(stack.client(), [make_request(p, 30, k=k, ignore_eos=True, leaves=1) for p in chosen],
                         concurrency=len(chosen))
