@@ -16,7 +16,7 @@ from specbatch.engine import Engine, SequenceInput
 from specbatch.commands.launcher import LocalProcesses, StackOptions, _model_flags, free_port
 from specbatch.model_service import model_service_parser
 from specbatch.models import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, cache_root, load_model, load_tokenizer
-from specbatch.profile import expected_tokens, load_profile
+from specbatch.profile import best_k_of, expected_tokens, load_profile
 from specbatch.commands.profiler import given_acceptance
 from specbatch.random_weights import KNOWN_CONFIGS, fit_vocab, random_config, random_model, tokenizer_source
 from target_service.verifier import VerifyItem, verify
@@ -152,8 +152,8 @@ def test_profile_with_given_acceptance(stack, tokenizer, tmp_path, capsys):
     assert len(profile.workload["acceptance"]["measured"]) == 2
     for (b, k), cell in profile.cells.items():
         assert math.isclose(cell.ms_per_token, cell.step_ms / (b * expected_tokens([0.9, 0.5], k)), rel_tol=1e-3)
-    for b in profile.batch_sizes:
-        assert profile.best_k[b] == min(range(3), key=lambda k: (profile.cells[b, k].ms_per_token, k))
+    for b in profile.batch_sizes:  # best k by the profile's rule (smallest k near the lowest), not a bare argmin
+        assert profile.best_k[b] == best_k_of([profile.cells[b, k].ms_per_token for k in range(3)])
     assert "acceptance given by --acceptance" in capsys.readouterr().out
 
     second = tmp_path / "taken.json"
