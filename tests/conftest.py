@@ -1,3 +1,4 @@
+import logging
 import sys
 from pathlib import Path
 
@@ -10,6 +11,19 @@ from tiny import tiny_llama, tiny_tokenizer  # noqa: E402
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "real_model: uses the embedded SmolLM2-135M-Instruct (slower)")
+
+
+@pytest.fixture(autouse=True)
+def root_logging():
+    """Restore the root logger after every test. A main() run in process (the coordinator's, a
+    service's) calls configure_logging, which binds a handler to the sys.stderr of that moment:
+    under pytest a capture file that is closed after the test, so later tests' log records (a
+    prober thread's "replica is serving") would print "Logging error" tracebacks instead."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

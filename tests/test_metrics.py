@@ -260,17 +260,7 @@ def test_metrics_port_taken(monkeypatch, caplog):
 
 # ---- logs -----------------------------------------------------------------------------------------
 
-@pytest.fixture
-def root_logging():
-    """Restore the root logger after a test reconfigures it (pytest's capture lives there)."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-
-
-def test_json_log_lines(root_logging):
+def test_json_log_lines():
     stream = io.StringIO()
     configure_logging("INFO", "json", stream)
     log = logging.getLogger("specbatch.test")
@@ -291,7 +281,7 @@ def test_json_log_lines(root_logging):
     assert "ValueError: boom" in second["exc_info"]
 
 
-def test_text_log_lines_show_request_fields(root_logging):
+def test_text_log_lines_show_request_fields():
     stream = io.StringIO()
     configure_logging("INFO", "text", stream)
     log = logging.getLogger("specbatch.test")
