@@ -133,6 +133,8 @@ def main() -> int:
     parser.add_argument("--threads-per-service", type=int, default=None, help="as specbatch up's flag (default: its rule)")
     parser.add_argument("--draft-int8-weights", action=argparse.BooleanOptionalAction, default=None,
                         help="as specbatch up's flag (default: its rule)")
+    parser.add_argument("--q4-1", action="store_true", help="the target's decoder layers in the GGUF's Q4_1 blocks "
+                        "(specbatch up --q4-1)")
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers generate()")
     parser.add_argument("--leaves", default="0", help="comma-separated leaf counts: one speculative mode each, "
                         "every request verifying that many; 'policy': the coordinator's --leaves-most, as many "
@@ -166,7 +168,7 @@ def main() -> int:
     # The coordinator looks nothing up unless a mode asks (its requests' own prompt_lookup).
     options = StackOptions(max_batch_size=8, threads_per_service=args.threads_per_service, prompt_lookup=0,
                            shared_lookup=args.shared_lookup,
-                           draft_int8_weights=args.draft_int8_weights,
+                           draft_int8_weights=args.draft_int8_weights, target_q4_1=args.q4_1,
                            leaves=args.leaves_most if None in leaf_counts or ":policy" in args.prompt_lookup else 0)
     if args.k_policy:
         options.k_policy, options.profile = args.k_policy, args.profile

@@ -15,6 +15,8 @@ SmolLM2-135M at context 128, median of repeats, for batch × new tokens per sequ
   default there without AVX512_FP16);
 - ``fp32-fp16dot-specbatch`` (CPUs with AVX512_FP16): weights and inputs in float16, products
   summed in float16 in runs of 32, keys and values in bf16 (the embedded services' default there);
+- ``fp32-q4_1-specbatch`` (CPUs with AVX512_BF16): as ``fp32-bf16dot-specbatch`` with the decoder
+  layers' weights in the GGUF's own Q4_1 blocks (``specbatch.q4_1``; the head stays bf16);
 - ``bf16-specbatch`` (only on CPUs with native bf16, where ``--dtype auto`` picks it): bf16 with
   oneDNN-prepacked weights;
 Then the ratios the issue sets as targets, for the engine the embedded services run here,
@@ -121,6 +123,8 @@ def main() -> int:
         engines["fp32-bf16w-specbatch"] = Engine(fp32, bf16_weights=True)
     if native.bf16_dot_available():
         engines["fp32-bf16dot-specbatch"] = Engine(fp32, bf16_dot=True, kv_bf16=True)
+    if native.bf16_dot_available():  # the decoder layers in the GGUF's own Q4_1 blocks, the head bf16 dot
+        engines["fp32-q4_1-specbatch"] = Engine(fp32, q4_1=True, kv_bf16=True)
     if native.fp16_dot_available():
         engines["fp32-fp16dot-specbatch"] = Engine(fp32, fp16_dot=True, kv_bf16=True)
     # The embedded form with its decoder layers called one kernel at a time from Python, as before
@@ -173,12 +177,17 @@ def main() -> int:
     for before in ("fp32-specbatch-onednn", "fp32-specbatch", "bf16-specbatch", f"{best}-python-loop"):
         if before in table and before != best:
             ratios[f"one token at batch 1: {before} / {best}"] = table[before]["1x1"] / table[best]["1x1"]
-    for before in ("fp32-transformers", "fp32-specbatch-mkl", "fp32-specbatch-onednn", "fp32-bf16dot-specbatch"):
+    for other in ("fp32-q4_1-specbatch",):
+        if other in table and other != best:
+            for shape in ("1x1", "1x5", "8x1", "8x4"):
+                ratios[f"{shape.replace('x', ' × ')}: {best} / {other}"] = table[best][shape] / table[other][shape]
+    for before in ("fp32-transformers", "fp32-specbatch-mkl", "fp32-specbatch-onednn", "fp32-bf16dot-specbatch",
+                   "fp32-q4_1-specbatch"):
         if before in table and before != best:
             ratios[f"5 new tokens / 1 at batch 1, {before}"] = table[before]["1x5"] / table[before]["1x1"]
-    if "fp32-bf16dot-specbatch" in table and best != "fp32-bf16dot-specbatch":
-        ratios["4 new tokens / 1 at batch 8, fp32-bf16dot-specbatch"] = (table["fp32-bf16dot-specbatch"]["8x4"]
-                                                                        / table["fp32-bf16dot-specbatch"]["8x1"])
+    for other in ("fp32-bf16dot-specbatch", "fp32-q4_1-specbatch"):
+        if other in table and other != best:
+            ratios[f"4 new tokens / 1 at batch 8, {other}"] = table[other]["8x4"] / table[other]["8x1"]
     print("\n| ratio | measured |\n|---|---|")
     for name, value in ratios.items():
         print(f"| {name} | {value:.2f} |")

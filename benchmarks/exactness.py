@@ -54,8 +54,9 @@ def main() -> int:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--runs", default="chain,leaves", help="chain (k = 1, 3, 5 and mixed), leaves (with leaves)")
-    parser.add_argument("--weights", choices=("bf16", "bf16-dot", "fp16-dot"), default=None,
-                        help="both engines' linear layers (float32 only): bf16 weights, bf16 dot products or float16 products")
+    parser.add_argument("--weights", choices=("bf16", "bf16-dot", "fp16-dot", "q4_1"), default=None,
+                        help="both engines' linear layers (float32 only): bf16 weights, bf16 dot products, float16 "
+                             "products, or the decoder layers in the GGUF's Q4_1 blocks (head on bf16 dot products)")
     parser.add_argument("--draft-int8", action="store_true", help="the draft's linear layers in int8, as served")
     parser.add_argument("--kv-bf16", action="store_true", help="both engines keep their keys and values in bf16")
     parser.add_argument("--wide-threads", type=int, default=0,
@@ -72,7 +73,7 @@ def main() -> int:
     prompts = [chat_token_ids(tokenizer, [{"role": "user", "content": text}])
                for text in sharegpt_prompts(args.prompts, args.prompt_start)]
     form = {None: {}, "bf16": {"bf16_weights": True}, "bf16-dot": {"bf16_dot": True},
-            "fp16-dot": {"fp16_dot": True}}[args.weights]
+            "fp16-dot": {"fp16_dot": True}, "q4_1": {"q4_1": True}}[args.weights]
     both = {"wide_threads": args.wide_threads} if args.wide_threads else {}  # both engines' options
     both.update({"kv_bf16": True} if args.kv_bf16 else {})
     stack = start_local_stack(target, draft, tokenizer, max_batch_size=16, max_new_tokens=args.tokens,

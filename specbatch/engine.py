@@ -265,6 +265,12 @@ class Engine:
     # embedded broadcast reaches ~2.5x bf16 dot products' arithmetic, so a verify step's extra rows
     # cost well under half as much; the rounding is finer than bf16's. Row-exact.
     fp16_dot: bool = False
+    # The own Llama forward's decoder layers in GGUF's Q4_1 blocks (specbatch.q4_1; 5 bits a weight
+    # with its scales, under a third of bf16's bytes), each layer's input rounded to bfloat16 and
+    # the products summed in float32 on AVX512_BF16 (native.panel_q4_1.c); the head on bf16 dot
+    # products. For the embedded target the blocks are the GGUF file's own, recovered exactly from
+    # its float32 weights; another model's weights would be quantized. Row-exact.
+    q4_1: bool = False
     # Keys and values kept in bfloat16 (rounded to nearest as they are written; attention widens
     # them back and computes in float32): the own Llama forward in float32 on the engine's CPU
     # kernels (native.available). From batch 8 on a step reads its cached keys and values from
@@ -321,9 +327,14 @@ class Engine:
                               or not native.fp16_dot_available()):
             raise ValueError("float16 products need the engine's own forward, in float32 on a CPU with AVX512_FP16 "
                              "where the panel kernel builds, and no other weight form beside them")
+        if self.q4_1 and (own is not llama.LlamaForward or self.int8_weights
+                          or self.bf16_weights or self.bf16_dot or self.fp16_dot or self.device.type != "cpu"
+                          or self.dtype != torch.float32 or not native.bf16_dot_available()):
+            raise ValueError("Q4_1 weights need the engine's own Llama forward, in float32 on a CPU with AVX512_BF16 "
+                             "where the panel kernel builds, and no other weight form beside them")
         # The forward of one ragged batch (see RaggedBatch); LlamaForward.__call__ is the contract.
         weights = ("int8" if self.int8_weights else "bf16" if self.bf16_weights else "bf16-dot" if self.bf16_dot
-                   else "fp16-dot" if self.fp16_dot else None)
+                   else "fp16-dot" if self.fp16_dot else "q4_1" if self.q4_1 else None)
         self.forward = own(self.model, weights=weights) if own else TransformersForward(self.model)
         if self.kv_bf16 and not getattr(self.forward, "native_attention", False):
             raise ValueError("bf16 keys and values need the engine's own Llama forward in float32 on a CPU where its "

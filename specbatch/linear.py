@@ -162,7 +162,7 @@ def panel_kernel_takes(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and native.available()
 
 
-WEIGHT_FORMATS = ("bf16", "bf16-dot", "fp16-dot", "int8")  # besides None: the weights as the model has them
+WEIGHT_FORMATS = ("bf16", "bf16-dot", "fp16-dot", "int8", "q4_1")  # besides None: the weights as the model has them
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weights: str | None = None) -> Linear:
@@ -174,11 +174,18 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weights: str 
     the weight and each input (scaled by a power of two) rounded to float16, products summed in
     float16 in runs of 32, the runs in float32, on AVX512_FP16 (``native.fp16_dot_available``;
     row-exact); "int8" (a draft's choice): int8 weights and inputs, on the panel kernel where the CPU
-    has AVX512_VNNI (each input row its own scale: row-exact), else ``Int8Linear`` (fbgemm)."""
+    has AVX512_VNNI (each input row its own scale: row-exact), else ``Int8Linear`` (fbgemm); "q4_1":
+    the weight in GGUF's Q4_1 blocks (``specbatch.q4_1``: exactly the file's values where the
+    weight came from them) and each input rounded to bfloat16, on AVX512_BF16 (row-exact)."""
     if weights == "int8":
         if panel_kernel_takes(weight) and native.int8_dot_available():  # row-exact, and one C call a layer
             return native.PanelLinear(weight, bias, int8_dot=True)
         return Int8Linear(weight, bias)
+    if weights == "q4_1":
+        if not panel_kernel_takes(weight) or not native.bf16_dot_available():
+            raise ValueError("q4_1 weights are for float32 weights on a CPU with AVX512_BF16 where the panel kernel "
+                             "builds")
+        return native.PanelLinear(weight, bias, q4_1=True)
     if weights in ("bf16", "bf16-dot", "fp16-dot"):
         if not panel_kernel_takes(weight):
             raise ValueError(f"{weights} weights are for float32 weights on a CPU where the panel kernel builds")

@@ -113,7 +113,8 @@ class LlamaForward:
     ``weights``: how the linear layers keep their weights (``specbatch.linear.linear``): None, as
     the model has them; "bf16", rounded to bfloat16 for a float32 forward; "bf16-dot", the weights
     and the layers' inputs rounded to bfloat16 for a float32 forward; "fp16-dot", to float16 with
-    float16 products; "int8" (drafts only)."""
+    float16 products; "int8" (drafts only); "q4_1", the decoder layers' weights in GGUF's Q4_1
+    blocks, the output head on bf16 dot products."""
 
     def __init__(self, model, weights: str | None = None):
         if not supports(model):
@@ -129,7 +130,9 @@ class LlamaForward:
         self.rotary = base.rotary_emb
         self.layers = [_Layer(layer, weights) for layer in base.layers]
         self.norm, self.eps = base.norm.weight, base.norm.variance_epsilon
-        self.head = linear(model.get_output_embeddings().weight, None, weights)
+        # Under "q4_1" the head keeps bf16 dot products: the embedded GGUF holds it in Q8_0 (256
+        # levels a block), which 4-bit blocks would coarsen; its bf16 rounding is the bf16-dot form's.
+        self.head = linear(model.get_output_embeddings().weight, None, "bf16-dot" if weights == "q4_1" else weights)
         # PyTorch's CPU SDPA in bf16 is slow with one query row per head: batch 8, 9 heads over
         # 3 KV heads, 1 token, 129 columns takes 435 µs, against 84 µs with the 3 query heads of
         # each KV head folded into one head of 3 query rows. In fp32 folding is slower (54 vs 91).

@@ -210,6 +210,10 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
                         help="as --bf16-dot in float16: weights and inputs rounded to float16, products summed in "
                              "float16 in runs of 32 and the runs in float32 (CPUs with AVX512_FP16, where a "
                              "verify step's extra rows cost under half what bf16 dot products' do); row-exact")
+    parser.add_argument("--q4-1", action="store_true",
+                        help="the decoder layers' weights in GGUF's Q4_1 blocks (CPU, --dtype float32, AVX512_BF16): "
+                             "exactly the embedded GGUF's own 4-bit values, 5 bits a weight read, inputs rounded to "
+                             "bf16 as with --bf16-dot, the head on bf16 dot products; row-exact")
     parser.add_argument("--kv-bf16", action="store_true",
                         help="keep the KV cache's keys and values in bf16 (the engine's own Llama forward in float32 "
                              "on its CPU kernels): half the bytes attention reads from batch 8 on, and half the "
@@ -279,11 +283,12 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
         engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,
                         max_cache_bytes=int(args.kv_cache_gb * 2**30), captured_steps=args.cuda_graphs,
                         int8_weights=getattr(args, "int8_weights", False), bf16_weights=args.bf16_weights,
-                        bf16_dot=args.bf16_dot, fp16_dot=args.fp16_dot, kv_bf16=args.kv_bf16,
+                        bf16_dot=args.bf16_dot, fp16_dot=args.fp16_dot, q4_1=args.q4_1, kv_bf16=args.kv_bf16,
                         wide_threads=args.wide_threads, wide_from_rows=args.wide_from_rows)
         weights = (" (linear layers int8)" if engine.int8_weights else " (weights bf16)" if engine.bf16_weights
                    else " (linear layers on bf16 dot products)" if engine.bf16_dot
-                   else " (linear layers on float16 products)" if engine.fp16_dot else "")
+                   else " (linear layers on float16 products)" if engine.fp16_dot
+                   else " (decoder layers in Q4_1 blocks)" if engine.q4_1 else "")
         wide = f" ({args.wide_threads} from {args.wide_from_rows} rows a call)" if args.wide_threads else ""
         log.info("%s service: loaded %s in %.1fs on %s/%s%s, keys and values %s, %d threads%s, captured steps %s",
                  kind, spec.describe(), time.perf_counter() - started, engine.device, engine.dtype, weights,

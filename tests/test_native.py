@@ -197,7 +197,8 @@ def test_float16_products_take_any_row_scale():
 
 @pytest.mark.parametrize("form, weights, available, flag", [
     ("bf16_dot", "bf16-dot", "bf16_dot_available", "AVX512_BF16"),
-    ("fp16_dot", "fp16-dot", "fp16_dot_available", "AVX512_FP16")])
+    ("fp16_dot", "fp16-dot", "fp16_dot_available", "AVX512_FP16"),
+    ("q4_1", "q4_1", "bf16_dot_available", "AVX512_BF16")])
 def test_dot_product_forms_are_refused_where_the_cpu_lacks_them(monkeypatch, form, weights, available, flag):
     weight = torch.randn(32, 16)
     monkeypatch.setattr(native, available, lambda: False)
@@ -316,7 +317,8 @@ def test_a_prompt_prefills_to_the_same_bits_alone_or_beside_a_longer_one(other_l
 FORMS = [pytest.param({}, id="float32"), pytest.param({"bf16_weights": True}, id="bf16-weights"),
          pytest.param({"bf16_dot": True}, id="bf16-dot", marks=needs_bf16_dot),
          pytest.param({"fp16_dot": True}, id="fp16-dot", marks=needs_fp16),
-         pytest.param({"int8_weights": True}, id="int8-dot", marks=needs_int8_dot)]
+         pytest.param({"int8_weights": True}, id="int8-dot", marks=needs_int8_dot),
+         pytest.param({"q4_1": True}, id="q4_1", marks=needs_bf16_dot)]
 
 
 def _prompts_then_a_ragged_step(engine: Engine) -> list[torch.Tensor]:

@@ -109,10 +109,11 @@ def test_bf16_output_leaves_target_only_decoding_only_at_near_ties(real, bf16_st
     assert all(m.near_tie for m in mismatches), mismatches
 
 
-@pytest.mark.parametrize("form", ["bf16_dot", "fp16_dot"])
+@pytest.mark.parametrize("form", ["bf16_dot", "fp16_dot", "q4_1"])
 def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real, form):
     """The embedded services' default where the CPU has AVX512_BF16 (AVX512_FP16): float32 with the
-    linear layers on bf16 dot products (float16 products), the draft int8. Row-exact multiplies and attention make speculative
+    linear layers on bf16 dot products (float16 products), the draft int8; and `--q4-1`'s target, its
+    decoder layers in the GGUF's Q4_1 blocks. Row-exact multiplies and attention make speculative
     output equal target-only decoding on the same engine token for token, with prompts of different
     lengths prefilled together and k 1-4 in one batch. (Differences show only at near-ties, which
     four short chats rarely reach: tests/test_native.py checks the prefill's bits directly, and
@@ -121,8 +122,8 @@ def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real, form):
     from specbatch.commands.local import start_local_stack
     from specbatch.exactness import first_mismatch, target_only
 
-    if not (native.bf16_dot_available() if form == "bf16_dot" else native.fp16_dot_available()):
-        pytest.skip(f"the CPU lacks {'AVX512_BF16' if form == 'bf16_dot' else 'AVX512_FP16'}")
+    if not (native.fp16_dot_available() if form == "fp16_dot" else native.bf16_dot_available()):
+        pytest.skip(f"the CPU lacks {'AVX512_FP16' if form == 'fp16_dot' else 'AVX512_BF16'}")
     target, draft, tokenizer = real
     stack = start_local_stack(target, draft, tokenizer, max_batch_size=4, target_engine_options={form: True},
                               draft_engine_options={"int8_weights": True})
@@ -135,3 +136,19 @@ def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real, form):
         assert [first_mismatch(out, ref) for out, ref in zip(outputs, references)] == [None] * len(prompts)
     finally:
         stack.stop()
+
+
+def test_the_embedded_targets_layers_are_its_gguf_q4_1_blocks(real):
+    """transformers dequantized the GGUF's Q4_1 layers to float32; every block of every decoder
+    layer is recovered from them bit for bit, so `--q4-1` multiplies by the file's own weights."""
+    from specbatch.q4_1 import q4_1_blocks
+
+    target, _, _ = real
+    for layer in target.model.layers:
+        for module in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                       layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            blocks = q4_1_blocks(module.weight)
+            assert blocks.recovered == blocks.blocks
+            assert torch.equal(blocks.dequantize(), module.weight.detach())
+    # The head (tied to the embedding) is Q8_0 in the file: not 4-bit blocks, so --q4-1 leaves it on bf16.
+    assert q4_1_blocks(target.lm_head.weight).recovered < q4_1_blocks(target.lm_head.weight).blocks // 100

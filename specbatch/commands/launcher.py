@@ -104,6 +104,11 @@ class StackOptions:
     # on for the embedded models wherever their linear layers run on bf16 or float16 dot products
     # (``kv_bf16``).
     kv_bf16: bool | None = None
+    # The target service's --q4-1: its decoder layers in the embedded GGUF's own Q4_1 blocks (5 bits a
+    # weight: a one-token step 12.9 -> 6.5 ms on the 2-core EPYC, docs/engine.md), the head and the
+    # draft as they would be. Off unless asked: each extra verify row costs ~1 ms more there, so
+    # speculation gains less over it.
+    target_q4_1: bool = False
     leaves: int = 0  # the coordinator's --leaves: the draft's next-best tokens verified beside its first
     unsure_below: float = 0.0  # the coordinator's --unsure-below
     draft_ahead: int = 0  # the coordinator's --draft-ahead: guesses at each drafted position while the target verifies
@@ -126,6 +131,7 @@ class StackOptions:
 PROFILES = Path(__file__).resolve().parents[1] / "profiles"
 EMBEDDED_PROFILES = {"float32+fp16-dot": PROFILES / "embedded-cpu-fp16dot.json",
                      "float32+bf16-dot": PROFILES / "embedded-cpu-bf16dot.json",
+                     "float32+q4_1": PROFILES / "embedded-cpu-q4_1.json",
                      "float32+bf16-weights": PROFILES / "embedded-cpu-bf16w.json",
                      "bfloat16": PROFILES / "embedded-cpu.json", "float32": PROFILES / "embedded-cpu-fp32.json"}
 EMBEDDED_POLICY = "goodput"
@@ -229,12 +235,14 @@ def kv_bf16(options: StackOptions) -> bool:
     at top-2 logit gaps below 0.05 (23 of 64 held-out prompts, docs/engine.md)."""
     if options.kv_bf16 is not None:
         return options.kv_bf16
-    return embedded_on_cpu(options) and (bf16_dot(options) or fp16_dot(options))
+    return embedded_on_cpu(options) and (bf16_dot(options) or fp16_dot(options) or options.target_q4_1)
 
 
 def services_cpu_form(options: StackOptions) -> str:
-    """The form the model services run on a CPU with these options: "float32+fp16-dot",
-    "float32+bf16-dot", "float32+bf16-weights", or a dtype."""
+    """The form the model services run on a CPU with these options: "float32+q4_1" (the target's),
+    "float32+fp16-dot", "float32+bf16-dot", "float32+bf16-weights", or a dtype."""
+    if options.target_q4_1:
+        return "float32+q4_1"
     if fp16_dot(options):
         return "float32+fp16-dot"
     if bf16_dot(options):
@@ -318,6 +326,10 @@ def add_stack_flags(parser) -> None:
                         help="both services keep their keys and values in bf16 (the engine's own forward in float32 "
                              "on its CPU kernels; default: on for the embedded models wherever their linear layers run "
                              "on bf16 or float16 dot products)")
+    parser.add_argument("--q4-1", action="store_true",
+                        help="the target's decoder layers in the embedded GGUF's own Q4_1 blocks (5 bits a weight, "
+                             "inputs rounded to bf16; CPUs with AVX512_BF16): about half a one-token step's time, "
+                             "while each extra verify row costs more than on bf16 dot products")
     parser.add_argument("--leaves", type=int, default=0, metavar="N",
                         help="the coordinator's --leaves: up to N of the draft's next-best tokens verified beside "
                              "the first draft (default 0: they pay where verifying a row is nearly free)")
@@ -358,7 +370,7 @@ def stack_options(args) -> StackOptions:
         threads_per_service=args.threads_per_service, wide_threads=args.wide_threads,
         draft_int8_weights=args.draft_int8_weights,
         bf16_weights=args.bf16_weights, bf16_dot=args.bf16_dot, fp16_dot=args.fp16_dot, kv_bf16=args.kv_bf16,
-        leaves=args.leaves,
+        target_q4_1=args.q4_1, leaves=args.leaves,
         unsure_below=args.unsure_below, draft_ahead=args.draft_ahead, prompt_lookup=args.prompt_lookup,
         shared_lookup=args.shared_lookup,
     )
@@ -368,7 +380,8 @@ def _model_flags(model, gguf_file, layers, options: StackOptions) -> list[str]:
     flags = []
     for name, value in (("--model", model), ("--gguf-file", gguf_file), ("--num-layers", layers),
                         ("--device", options.device),
-                        ("--dtype", "float32" if weights_flag(options) and options.dtype in (None, "auto") else options.dtype),
+                        ("--dtype", "float32" if (weights_flag(options) or options.target_q4_1)
+                         and options.dtype in (None, "auto") else options.dtype),
                         ("--kv-cache-gb", options.kv_cache_gb), ("--max-context", options.max_context),
                         ("--cuda-graphs", options.cuda_graphs)):
         if value is not None:
@@ -448,7 +461,7 @@ class LocalProcesses:
         self._spawn("target", "target_service",
                     _model_flags(o.target_model, o.target_gguf_file, None, o) + host + ["--port", str(o.ports["target"])]
                     + _feature_layer_flags(None if o.no_draft else o.draft_model)
-                    + weights_flag(o) + kv_flag)
+                    + (["--q4-1"] if o.target_q4_1 else weights_flag(o)) + kv_flag)
         draft_address = "none"
         if not o.no_draft:
             self._spawn("draft", "draft_service",

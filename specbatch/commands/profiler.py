@@ -327,9 +327,11 @@ def run_profile(args) -> int:
                                                                                description=text))
         target.close()
         draft.close()
-    # The linear layers' form the launcher gave both services (the draft's, where not int8).
+    # The linear layers' form the launcher gave both services (the draft's, where not int8; q4_1: the
+    # target's decoder layers).
     form = {} if remote else {flag: services_cpu_form(options) == f"float32+{name}" for flag, name in
-                              (("bf16_weights", "bf16-weights"), ("bf16_dot", "bf16-dot"), ("fp16_dot", "fp16-dot"))}
+                              (("bf16_weights", "bf16-weights"), ("bf16_dot", "bf16-dot"), ("fp16_dot", "fp16-dot"),
+                               ("q4_1", "q4_1"))}
     kv = {} if remote else {"kv_bf16": kv_bf16(options)}
     hardware = describe_hardware(None if remote else device)
     if remote:

@@ -1,8 +1,9 @@
 """The engine's own float32 kernels for x86 CPUs, built on first use: a matrix multiply
-(``panel_sgemm.c``; with bf16 dot products ``panel_dpbf16.c`` on AVX512_BF16, with float16
-products ``panel_fp16.c`` on AVX512_FP16), attention (``attention.c``) and a layer's small operations between them
-(``layer_ops.c``: residual add with RMS norm, rotary embedding with the KV write, SiLU-gated
-multiply) for the few rows of a decode or verify step.
+(``panel_sgemm.c``; with bf16 dot products ``panel_dpbf16.c`` on AVX512_BF16, and there over
+GGUF's Q4_1 blocks ``panel_q4_1.c``; with float16 products ``panel_fp16.c`` on AVX512_FP16),
+attention (``attention.c``) and a layer's small operations between them (``layer_ops.c``:
+residual add with RMS norm, rotary embedding with the KV write, SiLU-gated multiply) for the few
+rows of a decode or verify step.
 
 Why they exist is in the C files: at the few rows of a step the multiply reads the weights once,
 at the memory's speed, for up to six rows, and attention and the small operations do their few
@@ -43,8 +44,8 @@ from ..c_compiler import c_compiler
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("panel_sgemm.c", "panel_dpbf16.c", "panel_fp16.c", "panel_int8.c", "attention.c",
-                             "layer_ops.c", "decoder.c"))
+                for name in ("panel_sgemm.c", "panel_dpbf16.c", "panel_q4_1.c", "panel_fp16.c", "panel_int8.c",
+                             "attention.c", "layer_ops.c", "decoder.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # Where the CPU has AVX-512, the same code compiled for it: 32 vector registers instead of 16, so
 # wider register blocks fit (panel_sgemm.c's BF16_PANELS). Part of the build's cache key.
@@ -237,10 +238,12 @@ class PanelLinear:
     bf16 dot products on a CPU that has both, and closer to float32). ``int8_dot``: the weight in
     int8 with a scale per output feature, each input row quantized to int8 with a scale of its
     own, the products summed exactly in int32 on AVX512_VNNI (``panel_int8.c``: a draft's layers).
-    All are row-exact."""
+    ``q4_1``: the weight in GGUF's Q4_1 blocks (``specbatch.q4_1``: the file's own values where the
+    weight was dequantized from them), each input rounded to bfloat16, on AVX512_BF16
+    (``panel_q4_1.c``: under a third of bf16's bytes). All are row-exact."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16_weights: bool = False,
-                 bf16_dot: bool = False, fp16_dot: bool = False, int8_dot: bool = False):
+                 bf16_dot: bool = False, fp16_dot: bool = False, int8_dot: bool = False, q4_1: bool = False):
         library = _library()
         if library is None:
             raise RuntimeError(f"the panel kernel is unavailable: {unavailable_reason()}")
@@ -250,11 +253,15 @@ class PanelLinear:
             raise RuntimeError("float16 products need a CPU with AVX512_FP16 (and the kernels built for it)")
         if int8_dot and not int8_dot_available():
             raise RuntimeError("int8 products need a CPU with AVX512_VNNI (and the kernels built for it)")
-        if bf16_weights + bf16_dot + fp16_dot + int8_dot > 1:
-            raise ValueError("ask for one of bf16_weights, bf16_dot, fp16_dot and int8_dot")
+        if q4_1 and not bf16_dot_available():
+            raise RuntimeError("Q4_1 weights need a CPU with AVX512_BF16 (and the kernels built for it)")
+        if bf16_weights + bf16_dot + fp16_dot + int8_dot + q4_1 > 1:
+            raise ValueError("ask for one of bf16_weights, bf16_dot, fp16_dot, int8_dot and q4_1")
         self.bf16_weights, self.bf16_dot, self.fp16_dot, self.int8_dot = bf16_weights, bf16_dot, fp16_dot, int8_dot
+        self.q4_1 = q4_1
         # Which kernel reads the packed weight (decoder.c's FORM_* codes).
-        self.form = 4 if int8_dot else 3 if fp16_dot else 2 if bf16_dot else 1 if bf16_weights else 0
+        self.form = 5 if q4_1 else 4 if int8_dot else 3 if fp16_dot else 2 if bf16_dot else 1 if bf16_weights else 0
+        self.recovered_blocks = None  # the Q4_1 form's: blocks that were Q4_1 already (_init_q4_1)
         self.weight_unscale = 1.0  # the float16 form's power of two (_init_fp16)
         self.weight_scale = self.weight_offset = None  # the int8 form's (_init_int8)
         self._multiply = library.panel_linear_multiply
@@ -262,6 +269,8 @@ class PanelLinear:
             self._init_fp16(weight, bias)
         elif int8_dot:
             self._init_int8(weight, bias)
+        elif q4_1:
+            self._init_q4_1(weight, bias)
         else:
             self._init_panels(weight, bias)
         # What the kernel reads of this layer (decoder.c's panel_linear), made once: the tensors it
@@ -313,6 +322,31 @@ class PanelLinear:
         self.panels = quantized.view(-1, PANEL, quantized.shape[1] // 4, 4).transpose(1, 2).contiguous()
         self.weight_scale = F.pad(scale, (0, padded)).contiguous()
         self.weight_offset = (128 * quantized.to(torch.int32).sum(dim=1)).to(torch.int32).contiguous()
+        self.bias = None if bias is None else F.pad(bias.detach().float(), (0, padded)).contiguous()
+
+    def _init_q4_1(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """The Q4_1 form: per panel of PANEL output features and block of 32 input features, 320
+        bytes: four 64-byte lines of nibbles, then the features' d and m (float16), the order
+        panel_q4_1.c unpacks them in (see there)."""
+        from ..q4_1 import BLOCK, q4_1_blocks
+
+        blocks = q4_1_blocks(weight)
+        self.out_features, self.in_features = weight.shape
+        self.recovered_blocks = (blocks.recovered, blocks.blocks)
+        padded = -self.out_features % PANEL
+        values = F.pad(blocks.values, (0, 0, 0, 0, 0, padded))  # padding features: q = d = m = 0
+        scale, minimum = F.pad(blocks.scale, (0, 0, 0, padded)), F.pad(blocks.minimum, (0, 0, 0, padded))
+        panels, count = values.shape[0] // PANEL, self.in_features // BLOCK
+        # words[p, b, t, 2 f + j]: the weight of feature f, input feature 2 t + j of block b (t: the pair).
+        words = values.view(panels, PANEL, count, BLOCK // 2, 2).permute(0, 2, 3, 1, 4).reshape(panels, count, 16, 32)
+        # Line g of a block: 32 16-bit words; word w holds, from its low nibble up, word w of pairs
+        # 4 g, 4 g + 1, 4 g + 2 and 4 g + 3 (the kernel takes each out with a shift and a mask).
+        # Little-endian: the word's low byte holds pairs 4 g and 4 g + 1, its high byte the other two.
+        quads = words.view(panels, count, 4, 4, 32)  # [panel, block, line, pair in line, word]
+        nibbles = torch.stack([quads[:, :, :, 0] | (quads[:, :, :, 1] << 4), quads[:, :, :, 2] | (quads[:, :, :, 3] << 4)],
+                              dim=-1).reshape(panels, count, 256)
+        per_block = lambda half: half.view(panels, PANEL, count).transpose(1, 2).contiguous().view(torch.uint8)  # noqa: E731
+        self.panels = torch.cat([nibbles, per_block(scale), per_block(minimum)], dim=-1).contiguous()
         self.bias = None if bias is None else F.pad(bias.detach().float(), (0, padded)).contiguous()
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:

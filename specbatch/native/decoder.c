@@ -14,7 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* The kernels (panel_sgemm.c, panel_dpbf16.c, panel_fp16.c, panel_int8.c, attention.c, layer_ops.c). */
+/* The kernels (panel_sgemm.c, panel_dpbf16.c, panel_q4_1.c, panel_fp16.c, panel_int8.c, attention.c,
+ * layer_ops.c). */
 void panel_sgemm(const float *x, int64_t M, int64_t K, const float *packed, int64_t N, const float *bias, float *y,
                  int threads);
 void panel_sgemm_bf16w(const float *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N, const float *bias,
@@ -22,6 +23,8 @@ void panel_sgemm_bf16w(const float *x, int64_t M, int64_t K, const uint16_t *pac
 #ifdef __AVX512BF16__
 int panel_dpbf16(const float *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N, const float *bias, float *y,
                  int threads);
+int panel_q4_1(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
+               int threads);
 #endif
 #ifdef __AVX512VNNI__
 int panel_int8(const float *x, int64_t M, int64_t K, const int8_t *packed, const float *w_scale,
@@ -42,7 +45,7 @@ int rope_write(float *qkv, int64_t B, int64_t W, int64_t H, int64_t KVH, int64_t
                int64_t kv_b, int64_t kv_h, int kv_bf16, int threads);
 
 /* One linear layer as specbatch.native.PanelLinear packs it; `form` says which kernel reads it. */
-enum { FORM_F32 = 0, FORM_BF16_WEIGHTS = 1, FORM_BF16_DOT = 2, FORM_FP16_DOT = 3, FORM_INT8_DOT = 4 };
+enum { FORM_F32 = 0, FORM_BF16_WEIGHTS = 1, FORM_BF16_DOT = 2, FORM_FP16_DOT = 3, FORM_INT8_DOT = 4, FORM_Q4_1 = 5 };
 
 typedef struct {
     int32_t form;
@@ -74,6 +77,8 @@ int panel_linear_multiply(const panel_linear *l, const float *x, int64_t M, floa
 #ifdef __AVX512BF16__
     case FORM_BF16_DOT:
         return panel_dpbf16(x, M, l->in_features, (const uint16_t *)l->packed, l->out_features, l->bias, y, threads);
+    case FORM_Q4_1:
+        return panel_q4_1(x, M, l->in_features, (const uint8_t *)l->packed, l->out_features, l->bias, y, threads);
 #endif
 #ifdef __AVX512VNNI__
     case FORM_INT8_DOT:

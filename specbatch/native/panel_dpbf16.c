@@ -77,8 +77,9 @@ typedef void (*dot_block)(const uint32_t *, int64_t, const uint16_t *, float *, 
 static const dot_block dot_blocks[DOT_MAX_ROWS + 1] = {0,     dot_1, dot_2, dot_3,  dot_4,  dot_5, dot_6,
                                                        dot_7, dot_8, dot_9, dot_10, dot_11, dot_12};
 
-/* x [M, K] float32 rounded to bf16 pairs [M][Kp], the odd K's last pair padded with zero. */
-static void round_to_pairs(const float *x, int64_t M, int64_t K, int64_t Kp, uint32_t *pairs) {
+/* x [M, K] float32 rounded to bf16 pairs [M][Kp], the odd K's last pair padded with zero (also
+ * panel_q4_1.c's input). */
+void bf16_round_to_pairs(const float *x, int64_t M, int64_t K, int64_t Kp, uint32_t *pairs) {
     for (int64_t m = 0; m < M; m++) {
         const float *row = x + m * K;
         uint16_t *out = (uint16_t *)(pairs + m * Kp);
@@ -100,7 +101,7 @@ int panel_dpbf16(const float *x, int64_t M, int64_t K, const uint16_t *packed, i
     uint32_t *pairs = malloc((size_t)(M * Kp) * sizeof(uint32_t));
     if (!pairs)
         return 1;
-    round_to_pairs(x, M, K, Kp, pairs);
+    bf16_round_to_pairs(x, M, K, Kp, pairs);
     int64_t panels = (N + PANEL - 1) / PANEL;
     int64_t groups = (panels + DOT_PANEL_GROUP - 1) / DOT_PANEL_GROUP;
     int64_t blocks = M <= DOT_MAX_ROWS ? 1 : (M + DOT_SPLIT_ROWS - 1) / DOT_SPLIT_ROWS;

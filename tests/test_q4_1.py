@@ -1,0 +1,114 @@
+"""GGUF's Q4_1 blocks (specbatch.q4_1) and their multiply (native panel_q4_1.c): the blocks recovered
+from a dequantized weight bit for bit, other weights quantized as llama.cpp does, and the products
+row-exact; the target service's `--q4-1` through the launcher and the services."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specbatch import native
+from specbatch.engine import Engine
+from specbatch.linear import linear
+from specbatch.q4_1 import BLOCK, q4_1_blocks
+from test_native import layer_and_rows, needs_bf16_dot, rows_alone_and_beside_others
+from tiny import greedy_mixed_batch, tiny_llama
+
+
+def q4_1_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """A float32 weight that is d * q + m in every block, as transformers dequantizes a GGUF's Q4_1."""
+    generator = torch.Generator().manual_seed(seed)
+    return q4_1_blocks(torch.randn(out_features, in_features, generator=generator) * 0.05).dequantize()
+
+
+def test_the_blocks_of_a_dequantized_weight_are_recovered_bit_for_bit():
+    weight = q4_1_weight(48, 4 * BLOCK, seed=1)
+    weight[3, :BLOCK] = 0.25  # a constant block: d = 0
+    weight[5, BLOCK : 2 * BLOCK] = torch.arange(BLOCK) % 16 * 2.0**-10 - 1.5  # q 0..15 twice, a float16 step
+    blocks = q4_1_blocks(weight)
+    assert blocks.recovered == blocks.blocks == 48 * 4
+    assert torch.equal(blocks.dequantize(), weight)
+    assert blocks.values.dtype == torch.uint8 and int(blocks.values.max()) <= 15
+    assert float(blocks.scale[3, 0]) == 0 and float(blocks.minimum[3, 0]) == 0.25
+    assert float(blocks.scale[5, 1]) == 2.0**-10 and float(blocks.minimum[5, 1]) == -1.5
+
+
+def test_other_weights_are_quantized_as_llama_cpp_does():
+    """A weight that is not Q4_1 already: each block's minimum becomes m, its span over 15 d, and each
+    value the nearest of the 16 levels (within float16's rounding of d and m)."""
+    weight = torch.randn(16, 2 * BLOCK, generator=torch.Generator().manual_seed(2))
+    blocks = q4_1_blocks(weight)
+    assert blocks.recovered == 0
+    d = blocks.scale.float().repeat_interleave(BLOCK, dim=1)
+    assert ((blocks.dequantize() - weight).abs() <= d / 2 + 2e-3).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q4_1_blocks(torch.randn(4, 48))
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("out_features,in_features", [(40, 64), (33, 96), (960, 576), (576, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q4_1_products_are_row_exact_products_of_the_rounded_input(out_features, in_features, threads):
+    """Within float32 rounding of the float64 product of the bf16-rounded input and the blocks'
+    weights, and each row the same bits alone or beside others (1-12 rows one block, 13, 16, 17
+    and 40 split), on any thread count."""
+    weight = q4_1_weight(out_features, in_features, seed=out_features + in_features)
+    _, bias, _, x = layer_and_rows(out_features, in_features, out_features * in_features)
+    layer = native.PanelLinear(weight, bias, q4_1=True)
+    assert layer.form == 5 and layer.recovered_blocks == (out_features * in_features // BLOCK,) * 2
+    rounded_x = x.bfloat16().double()
+    exact = rounded_x @ weight.double().T + bias.double()
+    bound = 1e-6 * in_features * (rounded_x.abs() @ weight.double().abs().T + 1)
+    alone = rows_alone_and_beside_others(layer, x, threads, list(range(1, 14)) + [16, 17, 40])
+    assert ((alone.double() - exact).abs() <= bound).all()
+
+
+@needs_bf16_dot
+def test_q4_1_refuses_what_it_cannot_pack_or_combine():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        linear(torch.randn(16, 40), weights="q4_1")
+    with pytest.raises(ValueError, match="one of"):
+        native.PanelLinear(torch.randn(16, 64), q4_1=True, bf16_dot=True)
+    with pytest.raises(ValueError, match="Q4_1 weights need"):
+        Engine(tiny_llama(1, seed=0), q4_1=True, bf16_dot=True)
+
+
+@needs_bf16_dot
+def test_the_engine_keeps_the_head_on_bf16_dot_products():
+    engine = Engine(tiny_llama(2, seed=3), q4_1=True)
+    layer = engine.forward.layers[0]
+    assert {layer.qkv.form, layer.o.form, layer.gate_up.form, layer.down.form} == {5}
+    assert engine.forward.head.form == 2 and engine.forward.decoder_layers is not None
+
+
+@needs_bf16_dot
+def test_speculation_on_q4_1_layers_is_its_own_target_only_decoding(target_model, draft_model, tokenizer):
+    """A target on Q4_1 layers (bf16 keys and values, as `specbatch up --q4-1` runs it) and a draft on
+    bf16 dot products: greedy output at k = 3 with leaves, in one mixed batch, is token for token the
+    same stack's target-only (k = 0) output."""
+    from specbatch.commands.local import start_local_stack
+
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=64,
+                              target_engine_options={"q4_1": True, "kv_bf16": True},
+                              draft_engine_options={"bf16_dot": True, "kv_bf16": True})
+    try:
+        speculative = greedy_mixed_batch(stack, seed=13, k=3)
+        assert sum(r.stats.draft_tokens_accepted for r in speculative) > 0
+        assert [r.token_ids for r in speculative] == [r.token_ids for r in greedy_mixed_batch(stack, seed=13, k=0)]
+    finally:
+        stack.stop()
+
+
+@pytest.mark.parametrize("dot", [True, "fp16"])
+def test_the_launcher_gives_the_target_q4_1_and_keeps_the_draft(monkeypatch, dot):
+    """`specbatch up --q4-1`: the target service gets --q4-1 in float32 with bf16 keys and values, the
+    draft its usual form (int8 for the embedded draft), and the profile looked up is the Q4_1 form's."""
+    from specbatch.commands.launcher import StackOptions, services_cpu_form
+    from test_processes import _spawned_on_a_cpu_with
+
+    spawned = _spawned_on_a_cpu_with(monkeypatch, dot, {"target_q4_1": True})
+    target, draft = spawned["target_service"], spawned["draft_service"]
+    assert "--q4-1" in target and target[target.index("--dtype") + 1] == "float32" and "--kv-bf16" in target
+    assert not {"--bf16-dot", "--fp16-dot", "--bf16-weights"} & set(target)
+    assert "--int8-weights" in draft and "--q4-1" not in draft and "--kv-bf16" in draft
+    assert services_cpu_form(StackOptions(target_q4_1=True)) == "float32+q4_1"
