@@ -16,7 +16,7 @@ SmolLM2-135M at context 128, median of repeats, for batch × new tokens per sequ
 - ``fp32-fp16dot-specbatch`` (CPUs with AVX512_FP16): weights and inputs in float16, products
   summed in float16 in runs of 32, keys and values in bf16 (the embedded services' default there);
 - ``fp32-q4_1-specbatch`` (CPUs with AVX512_BF16): as ``fp32-bf16dot-specbatch`` with the decoder
-  layers' weights in the GGUF's own Q4_1 blocks (``specbatch.q4_1``; the head stays bf16);
+  layers' weights in the GGUF's own Q4_1 blocks (``specbatch.gguf_blocks``; the head stays bf16);
 - ``bf16-specbatch`` (only on CPUs with native bf16, where ``--dtype auto`` picks it): bf16 with
   oneDNN-prepacked weights;
 Then the ratios the issue sets as targets, for the engine the embedded services run here,

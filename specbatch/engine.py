@@ -265,7 +265,7 @@ class Engine:
     # embedded broadcast reaches ~2.5x bf16 dot products' arithmetic, so a verify step's extra rows
     # cost well under half as much; the rounding is finer than bf16's. Row-exact.
     fp16_dot: bool = False
-    # The own Llama forward's decoder layers in GGUF's Q4_1 blocks (specbatch.q4_1; 5 bits a weight
+    # The own Llama forward's decoder layers in GGUF's Q4_1 blocks (specbatch.gguf_blocks; 5 bits a weight
     # with its scales, under a third of bf16's bytes), each layer's input rounded to bfloat16 and
     # the products summed in float32 on AVX512_BF16 (native.panel_q4_1.c); the head on bf16 dot
     # products. For the embedded target the blocks are the GGUF file's own, recovered exactly from

@@ -175,7 +175,7 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weights: str 
     float16 in runs of 32, the runs in float32, on AVX512_FP16 (``native.fp16_dot_available``;
     row-exact); "int8" (a draft's choice): int8 weights and inputs, on the panel kernel where the CPU
     has AVX512_VNNI (each input row its own scale: row-exact), else ``Int8Linear`` (fbgemm); "q4_1":
-    the weight in GGUF's Q4_1 blocks (``specbatch.q4_1``: exactly the file's values where the
+    the weight in GGUF's Q4_1 blocks (``specbatch.gguf_blocks``: exactly the file's values where the
     weight came from them) and each input rounded to bfloat16, on AVX512_BF16 (row-exact)."""
     if weights == "int8":
         if panel_kernel_takes(weight) and native.int8_dot_available():  # row-exact, and one C call a layer

@@ -1,4 +1,4 @@
-"""GGUF's Q4_1 blocks (specbatch.q4_1) and their multiply (native panel_q4_1.c): the blocks recovered
+"""GGUF's Q4_1 blocks (specbatch.gguf_blocks) and their multiply (native panel_q4_1.c): the blocks recovered
 from a dequantized weight bit for bit, other weights quantized as llama.cpp does, and the products
 row-exact; the target service's `--q4-1` through the launcher and the services."""
 
@@ -10,7 +10,7 @@ import torch
 from specbatch import native
 from specbatch.engine import Engine
 from specbatch.linear import linear
-from specbatch.q4_1 import BLOCK, q4_1_blocks
+from specbatch.gguf_blocks import BLOCK, q4_1_blocks
 from test_native import layer_and_rows, needs_bf16_dot, rows_alone_and_beside_others
 from tiny import greedy_mixed_batch, tiny_llama
 

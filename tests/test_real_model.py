@@ -141,7 +141,7 @@ def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real, form):
 def test_the_embedded_targets_layers_are_its_gguf_q4_1_blocks(real):
     """transformers dequantized the GGUF's Q4_1 layers to float32; every block of every decoder
     layer is recovered from them bit for bit, so `--q4-1` multiplies by the file's own weights."""
-    from specbatch.q4_1 import q4_1_blocks
+    from specbatch.gguf_blocks import q4_1_blocks
 
     target, _, _ = real
     for layer in target.model.layers:

@@ -238,7 +238,7 @@ class PanelLinear:
     bf16 dot products on a CPU that has both, and closer to float32). ``int8_dot``: the weight in
     int8 with a scale per output feature, each input row quantized to int8 with a scale of its
     own, the products summed exactly in int32 on AVX512_VNNI (``panel_int8.c``: a draft's layers).
-    ``q4_1``: the weight in GGUF's Q4_1 blocks (``specbatch.q4_1``: the file's own values where the
+    ``q4_1``: the weight in GGUF's Q4_1 blocks (``specbatch.gguf_blocks``: the file's own values where the
     weight was dequantized from them), each input rounded to bfloat16, on AVX512_BF16
     (``panel_q4_1.c``: under a third of bf16's bytes). All are row-exact."""
 
@@ -328,7 +328,7 @@ class PanelLinear:
         """The Q4_1 form: per panel of PANEL output features and block of 32 input features, 320
         bytes: four 64-byte lines of nibbles, then the features' d and m (float16), the order
         panel_q4_1.c unpacks them in (see there)."""
-        from ..q4_1 import BLOCK, q4_1_blocks
+        from ..gguf_blocks import BLOCK, q4_1_blocks
 
         blocks = q4_1_blocks(weight)
         self.out_features, self.in_features = weight.shape
@@ -343,10 +343,13 @@ class PanelLinear:
         # 4 g, 4 g + 1, 4 g + 2 and 4 g + 3 (the kernel takes each out with a shift and a mask).
         # Little-endian: the word's low byte holds pairs 4 g and 4 g + 1, its high byte the other two.
         quads = words.view(panels, count, 4, 4, 32)  # [panel, block, line, pair in line, word]
-        nibbles = torch.stack([quads[:, :, :, 0] | (quads[:, :, :, 1] << 4), quads[:, :, :, 2] | (quads[:, :, :, 3] << 4)],
-                              dim=-1).reshape(panels, count, 256)
-        per_block = lambda half: half.view(panels, PANEL, count).transpose(1, 2).contiguous().view(torch.uint8)  # noqa: E731
-        self.panels = torch.cat([nibbles, per_block(scale), per_block(minimum)], dim=-1).contiguous()
+        low_byte, high_byte = quads[:, :, :, 0] | (quads[:, :, :, 1] << 4), quads[:, :, :, 2] | (quads[:, :, :, 3] << 4)
+        nibbles = torch.stack([low_byte, high_byte], dim=-1).reshape(panels, count, 256)
+
+        def by_block(half: torch.Tensor) -> torch.Tensor:  # [features, blocks] float16 -> [panel, block, 32 bytes]
+            return half.view(panels, PANEL, count).transpose(1, 2).contiguous().view(torch.uint8)
+
+        self.panels = torch.cat([nibbles, by_block(scale), by_block(minimum)], dim=-1).contiguous()
         self.bias = None if bias is None else F.pad(bias.detach().float(), (0, padded)).contiguous()
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
