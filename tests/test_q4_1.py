@@ -112,3 +112,29 @@ def test_the_launcher_gives_the_target_q4_1_and_keeps_the_draft(monkeypatch, dot
     assert not {"--bf16-dot", "--fp16-dot", "--bf16-weights"} & set(target)
     assert "--int8-weights" in draft and "--q4-1" not in draft and "--kv-bf16" in draft
     assert services_cpu_form(StackOptions(target_q4_1=True)) == "float32+q4_1"
+
+
+@pytest.mark.parametrize("flags, message", [(["--dtype", "bfloat16"], "drop --dtype bfloat16"),
+                                            (["--device", "cuda"], "for the CPU")])
+def test_the_launcher_refuses_q4_1_where_it_cannot_run(flags, message):
+    """Refused before any service starts, with the reason, instead of two services exiting."""
+    import argparse
+
+    from specbatch.commands.launcher import add_stack_flags, stack_options
+
+    parser = argparse.ArgumentParser()
+    add_stack_flags(parser)
+    with pytest.raises(SystemExit, match=message):
+        stack_options(parser.parse_args(["--q4-1", *flags]))
+
+
+def test_the_launcher_refuses_q4_1_without_avx512_bf16(monkeypatch):
+    import argparse
+
+    import specbatch.commands.launcher as launcher
+
+    monkeypatch.setattr(launcher, "bf16_dot_expected", lambda: False)
+    parser = argparse.ArgumentParser()
+    launcher.add_stack_flags(parser)
+    with pytest.raises(SystemExit, match="AVX512_BF16"):
+        launcher.stack_options(parser.parse_args(["--q4-1"]))

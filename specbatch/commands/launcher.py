@@ -358,6 +358,13 @@ def add_stack_flags(parser) -> None:
 
 
 def stack_options(args) -> StackOptions:
+    if args.q4_1 and args.dtype not in (None, "auto", "float32"):
+        raise SystemExit(f"--q4-1 runs the target in float32 (its layers' inputs rounded to bf16): drop --dtype "
+                         f"{args.dtype}")
+    if args.q4_1 and args.device not in (None, "cpu"):
+        raise SystemExit("--q4-1 is for the CPU: its kernel multiplies on AVX512_BF16")
+    if args.q4_1 and not bf16_dot_expected():
+        raise SystemExit("--q4-1 needs a CPU with AVX512_BF16 (this one lacks it)")
     return StackOptions(
         target_model=args.target_model, target_gguf_file=args.target_gguf_file, draft_model=args.draft_model,
         draft_gguf_file=args.draft_gguf_file, draft_layers=args.draft_layers, no_draft=args.no_draft,
