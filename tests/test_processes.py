@@ -15,7 +15,7 @@ from specbatch.commands import cli
 from specbatch.client import connect, generate, make_request
 from specbatch.reflection import register_v1_descriptor
 from specbatch.v1 import generation_pb2 as gpb
-from specbatch.commands.launcher import LocalProcesses, StackOptions, free_port, threads_per_service
+from specbatch.commands.launcher import WIDE_SPINCOUNT, LocalProcesses, StackOptions, free_port, threads_per_service
 from tiny import greedy_reference
 
 
@@ -143,18 +143,31 @@ def test_launcher_pins_each_services_threads(monkeypatch, chosen, cores, service
     (None, None, 2, "2"), (None, None, 8, "8"), (None, None, 1, None), (0, None, 8, None), (None, 0, 8, None),
     (1, 3, 8, "3")])
 def test_launcher_gives_big_calls_the_cores(monkeypatch, chosen_threads, chosen_wide, cores, wide):
-    """Within a step the draft computes, then the target: a service's calls of many rows may have
-    every core (--wide-threads), with idle OpenMP threads sleeping, not spinning, between them.
-    Off where the services already take every core, or where asked."""
+    """Within a step the draft computes, then the target: a service's calls may have every core
+    (--wide-threads, from one row: --wide-from-rows 1), with idle OpenMP threads spinning only
+    briefly (GOMP_SPINCOUNT) between them. Off where the services already take every core, or
+    where asked."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     spawned = spawn_stack(monkeypatch, cores, StackOptions(threads_per_service=chosen_threads, wide_threads=chosen_wide))
     for module in ("target_service", "draft_service"):
         command, env = spawned[module]
         if wide is None:
-            assert "--wide-threads" not in command and "OMP_WAIT_POLICY" not in env
+            assert "--wide-threads" not in command and "GOMP_SPINCOUNT" not in env
         else:
-            assert command[command.index("--wide-threads") + 1] == wide and env["OMP_WAIT_POLICY"] == "PASSIVE"
+            assert command[command.index("--wide-threads") + 1] == wide
+            assert command[command.index("--wide-from-rows") + 1] == "1"
+            assert env["GOMP_SPINCOUNT"] == str(WIDE_SPINCOUNT) and "OMP_WAIT_POLICY" not in env
     assert "--wide-threads" not in spawned["coordinator"][0]
+
+
+def test_an_omp_wait_policy_in_the_environment_is_kept(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    spawned = spawn_stack(monkeypatch, 2, StackOptions(wide_from_rows=12))
+    command, env = spawned["target_service"]
+    assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
+    assert command[command.index("--wide-from-rows") + 1] == "12"
 
 
 def test_services_take_a_thread_count():

@@ -35,6 +35,13 @@ def threads_per_service(cores: int) -> int:
     return max(1, cores // 2)
 
 
+# libgomp's spin count for the model services' helper threads where their calls go wide: ~0.2 ms of
+# spinning bridges the few microseconds between a forward's parallel regions, then the thread
+# sleeps, so it does not spin on the core the other service computes on next (the default,
+# 300,000, spins for milliseconds; 100,000 read 107 tok/s at batch 1 where 10,000 read 117-121).
+WIDE_SPINCOUNT = 10000
+
+
 def wide_threads(options: "StackOptions", threads: int) -> int:
     """Each model service's --wide-threads: ``options.wide_threads`` where given, else every core
     this process may use where that is more than the services' ``threads`` (0: torch's default, which
@@ -79,11 +86,17 @@ class StackOptions:
     # Intra-op threads of each model service: None = threads_per_service(available cores);
     # 0 = torch's own default (the environment's OMP_NUM_THREADS, else one per core).
     threads_per_service: int | None = None
-    # Each model service's --wide-threads (its calls of 12 rows and more on this many threads):
-    # None = every core this process may use, where that is more than threads_per_service (within
-    # a step the draft computes, then the target, so a big call has the cores; ``wide_threads``);
+    # Each model service's --wide-threads (its calls of wide_from_rows rows and more on this many
+    # threads): None = every core this process may use, where that is more than threads_per_service
+    # (within a step the draft computes, then the target, so a call has the cores; ``wide_threads``);
     # 0 = off.
     wide_threads: int | None = None
+    # Each model service's --wide-from-rows where wide_threads is on: 1, every call. With the helper
+    # threads spinning briefly between a forward's parallel regions (WIDE_SPINCOUNT) instead of
+    # sleeping through each, even a one-row step gains from the idle core: on the 2-core EPYC
+    # (2026-11-26) batch 1 through the services, `specbatch up`'s default, 97.0 / 98.2 -> 116.9 /
+    # 118.5 tok/s in runs taking turns (from 12 rows with sleeping helpers before; docs/engine.md).
+    wide_from_rows: int = 1
     # The draft service's --int8-weights; None: on for the embedded draft where the services run
     # float32 on a CPU (``draft_int8_weights``).
     draft_int8_weights: bool | None = None
@@ -352,9 +365,12 @@ def add_stack_flags(parser) -> None:
                         help="intra-op threads of the target and of the draft service (default: half the cores "
                              "this process may use, at least 1; 0: torch's own default)")
     parser.add_argument("--wide-threads", type=int, metavar="N",
-                        help="each model service's --wide-threads: its calls of 12 rows and more on N threads "
-                             "(default: all the cores this process may use, where that is more than "
+                        help="each model service's --wide-threads: its calls of --wide-from-rows rows and more on "
+                             "N threads (default: all the cores this process may use, where that is more than "
                              "--threads-per-service; 0: off)")
+    parser.add_argument("--wide-from-rows", type=int, default=StackOptions.wide_from_rows, metavar="R",
+                        help="each model service's --wide-from-rows where --wide-threads is on (default "
+                             f"{StackOptions.wide_from_rows}: every call; the services' own default is 12)")
 
 
 def stack_options(args) -> StackOptions:
@@ -375,6 +391,7 @@ def stack_options(args) -> StackOptions:
         host=args.host, ports={"coordinator": args.port, "target": args.target_port, "draft": args.draft_port},
         log_level=args.log_level, metrics_ports=dict(DEFAULT_METRICS_PORTS) if args.metrics else None,
         threads_per_service=args.threads_per_service, wide_threads=args.wide_threads,
+        wide_from_rows=args.wide_from_rows,
         draft_int8_weights=args.draft_int8_weights,
         bf16_weights=args.bf16_weights, bf16_dot=args.bf16_dot, fp16_dot=args.fp16_dot, kv_bf16=args.kv_bf16,
         target_q4_1=args.q4_1, leaves=args.leaves,
@@ -440,10 +457,9 @@ class LocalProcesses:
                 env["OMP_NUM_THREADS"] = str(self.threads)  # also sizes the OpenMP pool before torch starts
             wide = wide_threads(self.options, self.threads)
             if wide:
-                args += ["--wide-threads", str(wide)]
-                # A wide call's helper threads sleep when it ends instead of spinning on the core the
-                # other service or the coordinator needs next (libgomp spins ~a few hundred us by default).
-                env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+                args += ["--wide-threads", str(wide), "--wide-from-rows", str(self.options.wide_from_rows)]
+                if "OMP_WAIT_POLICY" not in env:  # (one given in the environment is kept)
+                    env.setdefault("GOMP_SPINCOUNT", str(WIDE_SPINCOUNT))
         self.processes.append((name, self.start_process(module, args, env)))
 
     def start(self, timeout: float = 600.0) -> "LocalProcesses":
