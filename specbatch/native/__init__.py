@@ -44,8 +44,8 @@ from ..c_compiler import c_compiler
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("panel_sgemm.c", "panel_dpbf16.c", "panel_q4_1.c", "panel_fp16.c", "panel_int8.c",
-                             "attention.c", "layer_ops.c", "decoder.c"))
+                for name in ("panel_blocks.c", "panel_sgemm.c", "panel_dpbf16.c", "panel_q4_1.c", "panel_fp16.c",
+                             "panel_int8.c", "attention.c", "layer_ops.c", "decoder.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 # Where the CPU has AVX-512, the same code compiled for it: 32 vector registers instead of 16, so
 # wider register blocks fit (panel_sgemm.c's BF16_PANELS). Part of the build's cache key.

@@ -74,6 +74,10 @@ DOT_BLOCK(1) DOT_BLOCK(2) DOT_BLOCK(3) DOT_BLOCK(4) DOT_BLOCK(5) DOT_BLOCK(6) DO
 DOT_BLOCK(9) DOT_BLOCK(10) DOT_BLOCK(11) DOT_BLOCK(12)
 
 typedef void (*dot_block)(const uint32_t *, int64_t, const uint16_t *, float *, int64_t, int64_t, const float *);
+typedef void (*panel_rows)(const void *call, int64_t panel, int64_t row, int64_t rows, int64_t valid);
+void panel_blocks(int64_t M, int64_t N, int64_t max_rows, int64_t split_rows, int64_t group, int threads,
+                  panel_rows run, const void *call); /* panel_blocks.c */
+
 static const dot_block dot_blocks[DOT_MAX_ROWS + 1] = {0,     dot_1, dot_2, dot_3,  dot_4,  dot_5, dot_6,
                                                        dot_7, dot_8, dot_9, dot_10, dot_11, dot_12};
 
@@ -93,6 +97,22 @@ void bf16_round_to_pairs(const float *x, int64_t M, int64_t K, int64_t Kp, uint3
     }
 }
 
+/* One call's operands, for panel_blocks. */
+typedef struct {
+    const uint32_t *pairs;
+    int64_t Kp;
+    const uint16_t *packed;
+    int64_t N;
+    const float *bias;
+    float *y;
+} dot_call;
+
+static void dot_rows(const void *call, int64_t p, int64_t m, int64_t rows, int64_t valid) {
+    const dot_call *c = call;
+    dot_blocks[rows](c->pairs + m * c->Kp, c->Kp, c->packed + p * c->Kp * 2 * PANEL, c->y + m * c->N + p * PANEL,
+                     c->N, valid, c->bias ? c->bias + p * PANEL : 0);
+}
+
 /* y [M, N] = x [M, K] @ W^T (+ bias), W packed as the header says; the bias (or NULL) padded with
  * zeros to the panels' width. Returns nonzero where the input's bf16 copy cannot be allocated. */
 int panel_dpbf16(const float *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N, const float *bias,
@@ -102,22 +122,8 @@ int panel_dpbf16(const float *x, int64_t M, int64_t K, const uint16_t *packed, i
     if (!pairs)
         return 1;
     bf16_round_to_pairs(x, M, K, Kp, pairs);
-    int64_t panels = (N + PANEL - 1) / PANEL;
-    int64_t groups = (panels + DOT_PANEL_GROUP - 1) / DOT_PANEL_GROUP;
-    int64_t blocks = M <= DOT_MAX_ROWS ? 1 : (M + DOT_SPLIT_ROWS - 1) / DOT_SPLIT_ROWS;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t first = g * DOT_PANEL_GROUP, end = first + DOT_PANEL_GROUP < panels ? first + DOT_PANEL_GROUP : panels;
-        for (int64_t b = 0, m = 0; b < blocks; b++) {
-            int64_t rows = (M - m + (blocks - b) - 1) / (blocks - b);
-            for (int64_t p = first; p < end; p++) {
-                int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-                dot_blocks[rows](pairs + m * Kp, Kp, packed + p * Kp * 2 * PANEL, y + m * N + p * PANEL, N, valid,
-                                 bias ? bias + p * PANEL : 0);
-            }
-            m += rows;
-        }
-    }
+    dot_call call = {pairs, Kp, packed, N, bias, y};
+    panel_blocks(M, N, DOT_MAX_ROWS, DOT_SPLIT_ROWS, DOT_PANEL_GROUP, threads, dot_rows, &call);
     free(pairs);
     return 0;
 }

@@ -62,6 +62,10 @@ INT8_BLOCK(1) INT8_BLOCK(2) INT8_BLOCK(3) INT8_BLOCK(4) INT8_BLOCK(5) INT8_BLOCK
 
 typedef void (*int8_block)(const uint32_t *, const float *, int64_t, const int8_t *, const float *, const int32_t *,
                            float *, int64_t, int64_t, const float *);
+typedef void (*panel_rows)(const void *call, int64_t panel, int64_t row, int64_t rows, int64_t valid);
+void panel_blocks(int64_t M, int64_t N, int64_t max_rows, int64_t split_rows, int64_t group, int threads,
+                  panel_rows run, const void *call); /* panel_blocks.c */
+
 static const int8_block int8_blocks[INT8_MAX_ROWS + 1] = {0,      int8_1, int8_2, int8_3, int8_4,
                                                            int8_5, int8_6, int8_7, int8_8};
 
@@ -80,6 +84,26 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t Kq, uint
     }
 }
 
+/* One call's operands, for panel_blocks. */
+typedef struct {
+    const uint32_t *quads;
+    const float *x_scale;
+    int64_t Kq;
+    const int8_t *packed;
+    const float *w_scale;
+    const int32_t *offset;
+    int64_t N;
+    const float *bias;
+    float *y;
+} int8_call;
+
+static void int8_rows(const void *call, int64_t p, int64_t m, int64_t rows, int64_t valid) {
+    const int8_call *c = call;
+    int8_blocks[rows](c->quads + m * c->Kq, c->x_scale + m, c->Kq, c->packed + p * c->Kq * 4 * PANEL,
+                      c->w_scale + p * PANEL, c->offset + p * PANEL, c->y + m * c->N + p * PANEL, c->N, valid,
+                      c->bias ? c->bias + p * PANEL : 0);
+}
+
 /* y [M, N] = x [M, K] @ W^T (+ bias), W packed and scaled as the header says; `offset` [N] =
  * 128 * sum_k W_q[n, k]; w_scale, offset and bias (or NULL) padded to the panels' width. Returns
  * nonzero where the input's quantized copy cannot be allocated. */
@@ -91,22 +115,8 @@ int panel_int8(const float *x, int64_t M, int64_t K, const int8_t *packed, const
         return 1;
     float *x_scale = (float *)(quads + M * Kq);
     quantize_rows(x, M, K, Kq, quads, x_scale);
-    int64_t panels = (N + PANEL - 1) / PANEL;
-    int64_t groups = (panels + INT8_PANEL_GROUP - 1) / INT8_PANEL_GROUP;
-    int64_t blocks = (M + INT8_MAX_ROWS - 1) / INT8_MAX_ROWS;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t first = g * INT8_PANEL_GROUP, end = first + INT8_PANEL_GROUP < panels ? first + INT8_PANEL_GROUP : panels;
-        for (int64_t b = 0, m = 0; b < blocks; b++) {
-            int64_t rows = (M - m + (blocks - b) - 1) / (blocks - b);
-            for (int64_t p = first; p < end; p++) {
-                int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-                int8_blocks[rows](quads + m * Kq, x_scale + m, Kq, packed + p * Kq * 4 * PANEL, w_scale + p * PANEL,
-                                  offset + p * PANEL, y + m * N + p * PANEL, N, valid, bias ? bias + p * PANEL : 0);
-            }
-            m += rows;
-        }
-    }
+    int8_call call = {quads, x_scale, Kq, packed, w_scale, offset, N, bias, y};
+    panel_blocks(M, N, INT8_MAX_ROWS, INT8_MAX_ROWS, INT8_PANEL_GROUP, threads, int8_rows, &call);
     free(quads);
     return 0;
 }

@@ -52,6 +52,9 @@
 #define Q4_PANEL_GROUP 4
 
 void bf16_round_to_pairs(const float *x, int64_t M, int64_t K, int64_t Kp, uint32_t *pairs); /* panel_dpbf16.c */
+typedef void (*panel_rows)(const void *call, int64_t panel, int64_t row, int64_t rows, int64_t valid);
+void panel_blocks(int64_t M, int64_t N, int64_t max_rows, int64_t split_rows, int64_t group, int threads,
+                  panel_rows run, const void *call); /* panel_blocks.c */
 
 /* One block of a panel's weights unpacked against R rows: part[i] += the block's 16 vdpbf16ps terms
  * of row i, pair by pair in order. */
@@ -127,6 +130,24 @@ static const q4_block q4_blocks[Q4_MAX_ROWS + 1] = {
     0, q4_rows_1, q4_rows_2, q4_rows_3, q4_rows_4, q4_rows_5, q4_rows_6,
     q4_rows_7, q4_rows_8, q4_rows_9, q4_rows_10, q4_rows_11, q4_rows_12};
 
+/* One call's operands, for panel_blocks. */
+typedef struct {
+    const uint32_t *pairs;
+    const float *xsum;
+    int64_t Kp, blocks;
+    const uint8_t *packed;
+    int64_t N;
+    const float *bias;
+    float *y;
+} q4_call;
+
+static void q4_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, int64_t valid) {
+    const q4_call *c = call;
+    q4_blocks[rows](c->pairs + m * c->Kp, c->xsum + m * c->blocks, c->Kp, c->blocks,
+                    c->packed + p * c->blocks * Q4_BLOCK_BYTES, c->y + m * c->N + p * PANEL, c->N, valid,
+                    c->bias ? c->bias + p * PANEL : 0);
+}
+
 /* y [M, N] = x [M, K] @ W^T (+ bias), W packed as the header says (K a multiple of 32); the bias (or
  * NULL) padded with zeros to the panels' width. Nonzero: K is not a multiple of 32, or no memory
  * for the input's bf16 copy. */
@@ -147,22 +168,8 @@ int panel_q4_1(const float *x, int64_t M, int64_t K, const uint8_t *packed, int6
             __m512bh line = (__m512bh)_mm512_loadu_si512(pairs + m * Kp + b * Q4_PAIRS);
             xsum[m * blocks + b] = _mm512_reduce_add_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), line, ones));
         }
-    int64_t panels = (N + PANEL - 1) / PANEL;
-    int64_t groups = (panels + Q4_PANEL_GROUP - 1) / Q4_PANEL_GROUP;
-    int64_t row_blocks = M <= Q4_MAX_ROWS ? 1 : (M + Q4_SPLIT_ROWS - 1) / Q4_SPLIT_ROWS;
-#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
-    for (int64_t g = 0; g < groups; g++) {
-        int64_t first = g * Q4_PANEL_GROUP, end = first + Q4_PANEL_GROUP < panels ? first + Q4_PANEL_GROUP : panels;
-        for (int64_t r = 0, m = 0; r < row_blocks; r++) {
-            int64_t rows = (M - m + (row_blocks - r) - 1) / (row_blocks - r);
-            for (int64_t p = first; p < end; p++) {
-                int64_t valid = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-                q4_blocks[rows](pairs + m * Kp, xsum + m * blocks, Kp, blocks, packed + p * blocks * Q4_BLOCK_BYTES,
-                                y + m * N + p * PANEL, N, valid, bias ? bias + p * PANEL : 0);
-            }
-            m += rows;
-        }
-    }
+    q4_call call = {pairs, xsum, Kp, blocks, packed, N, bias, y};
+    panel_blocks(M, N, Q4_MAX_ROWS, Q4_SPLIT_ROWS, Q4_PANEL_GROUP, threads, q4_call_rows, &call);
     free(pairs);
     return 0;
 }

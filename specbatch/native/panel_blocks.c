@@ -1,0 +1,33 @@
+/* How a multiply's rows and output panels are shared out, for the kernels that run a block of rows
+ * against one panel of 16 output features at a time (panel_dpbf16.c, panel_q4_1.c, panel_int8.c).
+ *
+ * Panels go to the threads in groups of `group` (a thread's panels stay together in its cache
+ * while it runs each block of rows over them). Within a group the rows run in blocks: all of them
+ * in one block up to `max_rows`, else blocks of at most `split_rows`, sized evenly (why one block
+ * up to 12 for the bf16 kernels: panel_dpbf16.c). Which rows share a block never changes a result,
+ * as every kernel sums each output in one order whatever the block (row-exact): it only sets how
+ * often the weights are read.
+ */
+#include <stdint.h>
+
+#define PANEL 16
+
+/* Rows [row, row + rows) against panel `panel`, whose first `valid` outputs exist. */
+typedef void (*panel_rows)(const void *call, int64_t panel, int64_t row, int64_t rows, int64_t valid);
+
+void panel_blocks(int64_t M, int64_t N, int64_t max_rows, int64_t split_rows, int64_t group, int threads,
+                  panel_rows run, const void *call) {
+    int64_t panels = (N + PANEL - 1) / PANEL;
+    int64_t groups = (panels + group - 1) / group;
+    int64_t blocks = M <= max_rows ? 1 : (M + split_rows - 1) / split_rows;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t first = g * group, end = first + group < panels ? first + group : panels;
+        for (int64_t b = 0, m = 0; b < blocks; b++) {
+            int64_t rows = (M - m + (blocks - b) - 1) / (blocks - b);
+            for (int64_t p = first; p < end; p++)
+                run(call, p, m, rows, N - p * PANEL < PANEL ? N - p * PANEL : PANEL);
+            m += rows;
+        }
+    }
+}
