@@ -123,7 +123,7 @@ def main() -> int:
         engines["fp32-bf16w-specbatch"] = Engine(fp32, bf16_weights=True)
     if native.bf16_dot_available():
         engines["fp32-bf16dot-specbatch"] = Engine(fp32, bf16_dot=True, kv_bf16=True)
-    if native.bf16_dot_available():  # the decoder layers in the GGUF's own Q4_1 blocks, the head bf16 dot
+        # the decoder layers in the GGUF's own Q4_1 blocks, the head on bf16 dot products
         engines["fp32-q4_1-specbatch"] = Engine(fp32, q4_1=True, kv_bf16=True)
     if native.fp16_dot_available():
         engines["fp32-fp16dot-specbatch"] = Engine(fp32, fp16_dot=True, kv_bf16=True)
@@ -177,10 +177,10 @@ def main() -> int:
     for before in ("fp32-specbatch-onednn", "fp32-specbatch", "bf16-specbatch", f"{best}-python-loop"):
         if before in table and before != best:
             ratios[f"one token at batch 1: {before} / {best}"] = table[before]["1x1"] / table[best]["1x1"]
-    for other in ("fp32-q4_1-specbatch",):
-        if other in table and other != best:
-            for shape in ("1x1", "1x5", "8x1", "8x4"):
-                ratios[f"{shape.replace('x', ' × ')}: {best} / {other}"] = table[best][shape] / table[other][shape]
+    q4 = "fp32-q4_1-specbatch"
+    if q4 in table and q4 != best:
+        for shape in ("1x1", "1x5", "8x1", "8x4"):
+            ratios[f"{shape.replace('x', ' × ')}: {best} / {q4}"] = table[best][shape] / table[q4][shape]
     for before in ("fp32-transformers", "fp32-specbatch-mkl", "fp32-specbatch-onednn", "fp32-bf16dot-specbatch",
                    "fp32-q4_1-specbatch"):
         if before in table and before != best:
