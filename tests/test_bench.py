@@ -298,3 +298,14 @@ def test_policies_are_also_compared_with_a_fixed_k_run_through_a_coordinator_of_
     assert pairs == [("fixed:1", True), ("goodput", True)]
     (same_path,) = comparisons[2:]
     assert (same_path["mode"], same_path["reference"], same_path["rounds"]) == ("goodput", "fixed:1", 2)
+
+
+def test_fixed_k_modes_verify_the_chain_alone():
+    """The coordinator's policy may verify leaves beside the chain (`specbatch up` gives goodput
+    three to price); a fixed-k mode asks for none, so it stays the paper's baseline."""
+    from specbatch.commands.bench import Mode, mode_request
+
+    fixed = mode_request(Mode("k=2", None, 2), "hello", 5)
+    assert fixed.k == 2 and fixed.HasField("leaves") and fixed.leaves == 0
+    policy = mode_request(Mode("goodput", None, None), "hello", 5)
+    assert not policy.HasField("k") and not policy.HasField("leaves")

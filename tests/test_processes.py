@@ -306,3 +306,17 @@ def test_launcher_and_services_agree_on_native_bf16():
     assert panel_kernel_expected() == native.available()
     assert bf16_dot_expected() == native.bf16_dot_available()
     assert fp16_dot_expected() == native.fp16_dot_available()
+
+
+@pytest.mark.parametrize("options, leaves", [
+    ({"k_policy": "goodput", "profile": "p.json"}, "3"), ({"k_policy": "fixed:3"}, None),
+    ({"k_policy": "profile", "profile": "p.json"}, None), ({"k_policy": "goodput", "profile": "p.json", "leaves": 0}, None),
+    ({"k_policy": "fixed:2", "leaves": 2}, "2")])
+def test_launcher_gives_goodput_leaves_to_price(monkeypatch, options, leaves):
+    """Unasked, the coordinator verifies the draft's next-best tokens beside its first only under
+    goodput, which takes a leaf where its row pays; other policies would verify every leaf offered."""
+    monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
+    spawned = {}
+    LocalProcesses(StackOptions(**options), lambda module, args, env: spawned.setdefault(module, args)).start()
+    command = spawned["coordinator"]
+    assert (command[command.index("--leaves") + 1] if "--leaves" in command else None) == leaves

@@ -182,13 +182,20 @@ def summarize(runs: list[Run]) -> dict:
     }
 
 
+def mode_request(mode: Mode, prompt: str, max_new_tokens: int):
+    """One request of ``mode``. A fixed k is the paper's baseline, the chain alone: no leaves, whatever
+    the coordinator's policy would verify beside it (the policy modes take its leaves)."""
+    return make_request(prompt, max_new_tokens, chat=True, k=mode.k, ignore_eos=True,
+                        leaves=None if mode.k is None else 0)
+
+
 def run_one(load: Load, mode: Mode, prompts: list[str], args, round_: int = 0) -> Run:
     count = max(args.requests, int(load.value)) if load.kind == "uniform" else len(load.arrivals) or 100_000
     order = prompt_order(count, len(prompts), args.seed + round_)
 
     def send(i: int):
-        request = make_request(prompts[order[i]], args.max_new_tokens, chat=True, k=mode.k, ignore_eos=True)
-        return stream(mode.stub, i, request, timeout=args.request_timeout)
+        return stream(mode.stub, i, mode_request(mode, prompts[order[i]], args.max_new_tokens),
+                      timeout=args.request_timeout)
 
     before = mode.stub.Info(pb.InfoRequest()).totals
     with InfoSampler(mode.stub) as sampler:

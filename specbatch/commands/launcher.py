@@ -122,7 +122,11 @@ class StackOptions:
     # draft as they would be. Off unless asked: each extra verify row costs ~1 ms more there, so
     # speculation gains less over it.
     target_q4_1: bool = False
-    leaves: int = 0  # the coordinator's --leaves: the draft's next-best tokens verified beside its first
+    # The coordinator's --leaves: the most of the draft's next-best tokens verified beside its first.
+    # None: POLICY_LEAVES where the k policy is goodput, which prices each leaf's verify row against
+    # its live hit rate and takes leaves only where they pay; 0 under other policies, which verify
+    # every leaf offered (``coordinator_leaves``).
+    leaves: int | None = None
     unsure_below: float = 0.0  # the coordinator's --unsure-below
     draft_ahead: int = 0  # the coordinator's --draft-ahead: guesses at each drafted position while the target verifies
     # The coordinator's --prompt-lookup: the most tokens drafted by copying from the request's history
@@ -279,6 +283,21 @@ def draft_int8_weights(options: StackOptions) -> bool:
     return embedded_on_cpu(options) and services_cpu_form(options).startswith("float32")
 
 
+# Leaves the goodput policy may verify beside the first draft when none are asked for. At batch 1
+# on the 2-core EPYC (benchmarks/batch1.py, the embedded default with prompt lookup, modes taking
+# turns) they read +5 % (32 held-out prompts, 2026-11-26), +3 % (the same 32 again) and +6 % (64);
+# served at c = 1 to 32 they lost no level (docs/profile.md §6m): from batch 2 a verify row costs
+# enough that goodput seldom takes one.
+POLICY_LEAVES = 3
+
+
+def coordinator_leaves(options: StackOptions, policy: str) -> int:
+    """The coordinator's --leaves: as asked, else POLICY_LEAVES under the goodput policy, else 0."""
+    if options.leaves is not None:
+        return options.leaves
+    return POLICY_LEAVES if policy == "goodput" else 0
+
+
 def default_k_policy(options: StackOptions) -> tuple[str, str | None]:
     """The k policy and profile when none is asked for: for the embedded target and draft on a CPU,
     the adaptive policy over the shipped profile of the dtype the services will run (where one
@@ -343,9 +362,11 @@ def add_stack_flags(parser) -> None:
                         help="the target's decoder layers in the embedded GGUF's own Q4_1 blocks (5 bits a weight, "
                              "inputs rounded to bf16; CPUs with AVX512_BF16): about half a one-token step's time, "
                              "while each extra verify row costs more than on bf16 dot products")
-    parser.add_argument("--leaves", type=int, default=0, metavar="N",
+    parser.add_argument("--leaves", type=int, default=None, metavar="N",
                         help="the coordinator's --leaves: up to N of the draft's next-best tokens verified beside "
-                             "the first draft (default 0: they pay where verifying a row is nearly free)")
+                             f"the first draft, where a verify row is nearly free (default: {POLICY_LEAVES} under the "
+                             "goodput policy, which verifies them only where they pay; 0 under others, which "
+                             "verify all N)")
     parser.add_argument("--unsure-below", type=float, default=0.0, metavar="P",
                         help="the coordinator's --unsure-below: where the draft's first token is less likely than "
                              "P, it drafts that token alone with k - 1 leaves (default 0: never)")
@@ -513,8 +534,8 @@ class LocalProcesses:
                  "--max-batch-size", str(o.max_batch_size), "--port", str(port), "--host", o.host]
         if profile:
             flags += ["--profile", profile]
-        if o.leaves:
-            flags += ["--leaves", str(o.leaves)]
+        if leaves := coordinator_leaves(o, policy):
+            flags += ["--leaves", str(leaves)]
         if o.unsure_below:
             flags += ["--unsure-below", str(o.unsure_below)]
         if o.draft_ahead:
