@@ -224,6 +224,20 @@ def own_forward(model):
     return next((forward for supports, forward in OWN_FORWARDS if supports(model)), None)
 
 
+# The own forward's weight forms, one at most (the Engine's flags): the ``weights`` its forward
+# takes, the form as messages name it, whether this CPU runs it, and what it needs.
+WEIGHT_FORMS = {
+    "int8_weights": ("int8", "int8 weights", lambda: int8_linears_available(), "an x86 CPU (fbgemm)"),
+    "bf16_weights": ("bf16", "bf16 weights", lambda: native.available(), "a CPU where the panel kernel builds"),
+    "bf16_dot": ("bf16-dot", "bf16 dot products", lambda: native.bf16_dot_available(),
+                 "a CPU with AVX512_BF16 where the panel kernel builds"),
+    "fp16_dot": ("fp16-dot", "float16 products", lambda: native.fp16_dot_available(),
+                 "a CPU with AVX512_FP16 where the panel kernel builds"),
+    "q4_1": ("q4_1", "Q4_1 weights", lambda: native.bf16_dot_available(),
+             "a CPU with AVX512_BF16 where the panel kernel builds"),
+}
+
+
 @dataclass
 class Engine:
     """A model plus the KV caches of the sequences it serves, keyed by sequence id."""
@@ -293,6 +307,23 @@ class Engine:
     # capture: any device), "off". After start-up it names the mode in use.
     captured_steps: str = "auto"
 
+    def _weight_form(self, own) -> str | None:
+        """The own forward's ``weights`` for the one weight form asked (None: as the model has
+        them), refused where the forward, the device, the dtype or the CPU cannot run it."""
+        asked = [flag for flag in WEIGHT_FORMS if getattr(self, flag)]
+        if len(asked) > 1:
+            raise ValueError(f"ask for one weight form of {', '.join(WEIGHT_FORMS)} (got {', '.join(asked)})")
+        if not asked:
+            return None
+        weights, described, available, where = WEIGHT_FORMS[asked[0]]
+        llama_only = weights == "q4_1"  # the GGUF's blocks are the Llama layers'
+        if (own is None or (llama_only and own is not llama.LlamaForward) or self.device.type != "cpu"
+                or self.dtype != torch.float32 or not available()):
+            reason = "" if weights == "int8" else f" ({native.unavailable_reason() or 'it does'})"
+            raise ValueError(f"{described} need the engine's own {'Llama ' if llama_only else ''}forward, in float32 "
+                             f"on {where}{reason}")
+        return weights
+
     def __post_init__(self):
         self.model.eval()
         config = self.model.config
@@ -311,30 +342,8 @@ class Engine:
         if self.implementation == "specbatch" and own is None:
             raise ValueError(f"the engine's own forward does not cover {type(self.model).__name__}: "
                              "use implementation 'transformers' or 'auto'")
-        if self.int8_weights and (own is None or self.device.type != "cpu" or self.dtype != torch.float32
-                                  or not int8_linears_available()):
-            raise ValueError("int8 weights need the engine's own forward, in float32 on an x86 CPU (fbgemm)")
-        if self.bf16_weights and (own is None or self.int8_weights or self.device.type != "cpu"
-                                  or self.dtype != torch.float32 or not native.available()):
-            raise ValueError("bf16 weights need the engine's own forward, in float32 on a CPU where the panel kernel "
-                             f"builds ({native.unavailable_reason() or 'it does'}), and no int8 weights")
-        if self.bf16_dot and (own is None or self.int8_weights or self.bf16_weights or self.device.type != "cpu"
-                              or self.dtype != torch.float32 or not native.bf16_dot_available()):
-            raise ValueError("bf16 dot products need the engine's own forward, in float32 on a CPU with AVX512_BF16 "
-                             "where the panel kernel builds, and neither int8 nor bf16 weights beside them")
-        if self.fp16_dot and (own is None or self.int8_weights or self.bf16_weights or self.bf16_dot
-                              or self.device.type != "cpu" or self.dtype != torch.float32
-                              or not native.fp16_dot_available()):
-            raise ValueError("float16 products need the engine's own forward, in float32 on a CPU with AVX512_FP16 "
-                             "where the panel kernel builds, and no other weight form beside them")
-        if self.q4_1 and (own is not llama.LlamaForward or self.int8_weights
-                          or self.bf16_weights or self.bf16_dot or self.fp16_dot or self.device.type != "cpu"
-                          or self.dtype != torch.float32 or not native.bf16_dot_available()):
-            raise ValueError("Q4_1 weights need the engine's own Llama forward, in float32 on a CPU with AVX512_BF16 "
-                             "where the panel kernel builds, and no other weight form beside them")
+        weights = self._weight_form(own)
         # The forward of one ragged batch (see RaggedBatch); LlamaForward.__call__ is the contract.
-        weights = ("int8" if self.int8_weights else "bf16" if self.bf16_weights else "bf16-dot" if self.bf16_dot
-                   else "fp16-dot" if self.fp16_dot else "q4_1" if self.q4_1 else None)
         self.forward = own(self.model, weights=weights) if own else TransformersForward(self.model)
         if self.kv_bf16 and not getattr(self.forward, "native_attention", False):
             raise ValueError("bf16 keys and values need the engine's own Llama forward in float32 on a CPU where its "

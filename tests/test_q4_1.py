@@ -69,8 +69,10 @@ def test_q4_1_refuses_what_it_cannot_pack_or_combine():
         linear(torch.randn(16, 40), weights="q4_1")
     with pytest.raises(ValueError, match="one of"):
         native.PanelLinear(torch.randn(16, 64), q4_1=True, bf16_dot=True)
-    with pytest.raises(ValueError, match="Q4_1 weights need"):
+    with pytest.raises(ValueError, match=r"one weight form .*\(got bf16_dot, q4_1\)"):
         Engine(tiny_llama(1, seed=0), q4_1=True, bf16_dot=True)
+    with pytest.raises(ValueError, match="Q4_1 weights need the engine's own Llama forward"):
+        Engine(tiny_llama(1, seed=0).to(torch.bfloat16), q4_1=True)
 
 
 @needs_bf16_dot
