@@ -18,11 +18,14 @@ pytestmark = pytest.mark.skipif(not native.available(), reason=f"no CPU kernels 
 
 @pytest.mark.parametrize("head_dim", native.HEAD_DIMS)
 @pytest.mark.parametrize("threads", [1, 2])
-def test_attention_over_bf16_keys_is_attention_over_their_float32_values(head_dim, threads):
+@pytest.mark.parametrize("width", [4, 20])
+def test_attention_over_bf16_keys_is_attention_over_their_float32_values(head_dim, threads, width):
     """Every head size (the AVX2 and the 512-bit rows), a strided pool slice, a mask with hidden
-    columns: the outputs are bitwise those of the float32 kernel on the widened keys and values."""
+    columns, a step's few rows (each key widened where it is read) and a prefill's many (widened
+    once per key/value head first): the outputs are bitwise those of the float32 kernel on the
+    widened keys and values."""
     generator = torch.Generator().manual_seed(head_dim)
-    batch, width, end = 3, 4, 75
+    batch, end = 3, 75
     q = (torch.randn(batch, width, 9, head_dim, generator=generator) * 2).transpose(1, 2)
     pool = (torch.randn(2, batch + 1, 3, end + 5, head_dim, generator=generator) * 4).bfloat16()
     keys, values = pool[0, 1:, :, :end], pool[1, 1:, :, :end]
