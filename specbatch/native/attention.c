@@ -68,8 +68,9 @@ static inline float sum8(__m256 v) {
 }
 
 /* One query row: q [D] (D = 8 * CHUNKS), keys/values rows `row` floats apart, `seen` [end] nonzero
- * where the row may attend; out [D]. `scores`: room for end + 8 floats (the scores, padded to a
- * multiple of 8), then end int32 (the columns they belong to). CHUNKS is a compile-time constant
+ * where the row may attend; out [D]. `scores`: room for end + 16 floats (the scores, padded to a
+ * multiple of 8; the 512-bit form's to 16), then end + 16 int32 (the columns they belong to; the
+ * 512-bit form stores 16 at a time). CHUNKS is a compile-time constant
  * so that the query and the output's sums stay in registers. */
 /* 8 (16) keys' or values' elements widened to float32: float32 as it is, bfloat16 by its bits. */
 #define LOAD8_F32(p) _mm256_loadu_ps(p)
@@ -224,9 +225,13 @@ static inline __m512 sum16x16(const __m512 *v) {
                 *slot = _mm512_add_ps(even, odd);                                                       \
             }                                                                                           \
             __m512 s = sum16x16(part);                                                                  \
-            _mm512_mask_compressstoreu_ps(scores + count, visible, s);                                  \
-            _mm512_mask_compressstoreu_epi32(columns + count, visible,                                  \
-                                             _mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)c0)));   \
+            /* compressed in registers, then stored whole (lanes past the seen ones are junk that  \
+             * the next block or the -inf padding overwrites): a compressing store to memory is     \
+             * microcoded on Zen 4, and two a block were a third of a prefill's attention there.    \
+             * The same values land in the same places. */                                          \
+            _mm512_storeu_ps(scores + count, _mm512_maskz_compress_ps(visible, s));                     \
+            _mm512_storeu_si512(columns + count, _mm512_maskz_compress_epi32(                           \
+                visible, _mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)c0))));                       \
             count += __builtin_popcount(visible);                                                       \
             top = _mm512_mask_max_ps(top, visible, top, s);                                             \
         }                                                                                               \
@@ -336,7 +341,7 @@ int attend(const float *q, int64_t q_b, int64_t q_h, int64_t q_w, const void *ke
          * where it widens, one key/value head's keys and values. Every thread enters the loop (a
          * worksharing loop some threads skipped would hang the rest at its barrier); one without
          * scratch memory only reports it. */
-        size_t score_bytes = (size_t)(end + 16) * sizeof(float) + (size_t)end * sizeof(int32_t);
+        size_t score_bytes = (size_t)(end + 16) * (sizeof(float) + sizeof(int32_t));
         float *scores = (float *)malloc(score_bytes + (widen ? 2 * (size_t)(end * D) * sizeof(float) + 64 : 0));
         float *wide_keys = widen && scores ? (float *)(((uintptr_t)scores + score_bytes + 63) & ~(uintptr_t)63) : 0;
         float *wide_values = wide_keys ? wide_keys + end * D : 0;
