@@ -235,6 +235,30 @@ def test_attention_is_sdpa(batch, width, end, head_dim):
     torch.testing.assert_close(out.double(), exact.transpose(1, 2).reshape(batch, width, -1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 3), (8, 2), (10, 2), (16, 2)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_attention_takes_any_number_of_heads_a_key_value_head(heads, kv_heads, threads):
+    """Query heads per key/value head from 1 to 8 (the 512-bit kernels sum up to four heads' values
+    side by side, more in runs of four): SDPA's results, and each head's row alone gets the same
+    bits as beside its group's other heads and rows."""
+    generator = torch.Generator().manual_seed(heads)
+    batch, width, end, head_dim = 2, 5, 40, 64
+    q = torch.randn(batch, width, heads, head_dim, generator=generator).transpose(1, 2)
+    keys, values = torch.randn(2, batch, kv_heads, end, head_dim, generator=generator)
+    mask = torch.ones(batch, 1, width, end, dtype=torch.bool)
+    mask[..., end - width:] = torch.ones(width, width, dtype=torch.bool).tril()
+    mask[1, 0, 2, :7] = False
+    out = _with_threads(threads, lambda: native.Attention(mask)(q, keys, values, 0.125))
+    exact = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask, scale=0.125,
+                                           enable_gqa=True)
+    torch.testing.assert_close(out.double(), exact.transpose(1, 2).reshape(batch, width, -1), rtol=1e-5, atol=1e-5)
+    group = heads // kv_heads
+    for head in (0, group - 1, heads - 1):  # one head alone: a query head per key/value head
+        one = native.Attention(mask[:, :, 3:4])(q[:, head : head + 1, 3:4], keys[:, head // group : head // group + 1],
+                                                 values[:, head // group : head // group + 1], 0.125)
+        assert torch.equal(one[:, 0], out[:, 3, head * head_dim : (head + 1) * head_dim]), head
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_attention_rows_get_the_same_bits_alone_and_at_any_thread_count(threads):
     """A query row's output depends only on its query and the columns it sees, summed in column
