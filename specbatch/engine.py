@@ -193,6 +193,28 @@ class RaggedBatch:
             cache.length = kept + n
 
 
+# A prefill group's padded rows may exceed its tokens by this factor (see Engine.prefill).
+PREFILL_PADDING = 1.25
+
+
+def prefill_groups(lengths: list[int], by_length: bool = True) -> list[list[int]]:
+    """The indices of a prefill's sequences (``lengths``: tokens fed each) in the calls that run
+    them: one call unless ``by_length``, else longest first, each call taking the next sequences
+    while its rows (sequences times its longest) stay within PREFILL_PADDING times its tokens."""
+    if not by_length:
+        return [list(range(len(lengths)))]
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        group = groups[-1] if groups else None
+        if group is not None:
+            widest, tokens = lengths[group[0]], sum(lengths[j] for j in group) + lengths[i]
+            if (len(group) + 1) * widest <= PREFILL_PADDING * tokens:
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
 def tree_layout(inputs: list[SequenceInput], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For a call whose rows may be trees: each token's depth below its row's cache (its position
     is the cache length plus it), ``[batch, width]``, and which fed tokens each token sees,
@@ -526,8 +548,25 @@ class Engine:
         return sum(cache.length for cache in self.sequences.values())
 
     def prefill(self, inputs: list[SequenceInput]) -> list[int]:
-        """Add or extend sequences: cache all their tokens. Returns each one's cached length."""
-        batch = self.start(inputs, create=True)
-        batch.prefill(1)
-        batch.commit([len(item.tokens) for item in inputs])
-        return [item.keep_len + fed for item, fed in zip(inputs, batch.fed)]
+        """Add or extend sequences: cache all their tokens. Returns each one's cached length.
+
+        A call's rows are its longest sequence's tokens times its sequences (shorter ones are
+        padded), so on a CPU, where a forward's cost is its rows, sequences of very different
+        lengths are prefilled in groups of similar ones (``prefill_groups``): 32 ShareGPT prompts
+        (31-219 tokens, 60 on average) were two thirds padding in one call. The kernels compute
+        each row alike whatever the other rows of a call (row-exact), so the caches are the same."""
+        self.validate(inputs, [0] * len(inputs), create=True)  # all of them before any is cached
+        created = [item.seq_id for item in inputs if item.seq_id not in self.sequences]
+        for seq_id in created:  # in the call's order, so later calls in that order find their slots in it
+            self.sequences[seq_id] = self._new_cache()
+        try:
+            for group in prefill_groups([len(item.tokens) for item in inputs], self.device.type == "cpu"):
+                items = [inputs[i] for i in group]
+                batch = self.start(items, create=True)
+                batch.prefill(1)
+                batch.commit([len(item.tokens) for item in items])
+        except BaseException:
+            self.release([seq_id for seq_id in created if seq_id in self.sequences])  # none half made
+            raise
+        self.sequences_created += len(created)
+        return [item.keep_len + len(item.tokens) for item in inputs]

@@ -12,10 +12,12 @@ from draft_service.proposer import MAX_K, ProposeItem, propose, proposals
 from specbatch.engine import (
     CapacityExceeded,
     Engine,
+    PREFILL_PADDING,
     InvalidRequest,
     SequenceInput,
     StaleCache,
     UnknownSequence,
+    prefill_groups,
 )
 from specbatch.sampling import SamplingParams
 from target_service.verifier import VerifyItem, verify
@@ -126,6 +128,38 @@ def record_forwards(engine):
 
 
 # ---- exactness over a ragged batch ---------------------------------------------------------------
+
+
+def test_prefill_groups_sequences_of_similar_lengths():
+    """Longest first, each call padded to at most PREFILL_PADDING times its tokens."""
+    lengths = [31, 219, 60, 49, 31, 202, 100, 97]
+    groups = prefill_groups(lengths)
+    assert groups == [[1, 5], [6, 7, 2], [3, 0], [4]]
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(len(g) * lengths[g[0]] <= PREFILL_PADDING * sum(lengths[i] for i in g) for g in groups)
+    assert prefill_groups([5, 5, 5]) == [[0, 1, 2]] and prefill_groups(lengths, by_length=False) == [list(range(8))]
+
+
+def test_a_grouped_prefill_caches_what_one_call_would(target_model):
+    """Sequences of very different lengths prefilled in one call (run as several forwards) hold
+    bitwise the keys and values, and verify to the same logits, as each prefilled alone; a call
+    refused for room creates none of them."""
+    prompts = random_prompts([3, 40, 7, 38, 1, 22], seed=9)
+    together, alone = Engine(target_model, max_sequences=8), Engine(target_model, max_sequences=8)
+    assert together.prefill([SequenceInput(f"s{i}", 0, p) for i, p in enumerate(prompts)]) == [len(p) for p in prompts]
+    assert together.sequences_created == len(prompts)
+    for i, p in enumerate(prompts):
+        alone.prefill([SequenceInput(f"s{i}", 0, p)])
+    for i, p in enumerate(prompts):
+        a, b = together.sequences[f"s{i}"], alone.sequences[f"s{i}"]
+        assert a.length == b.length == len(p)
+        assert torch.equal(together.pool.kv[:, :, a.slot, :, : len(p)], alone.pool.kv[:, :, b.slot, :, : len(p)])
+    items = [VerifyItem(SequenceInput(f"s{i}", len(p), [5]), [6, 7]) for i, p in enumerate(prompts)]
+    assert [v.next_token for v in verify(together, items)] == [v.next_token for v in verify(alone, items)]
+    full = Engine(target_model, max_sequences=2)
+    with pytest.raises(CapacityExceeded):
+        full.prefill([SequenceInput(f"s{i}", 0, p) for i, p in enumerate(prompts)])
+    assert not full.sequences
 
 
 def test_ragged_verify_batch_matches_generate(target_model):
@@ -285,9 +319,12 @@ def test_steps_feed_only_new_tokens_and_drafts(target_model):
     records, recording = record_forwards(engine)
     with recording:
         engine.prefill([SequenceInput(f"s{i}", 0, p[:-1]) for i, p in enumerate(prompts)])
-        assert len(records) == 1
-        assert tuple(records[0]["input_ids"].shape) == (3, 19)
-        assert records[0]["attention_mask"].shape[-1] == 19  # nothing cached: only the new columns
+        # Lengths 4, 11 and 19 are too far apart to pad to one another: a forward each (prefill_groups).
+        groups = prefill_groups([len(p) - 1 for p in prompts])
+        assert [tuple(r["input_ids"].shape) for r in records] == [(1, 19), (1, 11), (1, 4)] == [
+            (len(g), max(len(prompts[i]) - 1 for i in g)) for g in groups]
+        for r in records:  # nothing cached: only the new columns
+            assert r["attention_mask"].shape[-1] == r["input_ids"].shape[1]
         records.clear()
 
         ks = [3, 0, 2]
