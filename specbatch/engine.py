@@ -560,7 +560,8 @@ class Engine:
         for seq_id in created:  # in the call's order, so later calls in that order find their slots in it
             self.sequences[seq_id] = self._new_cache()
         try:
-            for group in prefill_groups([len(item.tokens) for item in inputs], self.device.type == "cpu"):
+            by_length = self.device.type == "cpu" and self.captured_steps == "off"  # on the CPU kernels
+            for group in prefill_groups([len(item.tokens) for item in inputs], by_length):
                 items = [inputs[i] for i in group]
                 batch = self.start(items, create=True)
                 batch.prefill(1)
