@@ -193,26 +193,31 @@ class RaggedBatch:
             cache.length = kept + n
 
 
-# A prefill group's padded rows may exceed its tokens by this factor (see Engine.prefill).
-PREFILL_PADDING = 1.25
+# How much padding a call of sequences of different lengths may carry before it runs as several
+# forwards (``length_groups``): its rows are its longest sequence's tokens times its sequences. On
+# the CPU kernels a forward of many rows costs its rows, so padding is waste; a forward of few rows
+# costs its weights' stream, which a second forward would pay again.
+PADDED_ROWS_PER_TOKEN = 1.25
+PADDED_ROWS_FREE = 64
 
 
-def prefill_groups(lengths: list[int], by_length: bool = True) -> list[list[int]]:
-    """The indices of a prefill's sequences (``lengths``: tokens fed each) in the calls that run
-    them: one call unless ``by_length``, else longest first, each call taking the next sequences
-    while its rows (sequences times its longest) stay within PREFILL_PADDING times its tokens."""
+def length_groups(lengths: list[int], by_length: bool = True) -> list[list[int]]:
+    """The indices of a call's sequences (``lengths``: tokens fed each) in the forwards that run
+    them: one unless ``by_length``, else longest first, each forward taking the next sequences
+    while its padded rows stay within PADDED_ROWS_PER_TOKEN times its tokens, or within
+    PADDED_ROWS_FREE rows of them. Each group lists its sequences in the call's order."""
     if not by_length:
         return [list(range(len(lengths)))]
     groups: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         group = groups[-1] if groups else None
         if group is not None:
-            widest, tokens = lengths[group[0]], sum(lengths[j] for j in group) + lengths[i]
-            if (len(group) + 1) * widest <= PREFILL_PADDING * tokens:
+            rows, tokens = (len(group) + 1) * lengths[group[0]], sum(lengths[j] for j in group) + lengths[i]
+            if rows <= PADDED_ROWS_PER_TOKEN * tokens or rows - tokens <= PADDED_ROWS_FREE:
                 group.append(i)
                 continue
         groups.append([i])
-    return groups
+    return [sorted(group) for group in groups]
 
 
 def tree_layout(inputs: list[SequenceInput], width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -547,21 +552,31 @@ class Engine:
     def cached_tokens(self) -> int:
         return sum(cache.length for cache in self.sequences.values())
 
+    def split_by_length(self, inputs: list[SequenceInput], create: bool) -> tuple[list[list[int]], list[str]]:
+        """For a call whose sequences feed very different token counts: validate all of it and
+        return the groups of its indices to run as separate forwards (``length_groups``; one
+        group unless the engine runs its CPU kernels, whose results for a row do not depend on
+        the other rows of a call, so the outputs are the same), with, where it splits, its new
+        sequences already created in its order (later calls in that order find their slots in it)
+        and their ids, for the caller to release should a forward fail."""
+        self.validate(inputs, [0] * len(inputs), create)
+        by_length = self.device.type == "cpu" and self.captured_steps == "off"
+        groups = length_groups([len(item.tokens) for item in inputs], by_length)
+        if len(groups) == 1:
+            return groups, []
+        created = [item.seq_id for item in inputs if item.seq_id not in self.sequences]
+        for seq_id in created:
+            self.sequences[seq_id] = self._new_cache()
+        self.sequences_created += len(created)
+        return groups, created
+
     def prefill(self, inputs: list[SequenceInput]) -> list[int]:
         """Add or extend sequences: cache all their tokens. Returns each one's cached length.
-
-        A call's rows are its longest sequence's tokens times its sequences (shorter ones are
-        padded), so on a CPU, where a forward's cost is its rows, sequences of very different
-        lengths are prefilled in groups of similar ones (``prefill_groups``): 32 ShareGPT prompts
-        (31-219 tokens, 60 on average) were two thirds padding in one call. The kernels compute
-        each row alike whatever the other rows of a call (row-exact), so the caches are the same."""
-        self.validate(inputs, [0] * len(inputs), create=True)  # all of them before any is cached
-        created = [item.seq_id for item in inputs if item.seq_id not in self.sequences]
-        for seq_id in created:  # in the call's order, so later calls in that order find their slots in it
-            self.sequences[seq_id] = self._new_cache()
+        Sequences of very different lengths run in forwards of similar ones (``split_by_length``):
+        32 ShareGPT prompts (31-219 tokens, 60 on average) were two thirds padding in one."""
+        groups, created = self.split_by_length(inputs, create=True)
         try:
-            by_length = self.device.type == "cpu" and self.captured_steps == "off"  # on the CPU kernels
-            for group in prefill_groups([len(item.tokens) for item in inputs], by_length):
+            for group in groups:
                 items = [inputs[i] for i in group]
                 batch = self.start(items, create=True)
                 batch.prefill(1)
@@ -569,5 +584,4 @@ class Engine:
         except BaseException:
             self.release([seq_id for seq_id in created if seq_id in self.sequences])  # none half made
             raise
-        self.sequences_created += len(created)
         return [item.keep_len + len(item.tokens) for item in inputs]

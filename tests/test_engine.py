@@ -12,12 +12,13 @@ from draft_service.proposer import MAX_K, ProposeItem, propose, proposals
 from specbatch.engine import (
     CapacityExceeded,
     Engine,
-    PREFILL_PADDING,
+    PADDED_ROWS_FREE,
+    PADDED_ROWS_PER_TOKEN,
     InvalidRequest,
     SequenceInput,
     StaleCache,
     UnknownSequence,
-    prefill_groups,
+    length_groups,
 )
 from specbatch.sampling import SamplingParams
 from target_service.verifier import VerifyItem, verify
@@ -130,21 +131,27 @@ def record_forwards(engine):
 # ---- exactness over a ragged batch ---------------------------------------------------------------
 
 
-def test_prefill_groups_sequences_of_similar_lengths():
-    """Longest first, each call padded to at most PREFILL_PADDING times its tokens."""
+def test_calls_of_very_different_lengths_split_into_forwards_of_similar_ones():
+    """Longest first, each forward padded to at most PADDED_ROWS_PER_TOKEN times its tokens, or
+    PADDED_ROWS_FREE rows past them: a step's few rows never split."""
     lengths = [31, 219, 60, 49, 31, 202, 100, 97]
-    groups = prefill_groups(lengths)
-    assert groups == [[1, 5], [6, 7, 2], [3, 0], [4]]
+    groups = length_groups(lengths)
+    assert groups == [[1, 5], [2, 6, 7], [0, 3, 4]]
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    assert all(len(g) * lengths[g[0]] <= PREFILL_PADDING * sum(lengths[i] for i in g) for g in groups)
-    assert prefill_groups([5, 5, 5]) == [[0, 1, 2]] and prefill_groups(lengths, by_length=False) == [list(range(8))]
+    for g in groups:
+        rows, tokens = len(g) * max(lengths[i] for i in g), sum(lengths[i] for i in g)
+        assert rows <= PADDED_ROWS_PER_TOKEN * tokens or rows - tokens <= PADDED_ROWS_FREE
+    assert length_groups([1, 4, 4, 2, 5]) == [[0, 1, 2, 3, 4]]  # a verify step's chains: one forward
+    assert length_groups([200] + [4] * 31) == [[0], list(range(1, 32))]  # a prompt beside a step
+    assert length_groups(lengths, by_length=False) == [list(range(8))]
 
 
 def test_a_grouped_prefill_caches_what_one_call_would(target_model):
     """Sequences of very different lengths prefilled in one call (run as several forwards) hold
-    bitwise the keys and values, and verify to the same logits, as each prefilled alone; a call
+    bitwise the keys and values, and verify to the same tokens, as each prefilled alone; through
+    Verify too, with the same first tokens and features, the slots in the call's order; a call
     refused for room creates none of them."""
-    prompts = random_prompts([3, 40, 7, 38, 1, 22], seed=9)
+    prompts = random_prompts([3, 90, 7, 85, 1, 40], seed=9)
     together, alone = Engine(target_model, max_sequences=8), Engine(target_model, max_sequences=8)
     assert together.prefill([SequenceInput(f"s{i}", 0, p) for i, p in enumerate(prompts)]) == [len(p) for p in prompts]
     assert together.sequences_created == len(prompts)
@@ -156,6 +163,16 @@ def test_a_grouped_prefill_caches_what_one_call_would(target_model):
         assert torch.equal(together.pool.kv[:, :, a.slot, :, : len(p)], alone.pool.kv[:, :, b.slot, :, : len(p)])
     items = [VerifyItem(SequenceInput(f"s{i}", len(p), [5]), [6, 7]) for i, p in enumerate(prompts)]
     assert [v.next_token for v in verify(together, items)] == [v.next_token for v in verify(alone, items)]
+    # The coordinator prefills through Verify (it yields the first token): the same verdicts and features.
+    fresh, one_by_one = Engine(target_model, max_sequences=8), Engine(target_model, max_sequences=8)
+    firsts = verify(fresh, [VerifyItem(SequenceInput(f"s{i}", 0, p)) for i, p in enumerate(prompts)], create=True,
+                    return_features=True)
+    for i, (p, verdict) in enumerate(zip(prompts, firsts)):
+        (expected,) = verify(one_by_one, [VerifyItem(SequenceInput(f"s{i}", 0, p))], create=True, return_features=True)
+        assert (verdict.next_token, verdict.cached_len) == (expected.next_token, expected.cached_len) == (
+            expected.next_token, len(p))
+        assert torch.equal(verdict.features, expected.features)
+    assert [fresh.sequences[f"s{i}"].slot for i in range(len(prompts))] == list(range(len(prompts)))
     full = Engine(target_model, max_sequences=2)
     with pytest.raises(CapacityExceeded):
         full.prefill([SequenceInput(f"s{i}", 0, p) for i, p in enumerate(prompts)])
@@ -319,12 +336,9 @@ def test_steps_feed_only_new_tokens_and_drafts(target_model):
     records, recording = record_forwards(engine)
     with recording:
         engine.prefill([SequenceInput(f"s{i}", 0, p[:-1]) for i, p in enumerate(prompts)])
-        # Lengths 4, 11 and 19 are too far apart to pad to one another: a forward each (prefill_groups).
-        groups = prefill_groups([len(p) - 1 for p in prompts])
-        assert [tuple(r["input_ids"].shape) for r in records] == [(1, 19), (1, 11), (1, 4)] == [
-            (len(g), max(len(prompts[i]) - 1 for i in g)) for g in groups]
-        for r in records:  # nothing cached: only the new columns
-            assert r["attention_mask"].shape[-1] == r["input_ids"].shape[1]
+        assert len(records) == 1  # 4, 11 and 19 tokens: a few rows of padding, one forward (length_groups)
+        assert tuple(records[0]["input_ids"].shape) == (3, 19)
+        assert records[0]["attention_mask"].shape[-1] == 19  # nothing cached: only the new columns
         records.clear()
 
         ks = [3, 0, 2]
