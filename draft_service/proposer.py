@@ -61,7 +61,9 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
     history: the coordinator rolls it back to the accepted length on the next call. A draft that
     reads target features feeds its drafted tokens with its own predicted features, so it keeps
     only the tokens it was sent (with the target's true features); accepted drafts come back next
-    step with theirs. A sequence sent with keep_len 0 is created, so a restarted draft is rebuilt
+    step with theirs. Sequences feeding very different token counts (a new sequence's prompt
+    beside others' last tokens) draft in separate forwards (``Engine.split_by_length``). A
+    sequence sent with keep_len 0 is created, so a restarted draft is rebuilt
     from the caller's history.
     """
     if not 1 <= support_size <= MAX_SUPPORT:
@@ -75,6 +77,17 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
         problems = leaf_option_problems(unsure_below=item.unsure_below) + item.sampling.problems()
         if problems:
             raise InvalidRequest(f"sequence {item.seq.seq_id!r}: " + "; ".join(problems))
+    groups, created = engine.split_by_length([item.seq for item in items], True, [item.k - 1 for item in items])
+    if len(groups) > 1:  # a new sequence's prompt beside others' few tokens: forwards of similar widths
+        results: list[Proposal] = [None] * len(items)
+        try:
+            for group in groups:
+                for i, proposal in zip(group, proposals(engine, [items[i] for i in group], support_size)):
+                    results[i] = proposal
+        except BaseException:
+            engine.release([seq_id for seq_id in created if seq_id in engine.sequences])  # none half made
+            raise
+        return results
     steps = max(item.k for item in items) - 1
     batch = engine.start([item.seq for item in items], decode_steps=steps, create=True, extra_tokens=[item.k - 1 for item in items])
     to_token = engine.output_token_ids  # a head over a token subset: column -> token id

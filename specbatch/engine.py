@@ -552,14 +552,16 @@ class Engine:
     def cached_tokens(self) -> int:
         return sum(cache.length for cache in self.sequences.values())
 
-    def split_by_length(self, inputs: list[SequenceInput], create: bool) -> tuple[list[list[int]], list[str]]:
+    def split_by_length(self, inputs: list[SequenceInput], create: bool,
+                        extra_tokens: list[int] | None = None) -> tuple[list[list[int]], list[str]]:
         """For a call whose sequences feed very different token counts: validate all of it and
         return the groups of its indices to run as separate forwards (``length_groups``; one
         group unless the engine runs its CPU kernels, whose results for a row do not depend on
         the other rows of a call, so the outputs are the same), with, where it splits, its new
         sequences already created in its order (later calls in that order find their slots in it)
-        and their ids, for the caller to release should a forward fail."""
-        self.validate(inputs, [0] * len(inputs), create)
+        and their ids, for the caller to release should a forward fail. ``extra_tokens``: as
+        ``start``'s, the tokens each sequence will decode after its fed ones."""
+        self.validate(inputs, extra_tokens or [0] * len(inputs), create)
         by_length = self.device.type == "cpu" and self.captured_steps == "off"
         groups = length_groups([len(item.tokens) for item in inputs], by_length)
         if len(groups) == 1:

@@ -427,6 +427,23 @@ def test_propose_matches_draft_greedy_with_mixed_k(draft_model):
         assert engine.length(s.seq_id) == s.keep_len + len(s.tokens) + k - 1
 
 
+def test_a_new_prompt_beside_steps_proposes_in_forwards_of_its_own(draft_model):
+    """A sequence joining with its whole prompt beside others feeding a token or two: its
+    forwards run apart (no 90-token padding for the others), with the same proposals."""
+    engine = Engine(draft_model, max_sequences=8)
+    prompts = random_prompts([12, 15, 9, 90], seed=8)
+    refs = [greedy_reference(draft_model, p, 4) for p in prompts]
+    engine.prefill([SequenceInput(f"q{i}", 0, p[:-1]) for i, p in enumerate(prompts[:3])])
+    seqs = [SequenceInput(f"q{i}", len(p) - 1, p[-1:]) for i, p in enumerate(prompts[:3])]
+    seqs.append(SequenceInput("q3", 0, prompts[3]))  # created by the call
+    records, recording = record_forwards(engine)
+    with recording:
+        drafts = propose(engine, [ProposeItem(seq, 3) for seq in seqs])
+    assert drafts == [r[:3] for r in refs]
+    assert [tuple(r["input_ids"].shape) for r in records] == [(1, 90), (1, 1), (1, 1), (3, 1), (3, 1), (3, 1)]
+    assert [engine.sequences[f"q{i}"].slot for i in range(4)] == [0, 1, 2, 3]
+
+
 @pytest.mark.parametrize("k", [0, MAX_K + 1])
 def test_propose_refuses_k_out_of_range(draft_model, k):
     engine = Engine(draft_model)
