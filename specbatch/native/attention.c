@@ -381,6 +381,19 @@ static void widen_bf16(const void *from, int64_t end, int64_t D, float *to) {
     }
 }
 
+/* Where a thread widens (wide_keys), point *k and *v at its float32 copy of the keys and values of
+ * (batch, key/value head) `pair`, widening them first unless the copy holds that pair already. */
+static void read_widened(int64_t pair, const void **k, const void **v, int64_t end, int64_t D, float *wide_keys,
+                         float *wide_values, int64_t *widened) {
+    if (!wide_keys) return;
+    if (*widened != pair) {
+        widen_bf16(*k, end, D, wide_keys);
+        widen_bf16(*v, end, D, wide_values);
+        *widened = pair;
+    }
+    *k = wide_keys, *v = wide_values;
+}
+
 #ifdef __AVX512F__
 /* attend (below) on the 512-bit kernels: each (sequence, key/value head, query row) is one unit,
  * its query heads' weights first, one head at a time, then their sums side by side (rows_pv_512):
@@ -414,14 +427,7 @@ static int attend_grouped(const grouped_kernels *kernels, const float *q, int64_
             int64_t b = u / (KVH * W), kvh = u / W % KVH, i = u % W;
             size_t at = (size_t)(b * kv_b + kvh * kv_h) * element;
             const void *k = (const char *)keys + at, *v = (const char *)values + at;
-            if (wide_keys) {
-                if (widened != b * KVH + kvh) {
-                    widen_bf16(k, end, D, wide_keys);
-                    widen_bf16(v, end, D, wide_values);
-                    widened = b * KVH + kvh;
-                }
-                k = wide_keys, v = wide_values;
-            }
+            read_widened(b * KVH + kvh, &k, &v, end, D, wide_keys, wide_values, &widened);
             const uint8_t *seen = mask + (b * W + i) * end;
             float *row_out = out + ((b * W + i) * H + kvh * group) * D;
             int64_t count = 0;
@@ -495,14 +501,7 @@ int attend(const float *q, int64_t q_b, int64_t q_h, int64_t q_w, const void *ke
             int64_t b = u / (H * W), h = u / W % H, i = u % W, kvh = h / group;
             size_t at = (size_t)(b * kv_b + kvh * kv_h) * element;
             const void *k = (const char *)keys + at, *v = (const char *)values + at;
-            if (wide_keys) {
-                if (widened != b * KVH + kvh) {
-                    widen_bf16(k, end, D, wide_keys);
-                    widen_bf16(v, end, D, wide_values);
-                    widened = b * KVH + kvh;
-                }
-                k = wide_keys, v = wide_values;
-            }
+            read_widened(b * KVH + kvh, &k, &v, end, D, wide_keys, wide_values, &widened);
             attend_row(q + b * q_b + h * q_h + i * q_w, k, v, D, mask + (b * W + i) * end, end, scale, scores,
                        out + ((b * W + i) * H + h) * D);
         }
