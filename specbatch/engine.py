@@ -372,6 +372,9 @@ class Engine:
         weights = self._weight_form(own)
         # The forward of one ragged batch (see RaggedBatch); LlamaForward.__call__ is the contract.
         self.forward = own(self.model, weights=weights) if own else TransformersForward(self.model)
+        # The own Llama forward on the CPU kernels: a row's result never depends on the other rows of
+        # a call, so a call may run as several forwards (split_by_length) with the same results.
+        self.rows_independent = bool(getattr(self.forward, "native_attention", False))
         if self.kv_bf16 and not getattr(self.forward, "native_attention", False):
             raise ValueError("bf16 keys and values need the engine's own Llama forward in float32 on a CPU where its "
                              f"kernels build ({native.unavailable_reason() or 'they do'})")
@@ -387,6 +390,7 @@ class Engine:
             raise ValueError("bf16 keys and values run on the CPU kernels; captured steps are for CUDA")
         self.capture_report: dict = {}
         if self.captured_steps != "off":  # the pool must stay where the graphs point
+            self.rows_independent = False  # captured calls run at their buckets' shapes
             self.pool.fix(self.max_sequences, self.max_context + 1)
             self.forward = CapturedForward(self.forward, self.pool, self.captured_steps, self.feature_size)
             if self.captured_steps == "on":
@@ -562,8 +566,7 @@ class Engine:
         and their ids, for the caller to release should a forward fail. ``extra_tokens``: as
         ``start``'s, the tokens each sequence will decode after its fed ones."""
         self.validate(inputs, extra_tokens or [0] * len(inputs), create)
-        by_length = self.device.type == "cpu" and self.captured_steps == "off"
-        groups = length_groups([len(item.tokens) for item in inputs], by_length)
+        groups = length_groups([len(item.tokens) for item in inputs], self.rows_independent)
         if len(groups) == 1:
             return groups, []
         created = [item.seq_id for item in inputs if item.seq_id not in self.sequences]
