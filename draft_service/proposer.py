@@ -62,7 +62,7 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
     reads target features feeds its drafted tokens with its own predicted features, so it keeps
     only the tokens it was sent (with the target's true features); accepted drafts come back next
     step with theirs. Sequences feeding very different token counts (a new sequence's prompt
-    beside others' last tokens) draft in separate forwards (``Engine.split_by_length``). A
+    beside others' last tokens) draft in separate forwards (``Engine.by_length``). A
     sequence sent with keep_len 0 is created, so a restarted draft is rebuilt
     from the caller's history.
     """
@@ -77,19 +77,13 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
         problems = leaf_option_problems(unsure_below=item.unsure_below) + item.sampling.problems()
         if problems:
             raise InvalidRequest(f"sequence {item.seq.seq_id!r}: " + "; ".join(problems))
-    groups, created = engine.split_by_length([item.seq for item in items], True, [item.k - 1 for item in items])
-    if len(groups) > 1:  # a new sequence's prompt beside others' few tokens: forwards of similar widths
-        results: list[Proposal] = [None] * len(items)
-        try:
-            for group in groups:
-                for i, proposal in zip(group, proposals(engine, [items[i] for i in group], support_size)):
-                    results[i] = proposal
-        except BaseException:
-            engine.release([seq_id for seq_id in created if seq_id in engine.sequences])  # none half made
-            raise
-        return results
+    extra_tokens = [item.k - 1 for item in items]
+    split = engine.by_length([item.seq for item in items], True,  # a new prompt beside others' last tokens
+                             lambda group: proposals(engine, [items[i] for i in group], support_size), extra_tokens)
+    if split is not None:
+        return split
     steps = max(item.k for item in items) - 1
-    batch = engine.start([item.seq for item in items], decode_steps=steps, create=True, extra_tokens=[item.k - 1 for item in items])
+    batch = engine.start([item.seq for item in items], decode_steps=steps, create=True, extra_tokens=extra_tokens)
     to_token = engine.output_token_ids  # a head over a token subset: column -> token id
     reads_features = bool(engine.feature_size)
 

@@ -373,7 +373,7 @@ class Engine:
         # The forward of one ragged batch (see RaggedBatch); LlamaForward.__call__ is the contract.
         self.forward = own(self.model, weights=weights) if own else TransformersForward(self.model)
         # The own Llama forward on the CPU kernels: a row's result never depends on the other rows of
-        # a call, so a call may run as several forwards (split_by_length) with the same results.
+        # a call, so a call may run as several forwards (by_length) with the same results.
         self.rows_independent = bool(getattr(self.forward, "native_attention", False))
         if self.kv_bf16 and not getattr(self.forward, "native_attention", False):
             raise ValueError("bf16 keys and values need the engine's own Llama forward in float32 on a CPU where its "
@@ -556,37 +556,44 @@ class Engine:
     def cached_tokens(self) -> int:
         return sum(cache.length for cache in self.sequences.values())
 
-    def split_by_length(self, inputs: list[SequenceInput], create: bool,
-                        extra_tokens: list[int] | None = None) -> tuple[list[list[int]], list[str]]:
-        """For a call whose sequences feed very different token counts: validate all of it and
-        return the groups of its indices to run as separate forwards (``length_groups``; one
-        group unless the engine runs its CPU kernels, whose results for a row do not depend on
-        the other rows of a call, so the outputs are the same), with, where it splits, its new
-        sequences already created in its order (later calls in that order find their slots in it)
-        and their ids, for the caller to release should a forward fail. ``extra_tokens``: as
+    def by_length(self, inputs: list[SequenceInput], create: bool, run: Callable[[list[int]], list],
+                  extra_tokens: list[int] | None = None) -> list | None:
+        """A call whose sequences feed very different token counts, as forwards of similar ones:
+        ``run(indices)`` for each group of ``length_groups``, its results (one a sequence) gathered
+        in the call's order. None where the call is one forward (the caller runs it whole): always
+        unless the engine runs its CPU kernels, whose results for a row do not depend on the other
+        rows of a call, so the outputs are the same either way. Before any group runs, the whole
+        call is validated and its new sequences created in its order (later calls in that order
+        find their slots in it); they are released should a forward fail. ``extra_tokens``: as
         ``start``'s, the tokens each sequence will decode after its fed ones."""
-        self.validate(inputs, extra_tokens or [0] * len(inputs), create)
         groups = length_groups([len(item.tokens) for item in inputs], self.rows_independent)
-        if len(groups) == 1:
-            return groups, []
+        if len(groups) <= 1:
+            return None
+        self.validate(inputs, extra_tokens or [0] * len(inputs), create)
         created = [item.seq_id for item in inputs if item.seq_id not in self.sequences]
         for seq_id in created:
             self.sequences[seq_id] = self._new_cache()
         self.sequences_created += len(created)
-        return groups, created
-
-    def prefill(self, inputs: list[SequenceInput]) -> list[int]:
-        """Add or extend sequences: cache all their tokens. Returns each one's cached length.
-        Sequences of very different lengths run in forwards of similar ones (``split_by_length``):
-        32 ShareGPT prompts (31-219 tokens, 60 on average) were two thirds padding in one."""
-        groups, created = self.split_by_length(inputs, create=True)
+        results: list = [None] * len(inputs)
         try:
             for group in groups:
-                items = [inputs[i] for i in group]
-                batch = self.start(items, create=True)
-                batch.prefill(1)
-                batch.commit([len(item.tokens) for item in items])
+                for i, result in zip(group, run(group)):
+                    results[i] = result
         except BaseException:
             self.release([seq_id for seq_id in created if seq_id in self.sequences])  # none half made
             raise
-        return [item.keep_len + len(item.tokens) for item in inputs]
+        return results
+
+    def prefill(self, inputs: list[SequenceInput]) -> list[int]:
+        """Add or extend sequences: cache all their tokens. Returns each one's cached length.
+        Sequences of very different lengths run in forwards of similar ones (``by_length``): 32
+        ShareGPT prompts (31-219 tokens, 60 on average) were two thirds padding in one."""
+
+        def run(group) -> list[int]:
+            items = [inputs[i] for i in group]
+            batch = self.start(items, create=True)
+            batch.prefill(1)
+            batch.commit([len(item.tokens) for item in items])
+            return [item.keep_len + len(item.tokens) for item in items]
+
+        return self.by_length(inputs, True, run) or run(range(len(inputs)))

@@ -69,7 +69,7 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
     keys/values of the accepted drafts (and of a kept leaf) only; the next token is not fed yet
     (it is the next step's first input). Sequences feeding very different token counts (prompts
     of many lengths, a prompt beside a step's chains) run as forwards of similar ones
-    (``Engine.split_by_length``), with the same results.
+    (``Engine.by_length``), with the same results.
     """
     for item in items:
         problems = item.problems()
@@ -79,18 +79,12 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
     # Checked before anything runs, so a malformed q' changes no state.
     drafts_q = sampled_drafts([items[i].seq.seq_id for i in sampled], [items[i].drafts for i in sampled],
                               [items[i].draft_distributions for i in sampled], engine.vocab_size) if sampled else None
-    groups, created = engine.split_by_length([item.fed() for item in items], create)
-    if len(groups) > 1:
-        verdicts: list[Verdict] = [None] * len(items)
-        try:
-            for group in groups:
-                for i, verdict in zip(group, verify(engine, [items[i] for i in group], create, return_features)):
-                    verdicts[i] = verdict
-        except BaseException:
-            engine.release([seq_id for seq_id in created if seq_id in engine.sequences])  # none half made
-            raise
-        return verdicts
-    batch = engine.start([item.fed() for item in items], create=create)
+    fed = [item.fed() for item in items]
+    split = engine.by_length(fed, create, lambda group: verify(engine, [items[i] for i in group], create,
+                                                              return_features))
+    if split is not None:
+        return split
+    batch = engine.start(fed, create=create)
     leaf_counts = [len(item.all_leaves()) for item in items]
     # Right-aligned: item i's last leaf_counts[i] columns are its leaves, the len(drafts)+1 before
     # them the positions the chain decides.
