@@ -17,8 +17,8 @@
  * column past the chain, sees the same columns in the same order as when it is decoded alone,
  * so it gets bitwise the same output: what float32 speculation needs to stay exact.
  *
- * Built for AVX-512, head_dim 16-128 take attend_row_512 (below): 512-bit vectors and 16 columns'
- * scores summed at once. SmolLM2's 30 layers, 1 thread, Xeon, the AVX2 form -> it (ms): 1 sequence
+ * Built for AVX-512, head_dim 16-128 take the 512-bit kernels (row_scores_512 and rows_pv_512,
+ * below, through attend_grouped): 512-bit vectors and 16 columns' scores summed at once. SmolLM2's 30 layers, 1 thread, Xeon, the AVX2 form -> it (ms): 1 sequence
  * x 5 rows 1.55 -> 1.25; 8 x 4 11.4 -> 9.3; 32 x 1 at 300 columns 49.0 -> 42.0. From batch 8 on,
  * reading the float32 keys and values from memory is most of it (8 x 1 at 129 columns: 47 MB a
  * step, 4.2 ms either form; 1.8 ms where they sit in cache).
@@ -132,7 +132,7 @@ static inline float sum8(__m256 v) {
 
 ATTEND_ROW(1, f32, float, LOAD8_F32)   /* head_dim 8 (and 16 without AVX-512): small test models */
 ATTEND_ROW(1, bf16, uint16_t, LOAD8_BF16)
-#ifndef __AVX512F__ /* there, attend_row_512 below takes head_dim 16-128 */
+#ifndef __AVX512F__ /* there, the 512-bit kernels below take head_dim 16-128 */
 ATTEND_ROW(2, f32, float, LOAD8_F32)
 ATTEND_ROW(4, f32, float, LOAD8_F32)   /* 32 */
 ATTEND_ROW(8, f32, float, LOAD8_F32)   /* 64: SmolLM2, Llama 3.2 1B */
@@ -283,28 +283,12 @@ static inline __m512 sum16x16(const __m512 *v) {
         }                                                                                               \
     }
 
-/* One query row, as attend_row: its weights, then its sum (zeros where it sees no column). */
-#define ATTEND_ROW_512(CHUNKS, KV)                                                                      \
-    static void attend_row_512_##KV##_##CHUNKS(const float *q, const void *keys, const void *values, int64_t row, \
-                                               const uint8_t *seen, int64_t end, float scale, float *scores, \
-                                               float *out) {                                            \
-        int32_t *columns = (int32_t *)(scores + end + 16);                                              \
-        float inverse;                                                                                  \
-        int64_t count = row_scores_512_##KV##_##CHUNKS(q, keys, row, seen, end, scale, scores, columns, &inverse); \
-        if (count == 0) {                                                                               \
-            for (int d = 0; d < CHUNKS; d++) _mm512_storeu_ps(out + 16 * d, _mm512_setzero_ps());       \
-            return;                                                                                     \
-        }                                                                                               \
-        rows_pv_512_##KV##_##CHUNKS##_1(values, row, columns, count, scores, 0, &inverse, out, 0);       \
-    }
-
 #define ATTENTION_512(CHUNKS, KV, T, LOAD)                                                              \
     ROW_SCORES_512(CHUNKS, KV, T, LOAD)                                                                 \
     ROWS_PV_512(CHUNKS, KV, T, LOAD, 1)                                                                 \
     ROWS_PV_512(CHUNKS, KV, T, LOAD, 2)                                                                 \
     ROWS_PV_512(CHUNKS, KV, T, LOAD, 3)                                                                 \
-    ROWS_PV_512(CHUNKS, KV, T, LOAD, 4)                                                                 \
-    ATTEND_ROW_512(CHUNKS, KV)
+    ROWS_PV_512(CHUNKS, KV, T, LOAD, 4)
 
 ATTENTION_512(1, f32, float, LOAD16_F32)  /* 16 */
 ATTENTION_512(2, f32, float, LOAD16_F32)  /* 32 */
@@ -346,12 +330,9 @@ typedef void (*attend_row_fn)(const float *, const void *, const void *, int64_t
                               float *, float *);
 
 static attend_row_fn row_kernel(int64_t D, int kv_bf16) {
-#ifdef __AVX512F__
-    if (kv_bf16)
-        return D == 8 ? attend_row_bf16_1 : D == 16 ? attend_row_512_bf16_1 : D == 32 ? attend_row_512_bf16_2
-             : D == 64 ? attend_row_512_bf16_4 : D == 128 ? attend_row_512_bf16_8 : 0;
-    return D == 8 ? attend_row_f32_1 : D == 16 ? attend_row_512_f32_1 : D == 32 ? attend_row_512_f32_2
-         : D == 64 ? attend_row_512_f32_4 : D == 128 ? attend_row_512_f32_8 : 0;
+#ifdef __AVX512F__ /* head_dim 16-128 go to attend_grouped */
+    if (D != 8) return 0;
+    return kv_bf16 ? attend_row_bf16_1 : attend_row_f32_1;
 #else
     if (kv_bf16)
         return D == 8 ? attend_row_bf16_1 : D == 16 ? attend_row_bf16_2 : D == 32 ? attend_row_bf16_4
@@ -379,6 +360,17 @@ static void widen_bf16(const void *from, int64_t end, int64_t D, float *to) {
         uint32_t bits = (uint32_t)in[j] << 16;
         memcpy(to + j, &bits, sizeof bits);
     }
+}
+
+/* A thread's scratch (free it): score_bytes, then, where it widens, room for one key/value head's
+ * keys and values in float32, 64-byte aligned, at *wide_keys and *wide_values (else, or where
+ * malloc fails, NULL). */
+static float *thread_scratch(size_t score_bytes, int widen, int64_t end, int64_t D, float **wide_keys,
+                             float **wide_values) {
+    float *scores = (float *)malloc(score_bytes + (widen ? 2 * (size_t)(end * D) * sizeof(float) + 64 : 0));
+    *wide_keys = widen && scores ? (float *)(((uintptr_t)scores + score_bytes + 63) & ~(uintptr_t)63) : 0;
+    *wide_values = *wide_keys ? *wide_keys + end * D : 0;
+    return scores;
 }
 
 /* Where a thread widens (wide_keys), point *k and *v at its float32 copy of the keys and values of
@@ -412,11 +404,10 @@ static int attend_grouped(const grouped_kernels *kernels, const float *q, int64_
         /* per thread: each head's weights, their columns and sums' reciprocals, and where it
          * widens, one key/value head's keys and values (see attend) */
         size_t score_bytes = (size_t)stride * ((size_t)group * sizeof(float) + sizeof(int32_t)) + (size_t)group * sizeof(float);
-        float *scores = (float *)malloc(score_bytes + (widen ? 2 * (size_t)(end * D) * sizeof(float) + 64 : 0));
+        float *wide_keys, *wide_values;
+        float *scores = thread_scratch(score_bytes, widen, end, D, &wide_keys, &wide_values);
         int32_t *columns = scores ? (int32_t *)(scores + group * stride) : 0;
         float *inverse = scores ? (float *)(columns + stride) : 0;
-        float *wide_keys = widen && scores ? (float *)(((uintptr_t)scores + score_bytes + 63) & ~(uintptr_t)63) : 0;
-        float *wide_values = wide_keys ? wide_keys + end * D : 0;
         int64_t widened = -1;
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < B * KVH * W; u++) {
@@ -488,9 +479,8 @@ int attend(const float *q, int64_t q_b, int64_t q_h, int64_t q_w, const void *ke
          * worksharing loop some threads skipped would hang the rest at its barrier); one without
          * scratch memory only reports it. */
         size_t score_bytes = (size_t)(end + 16) * (sizeof(float) + sizeof(int32_t));
-        float *scores = (float *)malloc(score_bytes + (widen ? 2 * (size_t)(end * D) * sizeof(float) + 64 : 0));
-        float *wide_keys = widen && scores ? (float *)(((uintptr_t)scores + score_bytes + 63) & ~(uintptr_t)63) : 0;
-        float *wide_values = wide_keys ? wide_keys + end * D : 0;
+        float *wide_keys, *wide_values;
+        float *scores = thread_scratch(score_bytes, widen, end, D, &wide_keys, &wide_values);
         int64_t widened = -1; /* the (batch, key/value head) in wide_keys and wide_values */
 #pragma omp for schedule(static)
         for (int64_t u = 0; u < B * H * W; u++) {
