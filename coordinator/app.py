@@ -120,7 +120,8 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
                       refresh_seconds: float = 10.0,
                       wait_seconds: float = 30.0, metrics_host: str = "127.0.0.1",
                       metrics_port: int | None = 0, leaves: int = 0, unsure_below: float = 0.0,
-                      draft_ahead: int = 0, prompt_lookup: int = 0, shared_lookup: int = 0) -> Coordinator:
+                      draft_ahead: int = 0, prompt_lookup: int = 0, shared_lookup: int = 0,
+                      prefill_chunk: int = 0) -> Coordinator:
     """``target_address``/``draft_address``: one address, a comma-separated list of replicas, or
     ``dns:NAME:PORT`` (re-resolved every ``refresh_seconds``). ``profile``: a path (read now,
     re-read when it changes) or a ProfileFile already open. ``credentials``: TLS for the calls to
@@ -134,7 +135,8 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     step after each (0: off; coordinator/step.py); ``prompt_lookup``: the most tokens drafted by
     copying what followed an earlier occurrence of the history's last tokens, in place of a Propose
     (0: off; coordinator/lookup.py); ``shared_lookup``: tokens of finished requests' texts kept for
-    lookup where a request's own history has no match (0: off). A profile that
+    lookup where a request's own history has no match (0: off); ``prefill_chunk``: the most prompt
+    tokens prefilled between two decode steps (0: each admitted prompt whole; coordinator/scheduler.py). A profile that
     cannot be used, or services that do not fit together, raise ValueError before serving."""
     profile_file = ProfileFile(profile, profile_poll_seconds) if isinstance(profile, (str, Path)) else profile
     check_draft_options(leaves, unsure_below, draft_ahead, prompt_lookup, shared_lookup)
@@ -184,7 +186,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     metrics.set_policy(k_policy.describe())
     scheduler = Scheduler(targets, drafts, k_policy, max_batch_size, max_queue, max_context, feature_size,
                           metrics=metrics, leaves=leaves, unsure_below=unsure_below, draft_ahead=draft_ahead,
-                          prompt_lookup=prompt_lookup, shared_lookup=shared_lookup)
+                          prompt_lookup=prompt_lookup, shared_lookup=shared_lookup, prefill_chunk=prefill_chunk)
     metrics.track_load(scheduler.load, max_batch_size)
     scheduler.start()
     if profile_file is not None:
@@ -245,6 +247,10 @@ def main(argv=None) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORTS["coordinator"])
     parser.add_argument("--max-batch-size", type=int, default=32)
+    parser.add_argument("--prefill-chunk", type=int, default=0, metavar="TOKENS",
+                        help="the most prompt tokens prefilled between two decode steps, first come first served, "
+                             "a prompt split where it runs past them, so that a burst of prompts or a long one does "
+                             "not hold up the running batch's tokens (default 0: each admitted prompt whole)")
     parser.add_argument("--max-queue", type=int, default=256,
                         help="requests waiting for a batch slot; past it, RESOURCE_EXHAUSTED with a retry hint")
     parser.add_argument("--max-new-tokens-limit", type=int, default=1024, help="the most max_new_tokens a request may ask")
@@ -270,6 +276,8 @@ def main(argv=None) -> None:
         profile_file = ProfileFile(args.profile, args.profile_poll_seconds) if args.profile else None
         parse_policy(args.k_policy, MAX_K, profile_file)
         check_draft_options(args.leaves, args.unsure_below, args.draft_ahead, args.prompt_lookup, args.shared_lookup)
+        if args.prefill_chunk < 0:
+            raise ValueError(f"--prefill-chunk must be 0 (off) or a number of tokens (got {args.prefill_chunk})")
     except ValueError as error:
         parser.error(str(error))
     server_credentials = server_credentials_from_args(args, parser)
@@ -287,7 +295,7 @@ def main(argv=None) -> None:
         server_credentials=server_credentials, refresh_seconds=args.discovery_seconds,
         wait_seconds=args.wait_for_services, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
         leaves=args.leaves, unsure_below=args.unsure_below, draft_ahead=args.draft_ahead,
-        prompt_lookup=args.prompt_lookup, shared_lookup=args.shared_lookup,
+        prompt_lookup=args.prompt_lookup, shared_lookup=args.shared_lookup, prefill_chunk=args.prefill_chunk,
     )
     log.info("coordinator serving on %s:%d (k policy %s)", args.host, coordinator.port, args.k_policy)
     coordinator.server.run_until_signal(on_stop=lambda: coordinator.drain(args.drain_seconds))

@@ -38,7 +38,8 @@ class CoordinatorMetrics:
         r = self.registry
 
         # ---- load (read when scraped, from the scheduler: see track_load) ----
-        self.running = Gauge("specbatch_num_requests_running", "Requests in the running batch.", registry=r)
+        self.running = Gauge("specbatch_num_requests_running", "Requests holding a batch slot: decoding, or their "
+                             "prompts being prefilled.", registry=r)
         self.waiting = Gauge("specbatch_num_requests_waiting",
                              "Requests admitted and waiting for a batch slot (the coordinator HPA's metric).",
                              registry=r)

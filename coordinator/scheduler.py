@@ -1,9 +1,12 @@
 """Continuous batching: the queue and the step loop.
 
 One thread owns the running batch. Between steps it retires finished, cancelled and expired
-requests and admits waiting ones (prefilling them on their replicas); each step (coordinator/step.py)
-then drafts k tokens for every sequence that speculates, verifies all sequences, appends what was
-accepted to each request's authoritative history and streams it out. Where each request's caches
+requests, admits waiting ones and prefills what they hold: whole prompts, or with a prefill chunk
+(``prefill_chunk``) at most that many prompt tokens between two decode steps, so that a burst of
+prompts, or one long one, does not hold every running sequence's next token for the whole of it.
+Each step (coordinator/step.py) then drafts k tokens for every sequence that speculates, verifies
+all sequences, appends what was accepted to each request's authoritative history and streams it
+out. Where each request's caches
 live, and moving them off a failed replica, is coordinator/placement.py.
 
 Failures cost time, never requests: a sequence on a replica that fails moves to another healthy
@@ -20,7 +23,7 @@ from collections import deque
 
 import grpc
 
-from .backends import Call, refusal, unreachable
+from .backends import Call, lost_state, refusal, unreachable
 from .lookup import SharedLookup
 from .placement import Placement, by_draft_replica, by_target_replica, call_timeout, log_fields
 from .replicas import Replica, ReplicaSet
@@ -47,9 +50,12 @@ class Draining(Exception):
 class Scheduler:
     def __init__(self, target_replicas: ReplicaSet, draft_replicas: ReplicaSet | None, policy, max_batch_size: int,
                  max_queue: int, max_context: int, draft_feature_size: int = 0, metrics=None, leaves: int = 0,
-                 unsure_below: float = 0.0, draft_ahead: int = 0, prompt_lookup: int = 0, shared_lookup: int = 0):
+                 unsure_below: float = 0.0, draft_ahead: int = 0, prompt_lookup: int = 0, shared_lookup: int = 0,
+                 prefill_chunk: int = 0):
         """Each replica's client timeout is the longest one call to it may take; a draft slower
-        than that is set aside for a while (steps run target-only) rather than slowing every step."""
+        than that is set aside for a while (steps run target-only) rather than slowing every step.
+        ``prefill_chunk``: the most prompt tokens prefilled between two decode steps, across the
+        requests being prefilled, first come first served (0: every admitted prompt whole, at once)."""
         self.placement = Placement(target_replicas, draft_replicas, metrics)
         # An EAGLE-style draft reads the target's final hidden states: the target returns them
         # with every verdict, and each request keeps them beside its history (float16 rows).
@@ -59,7 +65,10 @@ class Scheduler:
                                  shared=SharedLookup(shared_lookup) if shared_lookup else None)
         self.metrics = metrics  # coordinator metrics (coordinator.metrics.CoordinatorMetrics) or None
         self.max_batch_size, self.max_queue, self.max_context = max_batch_size, max_queue, max_context
+        self.prefill_chunk = prefill_chunk
         self.waiting: deque[Request] = deque()
+        # Admitted and placed, their prompts not yet all on the target: they hold a batch slot.
+        self.prefilling: list[Request] = []
         self.running: list[Request] = []
         self.wakeup = threading.Condition()
         self.stopping = threading.Event()
@@ -89,7 +98,8 @@ class Scheduler:
             self.wakeup.notify()
 
     def load(self) -> tuple[int, int]:
-        return len(self.running), len(self.waiting)
+        """(admitted, waiting): the admitted being prefilled count as running; they hold slots."""
+        return len(self.running) + len(self.prefilling), len(self.waiting)
 
     def start(self) -> "Scheduler":
         self.thread.start()
@@ -103,7 +113,7 @@ class Scheduler:
         while (self.running or self.waiting) and time.monotonic() < deadline and self.thread.is_alive():
             time.sleep(0.05)
         with self.wakeup:
-            left = list(self.running) + list(self.waiting)
+            left = list(self.running) + list(self.prefilling) + list(self.waiting)
         for request in left:
             if request.finish is None:
                 request.fail(grpc.StatusCode.UNAVAILABLE, "the coordinator is shutting down; retry the request")
@@ -120,7 +130,7 @@ class Scheduler:
         with self.wakeup:
             self.wakeup.notify()
         self.thread.join(timeout=30)
-        held = list(self.running) + list(self.waiting)
+        held = list(self.running) + list(self.prefilling) + list(self.waiting)
         for request in held:
             if request.finish is None:
                 request.close(FINISH_CANCELLED)
@@ -128,7 +138,7 @@ class Scheduler:
             log.warning("the step loop did not stop within 30 s: %d requests' sequences are left to the services' "
                         "leases", len(held))
         else:
-            self.running = []
+            self.running, self.prefilling = [], []
             self.placement.release([r for r in held if r.target_replica or r.draft_replica],
                                    timeout=RELEASE_ON_STOP_SECONDS)
         self.placement.close()
@@ -143,7 +153,7 @@ class Scheduler:
                 if self.running:
                     if not self.step():  # no healthy target replica: the batch waits for one
                         self.stopping.wait(0.05)
-                else:
+                elif not self.prefilling:
                     with self.wakeup:
                         if not self.waiting and not self.stopping.is_set():
                             self.wakeup.wait(timeout=0.5)
@@ -156,12 +166,14 @@ class Scheduler:
     # ---- retiring --------------------------------------------------------------------------------
 
     def retire(self) -> None:
-        """End what finished, was cancelled or ran past its deadline, and release its sequences."""
+        """End what finished, was cancelled or ran past its deadline (running or still being
+        prefilled), and release its sequences."""
         now = time.monotonic()
-        for request in self.running:
+        admitted = self.running + self.prefilling
+        for request in admitted:
             if request.finish is None and request.deadline is not None and now > request.deadline:
                 request.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed")
-        done = [r for r in self.running if r.finish is not None or r.cancelled.is_set()]
+        done = [r for r in admitted if r.finish is not None or r.cancelled.is_set()]
         if not done:
             return
         for request in done:
@@ -169,6 +181,7 @@ class Scheduler:
                 request.close(FINISH_CANCELLED)
             self._observe_end(request)
         self.running = [r for r in self.running if r.finish is None]
+        self.prefilling = [r for r in self.prefilling if r.finish is None]
         self.placement.release(done)
 
     def _observe_end(self, request: Request) -> None:
@@ -189,14 +202,14 @@ class Scheduler:
     # ---- admission -------------------------------------------------------------------------------
 
     def admit(self) -> None:
-        """Move waiting requests into the running batch as far as there is room, prefilling them
-        on their replicas; those that cannot be prefilled now wait at the head of the queue."""
+        """Move waiting requests into the batch as far as there is room, then prefill (a chunk of)
+        what the admitted hold; those that cannot be prefilled now wait at the head of the queue."""
         with self.wakeup:
             if not self.placement.target_replicas.healthy():
                 return  # nowhere to prefill: requests wait in the queue
-            room = self.max_batch_size - len(self.running)
+            room = self.max_batch_size - len(self.running) - len(self.prefilling)
             if self.admit_one_at_a_time:
-                room = min(room, 1)
+                room = min(room, 1 - len(self.prefilling))
             admitted, dropped = [], []
             now = time.monotonic()
             while room > 0 and self.waiting:
@@ -212,52 +225,81 @@ class Scheduler:
             else:  # its deadline passed while it waited: it ends as retire() ends a running one
                 request.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed while it waited")
         self.placement.release([r for r in dropped if r.target_replica or r.draft_replica])
-        unplaced = [r for r in admitted if not self.placement.place(r)]
-        if unplaced:  # every target replica went down just now
-            self._requeue(unplaced)
-            admitted = [r for r in admitted if r not in unplaced]
-        if admitted:
-            self._prefill(admitted)
-
-    def _prefill(self, admitted: list[Request]) -> None:
-        """Prefill newly placed requests on their replicas, at once; those the target took join
-        the running batch with their first token."""
-        start = time.perf_counter()
         for request in admitted:
             request.admitted = request.admitted or time.monotonic()
-        # The draft caches the prompt while the target prefills it and picks the first token. A
-        # draft that reads target features needs the target's first: its first Propose does it.
+        self.prefilling.extend(admitted)
+        if self.prefilling:
+            self._prefill()
+
+    def _chunks(self, requests: list[Request]) -> list[tuple[Request, int]]:
+        """The prompt tokens each request feeds the target this round, first come first served:
+        all it has left, or what the prefill chunk leaves over (the last one fed may stop partway)."""
+        budget = self.prefill_chunk or None
+        chunks = []
+        for request in requests:
+            fed = len(request.history) - request.target_len
+            if budget is not None:
+                fed = min(fed, budget)
+                budget -= fed
+            chunks.append((request, fed))
+            if budget == 0:
+                break
+        return chunks
+
+    def _prefill(self) -> None:
+        """One round of prefill on the admitted requests' replicas, at once: each its chunk of its
+        prompt (``_chunks``); those whose whole prompt is now on the target join the running batch
+        with their first token."""
+        start = time.perf_counter()
+        unplaced = [r for r in self.prefilling if not self.placement.place(r)]
+        if unplaced:  # every target replica went down just now (a move restarts a prompt at 0)
+            self.prefilling = [r for r in self.prefilling if r not in unplaced]
+            self._requeue(unplaced)
+        chunks = self._chunks(self.prefilling)
+        if not chunks:
+            return
+        requests = [request for request, _ in chunks]
+        calls = [Call(r.seq_id, r.target_len, r.history[r.target_len : r.target_len + fed]) for r, fed in chunks]
+        # The draft caches the prompt while the target prefills its last chunk (a draft that reads
+        # target features needs the target's first: its first Propose does it).
         # Groups are fixed before any reply is handled (handling one can detach requests).
-        groups = {("target", replica): [admitted[i] for i in idx]
-                  for replica, idx in by_target_replica(admitted).items()}
+        groups = {("target", replica): idx for replica, idx in by_target_replica(requests).items()}
+        finishing = [i for i, call in enumerate(calls) if call.keep_len + len(call.tokens) == len(requests[i].history)]
         if self.placement.draft_replicas is not None and not self.feature_row_bytes:
-            groups.update({("draft", replica): [admitted[i] for i in idx]
-                           for replica, idx in by_draft_replica(admitted).items() if replica is not None})
+            groups.update({("draft", replica): idx
+                           for replica, idx in by_draft_replica(requests, finishing).items() if replica is not None})
 
-        def prefill(which: str, replica: Replica, group: list[Request]):
-            calls = [Call(r.seq_id, 0, r.history) for r in group]
+        def prefill(which: str, replica: Replica, idx: list[int]):
+            group = [requests[i] for i in idx]
+            timeout = call_timeout(group, replica.client.timeout)[0]
             if which == "draft":
-                return replica.client.prefill(calls, call_timeout(group, replica.client.timeout)[0])
-            return replica.client.verify(calls, [[] for _ in group], [r.sampling for r in group], create=True,
-                                         return_features=bool(self.feature_row_bytes),
-                                         timeout=call_timeout(group, replica.client.timeout)[0])
+                return replica.client.prefill([Call(r.seq_id, 0, r.history) for r in group], timeout)
+            return replica.client.verify([calls[i] for i in idx], [[] for _ in group], [r.sampling for r in group],
+                                         create=any(r.target_len == 0 for r in group),
+                                         return_features=bool(self.feature_row_bytes), timeout=timeout)
 
-        results = self.placement.fan_out({key: (lambda key=key, group=group: prefill(*key, group))
-                                          for key, group in groups.items()})
+        results = self.placement.fan_out({key: (lambda key=key, idx=idx: prefill(*key, idx))
+                                          for key, idx in groups.items()})
         entered = []
         for (which, replica), result in results.items():
-            group = groups[which, replica]
+            group = [requests[i] for i in groups[which, replica]]
             if which == "target":
                 if isinstance(result, grpc.RpcError):
                     self._prefill_refused(replica, group, result)
                     continue
-                for request, verdict in zip(group, result.verdicts):
+                for i, verdict in zip(groups[which, replica], result.verdicts):
+                    request, call = requests[i], calls[i]
                     request.target_len = verdict.cached_len
                     if self.feature_row_bytes:
-                        request.features = FeatureLog(self.feature_row_bytes)
-                        request.features.store(0, verdict.features)
-                    request.take([verdict.next_token])
-                    entered.append(request)
+                        if call.keep_len == 0:
+                            request.features = FeatureLog(self.feature_row_bytes)
+                        request.features.store(call.keep_len, verdict.features)
+                    if request.target_len == len(request.history):
+                        # Its prompt is all there: the verdict's token is its first. (A chunk's
+                        # before it decided a prompt token: seeded draws go by position, so
+                        # dropping those changes no later one.)
+                        request.take([verdict.next_token])
+                        entered.append(request)
             elif isinstance(result, grpc.RpcError):
                 log.warning("draft prefill on %s failed (%s): rebuilt at its first Propose", replica.address,
                             result.code())
@@ -268,7 +310,8 @@ class Scheduler:
                     request.draft_len = seq.cached_len
         if entered:
             self.admit_one_at_a_time = False
-        self.running.extend(r for r in admitted if r in entered)
+            self.prefilling = [r for r in self.prefilling if r not in entered]
+            self.running.extend(entered)
         self.totals.prefill_seconds += time.perf_counter() - start
 
     def _requeue(self, requests: list[Request]) -> None:
@@ -277,8 +320,15 @@ class Scheduler:
             self.waiting.extendleft(reversed(requests))
 
     def _prefill_refused(self, replica: Replica, group: list[Request], error: grpc.RpcError) -> None:
+        if lost_state(error):  # the target restarted between two chunks: its prompts start again there
+            for request in group:
+                request.target_len = 0
+            log.warning("prefill on %s lost its sequences (%s): %d prompts start again", replica.address,
+                        error.code(), len(group))
+            return
+        self.prefilling = [r for r in self.prefilling if r not in group]
         alone = len(group) == 1
-        others_here = any(r.target_replica is replica for r in self.running)
+        others_here = any(r.target_replica is replica for r in self.running + self.prefilling)
         if refusal(error) and alone and not (error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and others_here):
             group[0].fail(error.code(), f"the target refused the prompt: {error.details()}")
             self._retire_now(group)
@@ -290,6 +340,8 @@ class Scheduler:
             # Out of room while others run (wait for them), or one of several is refused:
             # admit one at a time until the refused one is found.
             self.admit_one_at_a_time = True
+        # Back to the queue; what a prompt has on a healthy target stays there, and it goes on from
+        # there once admitted again.
         log.warning("prefill on %s failed (%s): %d requests wait", replica.address, error.code(), len(group))
         self._requeue(group)
 

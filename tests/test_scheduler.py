@@ -110,8 +110,9 @@ def make_request(prompt=(1, 2, 3), max_new_tokens=20, k=None) -> Request:
 def scheduler_of():
     made = []
 
-    def make(targets, drafts=None, k=3, max_batch_size=8, max_queue=8):
-        scheduler = Scheduler(targets, drafts, FixedK(k), max_batch_size, max_queue, max_context=512)
+    def make(targets, drafts=None, k=3, max_batch_size=8, max_queue=8, prefill_chunk=0):
+        scheduler = Scheduler(targets, drafts, FixedK(k), max_batch_size, max_queue, max_context=512,
+                              prefill_chunk=prefill_chunk)
         made.append((scheduler, targets, drafts))
         return scheduler
 
@@ -145,6 +146,75 @@ def test_admit_then_step_accepts_drafts_and_counts_them_once(scheduler_of):
     assert (totals.steps, totals.sequence_steps, totals.k_histogram[3]) == (1, 1, 1)
     assert totals.reached_by_position == stats.reached_by_position
     assert totals.accepted_by_position == stats.accepted_by_position
+
+
+def test_prompts_prefill_in_chunks_between_decode_steps(scheduler_of):
+    """With a prefill chunk of 4 tokens, a running request steps between the chunks of two
+    prompts of 6 and 5 tokens, which share each round's 4 first come first served; each joins the
+    batch, with its first token, only once its whole prompt is on the target, and the draft caches
+    a prompt with its last chunk."""
+    target, draft = FakeTarget("t"), FakeDraft("d")
+    scheduler = scheduler_of(replica_set("target", target), replica_set("draft", draft), k=2, prefill_chunk=4)
+    draft_prefills, prefill = [], draft.prefill
+    draft.prefill = lambda calls, timeout=None: (draft_prefills.append([(c.keep_len, list(c.tokens)) for c in calls]),
+                                                 prefill(calls, timeout))[1]
+    running = make_request((1, 2))
+    scheduler.submit(running)
+    scheduler.admit()
+    assert scheduler.running == [running] and running.history == [1, 2, 3]
+    first, second = make_request((10, 11, 12, 13, 14, 15)), make_request((20, 21, 22, 23, 24))
+    scheduler.submit(first)
+    scheduler.submit(second)
+    rounds = []
+    while scheduler.prefilling or scheduler.waiting:
+        target.calls.clear()
+        scheduler.admit()
+        rounds.append([(call.keep_len, call.tokens) for call in target.calls[0]])
+        assert scheduler.load() == (3, 0)  # the ones being prefilled hold their slots
+        scheduler.step()
+    assert rounds == [[(0, [10, 11, 12, 13])],
+                      [(4, [14, 15]), (0, [20, 21])],
+                      [(2, [22, 23, 24])]]
+    # The running request stepped after every round: 3 steps of 3 tokens each (k = 2, always right).
+    assert running.history == list(range(1, 3 + 1 + 9))
+    # The first joined after round 2 and stepped twice; the second joined after round 3 and stepped once.
+    assert first.history == [10, 11, 12, 13, 14, 15] + list(range(16, 16 + 1 + 6))
+    assert second.history == [20, 21, 22, 23, 24] + list(range(25, 25 + 1 + 3))
+    assert draft_prefills == [[(0, [1, 2])], [(0, first.prompt)], [(0, second.prompt)]]
+    assert scheduler.totals.steps == 3
+
+
+def test_a_chunked_prompt_whose_target_restarted_starts_again(scheduler_of):
+    """A target that lost a half-prefilled prompt (it restarted) answers NOT_FOUND; the prompt
+    starts again from its first token on the next round and still gets its first token."""
+
+    class Restarted(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.NOT_FOUND
+
+        def details(self):
+            return "unknown sequence"
+
+    target = FakeTarget("t")
+    scheduler = scheduler_of(replica_set("target", target), k=0, prefill_chunk=3)
+    request = make_request((1, 2, 3, 4, 5))
+    scheduler.submit(request)
+    scheduler.admit()
+    assert request.target_len == 3 and scheduler.prefilling == [request]
+    verify = target.verify
+
+    def lost(*args, **kwargs):
+        target.verify = verify
+        raise Restarted()
+
+    target.verify = lost
+    scheduler.admit()
+    assert request.target_len == 0 and scheduler.prefilling == [request]
+    target.calls.clear()
+    scheduler.admit()
+    scheduler.admit()
+    assert [[(c.keep_len, c.tokens) for c in calls] for calls in target.calls] == [[(0, [1, 2, 3])], [(3, [4, 5])]]
+    assert scheduler.running == [request] and request.history == [1, 2, 3, 4, 5, 6]
 
 
 def test_totals_add_up_step_records():

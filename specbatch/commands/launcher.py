@@ -137,6 +137,9 @@ class StackOptions:
     # request's own history has no match. Off unless asked: a benchmark that sends the same prompts
     # again (each mode in turn, round after round) would draft from its own earlier answers.
     shared_lookup: int = 0
+    # The coordinator's --prefill-chunk: the most prompt tokens prefilled between two decode steps
+    # (0: each admitted prompt whole, at once).
+    prefill_chunk: int = 0
 
 
 # The embedded models' profiles, one per form the services run on a CPU (``services_cpu_form``):
@@ -382,6 +385,10 @@ def add_stack_flags(parser) -> None:
                         help="the coordinator's --shared-lookup: keep the last TOKENS tokens of finished requests' "
                              "texts and draft from them where a request's own history has no match (default 0: "
                              "off; see docs/operations.md before turning it on)")
+    parser.add_argument("--prefill-chunk", type=int, default=StackOptions.prefill_chunk, metavar="TOKENS",
+                        help="the coordinator's --prefill-chunk: the most prompt tokens prefilled between two "
+                             "decode steps, a prompt split where it runs past them (default "
+                             f"{StackOptions.prefill_chunk}: each admitted prompt whole)")
     parser.add_argument("--threads-per-service", type=int, metavar="N",
                         help="intra-op threads of the target and of the draft service (default: half the cores "
                              "this process may use, at least 1; 0: torch's own default)")
@@ -417,7 +424,7 @@ def stack_options(args) -> StackOptions:
         bf16_weights=args.bf16_weights, bf16_dot=args.bf16_dot, fp16_dot=args.fp16_dot, kv_bf16=args.kv_bf16,
         target_q4_1=args.q4_1, leaves=args.leaves,
         unsure_below=args.unsure_below, draft_ahead=args.draft_ahead, prompt_lookup=args.prompt_lookup,
-        shared_lookup=args.shared_lookup,
+        shared_lookup=args.shared_lookup, prefill_chunk=args.prefill_chunk,
     )
 
 
@@ -528,7 +535,8 @@ class LocalProcesses:
     def target_address(self) -> str:
         return f"{self.options.host}:{self.options.ports['target']}"
 
-    def _spawn_coordinator(self, name: str, policy: str, port: int, profile: str | None) -> None:
+    def _spawn_coordinator(self, name: str, policy: str, port: int, profile: str | None,
+                           extra_flags: tuple[str, ...] = ()) -> None:
         o = self.options
         flags = ["--target", self.target_address, "--draft", self.draft_address or "none", "--k-policy", policy,
                  "--max-batch-size", str(o.max_batch_size), "--port", str(port), "--host", o.host]
@@ -544,6 +552,8 @@ class LocalProcesses:
             flags += ["--prompt-lookup", str(o.prompt_lookup)]
         if o.shared_lookup:
             flags += ["--shared-lookup", str(o.shared_lookup)]
+        if o.prefill_chunk:
+            flags += ["--prefill-chunk", str(o.prefill_chunk)]
         if o.random_weights:
             from ..models import EMBEDDED
             from ..random_weights import tokenizer_source
@@ -553,12 +563,15 @@ class LocalProcesses:
             flags += ["--tokenizer", o.target_model]
         if o.target_gguf_file and not o.random_weights:
             flags += ["--gguf-file", o.target_gguf_file]
-        self._spawn(name, "coordinator", flags + list(o.coordinator_flags))
+        self._spawn(name, "coordinator", flags + list(o.coordinator_flags) + list(extra_flags))
 
-    def add_coordinator(self, policy: str, port: int, profile: str | None = None, timeout: float = 600.0) -> str:
+    def add_coordinator(self, policy: str, port: int, profile: str | None = None, timeout: float = 600.0,
+                        extra_flags: tuple[str, ...] = ()) -> str:
         """One more coordinator over the same target and draft (the benchmark runs one per k
-        policy); stopped with the rest. Returns its address."""
-        self._spawn_coordinator(f"coordinator ({policy})", policy, port, profile)
+        policy; ``extra_flags``, after the stack's, set it apart otherwise); stopped with the rest.
+        Returns its address."""
+        self._spawn_coordinator(f"coordinator ({policy} {' '.join(extra_flags)})".replace(" )", ")"), policy, port,
+                                profile, extra_flags)
         address = f"{self.options.host}:{port}"
         self._wait_until_serving([address], timeout)
         return address
