@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.app import build_coordinator
 from specbatch.commands import cli
-from specbatch.commands.bench import percentiles
+from specbatch.commands.bench import coordinator_policies, percentiles
 from specbatch.traffic import (DEFAULT_TRACE, Record, Trace, poisson_arrivals, prompt_order, run_closed_loop,
                                run_open_loop)
 from test_profile import gpu_like, synthetic_profile
@@ -186,6 +186,15 @@ def test_bench_compares_every_mode_under_every_traffic(stack, tokenizer, tmp_pat
 def test_bench_needs_a_profile_for_the_policies(capsys):
     assert cli.main(["bench", "--policies", "goodput"]) == 2
     assert "need --profile" in capsys.readouterr().out
+
+
+def test_two_profiles_can_be_served_side_by_side(capsys):
+    """goodput@new is policy goodput, a mode of its own, on the profile given for it; a profile for
+    a policy that is not compared is refused."""
+    assert coordinator_policies(["profile", "goodput", "goodput@new"], ["goodput@new=new.json"], "old.json") == {
+        "profile": ("profile", "old.json"), "goodput": ("goodput", "old.json"), "goodput@new": ("goodput", "new.json")}
+    assert cli.main(["bench", "--policies", "goodput", "--profile", "p.json", "--policy-profile", "profile=x.json"]) == 2
+    assert "--policy-profile takes POLICY=PATH for a policy in --policies" in capsys.readouterr().out
 
 
 def test_bench_refuses_a_shared_lookup_index(capsys):

@@ -342,7 +342,12 @@ def add_bench_flags(parser) -> None:
     parser.add_argument("--k", type=int, default=3, help="fixed k compared with k=0 (when --fixed-k is not given)")
     parser.add_argument("--fixed-k", help="comma-separated fixed k values to compare, e.g. 1,2,3,4,5,6")
     parser.add_argument("--policies", default="", help="coordinator policies to compare: profile,goodput "
-                        "(need --profile when the bench starts the stack)")
+                        "(need --profile when the bench starts the stack); NAME@LABEL runs policy NAME as a mode "
+                        "of its own, e.g. with --policy-profile")
+    parser.add_argument("--policy-profile", action="append", default=[], metavar="POLICY=PATH",
+                        help="this policy's coordinator reads PATH instead of --profile (repeatable; e.g. "
+                             "--policies goodput,goodput@new --policy-profile goodput@new=new.json compares two "
+                             "profiles served, side by side)")
     parser.add_argument("--traffic", default="uniform", help="comma-separated: uniform, trace, poisson")
     parser.add_argument("--concurrency", default="1,8", help="uniform traffic: comma-separated concurrency levels")
     parser.add_argument("--requests", type=int, default=8, help="uniform traffic: requests per level and mode "
@@ -367,6 +372,13 @@ def add_bench_flags(parser) -> None:
 
 
 
+def coordinator_policies(policies: list[str], policy_profiles: list[str], profile: str | None) -> dict:
+    """Per mode of ``--policies``: the policy its coordinator runs (NAME of NAME@LABEL) and the
+    profile it reads (its ``--policy-profile POLICY=PATH``, else ``--profile``)."""
+    profiles = dict(entry.split("=", 1) for entry in policy_profiles)
+    return {p: (p.partition("@")[0], profiles.get(p, profile)) for p in policies}
+
+
 def run_bench(args) -> int:
     fixed = [int(k) for k in args.fixed_k.split(",")] if args.fixed_k else [args.k]
     policies = [p for p in args.policies.split(",") if p]
@@ -387,6 +399,10 @@ def run_bench(args) -> int:
     if args.address and set(policies) - set(given):
         print(f"with --address, give each policy's coordinator with --policy-address POLICY=ADDRESS "
               f"(missing: {sorted(set(policies) - set(given))})")
+        return 2
+    unknown_profiles = {entry.split("=", 1)[0] for entry in args.policy_profile} - set(policies)
+    if unknown_profiles or any("=" not in entry for entry in args.policy_profile):
+        print(f"--policy-profile takes POLICY=PATH for a policy in --policies (got {args.policy_profile})")
         return 2
     if not args.address and policies and not args.profile:
         print("the profile and goodput policies need --profile PATH (made by `specbatch profile`)")
@@ -411,7 +427,8 @@ def run_bench(args) -> int:
     context = nullcontext() if args.address else LocalProcesses(stack_options(args))
     with context as processes:
         main_stub = connect(args.address or processes.address)
-        addresses = {p: given.get(p) or processes.add_coordinator(p, free_port(), args.profile) for p in policies}
+        addresses = {p: given.get(p) or processes.add_coordinator(policy, free_port(), profile)
+                     for p, (policy, profile) in coordinator_policies(policies, args.policy_profile, args.profile).items()}
         modes = [Mode("k=0 (target only)", main_stub, 0)] + [Mode(f"k={k}", main_stub, k) for k in fixed if k]
         fixed_names = [m.name for m in modes]
         if args.control:
