@@ -153,6 +153,8 @@ class Scheduler:
                 if self.running:
                     if not self.step():  # no healthy target replica: the batch waits for one
                         self.stopping.wait(0.05)
+                elif (self.prefilling or self.waiting) and not self.placement.target_replicas.healthy():
+                    self.stopping.wait(0.05)  # nowhere to prefill: admitted and queued requests wait for one
                 elif not self.prefilling:
                     with self.wakeup:
                         if not self.waiting and not self.stopping.is_set():

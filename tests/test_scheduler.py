@@ -276,6 +276,37 @@ def test_no_healthy_target_means_no_step(scheduler_of):
     assert scheduler.step() is None
 
 
+@pytest.mark.parametrize("chunk", [0, 2])
+def test_the_loop_waits_for_a_target_while_requests_wait_or_are_half_prefilled(scheduler_of, chunk):
+    """With every target replica down, a queued request (or one half prefilled) cannot move: the
+    loop backs off between rounds instead of spinning on a core."""
+    target = FakeTarget("t")
+    targets = replica_set("target", target)
+    scheduler = scheduler_of(targets, None, prefill_chunk=chunk)
+    if chunk:
+        scheduler.submit(make_request((1, 2, 3, 4)))
+        scheduler.admit()
+        assert len(scheduler.prefilling) == 1  # half its prompt on the target
+    scheduler.submit(make_request())
+    targets.all()[0].healthy = False
+    rounds, waits = [], []
+    admit = scheduler.admit
+
+    def counted_admit():
+        rounds.append(1)
+        if len(rounds) > 100:  # spinning: stop the loop rather than hang the test
+            scheduler.stopping.set()
+        admit()
+
+    def wait(timeout=None):
+        waits.append(timeout)
+        scheduler.stopping.set()
+
+    scheduler.admit, scheduler.stopping.wait = counted_admit, wait
+    scheduler._loop()
+    assert (len(rounds), waits) == (1, [0.05])
+
+
 def test_retire_releases_finished_requests_on_both_services(scheduler_of):
     target, draft = FakeTarget("t"), FakeDraft("d")
     scheduler = scheduler_of(replica_set("target", target), replica_set("draft", draft), k=2)
