@@ -21,9 +21,9 @@ import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
-from specbatch.client import connect, generate, make_request
+from specbatch.client import connect
 from specbatch.commands import bench_pairs
-from specbatch.commands.bench import Load, Mode, run_one, summarize
+from specbatch.commands.bench import Load, Mode, run_rounds, summarize
 from specbatch.commands.launcher import LocalProcesses, StackOptions, default_k_policy, free_port
 from specbatch.prompts import sharegpt_prompts
 
@@ -47,7 +47,7 @@ def main() -> int:
     options = StackOptions()
     profile = default_k_policy(options)[1]  # the shipped profile of the form the services run here
     run_args = SimpleNamespace(requests=args.requests, seed=args.seed, max_new_tokens=args.max_new_tokens,
-                               request_timeout=600.0)
+                               request_timeout=600.0, rounds=args.rounds)
     rows, comparisons = [], []
     with LocalProcesses(options) as processes:
         modes = []
@@ -58,11 +58,7 @@ def main() -> int:
                 modes.append(Mode(f"{policy}, chunk {chunk or 'off'}", connect(address), None))
         for c in (int(c) for c in args.concurrency.split(",")):
             load = Load("uniform", c, f"uniform c={c}")
-            runs = {mode.name: [] for mode in modes}
-            for round_ in range(args.rounds):
-                for mode in modes[round_ % len(modes):] + modes[: round_ % len(modes)]:
-                    generate(mode.stub, make_request("warm up", 4, chat=True))
-                    runs[mode.name].append(run_one(load, mode, prompts, run_args, round_))
+            runs = run_rounds(load, modes, prompts, run_args)
             for mode in modes:
                 row = {"load": load.label, "mode": mode.name, **summarize(runs[mode.name])}
                 rows.append(row)

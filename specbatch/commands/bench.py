@@ -209,6 +209,20 @@ def run_one(load: Load, mode: Mode, prompts: list[str], args, round_: int = 0) -
     return Run(records, before, after, sampler.timeline())
 
 
+def run_rounds(load: Load, modes: list[Mode], prompts: list[str], args) -> dict[str, list[Run]]:
+    """Each mode's ``args.rounds`` runs at one level, the modes taking turns (the order rotated
+    each round), so they share any drift in the machine's speed."""
+    runs: dict[str, list[Run]] = {mode.name: [] for mode in modes}
+    for round_ in range(args.rounds):
+        for mode in modes[round_ % len(modes):] + modes[: round_ % len(modes)]:
+            # Its coordinator's path warmed just before (untimed): a policy's coordinator sits idle
+            # while the others run, and started cold it read identical decisions 3.4 % slower
+            # (profile.md 6j).
+            generate(mode.stub, make_request("warm up", 4, chat=True, k=mode.k))
+            runs[mode.name].append(run_one(load, mode, prompts, args, round_))
+    return runs
+
+
 def row(load: Load, mode: Mode, runs: list[Run]) -> dict:
     """The results table's row (the timeline plotted is the first round's)."""
     return {"traffic": load.kind, "load": load.label, "value": load.value, "mode": mode.name,
@@ -439,14 +453,7 @@ def run_bench(args) -> int:
               f"{args.max_new_tokens} new tokens per request, greedy, {args.prompts} prompts\n", flush=True)
         rows, comparisons = [], []
         for load in loads:
-            runs: dict[str, list[Run]] = {mode.name: [] for mode in modes}
-            for round_ in range(args.rounds):  # modes take turns, the order rotated each round
-                for mode in modes[round_ % len(modes):] + modes[: round_ % len(modes)]:
-                    # Its coordinator's path warmed just before (untimed): a policy's coordinator
-                    # sits idle while the others run, and started cold it read identical decisions
-                    # 3.4 % slower (profile.md 6j).
-                    generate(mode.stub, make_request("warm up", 4, chat=True, k=mode.k))
-                    runs[mode.name].append(run_one(load, mode, prompts, args, round_))
+            runs = run_rounds(load, modes, prompts, args)
             for mode in modes:
                 rows.append(result := row(load, mode, runs[mode.name]))
                 print(f"  {load.label:<22} {mode.name:<18} {result['tokens_per_s']:7.1f} tok/s  mean latency "

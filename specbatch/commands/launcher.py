@@ -570,8 +570,7 @@ class LocalProcesses:
         """One more coordinator over the same target and draft (the benchmark runs one per k
         policy; ``extra_flags``, after the stack's, set it apart otherwise); stopped with the rest.
         Returns its address."""
-        self._spawn_coordinator(f"coordinator ({policy} {' '.join(extra_flags)})".replace(" )", ")"), policy, port,
-                                profile, extra_flags)
+        self._spawn_coordinator(f"coordinator ({' '.join((policy, *extra_flags))})", policy, port, profile, extra_flags)
         address = f"{self.options.host}:{port}"
         self._wait_until_serving([address], timeout)
         return address
