@@ -4,7 +4,8 @@ workplace's lent GPUs: PyTorch and most of the stack are there, PyPI is not), in
 that travels with the checkout (well under 64 MiB):
 
   whl/    wheels of the packages whose versions the code depends on (the generated gRPC code
-          needs grpcio >= 1.85.1 and protobuf >= 6.31; transformers as here);
+          needs grpcio >= 1.85.1 and protobuf >= 6.31; transformers as here; gguf, which
+          transformers needs to read the embedded GGUF and the GPU image lacks);
   cache/  a SPECBATCH_CACHE holding the embedded model's config and tokenizer, without its
           weights: random-weight shapes take their prompts' tokenizer from it, so the 98 MB
           GGUF need not travel;
@@ -40,7 +41,8 @@ from pathlib import Path
 
 WHEELS = ["grpcio==1.85.3", "grpcio-health-checking==1.85.1", "grpcio-reflection==1.85.1", "protobuf==7.36.2",
           "python-json-logger==4.2.0", "tenacity==9.2.1", "transformers==5.24.0", "tokenizers==0.23.3",
-          "regex==2026.11.19"]
+          "regex==2026.11.19",
+          "gguf==0.19.0"]  # transformers reads the embedded GGUF with it; the GPU image lacks it
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 TOKENIZER_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                    "chat_template.jinja"]

@@ -15,7 +15,8 @@ from specbatch.commands import cli
 from specbatch.client import connect, generate, make_request
 from specbatch.reflection import register_v1_descriptor
 from specbatch.v1 import generation_pb2 as gpb
-from specbatch.commands.launcher import WIDE_SPINCOUNT, LocalProcesses, StackOptions, free_port, threads_per_service
+from specbatch.commands.launcher import (WIDE_SPINCOUNT, LocalProcesses, StackOptions, default_k_policy, free_port,
+                                        threads_per_service)
 from tiny import greedy_reference
 
 
@@ -280,6 +281,22 @@ def test_embedded_services_read_bf16_weights_in_float32_where_the_panel_kernel_b
         flags = [flag for flag in spawned[module] if flag in ("--dtype", "float32", "bf16", "--bf16-weights",
                                                                 "--bf16-dot", "--fp16-dot", "--int8-weights")]
         assert flags == expected, (module, spawned[module])
+
+
+@pytest.mark.parametrize("device, cpu_forms", [(None, False), ("cuda", False), ("cpu", True)])
+def test_embedded_services_on_a_gpu_host_get_no_cpu_forms(monkeypatch, device, cpu_forms):
+    """With no --device the services take the GPU where there is one; the launcher must then give
+    them none of the CPU forms (int8, bf16 dot products, bf16 keys and values), which refuse CUDA,
+    nor the CPU's profile: a stack with no flags on a GPU host used to die at start-up."""
+    import specbatch.models
+
+    monkeypatch.setattr(specbatch.models, "default_device", lambda: "cuda")
+    spawned = _spawned_on_a_cpu_with(monkeypatch, True, {} if device is None else {"device": device})
+    for module in ("target_service", "draft_service"):
+        forms = [flag for flag in spawned[module] if flag in ("--bf16-dot", "--int8-weights", "--kv-bf16", "float32")]
+        assert bool(forms) is cpu_forms, (module, spawned[module])
+    policy, _ = default_k_policy(StackOptions(**({} if device is None else {"device": device})))
+    assert (policy == "fixed:3") is not cpu_forms
 
 
 @pytest.mark.parametrize("dot, options, kv_bf16", [

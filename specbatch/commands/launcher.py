@@ -271,9 +271,17 @@ def services_cpu_form(options: StackOptions) -> str:
 
 
 def embedded_on_cpu(options: StackOptions) -> bool:
-    """Whether the stack serves the embedded target with the embedded draft on a CPU."""
-    return not (options.target_model or options.draft_model or options.draft_layers or options.no_draft
-                or options.random_weights) and options.device in (None, "cpu")
+    """Whether the stack serves the embedded target with the embedded draft on a CPU. With no
+    --device the services take a GPU where there is one (``models.default_device``), and so does
+    this: the CPU forms (int8, bf16 dot products, bf16 keys and values) refuse CUDA, and a
+    ``specbatch up`` on a GPU host failed at start-up for them."""
+    if options.target_model or options.draft_model or options.draft_layers or options.no_draft or options.random_weights:
+        return False
+    if options.device is None:
+        from ..models import default_device
+
+        return default_device() == "cpu"
+    return options.device == "cpu"
 
 
 def draft_int8_weights(options: StackOptions) -> bool:
