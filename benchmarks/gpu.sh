@@ -21,6 +21,8 @@
 # Unless the embedded GGUF's parts came in earlier calls (gpu_bundle.py --gguf-parts; docs/gpu.md),
 # the embedded pair's shapes are timed with random weights and profiled with the acceptance the
 # shipped CPU profile measured for the real pair (ACCEPTANCE_SMOLLM2); with them, the real pair runs.
+# SMOLLM2_PROFILE: the embedded pair's profile the bench serves (default: the one the profile step writes),
+# e.g. one measured in an earlier lease, with STEPS=batch1,bench.
 # LEASE=1: smaller grids, each step under its own time limit, the most wanted numbers first
 # (with the real pair from a bundle, only the steps that need its weights); everything lands
 # under $OUT and in one archive, $OUT/gpu-results.tgz. STEPS=name,… picks steps by name.
@@ -59,6 +61,8 @@ if [[ $DEVICE == cuda* ]]; then
         PROFILE_GRID=(--batch-sizes 1,2,4,8,16,32,64 --max-k 6 --steps 8 --rounds 2)
         SMOLLM2_PROFILE_GRID=(--batch-sizes 1,2,4,8,16,32,64 --max-k 6 --steps 8 --rounds 2)
         PROFILE_OUT=$OUT/gpu-opt-6.7b.json
+        # Five modes at three levels, two rounds, ran past 150 s on the H200 (2026-11-26): one round, k = 3 only.
+        BENCH=(--fixed-k 3 --policies profile --concurrency 1,8,32 --requests 16 --rounds 1 --max-new-tokens 64)
     fi
 else
     # A 6.7B shape does not fit a small CPU box: the draft's shape stands in for the target. Equal
@@ -222,7 +226,7 @@ if [[ $REAL == 1 ]]; then  # real weights only: random ones accept nothing
     if want bench; then
         echo "== specbatch bench: k = 0 against fixed k and the profile, concurrency 1 to 32 =="
         step 150 "${SPECBATCH[@]}" bench --device "$DEVICE" --dtype "$DTYPE" "${BENCH[@]}" \
-            --profile "$OUT/profile-smollm2-135m.json" --out "$OUT/bench" | tee "$OUT/bench.txt"
+            --profile "${SMOLLM2_PROFILE:-$OUT/profile-smollm2-135m.json}" --out "$OUT/bench" | tee "$OUT/bench.txt"
     fi
 fi
 

@@ -136,6 +136,7 @@ class CapturedForward:
             raise ValueError(f"CUDA graphs need a CUDA device; the pool is on {pool.device} (use mode 'static')")
         self.feature_size, self.max_width = feature_size, max_width
         self.replayed = self.eager = 0
+        self.eager_reasons: dict[str, int] = {}  # why calls ran eagerly: reason -> calls
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.report: dict = {}
         self._layout()
@@ -234,19 +235,42 @@ class CapturedForward:
 
     # ---- calls -----------------------------------------------------------------------------------
 
-    def _bucket(self, batch: int, width: int, end: int, kv: torch.Tensor):
+    def _bucket(self, batch: int, width: int, end: int, kv: torch.Tensor, count: bool = True):
         """The bucket of a call of ``batch`` rows × ``width`` tokens attending ``end`` columns over
-        ``kv``, or None where it must run eagerly."""
+        ``kv``, or None where it must run eagerly (``count``: counted by reason in ``eager_reasons``)."""
         pool = self.pool.kv
         if pool.data_ptr() != self.pool_address:  # the pool moved: every graph points at the old one
             self._layout()
+        bucket = self.buckets.bucket_for(batch, width, end)
+        if not self._within_pool(bucket):
+            past = [name for name, need, sizes in (("rows", batch, self.buckets.batch), ("tokens", width, self.buckets.width),
+                                                   ("columns", end, self.buckets.context)) if need > sizes[-1]]
+            return self._declined(f"{' and '.join(past) or 'size'} past every bucket", count)
         # The pool view from slot 0: the same storage, strides and columns as the pool.
         if kv.data_ptr() != pool.data_ptr() or kv.stride() != pool.stride() or kv.shape[4] != pool.shape[4]:
-            return None
-        bucket = self.buckets.bucket_for(batch, width, end)
-        if bucket is None or bucket[0] > self.pool.slots or bucket[2] > self.pool.context:
-            return None
+            return self._declined("rows not the pool's slots from 0", count)
         return bucket
+
+    def _within_pool(self, bucket) -> bool:
+        return bucket is not None and bucket[0] <= self.pool.slots and bucket[2] <= self.pool.context
+
+    def fits(self, batch: int, width: int, end: int) -> bool:
+        """Whether a call of ``batch`` rows from slot 0, ``width`` tokens each, attending ``end``
+        columns, fits a bucket (``RaggedBatch`` spreads a call over the slots from 0 where it does)."""
+        return self._within_pool(self.buckets.bucket_for(batch, width, end))
+
+    def _declined(self, reason: str, count: bool) -> None:
+        """An eager call, counted by why: a silent fallback costs a GPU step several times its
+        captured time (a step decoding 8 rows: ~20 ms eager against ~5 replayed), so the first
+        of each kind is logged and the services export the counts."""
+        if not count:
+            return None
+        self.eager += 1
+        if reason not in self.eager_reasons:
+            log.warning("a call runs eagerly (not captured): %s; further ones are counted in "
+                        "specbatch_captured_calls{path=\"eager\"}", reason)
+        self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
+        return None
 
     def _run(self, bucket: tuple[int, int, int]) -> None:
         """The bucket's forward over the static buffers as they are: replayed, or eager ("static")."""
@@ -274,7 +298,6 @@ class CapturedForward:
         if features is not None:
             features = to_device(features, device)
         if bucket is None:
-            self.eager += 1
             return self.forward(input_ids, positions, write_columns, kv, mask, logits_to_keep, features)
         self.replayed += 1
         rows, width, end = bucket
@@ -327,7 +350,8 @@ class CapturedForward:
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, end: int, kv: torch.Tensor,
-               features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+               features: torch.Tensor | None = None,
+               rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One real token per row: a draft's decode step, with a few device copies where
         ``__call__`` builds a 4D mask on the host, copies it over and refills five buffers (on a
         GPU that host work, not the graph, bounded a drafted token: ``benchmarks/step_split.py``).
@@ -338,32 +362,44 @@ class CapturedForward:
         None. Returns the logits ``[batch, vocab]`` and the final hidden states ``[batch, hidden]``
         that ``__call__`` gives for the same call (the same bucket and graph, the same values in
         every buffer a real row reads), or None where the call fits no bucket (the caller then
-        takes ``__call__``, which runs it eagerly)."""
+        takes ``__call__``, which runs it eagerly). ``rows``: the tokens' rows of ``kv`` (on the
+        device) where the call is spread over the slots from 0 (``RaggedBatch``), the others
+        padding; None: rows 0 … batch - 1."""
         batch = tokens.shape[0]
-        bucket = self._bucket(batch, 1, end, kv)
+        span = batch if rows is None else kv.shape[2]
+        bucket = self._bucket(span, 1, end, kv, count=False)  # __call__ takes (and counts) the call then
         if bucket is None:
             return None
         self.replayed += 1
-        rows = bucket[0]
-        static_ids, static_positions, static_valid, static_features = self._views(rows, 1)
-        static_columns, static_sees = self._tree_views(rows, 1)
+        static_ids, static_positions, static_valid, static_features = self._views(bucket[0], 1)
+        static_columns, static_sees = self._tree_views(bucket[0], 1)
         # Padding rows as __call__ leaves them: token 0 at position 0, not real (so they write the
         # scratch column and see column 0 only); a single real token sees itself.
-        static_ids[batch:].zero_()
-        static_positions[batch:].zero_()
-        static_valid[:batch] = True
-        static_valid[batch:] = False
-        static_ids[:batch, 0] = tokens
-        static_positions[:batch, 0] = positions
+        real = slice(0, batch) if rows is None else rows
+        if rows is None:
+            static_ids[batch:].zero_()
+            static_positions[batch:].zero_()
+            static_valid[:batch] = True
+            static_valid[batch:] = False
+        else:
+            static_ids.zero_()
+            static_positions.zero_()
+            static_valid.zero_()
+            static_valid[rows] = True
+        static_ids[real, 0] = tokens
+        static_positions[real, 0] = positions
         static_columns.copy_(static_positions)
         static_sees.copy_(static_valid[:, :, None])
         if static_features is not None:
-            static_features[batch:].zero_()
-            static_features[:batch, 0] = features
+            if rows is None:
+                static_features[batch:].zero_()
+            else:
+                static_features.zero_()
+            static_features[real, 0] = features
         self._run(bucket)
-        logits = self.logits[: rows * self.vocab].view(rows, self.vocab)
-        hidden = self.hidden[: rows * self.hidden_size].view(rows, self.hidden_size)
-        return logits[:batch].clone(), hidden[:batch].clone()
+        logits = self.logits[: bucket[0] * self.vocab].view(bucket[0], self.vocab)
+        hidden = self.hidden[: bucket[0] * self.hidden_size].view(bucket[0], self.hidden_size)
+        return logits[real].clone(), hidden[real].clone()
 
     def _capture_lazily(self, bucket):
         # Capturing replaces the static inputs with padding: keep the call's and put them back.

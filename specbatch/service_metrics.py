@@ -40,6 +40,13 @@ class ServiceMetrics:
         Gauge("specbatch_batch_occupancy", "Sequences cached / --max-sequences, 0..1 (the target and draft HPAs' "
               "metric).", registry=r).set_function(lambda: len(engine.sequences) / max(1, engine.max_sequences))
 
+        captured = getattr(engine, "forward", None)
+        if hasattr(captured, "eager_reasons"):  # captured steps (specbatch.captured): what fell back, and why
+            calls = Gauge("specbatch_captured_calls", "Forward calls of the captured steps, by path: replayed (a "
+                          "bucket's graph), or eager (fits no bucket; the reason is logged the first time).",
+                          ["path"], registry=r)
+            calls.labels(path="replayed").set_function(lambda: captured.replayed)
+            calls.labels(path="eager").set_function(lambda: captured.eager)
         self.batch_size = Histogram("specbatch_service_batch_size", "Sequences in one Prefill, Propose or Verify call.",
                                     ["method"], buckets=BATCH_BUCKETS, registry=r)
         self.compute_seconds = Histogram("specbatch_service_compute_seconds",

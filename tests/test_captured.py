@@ -58,12 +58,19 @@ def test_calls_outside_the_static_path_run_eagerly_and_are_counted(target_model)
     assert counts(engine) == (1, 1)
     step([0, 1])  # a prefix of the live slots: replayed (row 2 of the bucket is padding)
     assert counts(engine) == (2, 1)
-    step([1, 2])  # contiguous, but not from slot 0: eager
-    assert counts(engine) == (2, 2)
-    step([2, 0])  # not contiguous (a gathered copy): eager
-    assert counts(engine) == (2, 3)
+    step([1, 2])  # contiguous, not from slot 0: spread over slots 0-2 (row 0 padding), replayed
+    assert counts(engine) == (3, 1)
+    step([2, 0])  # not contiguous: spread likewise (row 1 padding)
+    assert counts(engine) == (4, 1)
     engine.prefill([SequenceInput(ids[0], engine.length(ids[0]), list(range(5, 23)))])  # 18 tokens
-    assert counts(engine) == (2, 4)
+    assert counts(engine) == (4, 2)
+    step([2])  # the last slot alone: spread, replayed
+    assert counts(engine) == (5, 2)
+    # The last slot alone, 18 tokens: wider than every bucket, so not spread (padding rows would
+    # cost a wide call their tokens) but gathered, and eager.
+    verify(engine, [VerifyItem(SequenceInput(ids[2], engine.length(ids[2]), list(range(5, 23))), [])])
+    assert counts(engine) == (5, 3)
+    assert engine.forward.eager_reasons == {"tokens past every bucket": 3}
 
 
 def test_captured_modes_need_cuda_and_auto_is_off_on_cpu(target_model):
@@ -103,8 +110,8 @@ def test_static_logits_and_hidden_states_match_eager(target_model):
 def test_decode_fast_path_gives_what_the_full_call_gives(target_model):
     """``CapturedForward.decode`` (one token a row, a few device copies) against ``__call__`` on the
     same inputs: the same logits and hidden states bit for bit, with padding rows (3 rows in a
-    bucket of 4), across a context bucket (63 -> 64 -> 65 columns), and None for a batch that
-    does not start at slot 0 (its caller then takes ``__call__``, which runs it eagerly)."""
+    bucket of 4), across a context bucket (63 -> 64 -> 65 columns), and for a call spread over
+    the slots from 0."""
     engines = [Engine(target_model, max_sequences=4, max_context=100, captured_steps="static") for _ in range(2)]
     ps = prompts([60, 61, 62], 4)
     for engine in engines:
@@ -128,8 +135,18 @@ def test_decode_fast_path_gives_what_the_full_call_gives(target_model):
         assert torch.equal(calls[0][0], calls[1][0]) and torch.equal(calls[0][1], calls[1][1])
         tokens = calls[0][0].argmax(-1)
     assert fast.forward.replayed == full.forward.replayed == 4  # the decodes; the wide prefill ran eagerly
-    batch = fast.start([SequenceInput(f"s{i}", fast.length(f"s{i}"), [5]) for i in (1, 2)])  # slots 1 and 2
-    assert fast.forward.decode(torch.tensor([5, 5]), torch.tensor([70, 70]), 71, batch.kv) is None
+    # A call over slots 1 and 2 alone is spread over slots 0-2 (row 0 padding): the fast path, told
+    # the rows, gives what __call__ gives on the spread inputs.
+    full.forward.decode = None  # RaggedBatch.decode then takes __call__
+    outputs = []
+    for engine in engines:
+        batch = engine.start([SequenceInput(f"s{i}", engine.length(f"s{i}"), [5]) for i in (1, 2)])
+        assert batch.kv_rows == [1, 2] and batch.kv.shape[2] == 3
+        batch.prefill(1)
+        outputs.append((batch.decode(torch.tensor([6, 7])), batch.last_hidden()))
+        batch.commit([2, 2])
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    assert fast.forward.eager == full.forward.eager == 1
 
 
 def test_static_inputs_from_the_host_and_from_the_device_are_the_same(target_model):
@@ -232,7 +249,10 @@ def test_speculative_decoding_through_the_static_path_equals_eager(target_model,
     assert static == eager
     target, draft = engines[1]
     assert target.forward.replayed > 10 and draft.forward.replayed > 20
-    assert target.forward.eager > 0  # the gathered (scattered) batches
+    # Scattered batches (every other sequence, slots moved down) are spread over the slots from 0
+    # and replayed: only the calls wider than every bucket (the longer prompts) ran eagerly.
+    for engine in (target, draft):
+        assert engine.forward.eager > 0 and set(engine.forward.eager_reasons) == {"tokens past every bucket"}
     # Speculative decoding is exact: the target's own greedy decoding, for the ones not cut short.
     for sid in ("s0", "s3"):
         i = int(sid[1:])

@@ -633,7 +633,7 @@ def test_call_over_non_adjacent_slots_gathers_and_writes_back(target_model):
     middle = snapshot(engine)["b"]
     batch = engine.start([SequenceInput("c", len(prompts[2]) - 1, [prompts[2][-1]]),
                           SequenceInput("a", len(prompts[0]) - 1, [prompts[0][-1]])])
-    assert not batch.contiguous
+    assert batch.gathered
     verdicts = verify(engine, [VerifyItem(SequenceInput("c", len(prompts[2]) - 1, [prompts[2][-1]]), refs[2][:4]),
                                VerifyItem(SequenceInput("a", len(prompts[0]) - 1, [prompts[0][-1]]), refs[0][:2])])
     assert [(v.accepted, v.next_token) for v in verdicts] == [(4, refs[2][4]), (2, refs[0][2])]
@@ -657,7 +657,7 @@ def test_release_keeps_slots_dense_and_moves_data_intact(target_model):
         assert torch.equal(engine.sequences[name].kv[:, :, :, :length], kv)
     # Both survivors are one contiguous view again, and decode exactly.
     items = [VerifyItem(SequenceInput(f"s{i}", len(prompts[i]) - 1, [prompts[i][-1]]), refs[i][:3]) for i in (3, 1)]
-    assert engine.start([item.seq for item in items]).contiguous
+    assert not engine.start([item.seq for item in items]).gathered
     verdicts = verify(engine, items)
     assert [(v.accepted, v.next_token) for v in verdicts] == [(3, refs[3][3]), (3, refs[1][3])]
 

@@ -292,3 +292,20 @@ def test_text_log_lines_show_request_fields():
     assert slow.endswith("WARNING specbatch.test: slow step [request_id=r-2 seq_id=r-2/0]")
     with pytest.raises(ValueError):
         configure_logging("INFO", "xml", stream)
+
+
+def test_captured_steps_export_their_replayed_and_eager_calls(target_model):
+    """A GPU step that falls back to eager costs several times its captured time, silently: the
+    services export both counts (and log each reason once)."""
+    from specbatch.engine import SequenceInput
+    from specbatch.service_metrics import ServiceMetrics
+    from target_service.verifier import VerifyItem, verify
+
+    engine = Engine(target_model, max_sequences=4, max_context=64, captured_steps="static")
+    registry = ServiceMetrics("target", engine).registry
+    engine.prefill([SequenceInput("a", 0, list(range(5, 25)))])  # 20 tokens: past every bucket
+    verify(engine, [VerifyItem(SequenceInput("a", 20, [7]), [8, 9])])
+    assert registry.get_sample_value("specbatch_captured_calls", {"path": "eager"}) == 1
+    assert registry.get_sample_value("specbatch_captured_calls", {"path": "replayed"}) == 1
+    assert ServiceMetrics("target", Engine(target_model, max_sequences=2)).registry.get_sample_value(
+        "specbatch_captured_calls", {"path": "eager"}) is None  # no captured steps, no such metric
