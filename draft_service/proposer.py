@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -78,6 +78,8 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
         if problems:
             raise InvalidRequest(f"sequence {item.seq.seq_id!r}: " + "; ".join(problems))
     extra_tokens = [item.k - 1 for item in items]
+    caught_up = engine.catch_up([item.seq for item in items], extra_tokens)  # captured steps: wide rows first
+    items = [item if seq is item.seq else replace(item, seq=seq) for item, seq in zip(items, caught_up)]
     split = engine.by_length([item.seq for item in items], True,  # a new prompt beside others' last tokens
                              lambda group: proposals(engine, [items[i] for i in group], support_size), extra_tokens)
     if split is not None:

@@ -35,6 +35,7 @@ capture, on any device: that is how CI on a CPU exercises the padding, bucketing
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -51,6 +52,20 @@ log = logging.getLogger(__name__)
 # capture; any device); "off": the plain eager forward.
 MODES = ("auto", "on", "lazy", "static", "off")
 SMALLEST_CONTEXT = 64
+
+
+def eager_attention(device: torch.device):
+    """Where a forward runs eagerly on a GPU, its attention off cuDNN: cuDNN builds a plan for
+    every new shape (55-400 ms each, by reports from SGLang and FlashInfer), which captured steps
+    meet only at capture, while eager calls (a prompt of a new length, a context one column
+    longer each step) meet new shapes nearly every time. On the H200 the draft's eager calls made
+    a step at batch 8 cost 40 ms against 5 (2026-11-26). The memory-efficient kernel plans
+    nothing and is 1-13 us slower a call (``benchmarks/sdpa_backends.py``); math where it refuses."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -254,6 +269,11 @@ class CapturedForward:
     def _within_pool(self, bucket) -> bool:
         return bucket is not None and bucket[0] <= self.pool.slots and bucket[2] <= self.pool.context
 
+    @property
+    def widest(self) -> int:
+        """The most tokens a row of a replayed call may feed (``Engine.catch_up``)."""
+        return self.buckets.width[-1]
+
     def fits(self, batch: int, width: int, end: int) -> bool:
         """Whether a call of ``batch`` rows from slot 0, ``width`` tokens each, attending ``end``
         columns, fits a bucket (``RaggedBatch`` spreads a call over the slots from 0 where it does)."""
@@ -298,7 +318,8 @@ class CapturedForward:
         if features is not None:
             features = to_device(features, device)
         if bucket is None:
-            return self.forward(input_ids, positions, write_columns, kv, mask, logits_to_keep, features)
+            with eager_attention(device):
+                return self.forward(input_ids, positions, write_columns, kv, mask, logits_to_keep, features)
         self.replayed += 1
         rows, width, end = bucket
         batch, fed = input_ids.shape

@@ -28,6 +28,7 @@ reads one such feature per fed token as a second input.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -38,7 +39,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from . import llama, native, opt
-from .captured import CapturedForward, resolve_mode, to_device
+from .captured import CapturedForward, eager_attention, resolve_mode, to_device
 from .eagle import reads_target_features
 from .kv_pool import KVPool, SequenceCache, tree_mask, write_columns_and_mask
 from .linear import int8_linears_available
@@ -161,7 +162,9 @@ class RaggedBatch:
         if not getattr(forward, "takes_host_inputs", False):
             input_ids, positions, columns, mask = (to_device(t, device) for t in (input_ids, positions, columns, mask))
             features = None if features is None else to_device(features, device)
-        logits, self.hidden = forward(input_ids, positions, columns, self.kv, mask, logits_to_keep, features)
+        # A captured forward chooses per call; any other runs eagerly (eager_attention says why).
+        with contextlib.nullcontext() if isinstance(forward, CapturedForward) else eager_attention(device):
+            logits, self.hidden = forward(input_ids, positions, columns, self.kv, mask, logits_to_keep, features)
         if self.spread is not None:
             logits, self.hidden = logits[self.spread_on_device], self.hidden[self.spread_on_device]
         return logits
@@ -622,6 +625,28 @@ class Engine:
             self.release([seq_id for seq_id in created if seq_id in self.sequences])  # none half made
             raise
         return results
+
+    def catch_up(self, inputs: list[SequenceInput], extra_tokens: list[int]) -> list[SequenceInput]:
+        """Where steps are captured: a call's rows that are wider than every bucket (a new prompt
+        in a draft's Propose, a draft that fell behind) first prefill all but their last tokens,
+        in a forward of their own, so the call itself stays captured; it returns the call's
+        inputs with those rows cut to what is left (as many tokens as the call's other rows
+        feed). One such row made every forward of a Propose eager: on the H200 a Propose at
+        batch 8 then cost ~30 ms instead of ~3. Elsewhere (and where no row is that wide) the
+        inputs come back as they are. The whole call is validated first, so a call refused
+        changes nothing."""
+        widest = getattr(self.forward, "widest", None)
+        if widest is None or all(len(item.tokens) <= widest for item in inputs):
+            return inputs
+        self.validate(inputs, extra_tokens, create=True)
+        left = max((len(item.tokens) for item in inputs if len(item.tokens) <= widest), default=1)
+        wide = [item for item in inputs if len(item.tokens) > widest]
+        self.prefill([SequenceInput(item.seq_id, item.keep_len, item.tokens[:-left],
+                                    None if item.features is None else item.features[:-left]) for item in wide])
+        return [item if len(item.tokens) <= widest else
+                SequenceInput(item.seq_id, item.keep_len + len(item.tokens) - left, item.tokens[-left:],
+                              None if item.features is None else item.features[-left:])
+                for item in inputs]
 
     def prefill(self, inputs: list[SequenceInput]) -> list[int]:
         """Add or extend sequences: cache all their tokens. Returns each one's cached length.

@@ -195,6 +195,21 @@ def test_a_call_out_of_slot_order_gets_each_sequence_its_own_results(target_mode
     assert results[0] == results[1]
 
 
+def test_a_wide_row_catches_up_apart_and_the_propose_stays_captured(draft_model):
+    """A new prompt in a draft's Propose (or a draft that fell behind) prefills its head in a
+    forward of its own; the Propose's own forwards replay, and propose what the eager engine does."""
+    ps, long = prompts([5, 6, 7], 9), prompts([40], 10)[0]
+    proposed = []
+    for mode in ("off", "static"):
+        draft = Engine(draft_model, max_sequences=8, max_context=128, captured_steps=mode)
+        draft.prefill([SequenceInput(f"s{i}", 0, p) for i, p in enumerate(ps)])
+        proposed.append(propose(draft, [ProposeItem(SequenceInput(f"s{i}", len(p), [9]), 3) for i, p in enumerate(ps)]
+                                + [ProposeItem(SequenceInput("new", 0, long), 3)]))
+    assert proposed[0] == proposed[1]
+    assert draft.length("new") == len(long) + 2  # a plain draft keeps its prompt and its first k - 1 drafts
+    assert counts(draft) == (4, 1)  # the prefill; the Propose's forward and two decodes | the head's 39 tokens
+
+
 def speculate(target: Engine, draft: Engine, ps: list[list[int]], new_tokens: int, seed: int, leaves: int = 0) -> dict:
     """Greedy speculative decoding of every prompt, the way the coordinator steps: each step takes
     a batch of the unfinished sequences (all of them, a prefix of the slots, or a scattered few),
@@ -250,9 +265,10 @@ def test_speculative_decoding_through_the_static_path_equals_eager(target_model,
     target, draft = engines[1]
     assert target.forward.replayed > 10 and draft.forward.replayed > 20
     # Scattered batches (every other sequence, slots moved down) are spread over the slots from 0
-    # and replayed: only the calls wider than every bucket (the longer prompts) ran eagerly.
-    for engine in (target, draft):
-        assert engine.forward.eager > 0 and set(engine.forward.eager_reasons) == {"tokens past every bucket"}
+    # and replayed: only the target's calls wider than every bucket (the longest prompt) ran
+    # eagerly; the draft caught that prompt's head up apart, in a call that fits (Engine.catch_up).
+    assert target.forward.eager > 0 and set(target.forward.eager_reasons) == {"tokens past every bucket"}
+    assert draft.forward.eager == 0
     # Speculative decoding is exact: the target's own greedy decoding, for the ones not cut short.
     for sid in ("s0", "s3"):
         i = int(sid[1:])
