@@ -366,3 +366,31 @@ def test_a_greedy_draft_loop_never_waits_for_the_gpu(draft_model):
         torch.cuda.set_sync_debug_mode("default")
     assert tokens.tolist()
     assert draft.forward.replayed == replayed + 4
+
+
+@pytest.mark.parametrize("eagle", [False, True])
+def test_served_with_captured_steps_only_prompts_run_eagerly(target_model, draft_model, tokenizer, eagle):
+    """Through the coordinator (requests coming and going, prompt lookup leaving some rows to the
+    draft), every decode and verify call of both services takes the static path; only calls with
+    a row wider than every bucket (a prompt, at most once a request and service) run eagerly, and
+    the outputs stay the target's own. On a GPU any other eager call costs a step several times
+    over: on the H200 a Propose over the rows lookup left to the draft ran eagerly every step, and
+    an EAGLE draft's Propose (which takes a new request's prompt with the target's features) ran
+    eagerly whole, decodes included, until the prompt's head was caught up apart."""
+    from specbatch.commands.local import start_local_stack
+    from specbatch.eagle import draft_from_target
+    from test_exactness import prompts_of_lengths, run_staggered_and_check
+
+    options = {"captured_steps": "static", "max_sequences": 8, "max_context": 256}
+    draft = draft_from_target(target_model).eval() if eagle else draft_model
+    stack = start_local_stack(target_model, draft, tokenizer, target_engine_options=options,
+                              draft_engine_options=options, max_batch_size=8, max_new_tokens=64, prompt_lookup=3)
+    try:
+        prompts = prompts_of_lengths([1 + (i * 7) % 41 for i in range(12)], seed=5)
+        run_staggered_and_check(stack.client(), target_model, prompts, [12 + (i * 5) % 29 for i in range(12)])
+        for engine in (stack.target_engine, stack.draft_engine):
+            assert engine.forward.replayed > 20
+            assert set(engine.forward.eager_reasons) <= {"tokens past every bucket"}, engine.forward.eager_reasons
+            assert engine.forward.eager <= len(prompts)
+    finally:
+        stack.stop()
