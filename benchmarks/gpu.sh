@@ -220,8 +220,8 @@ fi
 
 if [[ $REAL == 1 ]]; then  # real weights only: random ones accept nothing
     if want batch1; then
-        # Drafting ahead takes the Propose RPC (~1 ms of a ~6 ms step on an H100, docs/gpu.md) off
-        # the steps whose verdict it guessed; on a GPU host its work runs beside the verify.
+        # Drafting ahead takes the Propose off the steps whose verdict it guessed, but with both
+        # services on one GPU its kernels take turns with the verify's (H200: 0.66-0.68x, docs/gpu.md).
         echo "== batch 1 through the services: target-only against speculative (0, 1 and 3 leaves; drafting ahead) =="
         step 150 "$PYTHON" benchmarks/batch1.py --no-baseline "${BATCH1[@]}" --leaves 0,1,policy --leaves-most 3 \
             --draft-ahead 2,4 --out "$OUT/batch1-leaves.json" | tee "$OUT/batch1-leaves.txt"
