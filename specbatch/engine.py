@@ -93,12 +93,10 @@ class RaggedBatch:
         self.kv_rows = list(range(batch))
         self.spread = None
         self.gathered = False
-        if slots == list(range(slots[0], slots[0] + batch)):  # a view: writes land in the pool directly
-            self.kv = pool.kv[:, :, slots[0] : slots[0] + batch]
-            if slots[0] and self._spreads(slots[-1] + 1, width, longest):
-                self._spread(slots)
-        elif self._spreads(slots[-1] + 1, width, longest):
+        if slots != list(range(batch)) and self._spreads(slots[-1] + 1, width, longest):
             self._spread(slots)
+        elif slots == list(range(slots[0], slots[0] + batch)):  # a view: writes land in the pool directly
+            self.kv = pool.kv[:, :, slots[0] : slots[0] + batch]
         else:  # gather the slots (up to the longest row, plus scratch), write back on commit
             self.kv = pool.kv[:, :, slots, :, : longest + 1]
             self.gathered = True
