@@ -217,7 +217,7 @@ def main(argv=None) -> None:
     parser.add_argument("--tokenizer", default=EMBEDDED, help="tokenizer: hub id, folder, or the embedded default")
     parser.add_argument("--gguf-file", help="GGUF file name inside --tokenizer")
     parser.add_argument("--k-policy", default="fixed:3",
-                        help=f"how k is chosen: {KNOWN_POLICIES} (the last two need --profile)")
+                        help=f"how k is chosen: {KNOWN_POLICIES} (all but fixed:K need --profile)")
     parser.add_argument("--leaves", type=int, default=0,
                         help=f"the most leaves (0 to {MAX_LEAVES}): the draft's next-best tokens at the first "
                              "drafted position, verified beside the chain (a rejected first draft whose target "

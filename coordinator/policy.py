@@ -8,9 +8,11 @@
              profile and the acceptance per draft position measured live (a moving average that
              starts from the profile's). k = 0 wins when speculation does not pay: when drafts
              are rarely accepted, or when verifying more tokens costs too much at this batch size.
+             ``goodput:live`` measures the step times live too (``LiveStepTimes``).
 
 The scheduler asks ``k_for(batch_size)`` at each step and reports what happened with
-``observe(outcomes)``: one (drafted, accepted) pair per sequence of the step. With leaves on
+``observe(outcomes)``: one (drafted, accepted) pair per sequence of the step, and with
+``observe_times(StepTimes)``: what its Propose, its Verify and the whole step took. With leaves on
 (``--leaves N``: the draft's N next-best tokens at the first drafted position), it also asks
 ``leaves_for(batch_size, k, most)``, how many of them the target verifies beside the chain, and
 reports ``observe_first_rejections(ranks)``: where the target's token stood among them at each
@@ -23,6 +25,9 @@ longest row, so a sequence drafting fewer tokens than its neighbours saves almos
 
 from __future__ import annotations
 
+import math
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 from specbatch.speculation import tally_positions
@@ -31,13 +36,30 @@ from specbatch.profile import expected_tokens
 from .profile_file import ProfileFile
 
 
+@dataclass(frozen=True)
+class StepTimes:
+    """What one step took, for the policies that learn step times (``LiveStepTimes``)."""
+
+    batch_size: int  # sequences stepped
+    draft_rows: int  # of those, the ones the draft drafted for (not found by lookup or ahead)
+    draft_k: int  # the most tokens asked of the draft (its call runs them all): 0 without a Propose
+    verify_k: int  # the most drafts and leaves a sequence of the Verify carried
+    draft_ms: float  # the Propose calls, wall (the choices before them are the step's own work)
+    target_ms: float  # the Verify calls, wall
+    step_ms: float  # the whole step, wall
+
+
 class AllLeaves:
-    """Policies that verify every leaf they are offered and learn nothing from them."""
+    """Policies that verify every leaf they are offered and learn nothing from them, nor from
+    step times."""
 
     def leaves_for(self, batch_size: int, k: int, most: int) -> int:
         return most
 
     def observe_first_rejections(self, ranks: list[int | None]) -> None:
+        pass
+
+    def observe_times(self, times: StepTimes) -> None:
         pass
 
 
@@ -109,8 +131,97 @@ class LeafRanks:
         return sum(self.sums[:leaves]) / self.weight if self.weight else 0.0
 
 
+class LiveStepTimes:
+    """Step times as steps take them now: the profile's, corrected by what steps took since.
+
+    A profile is measured once, and the parts of a step drift from it (the engine changes, a
+    neighbour takes the cores, another machine): on the EPYC the shipped profile put a batch-4
+    step drafting 2 tokens at 33.3 ms where served ones took 22.7, so ``goodput`` drafted less
+    than pays (docs/profile.md §6q). The Propose and the Verify each keep the last ``window``
+    ratios measured / profiled per (profiled batch size nearest the step's, k), and a k measured
+    ``trusted`` times or more is priced by their median: single steps on a busy machine stray by
+    half their time (a prefill beside them, the other service's threads), and a mean of the few
+    steps a rarely run k gets would follow them. A k not measured so at that size is priced from
+    the two trusted k nearest it: the nearer one's time plus the profile's difference between
+    them, scaled as the measured difference scales it, for a k next to a trusted one (further,
+    or with one trusted k, at the nearest one's ratio; with none, the profile's time). So where
+    verifying a row costs less than profiled, the k above those measured gets cheaper too, and
+    ``Goodput``'s probes of neighbouring ks walk the measurements there one k at a time. What lies outside the two calls (the coordinator's work) is the
+    median of its own window, per size. It answers the questions ``Profile`` answers that
+    ``Goodput`` asks."""
+
+    def __init__(self, profile, window: int = 32, trusted: int = 8):
+        self.profile, self.window, self.trusted = profile, window, trusted
+        self.ratios: dict[tuple[str, int], dict[int, deque]] = {}  # (part, size) -> {k: measured / profiled}
+        self.rest: dict[int, deque] = {}  # size -> ms outside the two calls
+        self._priced: dict[tuple[str, float, int], float] = {}  # what was asked since the last step
+
+    def _size(self, batch_size: float) -> int:
+        """The profiled batch size nearest ``batch_size`` (by ratio: 3 is nearer 4 than 2)."""
+        return min(self.profile.batch_sizes, key=lambda b: (abs(math.log(b / max(batch_size, 1.0))), b))
+
+    def _record(self, table: dict, key, value: float) -> None:
+        table.setdefault(key, deque(maxlen=self.window)).append(value)
+
+    def _profiled_rest(self, size: int) -> float:
+        p = self.profile
+        return max(0.0, p.step_ms(size, 0) - p.target_ms(size, 0))
+
+    def observe(self, t: StepTimes) -> None:
+        p = self.profile
+        if not t.batch_size or max(t.draft_k, t.verify_k) > p.max_k:
+            return  # no profiled time to compare it with
+        size = self._size(t.batch_size)
+        if t.draft_k and t.draft_rows:
+            self._record(self.ratios.setdefault(("draft", self._size(t.draft_rows)), {}), t.draft_k,
+                         t.draft_ms / p.draft_ms(t.draft_rows, t.draft_k))
+        self._record(self.ratios.setdefault(("target", size), {}), t.verify_k,
+                     t.target_ms / p.target_ms(t.batch_size, t.verify_k))
+        self._record(self.rest, size, max(0.0, t.step_ms - t.draft_ms - t.target_ms))
+        self._priced.clear()
+
+    def measured(self, batch_size: float, k: int) -> int:
+        """Steps of the last window measured at the size nearest ``batch_size`` verifying k drafts a sequence."""
+        return len(self.ratios.get(("target", self._size(batch_size)), {}).get(k, ()))
+
+    def _part_ms(self, part: str, profiled, batch_size: float, k: int) -> float:
+        """One part's time at (batch_size, k); ``profiled(batch_size, k)``: the profile's."""
+        measured = {m: statistics.median(window) for m, window in self.ratios.get((part, self._size(batch_size)), {}).items()
+                    if len(window) >= self.trusted}
+        if k in measured or len(measured) < 2:
+            nearest = min(measured, key=lambda m: (abs(m - k), m)) if measured else k
+            return profiled(batch_size, k) * measured.get(nearest, 1.0)
+        near, far = sorted(measured, key=lambda m: (abs(m - k), m))[:2]
+        at_near, at_far = (profiled(batch_size, m) * measured[m] for m in (near, far))
+        span = profiled(batch_size, near) - profiled(batch_size, far)
+        # The measured slope holds one k past the nearest trusted one; further, the profile's
+        # shape at the measured level (a call past 12 rows, say, costs another block of weights).
+        scale = max(0.0, (at_near - at_far) / span) if span and abs(k - near) == 1 else measured[near]
+        return max(0.0, at_near + scale * (profiled(batch_size, k) - profiled(batch_size, near)))
+
+    def target_ms(self, batch_size: float, k: int) -> float:
+        key = ("target", batch_size, k)
+        if key not in self._priced:  # a choice asks each (k, leaves) in turn: priced once a step
+            self._priced[key] = self._part_ms("target", self.profile.target_ms, batch_size, k)
+        return self._priced[key]
+
+    def step_ms(self, batch_size: float, k: int) -> float:
+        key = ("step", batch_size, k)
+        if key not in self._priced:
+            draft = self._part_ms("draft", self.profile.draft_ms, batch_size, k) if k else 0.0
+            size = self._size(batch_size)
+            rest = self.rest.get(size, ())
+            rest = statistics.median(rest) if len(rest) >= self.trusted else self._profiled_rest(size)
+            self._priced[key] = draft + self.target_ms(batch_size, k) + rest
+        return self._priced[key]
+
+
 class Goodput:
-    """Maximise expected tokens per second: profile step times × live acceptance per position.
+    """Maximise expected tokens per second: the profile's step times × live acceptance per
+    position; with ``live_times`` (``goodput:live``), step times measured live too
+    (``LiveStepTimes``). Those learn only the ks that are run, so then one step in
+    ``probe_every`` runs a neighbour of the best k (the one measured less at this batch size): a
+    nearly as good step, and the slope that prices the ks beyond.
 
     While live acceptance keeps it at k = 0 it learns nothing new, so one step in
     ``probe_every`` such steps drafts what the profile's own acceptance would choose: a draft
@@ -119,10 +230,11 @@ class Goodput:
     """
 
     def __init__(self, profile_file: ProfileFile, max_k: int, half_life: float = 64.0, probe_every: int = 32,
-                 max_leaves: int = 0):
-        self.profile_file, self.max_k = profile_file, max_k
+                 max_leaves: int = 0, live_times: bool = False):
+        self.profile_file, self.max_k, self.live_times = profile_file, max_k, live_times
         self.half_life, self.probe_every = half_life, probe_every
         self.idle_steps = 0  # steps since one drafted anything
+        self.timed_steps = 0  # steps whose times were observed
         self.leaf_ranks = LeafRanks(max_leaves, half_life)
         self._profile = None
         self._chosen: dict[int, tuple[int, int]] = {}  # batch size -> (k, leaves), until the next observation
@@ -133,6 +245,7 @@ class Goodput:
         if profile is not self._profile:  # at start, or the file was reloaded
             self._profile = profile
             self.acceptance = LiveAcceptance(profile.acceptance_by_position[: self.max_k], self.half_life)
+            self.times = LiveStepTimes(profile) if self.live_times else profile
             self._chosen.clear()
         return profile
 
@@ -145,12 +258,12 @@ class Goodput:
         beside the first draft: each adds a row to every sequence of the Verify call (the profile's
         Verify time at k + leaves drafts), and a rejected first draft whose target token is one of
         them yields one token more."""
-        profile = self._profile
+        times = self.times
         tokens = expected_tokens(acceptance, k)
-        step = profile.step_ms(batch_size, k)
+        step = times.step_ms(batch_size, k)
         if leaves:
             tokens += (1.0 - acceptance[0]) * self.leaf_ranks.hit_rate(leaves)
-            step += profile.target_ms(batch_size, k + leaves) - profile.target_ms(batch_size, k)
+            step += times.target_ms(batch_size, k + leaves) - times.target_ms(batch_size, k)
         return batch_size * tokens / step
 
     def _leaf_choices(self, k: int, most: int) -> range:
@@ -175,6 +288,12 @@ class Goodput:
             if choice[0] == 0 and self.idle_steps >= self.probe_every:
                 # a probe (0 where drafting never pays)
                 choice = self._best(batch_size, profile.acceptance_by_position)
+            elif self.live_times and self.timed_steps % self.probe_every == self.probe_every - 1:
+                # a neighbour of the best k, for the live step times (the less measured one)
+                most = min(profile.max_k, self.max_k)
+                neighbours = [k for k in (choice[0] + 1, choice[0] - 1) if 0 <= k <= most]
+                if neighbours:
+                    choice = (min(neighbours, key=lambda k: self.times.measured(batch_size, k)), 0)
             self._chosen[batch_size] = choice
         return self._chosen[batch_size]
 
@@ -201,11 +320,18 @@ class Goodput:
         self.leaf_ranks.observe(ranks)
         self._chosen.clear()
 
+    def observe_times(self, times: StepTimes) -> None:
+        self._sync()
+        if self.live_times:
+            self.times.observe(times)
+            self.timed_steps += 1
+            self._chosen.clear()
+
     def describe(self) -> str:
-        return "goodput"
+        return "goodput:live" if self.live_times else "goodput"
 
 
-KNOWN = "fixed:K, profile, goodput"
+KNOWN = "fixed:K, profile, goodput, goodput:live"
 
 
 def parse_policy(text: str, max_k: int, profile_file: ProfileFile | None = None, max_leaves: int = 0):
@@ -218,8 +344,10 @@ def parse_policy(text: str, max_k: int, profile_file: ProfileFile | None = None,
         if not 0 <= k <= max_k:
             raise ValueError(f"k must be in [0, {max_k}] (got {k})")
         return FixedK(k)
-    if kind in ("profile", "goodput") and not arg:
+    if (kind == "profile" and not arg) or (kind == "goodput" and arg in ("", "live")):
         if profile_file is None:
             raise ValueError(f"the {kind} policy needs a profile: pass --profile PATH (made by `specbatch profile`)")
-        return ProfileK(profile_file) if kind == "profile" else Goodput(profile_file, max_k, max_leaves=max_leaves)
+        if kind == "profile":
+            return ProfileK(profile_file)
+        return Goodput(profile_file, max_k, max_leaves=max_leaves, live_times=arg == "live")
     raise ValueError(f"unknown k policy {text!r}; known: {KNOWN}")

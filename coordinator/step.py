@@ -30,6 +30,7 @@ from specbatch.v1 import model_services_pb2 as services_pb
 from .backends import Call, lost_state, unreachable
 from .lookup import PromptLookup, SharedLookup
 from .placement import Placement, by_draft_replica, by_target_replica, call_timeout
+from .policy import StepTimes
 from .replicas import Replica
 from .requests import Request
 from .stats import StepStats
@@ -133,6 +134,7 @@ class DecodeStep:
         ready = [drafts if drafts is not None else found[0] if found else None for drafts, found in zip(ready, looked_up)]
         leaves = [self.leaves_for(r, k, len(batch)) if drafts is None else (0, 0)
                   for r, k, drafts in zip(batch, ks, ready)]
+        proposing = time.perf_counter()  # the choices above are the step's own work, not the draft's
         proposed, proposed_q, next_best, draft_cached_len, draft_compute = self._propose(
             batch, ks, [[most] if most else [] for most, _ in leaves], ready)
         drafted = time.perf_counter()
@@ -192,8 +194,15 @@ class DecodeStep:
         self.policy.observe(outcomes)  # the draft's acceptance: a lookup's says nothing of it
         if first_rejections:
             self.policy.observe_first_rejections(first_rejections)
+        ended = time.perf_counter()
+        if stepped_ks:  # what the step's parts took, for a policy that learns step times
+            drafting = [i for i, drafts in enumerate(ready) if drafts is None and proposed[i]]
+            self.policy.observe_times(StepTimes(
+                len(batch), len(drafting), max((ks[i] for i in drafting), default=0),
+                max(len(tokens) + sum(len(group) for group in tried) for tokens, tried in zip(proposed, verified_leaves)),
+                1e3 * (drafted - proposing), 1e3 * (verified - drafted), 1e3 * (ended - start)))
         return StepStats(len(stepped_ks), stepped_ks, outcomes, drafted - start, verified - drafted,
-                         time.perf_counter() - start, draft_compute, target_compute, leaf_chances, leaf_hits,
+                         ended - start, draft_compute, target_compute, leaf_chances, leaf_hits,
                          ahead_guessed, ahead_hits, lookup_outcomes, shared_lookup_outcomes)
 
     # ---- draft ahead -------------------------------------------------------------------------------

@@ -96,6 +96,10 @@ class Profile:
         """The Verify time of k drafts a sequence (k + 1 rows), at any batch size as ``step_ms``."""
         return self._at_batch_size(batch_size, k, "target_ms")
 
+    def draft_ms(self, batch_size: float, k: int) -> float:
+        """The Propose time of k drafts a sequence (0 at k = 0), at any batch size as ``step_ms``."""
+        return self._at_batch_size(batch_size, k, "draft_ms") if k else 0.0
+
     def _at_batch_size(self, batch_size: float, k: int, time: str) -> float:
         sizes = self.batch_sizes
         if len(sizes) == 1:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.policy import FixedK, Goodput, LiveAcceptance, ProfileK, parse_policy
+from coordinator.policy import FixedK, Goodput, LiveAcceptance, LiveStepTimes, ProfileK, StepTimes, parse_policy
+from specbatch.profile import expected_tokens
 from specbatch.speculation import tally_positions
 from coordinator.profile_file import ProfileFile
 from test_profile import gpu_like, synthetic_profile
@@ -178,3 +179,63 @@ def test_goodput_skips_leaves_that_cost_more_than_they_yield(tmp_path):
 def test_fixed_and_profile_policies_verify_every_leaf(tmp_path):
     assert FixedK(2).leaves_for(4, 2, 3) == 3
     assert ProfileK(watched(tmp_path, synthetic_profile(gpu_like, HIGH))).leaves_for(4, 2, 1) == 1
+
+
+# ---- live step times ---------------------------------------------------------------------------
+
+
+def served(k: int) -> StepTimes:
+    """A batch-4 step as served, where the profile below overprices each verified row 6×: the
+    Propose 0.2 ms a draft (as profiled), the Verify 9.9 + 0.8 ms a draft, 0.1 ms besides."""
+    return StepTimes(4, 4 if k else 0, k, k, 0.2 * k, 9.9 + 0.8 * k, 10.0 + 1.0 * k)
+
+
+def overpriced():
+    """Profiled: a step of k drafts at 10 + 6k ms (Propose 0.2k, Verify 9.9 + 5.8k, 0.1 besides)."""
+    return synthetic_profile(lambda b, k: 10.0 + 6.0 * k, HIGH, sizes=(1, 2, 4, 8))
+
+
+def test_live_step_times_price_unmeasured_ks_from_the_measured_slope():
+    profile = overpriced()
+    times = LiveStepTimes(profile, window=16, trusted=4)
+    assert times.step_ms(4, 3) == pytest.approx(profile.step_ms(4, 3))  # nothing measured: the profile's
+    for _ in range(3):
+        times.observe(served(2))
+    assert times.step_ms(4, 2) == pytest.approx(profile.step_ms(4, 2))  # three steps are not trusted yet
+    times.observe(served(2))
+    # One k trusted: its ratio for every k at that size (the verify row's price is not known yet).
+    assert times.target_ms(4, 2) == pytest.approx(11.5)
+    assert times.target_ms(4, 3) == pytest.approx(profile.target_ms(4, 3) * 11.5 / profile.target_ms(4, 2))
+    for _ in range(4):
+        times.observe(served(1))
+    # Two: the measured slope prices the next k, at batch 3 too (the nearest profiled size is 4);
+    # further ks keep the profile's shape at the nearest one's ratio.
+    assert times.step_ms(4, 3) == pytest.approx(13.0) and times.step_ms(3, 3) == pytest.approx(13.0)
+    ratio = 11.5 / profile.target_ms(4, 2)
+    assert times.target_ms(4, 5) == pytest.approx(11.5 + ratio * (profile.target_ms(4, 5) - profile.target_ms(4, 2)))
+    assert times.step_ms(1, 3) == pytest.approx(profile.step_ms(1, 3))  # another size: still the profile's
+    # A stray step (a prefill beside it) moves a median of a window not at all.
+    times.observe(StepTimes(4, 4, 2, 2, 0.4, 40.0, 41.0))
+    assert times.target_ms(4, 2) == pytest.approx(11.5)
+    assert times.measured(4, 2) == 5 and times.measured(4, 3) == 0
+
+
+def test_goodput_live_drafts_more_once_served_steps_prove_cheaper_than_profiled(tmp_path):
+    """The profile prices a verified row 6× what it costs served: goodput picks k = 2 from it, and
+    with live step times, serving steps at what they cost (its probes of a neighbouring k
+    measuring the slope), it moves to the k that is best at the served costs. Plain ``goodput``
+    stays where the profile put it."""
+    live = Goodput(watched(tmp_path, overpriced()), max_k=6, probe_every=4, live_times=True)
+    static = parse_policy("goodput", 6, watched(tmp_path, overpriced()))
+    assert parse_policy("goodput:live", 6, watched(tmp_path, overpriced())).describe() == "goodput:live"
+    assert static.describe() == "goodput" and live.describe() == "goodput:live"
+    assert live.k_for(4) == static.k_for(4) == 2
+    for _ in range(600):
+        k = live.k_for(4)
+        live.observe_times(served(k))
+        static.observe_times(served(static.k_for(4)))
+    rates = live.acceptance_by_position()
+    best_served = max(range(7), key=lambda k: expected_tokens(rates, k) / (10.0 + 1.0 * k))
+    assert best_served >= 4
+    assert live._best(4, rates)[0] == best_served
+    assert static.k_for(4) == 2

@@ -303,10 +303,11 @@ POLICY_LEAVES = 3
 
 
 def coordinator_leaves(options: StackOptions, policy: str) -> int:
-    """The coordinator's --leaves: as asked, else POLICY_LEAVES under the goodput policy, else 0."""
+    """The coordinator's --leaves: as asked, else POLICY_LEAVES under the goodput policy (either
+    form), else 0."""
     if options.leaves is not None:
         return options.leaves
-    return POLICY_LEAVES if policy == "goodput" else 0
+    return POLICY_LEAVES if policy.partition(":")[0] == "goodput" else 0
 
 
 def default_k_policy(options: StackOptions) -> tuple[str, str | None]:
@@ -340,7 +341,8 @@ def add_stack_flags(parser) -> None:
     # No choices here: the launcher stays torch-free, the services check the value.
     parser.add_argument("--cuda-graphs", help="captured steps of each model service: auto (default: on for CUDA with "
                         "the engine's own forward), on, lazy, static or off; see python -m target_service --help")
-    parser.add_argument("--k-policy", help="fixed:K, profile or goodput (the last two need --profile); default: "
+    parser.add_argument("--k-policy", help="fixed:K, profile, goodput or goodput:live (step times measured as it "
+                        "serves; the last three need --profile); default: "
                         "the shipped profile's policy for the embedded models on a CPU, else fixed:3")
     parser.add_argument("--profile", help="the coordinator's profile JSON (made by `specbatch profile`)")
     parser.add_argument("--max-batch-size", type=int, default=32)
