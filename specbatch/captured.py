@@ -150,7 +150,7 @@ class CapturedForward:
         if self.capture and pool.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device; the pool is on {pool.device} (use mode 'static')")
         self.feature_size, self.max_width = feature_size, max_width
-        self.replayed = self.eager = 0
+        self.replayed = 0
         self.eager_reasons: dict[str, int] = {}  # why calls ran eagerly: reason -> calls
         self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
         self.report: dict = {}
@@ -270,6 +270,11 @@ class CapturedForward:
         return bucket is not None and bucket[0] <= self.pool.slots and bucket[2] <= self.pool.context
 
     @property
+    def eager(self) -> int:
+        """Calls that ran eagerly, every reason together."""
+        return sum(self.eager_reasons.values())
+
+    @property
     def widest(self) -> int:
         """The most tokens a row of a replayed call may feed (``Engine.catch_up``)."""
         return self.buckets.width[-1]
@@ -285,7 +290,6 @@ class CapturedForward:
         of each kind is logged and the services export the counts."""
         if not count:
             return None
-        self.eager += 1
         if reason not in self.eager_reasons:
             log.warning("a call runs eagerly (not captured): %s; further ones are counted in "
                         "specbatch_captured_calls{path=\"eager\"}", reason)
@@ -397,25 +401,15 @@ class CapturedForward:
         # Padding rows as __call__ leaves them: token 0 at position 0, not real (so they write the
         # scratch column and see column 0 only); a single real token sees itself.
         real = slice(0, batch) if rows is None else rows
-        if rows is None:
-            static_ids[batch:].zero_()
-            static_positions[batch:].zero_()
-            static_valid[:batch] = True
-            static_valid[batch:] = False
-        else:
-            static_ids.zero_()
-            static_positions.zero_()
-            static_valid.zero_()
-            static_valid[rows] = True
+        for static in (static_ids, static_positions, static_valid):
+            static.zero_()
+        static_valid[real] = True
         static_ids[real, 0] = tokens
         static_positions[real, 0] = positions
         static_columns.copy_(static_positions)
         static_sees.copy_(static_valid[:, :, None])
         if static_features is not None:
-            if rows is None:
-                static_features[batch:].zero_()
-            else:
-                static_features.zero_()
+            static_features.zero_()
             static_features[real, 0] = features
         self._run(bucket)
         logits = self.logits[: bucket[0] * self.vocab].view(bucket[0], self.vocab)
