@@ -318,3 +318,17 @@ def test_fixed_k_modes_verify_the_chain_alone():
     assert fixed.k == 2 and fixed.HasField("leaves") and fixed.leaves == 0
     policy = mode_request(Mode("goodput", None, None), "hello", 5)
     assert not policy.HasField("k") and not policy.HasField("leaves")
+
+
+def test_fixed_modes_may_name_leaves_beside_the_chain():
+    """--fixed-k 1+2: k = 1 with two of the draft's next-best tokens verified beside it, a fixed
+    mode too (the leaves' worth measured on its own, against what goodput prices them at)."""
+    from specbatch.commands.bench import Mode, fixed_modes, fixed_name, mode_request
+
+    assert fixed_modes("2,1+2,3+0", 3) == [(2, 0), (1, 2), (3, 0)]
+    assert fixed_modes(None, 3) == [(3, 0)]
+    assert [fixed_name(*pair) for pair in fixed_modes("2,1+2", 3)] == ["k=2", "k=1+2 leaves"]
+    with pytest.raises(ValueError, match="K >= 1"):
+        fixed_modes("0+1", 3)
+    request = mode_request(Mode("k=1+2 leaves", None, 1, 2), "hello", 5)
+    assert request.k == 1 and request.leaves == 2

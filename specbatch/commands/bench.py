@@ -44,6 +44,7 @@ class Mode:
     name: str
     stub: object
     k: int | None  # per-request k (fixed modes); None: the coordinator's own policy
+    leaves: int = 0  # fixed modes: the draft's next-best tokens verified beside the first draft
 
 
 @dataclass
@@ -183,10 +184,11 @@ def summarize(runs: list[Run]) -> dict:
 
 
 def mode_request(mode: Mode, prompt: str, max_new_tokens: int):
-    """One request of ``mode``. A fixed k is the paper's baseline, the chain alone: no leaves, whatever
-    the coordinator's policy would verify beside it (the policy modes take its leaves)."""
+    """One request of ``mode``. A fixed k is the paper's baseline, the chain alone unless the mode
+    names leaves (``--fixed-k 1+2``), whatever the coordinator's policy would verify beside it (the
+    policy modes take its leaves)."""
     return make_request(prompt, max_new_tokens, chat=True, k=mode.k, ignore_eos=True,
-                        leaves=None if mode.k is None else 0)
+                        leaves=None if mode.k is None else mode.leaves)
 
 
 def run_one(load: Load, mode: Mode, prompts: list[str], args, round_: int = 0) -> Run:
@@ -354,7 +356,8 @@ def add_bench_flags(parser) -> None:
     parser.add_argument("--policy-address", action="append", default=[], metavar="POLICY=ADDRESS",
                         help="with --address: a running coordinator serving this policy (repeatable)")
     parser.add_argument("--k", type=int, default=3, help="fixed k compared with k=0 (when --fixed-k is not given)")
-    parser.add_argument("--fixed-k", help="comma-separated fixed k values to compare, e.g. 1,2,3,4,5,6")
+    parser.add_argument("--fixed-k", help="comma-separated fixed k values to compare, e.g. 1,2,3,4,5,6; K+L verifies "
+                        "L of the draft's next-best tokens beside the first of K drafts (e.g. 1+2)")
     parser.add_argument("--policies", default="", help="coordinator policies to compare: profile,goodput "
                         "(need --profile when the bench starts the stack); NAME@LABEL runs policy NAME as a mode "
                         "of its own, e.g. with --policy-profile")
@@ -393,8 +396,24 @@ def coordinator_policies(policies: list[str], policy_profiles: list[str], profil
     return {p: (p.partition("@")[0], profiles.get(p, profile)) for p in policies}
 
 
+def fixed_modes(text: str | None, k: int) -> list[tuple[int, int]]:
+    """``--fixed-k``'s (k, leaves) pairs: "2,1+1" -> [(2, 0), (1, 1)]."""
+    pairs = [tuple(int(n) for n in (entry.split("+") + ["0"])[:2]) for entry in text.split(",")] if text else [(k, 0)]
+    if any(leaves and not k for k, leaves in pairs):
+        raise ValueError(f"leaves go beside a first draft: K+L needs K >= 1 (got {text!r})")
+    return pairs
+
+
+def fixed_name(k: int, leaves: int) -> str:
+    return f"k={k}" + (f"+{leaves} leaves" if leaves else "")
+
+
 def run_bench(args) -> int:
-    fixed = [int(k) for k in args.fixed_k.split(",")] if args.fixed_k else [args.k]
+    try:
+        fixed = fixed_modes(args.fixed_k, args.k)
+    except ValueError as error:
+        print(error)
+        return 2
     policies = [p for p in args.policies.split(",") if p]
     kinds = [t for t in args.traffic.split(",") if t]
     unknown = set(kinds) - {"uniform", "trace", "poisson"}
@@ -443,7 +462,8 @@ def run_bench(args) -> int:
         main_stub = connect(args.address or processes.address)
         addresses = {p: given.get(p) or processes.add_coordinator(policy, free_port(), profile)
                      for p, (policy, profile) in coordinator_policies(policies, args.policy_profile, args.profile).items()}
-        modes = [Mode("k=0 (target only)", main_stub, 0)] + [Mode(f"k={k}", main_stub, k) for k in fixed if k]
+        modes = [Mode("k=0 (target only)", main_stub, 0)] + [Mode(fixed_name(k, leaves), main_stub, k, leaves)
+                                                             for k, leaves in fixed if k]
         fixed_names = [m.name for m in modes]
         if args.control:
             modes.append(Mode(CONTROL, main_stub, 0))
