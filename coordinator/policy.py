@@ -154,7 +154,8 @@ class LiveStepTimes:
         self.profile, self.window, self.trusted = profile, window, trusted
         self.ratios: dict[tuple[str, int], dict[int, deque]] = {}  # (part, size) -> {k: measured / profiled}
         self.rest: dict[int, deque] = {}  # size -> ms outside the two calls
-        self._priced: dict[tuple[str, float, int], float] = {}  # what was asked since the last step
+        self._priced: dict[tuple, float] = {}  # what was asked since the last step
+        self._medians: dict[tuple[str, int], dict[int, float]] = {}  # (part, size) -> trusted ratios, this step
 
     def _size(self, batch_size: float) -> int:
         """The profiled batch size nearest ``batch_size`` (by ratio: 3 is nearer 4 than 2)."""
@@ -163,9 +164,14 @@ class LiveStepTimes:
     def _record(self, table: dict, key, value: float) -> None:
         table.setdefault(key, deque(maxlen=self.window)).append(value)
 
-    def _profiled_rest(self, size: int) -> float:
-        p = self.profile
-        return max(0.0, p.step_ms(size, 0) - p.target_ms(size, 0))
+    def _rest_ms(self, size: int) -> float:
+        """What a step at ``size`` takes outside its two calls: measured, else the profile's."""
+        key = ("rest", size)
+        if key not in self._priced:
+            rest, p = self.rest.get(size, ()), self.profile
+            self._priced[key] = (statistics.median(rest) if len(rest) >= self.trusted
+                                 else max(0.0, p.step_ms(size, 0) - p.target_ms(size, 0)))
+        return self._priced[key]
 
     def observe(self, t: StepTimes) -> None:
         p = self.profile
@@ -179,15 +185,24 @@ class LiveStepTimes:
                      t.target_ms / p.target_ms(t.batch_size, t.verify_k))
         self._record(self.rest, size, max(0.0, t.step_ms - t.draft_ms - t.target_ms))
         self._priced.clear()
+        self._medians.clear()
 
     def measured(self, batch_size: float, k: int) -> int:
         """Steps of the last window measured at the size nearest ``batch_size`` verifying k drafts a sequence."""
         return len(self.ratios.get(("target", self._size(batch_size)), {}).get(k, ()))
 
+    def _trusted(self, part: str, size: int) -> dict[int, float]:
+        """{k: median ratio} of the ks measured ``trusted`` times or more at ``size``: computed once
+        a step (a choice prices every k and leaf count in turn)."""
+        key = (part, size)
+        if key not in self._medians:
+            self._medians[key] = {m: statistics.median(window) for m, window in self.ratios.get(key, {}).items()
+                                  if len(window) >= self.trusted}
+        return self._medians[key]
+
     def _part_ms(self, part: str, profiled, batch_size: float, k: int) -> float:
         """One part's time at (batch_size, k); ``profiled(batch_size, k)``: the profile's."""
-        measured = {m: statistics.median(window) for m, window in self.ratios.get((part, self._size(batch_size)), {}).items()
-                    if len(window) >= self.trusted}
+        measured = self._trusted(part, self._size(batch_size))
         if k in measured or len(measured) < 2:
             nearest = min(measured, key=lambda m: (abs(m - k), m)) if measured else k
             return profiled(batch_size, k) * measured.get(nearest, 1.0)
@@ -209,10 +224,7 @@ class LiveStepTimes:
         key = ("step", batch_size, k)
         if key not in self._priced:
             draft = self._part_ms("draft", self.profile.draft_ms, batch_size, k) if k else 0.0
-            size = self._size(batch_size)
-            rest = self.rest.get(size, ())
-            rest = statistics.median(rest) if len(rest) >= self.trusted else self._profiled_rest(size)
-            self._priced[key] = draft + self.target_ms(batch_size, k) + rest
+            self._priced[key] = draft + self.target_ms(batch_size, k) + self._rest_ms(self._size(batch_size))
         return self._priced[key]
 
 
