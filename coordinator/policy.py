@@ -232,8 +232,9 @@ class Goodput:
     """Maximise expected tokens per second: the profile's step times × live acceptance per
     position; with ``live_times`` (``goodput:live``), step times measured live too
     (``LiveStepTimes``). Those learn only the ks that are run, so then one step in
-    ``probe_every`` runs a neighbour of the best k (the one measured less at this batch size): a
-    nearly as good step, and the slope that prices the ks beyond.
+    ``probe_every`` runs a neighbour of the best k (the one measured less at this batch size, of
+    those priced within ``probe_within`` of the best): a nearly as good step, and the slope that
+    prices the ks beyond.
 
     While live acceptance keeps it at k = 0 it learns nothing new, so one step in
     ``probe_every`` such steps drafts what the profile's own acceptance would choose: a draft
@@ -245,6 +246,7 @@ class Goodput:
                  max_leaves: int = 0, live_times: bool = False):
         self.profile_file, self.max_k, self.live_times = profile_file, max_k, live_times
         self.half_life, self.probe_every = half_life, probe_every
+        self.probe_within = 0.9  # goodput:live probes a neighbouring k priced at this share of the best or more
         self.idle_steps = 0  # steps since one drafted anything
         self.timed_steps = 0  # steps whose times were observed
         self.leaf_ranks = LeafRanks(max_leaves, half_life)
@@ -301,9 +303,14 @@ class Goodput:
                 # a probe (0 where drafting never pays)
                 choice = self._best(batch_size, profile.acceptance_by_position)
             elif self.live_times and self.timed_steps % self.probe_every == self.probe_every - 1:
-                # a neighbour of the best k, for the live step times (the less measured one)
-                most = min(profile.max_k, self.max_k)
-                neighbours = [k for k in (choice[0] + 1, choice[0] - 1) if 0 <= k <= most]
+                # a neighbour of the best k, for the live step times (the less measured one), where
+                # it is priced near the best: at batch 8 on the EPYC a k = 1 step costs 1.8x a k = 0
+                # one and its draft catches up on every token since its last call, for 1.6x the
+                # tokens, and probing it read 0.92 of k = 0 served (docs/profile.md 6t)
+                most, rates = min(profile.max_k, self.max_k), self.acceptance.rates
+                floor = self.probe_within * self.goodput(batch_size, choice[0], rates, choice[1])
+                neighbours = [k for k in (choice[0] + 1, choice[0] - 1)
+                              if 0 <= k <= most and self.goodput(batch_size, k, rates) >= floor]
                 if neighbours:
                     choice = (min(neighbours, key=lambda k: self.times.measured(batch_size, k)), 0)
             self._chosen[batch_size] = choice

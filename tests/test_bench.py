@@ -233,6 +233,7 @@ def test_rounds_sum_each_modes_runs_with_the_modes_taking_turns(stack, tmp_path,
     for r in results["rows"]:
         assert r["requests"] == 6 and not r["errors"] and r["tokens"] == 6 * 5
         assert r["seconds"] > 0 and r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
+        assert len(r["per_round"]) == 3 and all(value > 0 for value in r["per_round"])
     assert cli.main(["bench", "--address", stack.address, "--rounds", "0"]) == 2
 
 

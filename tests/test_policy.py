@@ -239,3 +239,24 @@ def test_goodput_live_drafts_more_once_served_steps_prove_cheaper_than_profiled(
     assert best_served >= 4
     assert live._best(4, rates)[0] == best_served
     assert static.k_for(4) == 2
+
+
+def test_goodput_live_probes_only_neighbours_priced_near_the_best(tmp_path):
+    """At batch 32 on gpu_like times, k = 1 costs 1.7x a k = 0 step. Where drafts are seldom
+    accepted it yields 0.65 of k = 0's tokens per ms, and a probe of it costs more than it could
+    teach: goodput:live never runs it. Where acceptance brings it within probe_within of k = 0,
+    one step in probe_every runs it."""
+    def ks_run(acceptance) -> list[int]:
+        live = Goodput(watched(tmp_path, synthetic_profile(gpu_like, acceptance)), max_k=6, probe_every=4,
+                       live_times=True)
+        ks = []
+        for _ in range(64):
+            ks.append(k := live.k_for(32))
+            live.observe([(k, 1)] * 18 + [(k, 0)] * 14 if k else [])  # 0.56 accepted at the first position
+            live.observe_times(StepTimes(32, 32 if k else 0, k, k, 0.2 * k, gpu_like(32, k) - 0.2 * k - 0.1,
+                                         gpu_like(32, k)))
+        return ks
+
+    assert set(ks_run(LOW)) == {0}
+    near = [0.55] * 6  # k = 1: 1.55 tokens in 48.9 ms against 1 in 29.2: 0.93 of k = 0
+    assert ks_run(near).count(1) == 16

@@ -226,9 +226,10 @@ def run_rounds(load: Load, modes: list[Mode], prompts: list[str], args) -> dict[
 
 
 def row(load: Load, mode: Mode, runs: list[Run]) -> dict:
-    """The results table's row (the timeline plotted is the first round's)."""
+    """The results table's row (the timeline plotted is the first round's; ``per_round``: each
+    round's tokens/s or mean latency, to pair any two modes later)."""
     return {"traffic": load.kind, "load": load.label, "value": load.value, "mode": mode.name,
-            **summarize(runs), "timeline": runs[0].timeline}
+            **summarize(runs), "per_round": [run.metric(load.kind) for run in runs], "timeline": runs[0].timeline}
 
 
 # ---- output ---------------------------------------------------------------------------------------
