@@ -155,6 +155,7 @@ def main() -> int:
     parser.add_argument("--shared-warmup", type=int, default=256, help="prompts served into the index first")
     parser.add_argument("--shared-warmup-start", type=int, default=16400,
                         help="ShareGPT conversation the warm-up prompts start at")
+    parser.add_argument("--grpc-only", action="store_true", help="as specbatch up's flag: no local sockets")
     parser.add_argument("--out", default="bench-out/batch1.json")
     args = parser.parse_args()
 
@@ -167,7 +168,7 @@ def main() -> int:
     leaf_counts = [None if n == "policy" else int(n) for n in args.leaves.split(",")]
     # The coordinator looks nothing up unless a mode asks (its requests' own prompt_lookup).
     options = StackOptions(max_batch_size=8, threads_per_service=args.threads_per_service, prompt_lookup=0,
-                           shared_lookup=args.shared_lookup,
+                           shared_lookup=args.shared_lookup, local_sockets=not args.grpc_only,
                            draft_int8_weights=args.draft_int8_weights, target_q4_1=args.q4_1,
                            leaves=args.leaves_most if None in leaf_counts or ":policy" in args.prompt_lookup else 0)
     if args.k_policy:

@@ -1,4 +1,5 @@
-"""What one gRPC round trip costs between two processes, by the idle gap before it.
+"""What one gRPC round trip costs between two processes, by the idle gap before it, beside the same
+call over the services' local socket (specbatch/local_rpc.py).
 
 A model service at batch 1 sleeps 3-15 ms between its calls (the other service or the target's
 forward runs meanwhile). This measures an empty unary call (a Verify whose handler only stamps the
@@ -14,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent import futures
 from pathlib import Path
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 
 from specbatch.commands.launcher import free_port  # noqa: E402
+from specbatch.local_rpc import LocalChannel  # noqa: E402
 from specbatch.serving import Server  # noqa: E402
 from specbatch.v1 import model_services_pb2 as pb  # noqa: E402
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc  # noqa: E402
@@ -37,9 +41,10 @@ class StampingTarget(pb_grpc.TargetServicer):
         return pb.VerifyResponse(compute_seconds=time.perf_counter())
 
 
-def serve(port: int) -> None:
+def serve(port: int, socket_dir: str) -> None:
     server = Server(f"127.0.0.1:{port}", max_workers=8)
     server.add(pb_grpc.add_TargetServicer_to_server, StampingTarget(), "specbatch.v1.Target")
+    server.serve_locally(socket_dir, "stamping")  # the same servicer on a Unix socket (local_rpc.py)
     server.start()
     server.grpc_server.wait_for_termination()
 
@@ -74,40 +79,52 @@ def main() -> None:
     parser.add_argument("--gaps", default="0.5,1,2,5,12,40", help="ms between calls, comma-separated")
     parser.add_argument("--calls", type=int, default=150)
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the server process
+    parser.add_argument("--socket-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        serve(args.serve)
+        serve(args.serve, args.socket_dir)
         return
     gaps = [float(g) / 1e3 for g in args.gaps.split(",")]
     # Pipes first: a fork once gRPC's threads run could hang in its fork handlers.
     pipes = {gap: pipe_round_trip(gap, args.calls) for gap in gaps}
     port = free_port()
-    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port)])
+    socket_dir = tempfile.mkdtemp(prefix="rpc-gap-")
+    server = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--socket-dir", socket_dir])
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         grpc.channel_ready_future(channel).result(timeout=30)
         stub = pb_grpc.TargetStub(channel)
+        local = LocalChannel(next(Path(socket_dir).glob("*.sock")).as_posix())
+        calls = {"gRPC": lambda request: stub.Verify(request),
+                 "local socket": lambda request: local.call("/specbatch.v1.Target/Verify", request, 10.0)}
         request = pb.VerifyRequest(items=[pb.VerifyItem(sequence=pb.SequenceInput(seq_id="a", keep_len=100,
                                                                                   tokens=[1, 2, 3]))])
-        for _ in range(20):
-            stub.Verify(request)
-        print("| gap between calls | gRPC: to the handler | gRPC: back to the client | pipe round trip |")
-        print("|---|---|---|---|")
+        for call in calls.values():
+            for _ in range(20):
+                call(request)
+        print("| gap between calls | " + " | ".join(f"{name}: to the handler | {name}: back to the client"
+                                                  for name in calls) + " | pipe round trip |")
+        print("|---|" + "---|---|" * len(calls) + "---|")
         for gap in gaps:
-            there, back = [], []
+            times = {name: ([], []) for name in calls}
             for _ in range(args.calls):
-                sent = time.perf_counter()
-                reply = stub.Verify(request)
-                received = time.perf_counter()
-                there.append(reply.compute_seconds - sent)
-                back.append(received - reply.compute_seconds)
-                time.sleep(gap)
-            print(f"| {gap * 1e3:g} ms | {statistics.median(there) * 1e3:.3f} ms | "
-                  f"{statistics.median(back) * 1e3:.3f} ms | {pipes[gap] * 1e6:.0f} µs |", flush=True)
+                for name, call in calls.items():  # taking turns
+                    sent = time.perf_counter()
+                    reply = call(request)
+                    received = time.perf_counter()
+                    times[name][0].append(reply.compute_seconds - sent)
+                    times[name][1].append(received - reply.compute_seconds)
+                    time.sleep(gap)
+            print(f"| {gap * 1e3:g} ms | " + " | ".join(f"{statistics.median(there) * 1e3:.3f} ms | "
+                                                        f"{statistics.median(back) * 1e3:.3f} ms"
+                                                        for there, back in times.values())
+                  + f" | {pipes[gap] * 1e6:.0f} µs |", flush=True)
+        local.close()
         channel.close()
     finally:
         server.kill()
         server.wait()
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,13 @@ computes the same thing: all of them are idempotent, and transient failures are 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import grpc
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
+from specbatch.local_rpc import LocalChannel, LocalRpcError
 from specbatch.sampling_params import SamplingParams
 from specbatch.tls import channel_options_reconnecting_within, open_channel
 from specbatch.v1 import model_services_pb2 as pb
@@ -102,9 +104,14 @@ class ServiceClient:
 
     Every call takes an optional ``timeout``: the time its requests have left (client deadlines
     propagate downstream), never more than the client's own ``timeout``.
+
+    Where the service's CacheStats names a local socket that exists on this host, the calls go
+    there instead of through gRPC (specbatch/local_rpc.py); a failed socket sends them back to
+    gRPC (the retry that follows takes that path) until CacheStats names one again.
     """
 
     stub_class = None
+    service_name = ""  # the proto service's full name
 
     def __init__(self, address: str, timeout: float, credentials: grpc.ChannelCredentials | None = None,
                  attempts: int = 4, server_name: str | None = None):
@@ -112,32 +119,58 @@ class ServiceClient:
         self.timeout = timeout
         self.channel = open_channel(address, credentials, SERVICE_CHANNEL_OPTIONS, server_name)
         self.stub = self.stub_class(self.channel)
+        self.local: LocalChannel | None = None
         self.traffic = Traffic()
         self.retry = retrying(attempts)
 
     def _deadline(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else max(0.01, min(self.timeout, timeout))
 
-    def _call(self, method, request, timeout: float | None = None):
-        reply = self.retry(method)(request, timeout=self._deadline(timeout))
+    def _send(self, method: str, request, timeout: float):
+        local = self.local
+        if local is None:
+            return getattr(self.stub, method)(request, timeout=timeout)
+        try:
+            return local.call(f"/{self.service_name}/{method}", request, timeout)
+        except LocalRpcError as error:
+            if error.code() == grpc.StatusCode.UNAVAILABLE:
+                log.warning("%s: %s; back to gRPC", self.address, error.details())
+                self.local = None
+                local.close()
+            raise
+
+    def _call(self, method: str, request, timeout: float | None = None):
+        reply = self.retry(self._send)(method, request, self._deadline(timeout))
         self.traffic.add(request, reply)
         return reply
 
     def prefill(self, calls: list[Call], timeout: float | None = None) -> pb.PrefillResponse:
-        return self._call(self.stub.Prefill, pb.PrefillRequest(sequences=[_seq(c) for c in calls]), timeout)
+        return self._call("Prefill", pb.PrefillRequest(sequences=[_seq(c) for c in calls]), timeout)
 
     def release(self, seq_ids: list[str], timeout: float | None = None) -> None:
-        self.retry(self.stub.Release)(pb.ReleaseRequest(seq_ids=seq_ids), timeout=self._deadline(timeout))
+        self.retry(self._send)("Release", pb.ReleaseRequest(seq_ids=seq_ids), self._deadline(timeout))
 
     def cache_stats(self) -> pb.CacheStatsResponse:
-        return self.retry(self.stub.CacheStats)(pb.CacheStatsRequest(), timeout=self.timeout)
+        """Always through gRPC: it says whether the service has a local socket on this host."""
+        stats = self.retry(self.stub.CacheStats)(pb.CacheStatsRequest(), timeout=self.timeout)
+        path = stats.local_socket if stats.local_socket and os.path.exists(stats.local_socket) else None
+        if path != (self.local.path if self.local is not None else None):
+            if self.local is not None:
+                self.local.close()
+            self.local = LocalChannel(path) if path else None
+            if path:
+                log.info("%s: calls on its local socket %s", self.address, path)
+        return stats
 
     def close(self) -> None:
+        if self.local is not None:
+            self.local.close()
         self.channel.close()
 
 
 class TargetClient(ServiceClient):
     stub_class = pb_grpc.TargetStub
+    service_name = "specbatch.v1.Target"
 
     def verify(self, calls: list[Call], drafts: list[list[int]], sampling: list[SamplingParams],
                create: bool = False, return_features: bool = False,
@@ -151,12 +184,13 @@ class TargetClient(ServiceClient):
         items = [pb.VerifyItem(sequence=_seq(c), draft_tokens=d, sampling=_sampling_to_proto(s), draft_distributions=q,
                                leaves=[pb.Leaves(tokens=tokens) for tokens in at])
                  for c, d, s, q, at in zip(calls, drafts, sampling, distributions, leaves)]
-        return self._call(self.stub.Verify, pb.VerifyRequest(items=items, create=create,
+        return self._call("Verify", pb.VerifyRequest(items=items, create=create,
                                                              return_features=return_features), timeout)
 
 
 class DraftClient(ServiceClient):
     stub_class = pb_grpc.DraftStub
+    service_name = "specbatch.v1.Draft"
 
     def propose(self, calls: list[Call], ks: list[int], sampling: list[SamplingParams],
                 timeout: float | None = None, leaves: list[list[int]] | None = None,
@@ -168,7 +202,7 @@ class DraftClient(ServiceClient):
         unsure_below = unsure_below or [0.0] * len(calls)
         items = [pb.ProposeItem(sequence=_seq(c), k=k, sampling=_sampling_to_proto(s), leaves=n, unsure_below=u)
                  for c, k, s, n, u in zip(calls, ks, sampling, leaves, unsure_below)]
-        return self._call(self.stub.Propose, pb.ProposeRequest(items=items), timeout)
+        return self._call("Propose", pb.ProposeRequest(items=items), timeout)
 
     @staticmethod
     def ahead_request(calls: list[Call], chains: list[list[int]], guesses: list[int], ks: list[int]) -> pb.AheadRequest:
@@ -178,4 +212,4 @@ class DraftClient(ServiceClient):
                                       for c, chain, n, k in zip(calls, chains, guesses, ks)])
 
     def propose_ahead(self, request: pb.AheadRequest, timeout: float | None = None) -> pb.AheadResponse:
-        return self._call(self.stub.ProposeAhead, request, timeout)
+        return self._call("ProposeAhead", request, timeout)

@@ -68,6 +68,7 @@ class CacheServicer:
 
     add_to_server = None  # the generated add_…Servicer_to_server, set by each service
     service_name = ""
+    local_socket = ""  # the LocalServer's path, where one serves the same calls (CacheStats names it)
 
     def __init__(self, engine: Engine, model_name: str, metrics: ServiceMetrics | None = None):
         self.engine = engine
@@ -133,6 +134,7 @@ class CacheServicer:
                 vocab_size=self.engine.vocab_size,
                 feature_size=self.feature_size(),
                 sequences_created=self.engine.sequences_created,
+                local_socket=self.local_socket,
             )
 
     def feature_size(self) -> int:
@@ -242,6 +244,9 @@ def model_service_parser(kind: str, port: int, default_model: str) -> argparse.A
     parser.add_argument("--wide-from-rows", type=int, default=12, metavar="R",
                         help="the fewest rows a call runs on --wide-threads (default 12)")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--local-socket-dir", metavar="DIR",
+                        help="also serve the calls on a Unix socket of this service's own in DIR, for a coordinator "
+                             "on this host (specbatch/local_rpc.py: no gRPC threads to wake; owner-only, no TLS)")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--log-format", choices=LOG_FORMATS, default="text",
                         help="text, or json: one object per line for log collectors (default text)")
@@ -298,6 +303,8 @@ def run_model_service(kind: str, port: int, default_model: str, add_servicer, ar
                         interceptors=[metrics.interceptor()])
         add_servicer(server, engine, spec.describe(), metrics=metrics)
         leases = SequenceLeases(engine, args.sequence_lease_seconds, metrics) if args.sequence_lease_seconds > 0 else None
+        if args.local_socket_dir:  # each call's metrics as the gRPC interceptor records them
+            server.serve_locally(args.local_socket_dir, kind, observe=metrics.observe_request)
         server.start()
         if leases is not None:
             leases.start()

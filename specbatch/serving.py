@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from . import reflection
 from .errors import EngineError
+from .local_rpc import LocalServer
 from .logs import configure_logging  # noqa: F401  (re-exported: the servers import it from here)
 from .tls import CHANNEL_OPTIONS, channel_options_reconnecting_within, open_channel
 
@@ -56,6 +57,8 @@ class Server:
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
         self.service_names: list[str] = [health.SERVICE_NAME, *reflection.SERVICE_NAMES]
+        self.servicers: list[tuple[object, str]] = []
+        self.local: LocalServer | None = None  # serve_locally
         # credentials (specbatch.tls.server_credentials): TLS, or mTLS with a client CA; else plaintext.
         self.tls = credentials is not None
         self.port = (self.grpc_server.add_secure_port(address, credentials) if credentials is not None
@@ -68,6 +71,7 @@ class Server:
     def add(self, add_fn, servicer, service_full_name: str) -> None:
         add_fn(servicer, self.grpc_server)
         self.service_names.append(service_full_name)
+        self.servicers.append((servicer, service_full_name))  # for a LocalServer beside it
 
     def start(self) -> "Server":
         reflection.enable_server_reflection(self.service_names, self.grpc_server)
@@ -84,10 +88,22 @@ class Server:
         """Health says NOT_SERVING (probes and clients go elsewhere) while calls still run."""
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
+    def serve_locally(self, directory: str, kind: str, observe=None) -> LocalServer:
+        """Its servicers' calls on a Unix socket in ``directory`` too (specbatch/local_rpc.py), for
+        clients on this host: named in their CacheStats, stopped with the server."""
+        self.local = LocalServer(directory, kind, observe)
+        for servicer, name in self.servicers:
+            self.local.add(servicer, name)
+            if hasattr(servicer, "local_socket"):
+                servicer.local_socket = self.local.path
+        return self.local.start()
+
     def stop(self, grace: float = 5.0) -> None:
         if self.stopped.is_set():
             return
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.local is not None:  # its calls in flight finish; new ones find no socket and use gRPC
+            self.local.stop()
         self.grpc_server.stop(grace).wait()
         self.stopped.set()
 

@@ -19,9 +19,13 @@ from ..serving import Server
 from ..v1 import generation_pb2_grpc
 
 
-def serve_engine(engine: Engine, add_servicer, name: str, address: str = "127.0.0.1:0") -> Server:
+def serve_engine(engine: Engine, add_servicer, name: str, address: str = "127.0.0.1:0",
+                 socket_dir: str | None = None) -> Server:
+    """``socket_dir``: its calls on a Unix socket there too (the coordinator then uses it)."""
     server = Server(address, max_workers=8)
     add_servicer(server, engine, name)
+    if socket_dir:
+        server.serve_locally(socket_dir, name)
     return server.start()
 
 
@@ -58,15 +62,16 @@ def _replica_model(model, index: int):
 
 def start_local_stack(target_model, draft_model, tokenizer, eos_token_ids=frozenset(), target_engine_options=None,
                       target_replicas: int = 1, draft_replicas: int = 1, draft_engine_options=None,
-                      **coordinator_options) -> LocalStack:
+                      socket_dir: str | None = None, **coordinator_options) -> LocalStack:
     """Replicas after the first get a copy of the model: engines running side by side must not
-    share one (each hooks the model's decoder during its forwards)."""
+    share one (each hooks the model's decoder during its forwards). ``socket_dir``: the services
+    serve on local sockets there too, and the coordinator calls them that way."""
     target_engines = [Engine(_replica_model(target_model, i), **(target_engine_options or {}))
                       for i in range(target_replicas)]
-    targets = [serve_engine(engine, TargetServicer.serve_on, "target") for engine in target_engines]
+    targets = [serve_engine(engine, TargetServicer.serve_on, "target", socket_dir=socket_dir) for engine in target_engines]
     draft_engines = [Engine(_replica_model(draft_model, i), **(draft_engine_options or {}))
                      for i in range(draft_replicas if draft_model is not None else 0)]
-    drafts = [serve_engine(engine, DraftServicer.serve_on, "draft") for engine in draft_engines]
+    drafts = [serve_engine(engine, DraftServicer.serve_on, "draft", socket_dir=socket_dir) for engine in draft_engines]
     coordinator = build_coordinator(
         ",".join(f"127.0.0.1:{s.port}" for s in targets), ",".join(f"127.0.0.1:{s.port}" for s in drafts) or None,
         tokenizer, eos_token_ids=eos_token_ids, **coordinator_options,

@@ -1,0 +1,94 @@
+"""The services' calls over Unix sockets (specbatch/local_rpc.py): the same results and statuses as
+through gRPC, and back to gRPC where a socket fails."""
+
+import os
+import stat
+
+import grpc
+import pytest
+
+from specbatch.local_rpc import LocalChannel, LocalRpcError, LocalServer
+from specbatch.v1 import model_services_pb2 as pb
+from specbatch.v1 import model_services_pb2_grpc as pb_grpc
+from tests.tiny import greedy_mixed_batch, greedy_reference, random_prompts
+
+
+@pytest.fixture
+def socket_stack(target_model, draft_model, tokenizer, tmp_path):
+    from specbatch.commands.local import start_local_stack
+
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=128,
+                              socket_dir=str(tmp_path))
+    yield stack
+    stack.stop()
+
+
+def counted(server: LocalServer) -> list[str]:
+    """The methods ``server`` serves from now on, as they come."""
+    calls, handle = [], server._handle
+
+    def counting(name, body, seconds_left):
+        calls.append(name.rsplit("/", 1)[-1])
+        return handle(name, body, seconds_left)
+
+    server._handle = counting
+    return calls
+
+
+def clients(stack):
+    return [r.client for r in stack.coordinator.targets.replicas.values()] + \
+           [r.client for r in stack.coordinator.drafts.replicas.values()]
+
+
+def test_a_stack_on_local_sockets_decodes_as_target_only_decoding(socket_stack, target_model):
+    """The coordinator finds each service's socket in its CacheStats and sends Propose and Verify
+    there; the tokens are target-only greedy decoding's, six requests batched together."""
+    target_calls, draft_calls = counted(socket_stack.target.local), counted(socket_stack.draft.local)
+    results = greedy_mixed_batch(socket_stack, seed=3, k=3)
+    for prompt, result in zip(random_prompts(3), results):
+        assert list(result.token_ids) == greedy_reference(target_model, prompt, 30)
+    assert "Verify" in target_calls and "Propose" in draft_calls
+    assert all(client.local is not None for client in clients(socket_stack))
+    mode = os.stat(socket_stack.target.local.path).st_mode
+    assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600  # its owner's alone: it skips TLS
+
+
+def test_a_refusal_keeps_its_status_and_message_locally(socket_stack):
+    """A Verify of a sequence the target does not hold: NOT_FOUND with the engine's message, the
+    same over the socket as through gRPC; the connection serves the next call."""
+    request = pb.VerifyRequest(items=[pb.VerifyItem(sequence=pb.SequenceInput(seq_id="ghost", keep_len=4, tokens=[8]))])
+    with grpc.insecure_channel(f"127.0.0.1:{socket_stack.target.port}") as channel:
+        with pytest.raises(grpc.RpcError) as through_grpc:
+            pb_grpc.TargetStub(channel).Verify(request, timeout=10)
+    local = LocalChannel(socket_stack.target.local.path)
+    with pytest.raises(LocalRpcError) as locally:
+        local.call("/specbatch.v1.Target/Verify", request, 10.0)
+    assert locally.value.code() == through_grpc.value.code() == grpc.StatusCode.NOT_FOUND
+    assert locally.value.details() == through_grpc.value.details()
+    stats = local.call("/specbatch.v1.Target/CacheStats", pb.CacheStatsRequest(), 10.0)
+    assert stats.local_socket == socket_stack.target.local.path
+    with pytest.raises(LocalRpcError) as unknown:
+        local.call("/specbatch.v1.Target/Nothing", request, 10.0)
+    assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    local.close()
+
+
+def test_a_lost_socket_sends_the_calls_back_to_grpc(socket_stack, target_model):
+    """The target's socket goes away between two requests: the next call fails over it, the
+    client drops it, and the retry goes through gRPC; nothing is lost."""
+    prompt = random_prompts(5, 1)[0]
+    expected = greedy_reference(target_model, prompt, 30)
+    first = greedy_mixed_batch(socket_stack, seed=5, k=2, prompts=1)
+    socket_stack.target.local.stop()
+    second = greedy_mixed_batch(socket_stack, seed=5, k=2, prompts=1)
+    assert list(first[0].token_ids) == list(second[0].token_ids) == expected
+    (target,) = socket_stack.coordinator.targets.replicas.values()
+    assert target.client.local is None
+    # A CacheStats that names no socket (or one not on this host) leaves gRPC in place.
+    target.client.cache_stats()
+    assert target.client.local is None
+
+
+def test_no_socket_is_named_without_one(stack):
+    (target,) = stack.coordinator.targets.replicas.values()
+    assert target.client.cache_stats().local_socket == "" and target.client.local is None
