@@ -35,6 +35,8 @@ from pathlib import Path
 import grpc
 from google.protobuf import descriptor_pool, message_factory
 
+from .tls import MAX_MESSAGE_BYTES
+
 log = logging.getLogger(__name__)
 
 REQUEST = struct.Struct("<IHd")
@@ -171,6 +173,10 @@ class LocalServer:
         try:
             while (head := _read(conn, REQUEST.size)) is not None:
                 size, name_size, seconds_left = REQUEST.unpack(head)
+                if size > MAX_MESSAGE_BYTES:  # gRPC's cap too; the frame is not read, so the connection ends
+                    refusal = f"a request of {size} bytes: the cap is {MAX_MESSAGE_BYTES}".encode()
+                    conn.sendall(REPLY.pack(len(refusal), grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]) + refusal)
+                    return
                 name, body = _read(conn, name_size), _read(conn, size)
                 if name is None or body is None:
                     return

@@ -92,3 +92,18 @@ def test_a_lost_socket_sends_the_calls_back_to_grpc(socket_stack, target_model):
 def test_no_socket_is_named_without_one(stack):
     (target,) = stack.coordinator.targets.replicas.values()
     assert target.client.cache_stats().local_socket == "" and target.client.local is None
+
+
+def test_a_request_over_the_message_cap_is_refused_as_grpc_refuses_it(socket_stack, monkeypatch):
+    """RESOURCE_EXHAUSTED, as gRPC's 64 MiB cap answers (the cap lowered here to a few bytes); the
+    service goes on serving other connections."""
+    from specbatch import local_rpc
+
+    monkeypatch.setattr(local_rpc, "MAX_MESSAGE_BYTES", 16)
+    local = LocalChannel(socket_stack.target.local.path)
+    big = pb.ReleaseRequest(seq_ids=["x" * 64])
+    with pytest.raises(LocalRpcError) as refused:
+        local.call("/specbatch.v1.Target/Release", big, 10.0)
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert local.call("/specbatch.v1.Target/Release", pb.ReleaseRequest(), 10.0).released == 0
+    local.close()
