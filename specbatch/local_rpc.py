@@ -63,6 +63,16 @@ def _read(conn: socket.socket, size: int) -> bytes | None:
     return bytes(data)
 
 
+def _skip(conn: socket.socket, size: int) -> bool:
+    """Read and drop ``size`` bytes; False where the peer closed first."""
+    while size > 0:
+        chunk = conn.recv(min(size, 1 << 20))
+        if not chunk:
+            return False
+        size -= len(chunk)
+    return True
+
+
 class LocalRpcError(grpc.RpcError):
     """A failed local call, read as the coordinator reads a failed gRPC call."""
 
@@ -173,10 +183,12 @@ class LocalServer:
         try:
             while (head := _read(conn, REQUEST.size)) is not None:
                 size, name_size, seconds_left = REQUEST.unpack(head)
-                if size > MAX_MESSAGE_BYTES:  # gRPC's cap too; the frame is not read, so the connection ends
+                if size > MAX_MESSAGE_BYTES:  # gRPC's cap too: the frame is read past, never held
+                    if not _skip(conn, name_size + size):
+                        return
                     refusal = f"a request of {size} bytes: the cap is {MAX_MESSAGE_BYTES}".encode()
                     conn.sendall(REPLY.pack(len(refusal), grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]) + refusal)
-                    return
+                    continue
                 name, body = _read(conn, name_size), _read(conn, size)
                 if name is None or body is None:
                     return
