@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
-import shutil
 import subprocess
 import tempfile
 import time
