@@ -92,7 +92,7 @@ class _Aborted(Exception):
 
 
 class LocalContext:
-    """What the servicers use of a gRPC ServicerContext."""
+    """What the servicers use of a gRPC ServicerContext: ``abort``, and the deadline."""
 
     def __init__(self, seconds_left: float):
         self.deadline = time.monotonic() + seconds_left
@@ -102,23 +102,8 @@ class LocalContext:
         self.code, self.message = code, details
         raise _Aborted
 
-    def set_code(self, code: grpc.StatusCode) -> None:
-        self.code = code
-
-    def set_details(self, details: str) -> None:
-        self.message = details
-
     def time_remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
-
-    def is_active(self) -> bool:
-        return self.time_remaining() > 0
-
-    def invocation_metadata(self):
-        return ()
-
-    def peer(self) -> str:
-        return "unix-local"
 
 
 class LocalServer:
@@ -131,7 +116,7 @@ class LocalServer:
         self.observe = observe
         self.handlers: dict[str, tuple] = {}  # full method name -> (bound method, request class)
         self.listener: socket.socket | None = None
-        self.connections: set[socket.socket] = set()
+        self.idle: set[socket.socket] = set()  # connections waiting for their next call
         self.lock = threading.Lock()
 
     def add(self, servicer, service_full_name: str) -> None:
@@ -156,14 +141,14 @@ class LocalServer:
         return self
 
     def stop(self) -> None:
-        """No new connections, and the open ones closed: their clients go back to gRPC (a call in
-        flight loses its reply and is retried there; every call is idempotent)."""
+        """No new connections or calls: the idle connections are closed at once (their clients go
+        back to gRPC), a call in flight sends its reply first, as gRPC's graceful stop lets it."""
         if self.listener is not None:
             self.listener.close()
             self.listener = None
             Path(self.path).unlink(missing_ok=True)
         with self.lock:
-            for conn in self.connections:
+            for conn in self.idle:
                 try:
                     conn.shutdown(socket.SHUT_RDWR)
                 except OSError:
@@ -178,10 +163,17 @@ class LocalServer:
             threading.Thread(target=self._serve, args=(conn,), name="local-rpc-call", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        with self.lock:
-            self.connections.add(conn)
         try:
-            while (head := _read(conn, REQUEST.size)) is not None:
+            while True:
+                with self.lock:  # (stop shuts what is idle under the same lock)
+                    if self.listener is None:
+                        return  # stopped
+                    self.idle.add(conn)
+                head = _read(conn, REQUEST.size)
+                with self.lock:
+                    self.idle.discard(conn)
+                if head is None:
+                    return
                 size, name_size, seconds_left = REQUEST.unpack(head)
                 if size > MAX_MESSAGE_BYTES:  # gRPC's cap too: the frame is read past, never held
                     if not _skip(conn, name_size + size):
@@ -198,7 +190,7 @@ class LocalServer:
             return  # the client went away, or the server stopped
         finally:
             with self.lock:
-                self.connections.discard(conn)
+                self.idle.discard(conn)
             conn.close()
 
     def _call(self, name: str, body: bytes, seconds_left: float) -> tuple[int, bytes]:

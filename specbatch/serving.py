@@ -102,7 +102,7 @@ class Server:
         if self.stopped.is_set():
             return
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self.local is not None:  # its calls in flight finish; new ones find no socket and use gRPC
+        if self.local is not None:  # its calls in flight reply; new ones find no socket and use gRPC
             self.local.stop()
         self.grpc_server.stop(grace).wait()
         self.stopped.set()

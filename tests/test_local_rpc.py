@@ -107,3 +107,41 @@ def test_a_request_over_the_message_cap_is_refused_as_grpc_refuses_it(socket_sta
     assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert local.call("/specbatch.v1.Target/Release", pb.ReleaseRequest(), 10.0).released == 0
     local.close()
+
+
+def test_a_call_in_flight_replies_when_the_socket_stops(tmp_path):
+    """Stopping (a draining service) closes the idle connections at once, but a call already
+    running sends its reply first, as gRPC's graceful stop lets it; then the socket is gone."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+
+    class Slow:
+        def CacheStats(self, request, context):
+            started.set()
+            release.wait(10)
+            return pb.CacheStatsResponse(model="slow")
+
+        def Release(self, request, context):
+            return pb.ReleaseResponse(released=len(request.seq_ids))
+
+    server = LocalServer(tmp_path, "slow")
+    server.add(Slow(), "specbatch.v1.Target")
+    server.start()
+    busy, idle = LocalChannel(server.path), LocalChannel(server.path)
+    assert idle.call("/specbatch.v1.Target/Release", pb.ReleaseRequest(seq_ids=["a"]), 10.0).released == 1
+    replies = []
+    caller = threading.Thread(target=lambda: replies.append(
+        busy.call("/specbatch.v1.Target/CacheStats", pb.CacheStatsRequest(), 10.0)))
+    caller.start()
+    assert started.wait(10)
+    server.stop()
+    with pytest.raises(LocalRpcError) as closed:  # its connection was idle: closed at once
+        idle.call("/specbatch.v1.Target/Release", pb.ReleaseRequest(), 10.0)
+    assert closed.value.code() == grpc.StatusCode.UNAVAILABLE
+    release.set()
+    caller.join(10)
+    assert [reply.model for reply in replies] == ["slow"]
+    with pytest.raises(LocalRpcError) as gone:
+        busy.call("/specbatch.v1.Target/CacheStats", pb.CacheStatsRequest(), 10.0)
+    assert gone.value.code() == grpc.StatusCode.UNAVAILABLE
