@@ -4,7 +4,9 @@ call over the services' local socket (specbatch/local_rpc.py).
 A model service at batch 1 sleeps 3-15 ms between its calls (the other service or the target's
 forward runs meanwhile). This measures an empty unary call (a Verify whose handler only stamps the
 time) from a client process to a server process started as the services are (a sync gRPC server,
-a thread pool), calls ``gap`` ms apart: the time to reach the handler and the reply's way back.
+a thread pool), calls ``gap`` ms apart: the time to reach the handler and the reply's way back;
+over the local socket also with the stamp taken on a model thread, as the services' calls run
+(``Engine.run``): what that hand-over adds.
 Beside it, a pipe round trip between two processes after the same gap: what waking a sleeping
 process costs on this machine without gRPC's threads.
 
@@ -36,8 +38,14 @@ from specbatch.v1 import model_services_pb2_grpc as pb_grpc  # noqa: E402
 
 
 class StampingTarget(pb_grpc.TargetServicer):
+    # A Verify whose first item keeps 1 token stamps on a model thread, as the services' calls
+    # run (``Engine.run``: handed to one worker thread and its result handed back).
+    model_thread = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
     def Verify(self, request, context):
         # perf_counter is CLOCK_MONOTONIC: the same clock in both processes.
+        if request.items and request.items[0].sequence.keep_len == 1:
+            return self.model_thread.submit(lambda: pb.VerifyResponse(compute_seconds=time.perf_counter())).result()
         return pb.VerifyResponse(compute_seconds=time.perf_counter())
 
 
@@ -95,13 +103,17 @@ def main() -> None:
         grpc.channel_ready_future(channel).result(timeout=30)
         stub = pb_grpc.TargetStub(channel)
         local = LocalChannel(next(Path(socket_dir).glob("*.sock")).as_posix())
-        calls = {"gRPC": lambda request: stub.Verify(request),
-                 "local socket": lambda request: local.call("/specbatch.v1.Target/Verify", request, 10.0)}
-        request = pb.VerifyRequest(items=[pb.VerifyItem(sequence=pb.SequenceInput(seq_id="a", keep_len=100,
-                                                                                  tokens=[1, 2, 3]))])
+        def request(keep_len: int):
+            return pb.VerifyRequest(items=[pb.VerifyItem(sequence=pb.SequenceInput(seq_id="a", keep_len=keep_len,
+                                                                                   tokens=[1, 2, 3]))])
+
+        plain, hopping = request(100), request(1)
+        calls = {"gRPC": lambda: stub.Verify(plain),
+                 "local socket": lambda: local.call("/specbatch.v1.Target/Verify", plain, 10.0),
+                 "local socket, model thread": lambda: local.call("/specbatch.v1.Target/Verify", hopping, 10.0)}
         for call in calls.values():
             for _ in range(20):
-                call(request)
+                call()
         print("| gap between calls | " + " | ".join(f"{name}: to the handler | {name}: back to the client"
                                                   for name in calls) + " | pipe round trip |")
         print("|---|" + "---|---|" * len(calls) + "---|")
@@ -110,7 +122,7 @@ def main() -> None:
             for _ in range(args.calls):
                 for name, call in calls.items():  # taking turns
                     sent = time.perf_counter()
-                    reply = call(request)
+                    reply = call()
                     received = time.perf_counter()
                     times[name][0].append(reply.compute_seconds - sent)
                     times[name][1].append(received - reply.compute_seconds)

@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""Where a served step's time goes beyond the services' compute, at batch 1.
+
+Starts the two model services as `specbatch up` does (local sockets, threads, metrics ports) and
+drives the coordinator's scheduler by hand, one step at a time (as `specbatch profile` does), at
+each k of ``--ks``. Per k it prints the medians of the step, of each call's wall time and of the
+compute the service reports for it, and from the services' own Prometheus sums the mean time a
+call spent in its handler beyond the engine call. What is left of a call's wall time beyond the
+handler is the transport: the wake-ups between the processes.
+
+    .venv/bin/python benchmarks/call_overhead.py [--ks 0,1,2,3,5] [--steps 150] [--grpc-only]
+
+docs/engine.md, "Where the rest of a call goes".
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import urllib.request
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from coordinator.backends import DraftClient, TargetClient  # noqa: E402
+from coordinator.policy import FixedK  # noqa: E402
+from coordinator.replicas import ReplicaSet  # noqa: E402
+from coordinator.requests import Request, TextStream  # noqa: E402
+from coordinator.scheduler import Scheduler  # noqa: E402
+from specbatch.commands.launcher import DEFAULT_METRICS_PORTS, LocalProcesses, StackOptions  # noqa: E402
+from specbatch.models import EMBEDDED, ModelSpec, load_tokenizer  # noqa: E402
+from specbatch.prompts import chat_prompts, sharegpt_prompts  # noqa: E402
+from specbatch.sampling import SamplingParams  # noqa: E402
+
+WARMUP_STEPS = 10
+
+
+def handler_sums(port: int) -> dict:
+    """{(histogram, method, "sum" | "count"): value} of the service's handler and compute times."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    sums = {}
+    for name, short in (("specbatch_service_compute_seconds", "compute"), ("specbatch_service_request_seconds", "handler")):
+        for match in re.finditer(name + r'_(sum|count)\{method="(\w+)"\} ([0-9.e+-]+)', text):
+            sums[short, match.group(2), match.group(1)] = float(match.group(3))
+    return sums
+
+
+def beyond_compute_ms(before: dict, after: dict, method: str) -> float | None:
+    """Mean handler time less mean compute time of ``method``'s calls between two readings."""
+    calls = after.get(("compute", method, "count"), 0) - before.get(("compute", method, "count"), 0)
+    if not calls:
+        return None
+    spent = {part: after[part, method, "sum"] - before.get((part, method, "sum"), 0) for part in ("handler", "compute")}
+    return 1e3 * (spent["handler"] - spent["compute"]) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ks", default="0,1,2,3,5")
+    parser.add_argument("--steps", type=int, default=150, help="measured steps a k")
+    parser.add_argument("--grpc-only", action="store_true", help="the calls through gRPC, not the local sockets")
+    args = parser.parse_args()
+    tokenizer = load_tokenizer(ModelSpec(EMBEDDED))
+    prompt = chat_prompts(tokenizer, sharegpt_prompts(1, 0), 200)[0]
+    options = StackOptions(coordinator=False, metrics_ports=dict(DEFAULT_METRICS_PORTS), local_sockets=not args.grpc_only)
+    ports = {name: DEFAULT_METRICS_PORTS[name] for name in ("target", "draft")}
+    print("| k | step ms | Propose wall / compute | Verify wall / compute | Propose handler − compute "
+          "| Verify handler − compute |")
+    print("|---|---|---|---|---|---|")
+    with LocalProcesses(options) as processes:
+        target = TargetClient(processes.target_address, timeout=600)
+        draft = DraftClient(processes.draft_address, timeout=600)
+        feature_size = draft.cache_stats().feature_size
+        target.cache_stats()  # (adopts the local socket where there is one)
+        for k in (int(k) for k in args.ks.split(",")):
+            scheduler = Scheduler(ReplicaSet.of("target", target), ReplicaSet.of("draft", draft), FixedK(k),
+                                  max_batch_size=1, max_queue=1, max_context=2048, draft_feature_size=feature_size)
+            request = Request(id=f"k{k}", prompt=prompt, max_new_tokens=2048 - len(prompt) - 8,
+                              sampling=SamplingParams(), stop_token_ids=frozenset(), text=TextStream(tokenizer, []),
+                              seq_id=uuid.uuid4().hex)
+            scheduler.submit(request)
+            scheduler.admit()
+            steps = []
+            for i in range(WARMUP_STEPS + args.steps):
+                if i == WARMUP_STEPS:
+                    before = {name: handler_sums(port) for name, port in ports.items()}
+                stats = scheduler.step()
+                if stats is None or request.finish is not None:
+                    raise SystemExit(f"the step at k = {k} ended early (a service down, or the context full)")
+                if i >= WARMUP_STEPS:
+                    steps.append((stats.step_seconds, stats.draft_seconds, stats.draft_compute_seconds,
+                                  stats.target_seconds, stats.target_compute_seconds))
+            after = {name: handler_sums(port) for name, port in ports.items()}
+            request.cancel()
+            scheduler.retire()
+            scheduler.placement.close()
+            step, propose, propose_compute, verify, verify_compute = (1e3 * statistics.median(c) for c in zip(*steps))
+            extra = [beyond_compute_ms(before[name], after[name], method)
+                     for name, method in (("draft", "Propose"), ("target", "Verify"))]
+            print(f"| {k} | {step:.2f} | " + (f"{propose:.2f} / {propose_compute:.2f}" if k else "–")
+                  + f" | {verify:.2f} / {verify_compute:.2f} | "
+                  + " | ".join("–" if e is None else f"{e:.2f}" for e in extra) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
