@@ -9,6 +9,7 @@ call spent in its handler beyond the engine call. What is left of a call's wall 
 handler is the transport: the wake-ups between the processes.
 
     .venv/bin/python benchmarks/call_overhead.py [--ks 0,1,2,3,5] [--steps 150] [--grpc-only]
+        [--device cuda --dtype bfloat16]
 
 docs/engine.md, "Where the rest of a call goes".
 """
@@ -62,11 +63,16 @@ def main() -> None:
     parser.add_argument("--ks", default="0,1,2,3,5")
     parser.add_argument("--steps", type=int, default=150, help="measured steps a k")
     parser.add_argument("--grpc-only", action="store_true", help="the calls through gRPC, not the local sockets")
+    parser.add_argument("--device", help="the services' device (default: as specbatch up picks)")
+    parser.add_argument("--dtype", help="the services' dtype (default: as specbatch up picks)")
     args = parser.parse_args()
     tokenizer = load_tokenizer(ModelSpec(EMBEDDED))
     prompt = chat_prompts(tokenizer, sharegpt_prompts(1, 0), 200)[0]
-    options = StackOptions(coordinator=False, metrics_ports=dict(DEFAULT_METRICS_PORTS), local_sockets=not args.grpc_only)
+    options = StackOptions(coordinator=False, metrics_ports=dict(DEFAULT_METRICS_PORTS), local_sockets=not args.grpc_only,
+                           device=args.device, dtype=args.dtype)
     ports = {name: DEFAULT_METRICS_PORTS[name] for name in ("target", "draft")}
+    print(f"batch 1, the calls over {'gRPC' if args.grpc_only else 'local sockets'}, {args.steps} steps a k (medians; "
+          "handler − compute: means from the services' metrics), ms:")
     print("| k | step ms | Propose wall / compute | Verify wall / compute | Propose handler − compute "
           "| Verify handler − compute |")
     print("|---|---|---|---|---|---|")

@@ -9,7 +9,8 @@
 #      written with its heat map into docs/profile/ (on CUDA; elsewhere into the run folder);
 #   6. with the real weights: benchmarks/batch1.py (the embedded pair through the three services at
 #      batch 1, target-only against speculative with 0, 1 and 3 leaves beside the first draft),
-#      benchmarks/exactness.py on the device, and a small specbatch bench (concurrency 1, 8, 32).
+#      benchmarks/exactness.py on the device, a small specbatch bench (concurrency 1, 8, 32), and
+#      benchmarks/call_overhead.py (a batch-1 step's parts beyond compute) over local sockets and gRPC.
 # Every table is printed, and kept under $OUT.
 #
 #   benchmarks/gpu.sh                      # cuda, bfloat16, the default grids (about 10 minutes on one H100)
@@ -163,7 +164,7 @@ step() {
 # need its weights (the random-weight ones are in docs/gpu.md). STEPS=name,name… chooses.
 if [[ -z ${STEPS:-} ]]; then
     STEPS=all
-    [[ -n $BUNDLE && $REAL == 1 && $LEASE == 1 ]] && STEPS=profile-smollm2,batch1,exactness,bench
+    [[ -n $BUNDLE && $REAL == 1 && $LEASE == 1 ]] && STEPS=profile-smollm2,batch1,exactness,bench,transport
 fi
 want() { [[ $STEPS == all || ,$STEPS, == *,$1,* ]]; }
 
@@ -230,6 +231,16 @@ if [[ $REAL == 1 ]]; then  # real weights only: random ones accept nothing
         echo "== exactness on the device: speculative against target-only decoding, mismatches at near-ties =="
         step 120 "$PYTHON" benchmarks/exactness.py --device "$DEVICE" --dtype "$DTYPE" "${EXACTNESS[@]}" \
             --out "$OUT/exactness.json" | tee "$OUT/exactness.txt"
+    fi
+    if want transport; then
+        # At batch 1 on the H200 the two calls took ~3 of a 7.5 ms step (docs/gpu.md): what the
+        # local sockets save there, a step's parts measured both ways (docs/engine.md, "Where the
+        # rest of a call goes").
+        echo "== a batch-1 step's time beyond the services' compute: local sockets, then gRPC =="
+        for transport in "" --grpc-only; do
+            step 100 "$PYTHON" benchmarks/call_overhead.py --device "$DEVICE" --dtype "$DTYPE" $transport \
+                | tee -a "$OUT/call-overhead.txt"
+        done
     fi
     if want bench; then
         echo "== specbatch bench: k = 0 against fixed k and the profile, concurrency 1 to 32 =="
