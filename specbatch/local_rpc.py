@@ -243,8 +243,10 @@ class LocalChannel:
             body, name = request.SerializeToString(), full_name.encode()
             conn.sendall(REQUEST.pack(len(body), len(name), timeout) + name + body)
             head = _read(conn, REPLY.size)
-            size, status = REPLY.unpack(head) if head is not None else (0, 0)
-            data = _read(conn, size) if head is not None else None
+            if head is None:
+                raise ConnectionError("the service closed the connection")
+            size, status = REPLY.unpack(head)
+            data = _read(conn, size)
             if data is None:
                 raise ConnectionError("the service closed the connection")
         except socket.timeout:
