@@ -295,8 +295,32 @@ def test_embedded_services_on_a_gpu_host_get_no_cpu_forms(monkeypatch, device, c
     for module in ("target_service", "draft_service"):
         forms = [flag for flag in spawned[module] if flag in ("--bf16-dot", "--int8-weights", "--kv-bf16", "float32")]
         assert bool(forms) is cpu_forms, (module, spawned[module])
-    policy, _ = default_k_policy(StackOptions(**({} if device is None else {"device": device})))
-    assert (policy == "fixed:3") is not cpu_forms
+    policy, path = default_k_policy(StackOptions(**({} if device is None else {"device": device})))
+    shipped = "embedded-cpu" if cpu_forms else "embedded-cuda-bf16.json"
+    assert Path(path).name.startswith(shipped) and Path(path).exists()
+    assert policy == ("goodput" if cpu_forms else "profile")
+
+
+@pytest.mark.parametrize("options, policy, gpu_profile", [
+    ({}, "profile", True), ({"dtype": "bf16"}, "profile", True), ({"dtype": "float32"}, "fixed:3", False),
+    ({"target_model": "some/target"}, "fixed:3", False), ({"no_draft": True}, "fixed:3", False),
+    ({"k_policy": "fixed:2"}, "fixed:2", False)])
+def test_embedded_pair_on_a_gpu_in_bf16_serves_the_gpu_profile(monkeypatch, options, policy, gpu_profile):
+    """On a GPU the embedded pair in bf16 serves the profile measured for it there (an H200, real
+    weights: k = 3 to batch 8, k = 0 from 16); the CPU's profiles would pick wrong k there, and
+    other models or dtypes have no measured profile, so they keep fixed:3."""
+    import specbatch.commands.launcher as launcher
+    import specbatch.models
+
+    monkeypatch.setattr(specbatch.models, "default_device", lambda: "cuda")
+    chosen, path = default_k_policy(StackOptions(**options))
+    assert chosen == policy
+    assert (path is not None and Path(path) == launcher.EMBEDDED_GPU_PROFILE) is gpu_profile
+    if gpu_profile:  # the file loads, and says what was measured: speculate at small batches only
+        from specbatch.profile import load_profile
+
+        profile = load_profile(path)
+        assert profile.best_k_for(1) == 3 and profile.best_k_for(32) == 0
 
 
 @pytest.mark.parametrize("dot, options, kv_bf16", [

@@ -160,6 +160,13 @@ EMBEDDED_PROFILES = {"float32+fp16-dot": PROFILES / "embedded-cpu-fp16dot.json",
                      "float32+bf16-weights": PROFILES / "embedded-cpu-bf16w.json",
                      "bfloat16": PROFILES / "embedded-cpu.json", "float32": PROFILES / "embedded-cpu-fp32.json"}
 EMBEDDED_POLICY = "goodput"
+# The embedded pair on a GPU in bf16 (the dtype ``--dtype auto`` takes there): the profile measured
+# with the real weights on an H200 over the local sockets (docs/gpu.md, "The third lease"), served
+# by the profile policy, the one measured there. It picks k = 3 (2 at batch 2) to batch 8 and
+# k = 0 from 16: at c = 32 it served 0.97x of k = 0 where fixed:3, the default before it, served
+# 0.72x; at c = 1 and 8 both chose k = 3.
+EMBEDDED_GPU_PROFILE = PROFILES / "embedded-cuda-bf16.json"
+EMBEDDED_GPU_POLICY = "profile"
 
 
 def _cpu_flags() -> str:
@@ -289,6 +296,19 @@ def embedded_on_cpu(options: StackOptions) -> bool:
     return options.device == "cpu"
 
 
+def embedded_on_gpu(options: StackOptions) -> bool:
+    """Whether the stack serves the embedded target with the embedded draft on a GPU in bf16."""
+    if options.target_model or options.draft_model or options.draft_layers or options.no_draft or options.random_weights:
+        return False
+    if options.dtype not in (None, "auto", "bf16", "bfloat16"):
+        return False
+    if options.device is None:
+        from ..models import default_device
+
+        return default_device().startswith("cuda")
+    return options.device.startswith("cuda")
+
+
 def draft_int8_weights(options: StackOptions) -> bool:
     """Whether the draft service runs its linear layers in int8 (``specbatch.linear.Int8Linear``):
     as asked, else for the embedded draft where the services run float32 on a CPU. There its
@@ -318,9 +338,12 @@ def coordinator_leaves(options: StackOptions, policy: str) -> int:
 def default_k_policy(options: StackOptions) -> tuple[str, str | None]:
     """The k policy and profile when none is asked for: for the embedded target and draft on a CPU,
     the adaptive policy over the shipped profile of the dtype the services will run (where one
-    was measured); else a fixed k of 3."""
+    was measured); on a GPU in bf16, the profile policy over the GPU's shipped profile; else a
+    fixed k of 3."""
     if options.k_policy:
         return options.k_policy, options.profile
+    if embedded_on_gpu(options) and EMBEDDED_GPU_PROFILE.exists():
+        return EMBEDDED_GPU_POLICY, options.profile or str(EMBEDDED_GPU_PROFILE)
     shipped = EMBEDDED_PROFILES.get(services_cpu_form(options)) if embedded_on_cpu(options) else None
     if shipped is not None and shipped.exists():
         return EMBEDDED_POLICY, options.profile or str(shipped)
@@ -348,7 +371,7 @@ def add_stack_flags(parser) -> None:
                         "the engine's own forward), on, lazy, static or off; see python -m target_service --help")
     parser.add_argument("--k-policy", help="fixed:K, profile, goodput or goodput:live (step times measured as it "
                         "serves; the last three need --profile); default: "
-                        "the shipped profile's policy for the embedded models on a CPU, else fixed:3")
+                        "the shipped profile's policy for the embedded models on a CPU or, in bf16, a GPU; else fixed:3")
     parser.add_argument("--profile", help="the coordinator's profile JSON (made by `specbatch profile`)")
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--host", default="127.0.0.1")
