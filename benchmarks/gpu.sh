@@ -81,6 +81,13 @@ else
     SMOLLM2_GRID=(--batch-sizes 1,2 --tokens 1,4 --ks 1,3 --context 64 --repeats 3 --warmup 1)
     SMOLLM2_PROFILE_GRID=(--batch-sizes 1,2 --max-k 2 --steps 2 --warmup-steps 1 --max-prompt-tokens 64)
 fi
+# BENCH_FLAGS: the bench's modes and levels instead of the above (e.g. "--fixed-k 3 --policies
+# profile,goodput:live --concurrency 8 --requests 32 --rounds 1 --max-new-tokens 64"), under
+# LEASE=1 within BENCH_LIMIT seconds (default 150: the services' start takes ~45 s of it on the
+# H200, and at c = 1 each mode ~7 s per 32 requests of 64 tokens).
+if [[ -n ${BENCH_FLAGS:-} ]]; then
+    read -ra BENCH <<< "$BENCH_FLAGS"
+fi
 ACCEPTANCE_SMOLLM2=${ACCEPTANCE_SMOLLM2:-specbatch/profiles/embedded-cpu-bf16dot.json}
 if [[ -n $ACCEPTANCE_FROM ]]; then
     GIVEN=(--acceptance-from "$ACCEPTANCE_FROM")
@@ -244,7 +251,7 @@ if [[ $REAL == 1 ]]; then  # real weights only: random ones accept nothing
     fi
     if want bench; then
         echo "== specbatch bench: k = 0 against fixed k and the profile, concurrency 1 to 32 =="
-        step 150 "${SPECBATCH[@]}" bench --device "$DEVICE" --dtype "$DTYPE" "${BENCH[@]}" \
+        step "${BENCH_LIMIT:-150}" "${SPECBATCH[@]}" bench --device "$DEVICE" --dtype "$DTYPE" "${BENCH[@]}" \
             --profile "${SMOLLM2_PROFILE:-$OUT/profile-smollm2-135m.json}" --out "$OUT/bench" | tee "$OUT/bench.txt"
     fi
 fi

@@ -19,14 +19,14 @@ that travels with the checkout (well under 64 MiB):
 The embedded target's weights (the 94 MiB GGUF) are over one call's limit. Without them, gpu.sh
 times the embedded pair's shapes with random weights and profiles them with the acceptance this
 repo's CPU profile measured for the real pair. With ``--gguf-parts``, the GGUF is also cut into
-parts of 46 MiB, one folder each (``.gpu-gguf/part-1``, ``part-2``; the short last part rides in
-the bundle), to carry in calls of their own on the same warm machine (which keeps what earlier
+parts of 40 MiB, one folder each (``.gpu-gguf/part-1``, ``part-2``, ``part-3``; a last part of
+at most 4 MiB would ride in the bundle), to carry in calls of their own on the same warm machine (which keeps what earlier
 calls wrote outside the checkout while it is held); gpu.sh then puts the file together, checks
 its digest, and adds the real-weight runs:
 
     run 1: carry [".gpu-gguf/part-1"], command: S=/tmp/specbatch-gguf-parts; mkdir -p $S && cp .gpu-gguf/part-1/gguf $S/part-1
-    run 2: carry [".gpu-gguf/part-2"], command: (the same for part-2)   # straight after each other:
-    run 3: carry [".gpu"], command: BUNDLE=.gpu LEASE=1 benchmarks/gpu.sh   # a machine idle 30 s goes back
+    run 2, 3: carry [".gpu-gguf/part-2"], then part-3: (the same for each)   # straight after each other:
+    run 4: carry [".gpu"], command: BUNDLE=.gpu LEASE=1 benchmarks/gpu.sh   # a machine idle 30 s goes back
 
 Each part is stashed outside the checkout: carrying part-2 replaced the folder that held part-1
 (H200, 2026-11-26); gpu.sh takes a missing part from the stash.
@@ -93,13 +93,17 @@ def slim_sharegpt(site: Path) -> None:
     (package / "conversations.json").write_text("[" + ",\n".join(json.dumps(c) for c in kept) + "]")
 
 
-PART_BYTES = 46 * 2**20  # a part beside the ~16 MiB working tree stays under a call's 64 MiB
+# A part beside the working tree (~18 MiB, 2026-11-26) stays under a call's 64 MiB: 46 MiB parts
+# did until the tree passed 18 MiB. The last part rides in the bundle (~34 MiB) only where it is
+# short; else it is carried on its own too.
+PART_BYTES = 40 * 2**20
+TAIL_IN_BUNDLE = 4 * 2**20
 
 
 def split_gguf(folder: Path, bundle: Path) -> list[Path]:
-    """The embedded GGUF in parts of ``PART_BYTES``, ``folder/part-i/gguf``; the short last part
-    rides in the bundle (``bundle/gguf/part-N``), beside the list of parts and the file's digest.
-    Returns the parts to carry on their own."""
+    """The embedded GGUF in parts of ``PART_BYTES``, ``folder/part-i/gguf``; a last part of at most
+    ``TAIL_IN_BUNDLE`` rides in the bundle (``bundle/gguf/part-N``), beside the list of parts and
+    the file's digest. Returns the parts to carry on their own."""
     import hashlib
 
     from specbatch.models import EMBEDDED_GGUF, _embedded_gguf_folder
@@ -108,13 +112,17 @@ def split_gguf(folder: Path, bundle: Path) -> list[Path]:
     shutil.rmtree(folder, ignore_errors=True)
     shutil.rmtree(bundle / "gguf", ignore_errors=True)
     starts = range(0, len(data), PART_BYTES)
-    parts = [folder / f"part-{i}" for i in range(1, len(starts))] + [bundle / "gguf" / f"part-{len(starts)}"]
+    tail_in_bundle = len(data) - starts[-1] <= TAIL_IN_BUNDLE
+    parts = [folder / f"part-{i}" for i in range(1, len(starts) + 1)]
+    if tail_in_bundle:
+        parts[-1] = bundle / "gguf" / f"part-{len(starts)}"
     for part, start in zip(parts, starts):
         part.mkdir(parents=True)
         (part / "gguf").write_bytes(data[start : start + PART_BYTES])
+    (bundle / "gguf").mkdir(parents=True, exist_ok=True)
     (bundle / "gguf" / "parts").write_text("".join(f"{part}\n" for part in parts))
     (bundle / "gguf" / "sha256").write_text(hashlib.sha256(data).hexdigest() + "\n")
-    return parts[:-1]
+    return parts[:-1] if tail_in_bundle else parts
 
 
 def mib(folder: Path) -> float:
