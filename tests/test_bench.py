@@ -7,6 +7,7 @@ import math
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -333,3 +334,32 @@ def test_fixed_modes_may_name_leaves_beside_the_chain():
         fixed_modes("0+1", 3)
     request = mode_request(Mode("k=1+2 leaves", None, 1, 2), "hello", 5)
     assert request.k == 1 and request.leaves == 2
+
+
+def test_gpu_bundle_cuts_the_gguf_into_parts_that_fit_a_call_and_add_up(tmp_path, monkeypatch):
+    """A lent GPU's call carries at most 64 MiB with the working tree: the embedded GGUF travels in
+    parts, each of which must fit beside the tree, and gpu.sh puts them together in the order the
+    bundle lists them; a short tail rides in the bundle, a long one is carried on its own."""
+    import hashlib
+    import importlib.util
+
+    import specbatch.models
+
+    spec = importlib.util.spec_from_file_location("gpu_bundle", Path(__file__).parents[1] / "benchmarks" / "gpu_bundle.py")
+    bundle_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bundle_module)
+    monkeypatch.setattr(bundle_module, "PART_BYTES", 1000)
+    monkeypatch.setattr(bundle_module, "TAIL_IN_BUNDLE", 100)
+    monkeypatch.setattr(specbatch.models, "_embedded_gguf_folder", lambda: tmp_path / "model")
+    (tmp_path / "model").mkdir()
+    for size, carried in ((2050, 2), (2500, 3)):
+        data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+        (tmp_path / "model" / specbatch.models.EMBEDDED_GGUF).write_bytes(data)
+        bundle = tmp_path / f"bundle-{size}"
+        separate = bundle_module.split_gguf(tmp_path / f"parts-{size}", bundle)
+        assert len(separate) == carried
+        assert all((part / "gguf").stat().st_size <= 1000 for part in separate)
+        listed = [Path(line) for line in (bundle / "gguf" / "parts").read_text().split()]
+        assert listed[:carried] == separate
+        assert b"".join((part / "gguf").read_bytes() for part in listed) == data
+        assert (bundle / "gguf" / "sha256").read_text().strip() == hashlib.sha256(data).hexdigest()
