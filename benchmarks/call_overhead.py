@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where a served step's time goes beyond the services' compute, at batch 1.
+"""Where a served step's time goes beyond the services' compute, at batch 1 (or `--batch N`).
 
 Starts the two model services as `specbatch up` does (local sockets, threads, metrics ports) and
 drives the coordinator's scheduler by hand, one step at a time (as `specbatch profile` does), at
@@ -62,20 +62,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ks", default="0,1,2,3,5")
     parser.add_argument("--steps", type=int, default=150, help="measured steps a k")
+    parser.add_argument("--batch", type=int, default=1, help="sequences a step (each its own prompt)")
+    parser.add_argument("--prompt-lookup", type=int, default=0,
+                        help="the coordinator's --prompt-lookup (default 0 here: every step drafts)")
     parser.add_argument("--grpc-only", action="store_true", help="the calls through gRPC, not the local sockets")
     parser.add_argument("--device", help="the services' device (default: as specbatch up picks)")
     parser.add_argument("--dtype", help="the services' dtype (default: as specbatch up picks)")
     args = parser.parse_args()
     tokenizer = load_tokenizer(ModelSpec(EMBEDDED))
-    prompt = chat_prompts(tokenizer, sharegpt_prompts(1, 0), 200)[0]
+    prompts = chat_prompts(tokenizer, sharegpt_prompts(args.batch, 0), 200)
     options = StackOptions(coordinator=False, metrics_ports=dict(DEFAULT_METRICS_PORTS), local_sockets=not args.grpc_only,
                            device=args.device, dtype=args.dtype)
     ports = {name: DEFAULT_METRICS_PORTS[name] for name in ("target", "draft")}
-    print(f"batch 1, the calls over {'gRPC' if args.grpc_only else 'local sockets'}, {args.steps} steps a k (medians; "
-          "handler − compute: means from the services' metrics), ms:")
-    print("| k | step ms | Propose wall / compute | Verify wall / compute | Propose handler − compute "
+    print(f"batch {args.batch}, the calls over {'gRPC' if args.grpc_only else 'local sockets'}, {args.steps} steps a k "
+          "(medians; coordinator: the step less its two calls' walls; handler − compute: means from the services' "
+          "metrics), ms:")
+    print("| k | step ms | Propose wall / compute | Verify wall / compute | coordinator | Propose handler − compute "
           "| Verify handler − compute |")
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     with LocalProcesses(options) as processes:
         target = TargetClient(processes.target_address, timeout=600)
         draft = DraftClient(processes.draft_address, timeout=600)
@@ -83,31 +87,35 @@ def main() -> None:
         target.cache_stats()  # (adopts the local socket where there is one)
         for k in (int(k) for k in args.ks.split(",")):
             scheduler = Scheduler(ReplicaSet.of("target", target), ReplicaSet.of("draft", draft), FixedK(k),
-                                  max_batch_size=1, max_queue=1, max_context=2048, draft_feature_size=feature_size)
-            request = Request(id=f"k{k}", prompt=prompt, max_new_tokens=2048 - len(prompt) - 8,
-                              sampling=SamplingParams(), stop_token_ids=frozenset(), text=TextStream(tokenizer, []),
-                              seq_id=uuid.uuid4().hex)
-            scheduler.submit(request)
+                                  max_batch_size=args.batch, max_queue=args.batch, max_context=2048,
+                                  draft_feature_size=feature_size, prompt_lookup=args.prompt_lookup)
+            requests = [Request(id=f"k{k}-{i}", prompt=prompt, max_new_tokens=2048 - len(prompt) - 8,
+                                sampling=SamplingParams(), stop_token_ids=frozenset(), text=TextStream(tokenizer, []),
+                                seq_id=uuid.uuid4().hex) for i, prompt in enumerate(prompts)]
+            for request in requests:
+                scheduler.submit(request)
             scheduler.admit()
             steps = []
             for i in range(WARMUP_STEPS + args.steps):
                 if i == WARMUP_STEPS:
                     before = {name: handler_sums(port) for name, port in ports.items()}
                 stats = scheduler.step()
-                if stats is None or request.finish is not None:
+                if stats is None or any(request.finish is not None for request in requests):
                     raise SystemExit(f"the step at k = {k} ended early (a service down, or the context full)")
                 if i >= WARMUP_STEPS:
                     steps.append((stats.step_seconds, stats.draft_seconds, stats.draft_compute_seconds,
-                                  stats.target_seconds, stats.target_compute_seconds))
+                                  stats.target_seconds, stats.target_compute_seconds,
+                                  stats.step_seconds - stats.draft_seconds - stats.target_seconds))
             after = {name: handler_sums(port) for name, port in ports.items()}
-            request.cancel()
+            for request in requests:
+                request.cancel()
             scheduler.retire()
             scheduler.placement.close()
-            step, propose, propose_compute, verify, verify_compute = (1e3 * statistics.median(c) for c in zip(*steps))
+            step, propose, propose_compute, verify, verify_compute, own = (1e3 * statistics.median(c) for c in zip(*steps))
             extra = [beyond_compute_ms(before[name], after[name], method)
                      for name, method in (("draft", "Propose"), ("target", "Verify"))]
             print(f"| {k} | {step:.2f} | " + (f"{propose:.2f} / {propose_compute:.2f}" if k else "–")
-                  + f" | {verify:.2f} / {verify_compute:.2f} | "
+                  + f" | {verify:.2f} / {verify_compute:.2f} | {own:.2f} | "
                   + " | ".join("–" if e is None else f"{e:.2f}" for e in extra) + " |", flush=True)
 
 

@@ -248,6 +248,10 @@ if [[ $REAL == 1 ]]; then  # real weights only: random ones accept nothing
             step 100 "$PYTHON" benchmarks/call_overhead.py --device "$DEVICE" --dtype "$DTYPE" $transport \
                 | tee -a "$OUT/call-overhead.txt"
         done
+        # At c = 8 a served k = 3 step took 9.3 ms where the profile priced 7.7 (docs/gpu.md, "The
+        # third lease"): the same steps at batch 8 with no admissions between them.
+        step 100 "$PYTHON" benchmarks/call_overhead.py --device "$DEVICE" --dtype "$DTYPE" --batch 8 --ks 0,3 \
+            --prompt-lookup 6 | tee -a "$OUT/call-overhead.txt"
     fi
     if want bench; then
         echo "== specbatch bench: k = 0 against fixed k and the profile, concurrency 1 to 32 =="
