@@ -282,31 +282,36 @@ def services_cpu_form(options: StackOptions) -> str:
     return "float32+bf16-weights" if bf16_weights(options) else services_cpu_dtype(options)
 
 
-def embedded_on_cpu(options: StackOptions) -> bool:
-    """Whether the stack serves the embedded target with the embedded draft on a CPU. With no
-    --device the services take a GPU where there is one (``models.default_device``), and so does
-    this: the CPU forms (int8, bf16 dot products, bf16 keys and values) refuse CUDA, and a
-    ``specbatch up`` on a GPU host failed at start-up for them."""
-    if options.target_model or options.draft_model or options.draft_layers or options.no_draft or options.random_weights:
-        return False
+def embedded_pair(options: StackOptions) -> bool:
+    """Whether the stack serves the embedded target with the embedded draft (no other model, no
+    layers cut, random weights or target alone)."""
+    return not (options.target_model or options.draft_model or options.draft_layers or options.no_draft
+                or options.random_weights)
+
+
+def services_device(options: StackOptions) -> str:
+    """The model services' device: as asked, else a GPU where there is one, as the services take it
+    (``models.default_device``)."""
     if options.device is None:
         from ..models import default_device
 
-        return default_device() == "cpu"
-    return options.device == "cpu"
+        return default_device()
+    return options.device
+
+
+def embedded_on_cpu(options: StackOptions) -> bool:
+    """Whether the stack serves the embedded target with the embedded draft on a CPU. With no
+    --device the services take a GPU where there is one, and so does this: the CPU forms (int8,
+    bf16 dot products, bf16 keys and values) refuse CUDA, and a ``specbatch up`` on a GPU host
+    failed at start-up for them."""
+    return embedded_pair(options) and services_device(options) == "cpu"
 
 
 def embedded_on_gpu(options: StackOptions) -> bool:
-    """Whether the stack serves the embedded target with the embedded draft on a GPU in bf16."""
-    if options.target_model or options.draft_model or options.draft_layers or options.no_draft or options.random_weights:
-        return False
-    if options.dtype not in (None, "auto", "bf16", "bfloat16"):
-        return False
-    if options.device is None:
-        from ..models import default_device
-
-        return default_device().startswith("cuda")
-    return options.device.startswith("cuda")
+    """Whether the stack serves the embedded target with the embedded draft on a GPU in bf16 (the
+    dtype ``--dtype auto`` takes there)."""
+    return (embedded_pair(options) and options.dtype in (None, "auto", "bf16", "bfloat16")
+            and services_device(options).startswith("cuda"))
 
 
 def draft_int8_weights(options: StackOptions) -> bool:
