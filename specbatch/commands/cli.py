@@ -25,7 +25,9 @@ def cmd_up(args) -> int:
         signal.signal(sig, lambda *_: stop.set())
     print("starting target, draft and coordinator (the first start converts the embedded model) …", flush=True)
     processes.start()
-    print(f"serving on {processes.address}; Ctrl-C stops everything", flush=True)
+    options = processes.options
+    policy = options.k_policy + (f" over the profile {options.profile}" if options.profile else "")
+    print(f"serving on {processes.address} (k policy {policy}); Ctrl-C stops everything", flush=True)
     try:
         while not stop.wait(1.0):
             processes.check_alive()
