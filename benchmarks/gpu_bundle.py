@@ -20,9 +20,9 @@ The embedded target's weights (the 94 MiB GGUF) are over one call's limit. Witho
 times the embedded pair's shapes with random weights and profiles them with the acceptance this
 repo's CPU profile measured for the real pair. With ``--gguf-parts``, the GGUF is also cut into
 parts of 40 MiB, one folder each (``.gpu-gguf/part-1``, ``part-2``, ``part-3``; a last part of
-at most 4 MiB would ride in the bundle), to carry in calls of their own on the same warm machine (which keeps what earlier
-calls wrote outside the checkout while it is held); gpu.sh then puts the file together, checks
-its digest, and adds the real-weight runs:
+at most 4 MiB would ride in the bundle), to carry in calls of their own on the same warm machine
+(which keeps what earlier calls wrote outside the checkout while it is held); gpu.sh then puts
+the file together, checks its digest, and adds the real-weight runs:
 
     run 1: carry [".gpu-gguf/part-1"], command: S=/tmp/specbatch-gguf-parts; mkdir -p $S && cp .gpu-gguf/part-1/gguf $S/part-1
     run 2, 3: carry [".gpu-gguf/part-2"], then part-3: (the same for each)   # straight after each other:
