@@ -21,20 +21,16 @@ import re
 import statistics
 import sys
 import urllib.request
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.backends import DraftClient, TargetClient  # noqa: E402
 from coordinator.policy import FixedK  # noqa: E402
-from coordinator.replicas import ReplicaSet  # noqa: E402
-from coordinator.requests import Request, TextStream  # noqa: E402
-from coordinator.scheduler import Scheduler  # noqa: E402
 from specbatch.commands.launcher import DEFAULT_METRICS_PORTS, LocalProcesses, StackOptions  # noqa: E402
+from specbatch.commands.profiler import batch_by_hand  # noqa: E402
 from specbatch.models import EMBEDDED, ModelSpec, load_tokenizer  # noqa: E402
 from specbatch.prompts import chat_prompts, sharegpt_prompts  # noqa: E402
-from specbatch.sampling import SamplingParams  # noqa: E402
 
 WARMUP_STEPS = 10
 
@@ -86,31 +82,21 @@ def main() -> None:
         feature_size = draft.cache_stats().feature_size
         target.cache_stats()  # (adopts the local socket where there is one)
         for k in (int(k) for k in args.ks.split(",")):
-            scheduler = Scheduler(ReplicaSet.of("target", target), ReplicaSet.of("draft", draft), FixedK(k),
-                                  max_batch_size=args.batch, max_queue=args.batch, max_context=2048,
-                                  draft_feature_size=feature_size, prompt_lookup=args.prompt_lookup)
-            requests = [Request(id=f"k{k}-{i}", prompt=prompt, max_new_tokens=2048 - len(prompt) - 8,
-                                sampling=SamplingParams(), stop_token_ids=frozenset(), text=TextStream(tokenizer, []),
-                                seq_id=uuid.uuid4().hex) for i, prompt in enumerate(prompts)]
-            for request in requests:
-                scheduler.submit(request)
-            scheduler.admit()
-            steps = []
-            for i in range(WARMUP_STEPS + args.steps):
-                if i == WARMUP_STEPS:
-                    before = {name: handler_sums(port) for name, port in ports.items()}
-                stats = scheduler.step()
-                if stats is None or any(request.finish is not None for request in requests):
-                    raise SystemExit(f"the step at k = {k} ended early (a service down, or the context full)")
-                if i >= WARMUP_STEPS:
-                    steps.append((stats.step_seconds, stats.draft_seconds, stats.draft_compute_seconds,
-                                  stats.target_seconds, stats.target_compute_seconds,
-                                  stats.step_seconds - stats.draft_seconds - stats.target_seconds))
-            after = {name: handler_sums(port) for name, port in ports.items()}
-            for request in requests:
-                request.cancel()
-            scheduler.retire()
-            scheduler.placement.close()
+            with batch_by_hand(target, draft, prompts, tokenizer, 2048, feature_size, prompt_lookup=args.prompt_lookup,
+                               name=f"k{k}") as (scheduler, requests):
+                scheduler.policy = FixedK(k)
+                steps = []
+                for i in range(WARMUP_STEPS + args.steps):
+                    if i == WARMUP_STEPS:
+                        before = {name: handler_sums(port) for name, port in ports.items()}
+                    stats = scheduler.step()
+                    if stats is None or any(request.finish is not None for request in requests):
+                        raise SystemExit(f"the step at k = {k} ended early (a service down, or the context full)")
+                    if i >= WARMUP_STEPS:
+                        steps.append((stats.step_seconds, stats.draft_seconds, stats.draft_compute_seconds,
+                                      stats.target_seconds, stats.target_compute_seconds,
+                                      stats.step_seconds - stats.draft_seconds - stats.target_seconds))
+                after = {name: handler_sums(port) for name, port in ports.items()}
             step, propose, propose_compute, verify, verify_compute, own = (1e3 * statistics.median(c) for c in zip(*steps))
             extra = [beyond_compute_ms(before[name], after[name], method)
                      for name, method in (("draft", "Propose"), ("target", "Verify"))]

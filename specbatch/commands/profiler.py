@@ -15,6 +15,7 @@ over every measured step.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
@@ -88,22 +89,8 @@ def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[l
     reached, accepted = [0] * sweep.max_k, [0] * sweep.max_k
     done = 0
     for b in sweep.batch_sizes:
-        scheduler = Scheduler(ReplicaSet.of("target", target), ReplicaSet.of("draft", draft), FixedK(0),
-                              max_batch_size=b, max_queue=b, max_context=max_context,
-                              draft_feature_size=draft_stats.feature_size)
-        batch = [Request(id=f"profile-{b}-{i}", prompt=prompts[i % len(prompts)],
-                         max_new_tokens=max_context - len(prompts[i % len(prompts)]), sampling=SamplingParams(),
-                         stop_token_ids=frozenset(), text=TextStream(tokenizer, []), seq_id=uuid.uuid4().hex)
-                 for i in range(b)]
-        try:
-            for request in batch:
-                scheduler.submit(request)
-            # The scheduler's own admission and step, called by hand instead of by its loop
-            # thread: the profile measures exactly the serving code path, one step at a time.
-            scheduler.admit()  # prefill all B at once, as the coordinator admits a burst
-            if len(scheduler.running) != b:
-                raise RuntimeError(f"the services admitted {len(scheduler.running)} of {b} sequences "
-                                   "(KV cache budget or --max-sequences too small?)")
+        with batch_by_hand(target, draft, [prompts[i % len(prompts)] for i in range(b)], tokenizer, max_context,
+                           draft_stats.feature_size, name=f"profile-{b}") as (scheduler, batch):
             steps: dict[int, list] = {k: [] for k in range(sweep.max_k + 1)}
             for measured in sweep.visits():
                 for k in range(sweep.max_k + 1):
@@ -130,14 +117,38 @@ def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[l
                                "draft_ms": 1000 * statistics.median(draft_s),
                                "target_ms": 1000 * statistics.median(target_s),
                                "accepted_per_sequence": sum(kept) / (b * len(step_s))}
-        finally:
-            for request in batch:
-                request.cancel()
-            scheduler.retire()  # releases the sequences on both services
-            scheduler.placement.close()
     # Acceptance at a position nothing reached does not matter (every path to it has a 0 before).
     acceptance = [accepted[p] / reached[p] if reached[p] else 0.0 for p in range(sweep.max_k)]
     return times, acceptance
+
+
+@contextlib.contextmanager
+def batch_by_hand(target: TargetClient, draft: DraftClient, prompts: list[list[int]], tokenizer, max_context: int,
+                  draft_feature_size: int, prompt_lookup: int = 0, name: str = "by-hand"):
+    """A scheduler over the two services with one greedy request a prompt admitted (prefilled at
+    once, as the coordinator admits a burst), for its steps to be called by hand instead of by its
+    loop thread: the exact serving code path, one step at a time (its policy is FixedK(0): set
+    ``scheduler.policy`` to choose k). On exit the requests' sequences are released on both services."""
+    scheduler = Scheduler(ReplicaSet.of("target", target), ReplicaSet.of("draft", draft), FixedK(0),
+                          max_batch_size=len(prompts), max_queue=len(prompts), max_context=max_context,
+                          draft_feature_size=draft_feature_size, prompt_lookup=prompt_lookup)
+    batch = [Request(id=f"{name}-{i}", prompt=prompt, max_new_tokens=max_context - len(prompt),
+                     sampling=SamplingParams(), stop_token_ids=frozenset(), text=TextStream(tokenizer, []),
+                     seq_id=uuid.uuid4().hex)
+             for i, prompt in enumerate(prompts)]
+    try:
+        for request in batch:
+            scheduler.submit(request)
+        scheduler.admit()
+        if len(scheduler.running) != len(batch):
+            raise RuntimeError(f"the services admitted {len(scheduler.running)} of {len(batch)} sequences "
+                               "(KV cache budget or --max-sequences too small?)")
+        yield scheduler, batch
+    finally:
+        for request in batch:
+            request.cancel()
+        scheduler.retire()  # releases the sequences on both services
+        scheduler.placement.close()
 
 
 def describe_hardware(device: str | None) -> dict:
