@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 
 from ..client import connect, generate, generate_all, make_request
-from .launcher import LocalProcesses, kv_bf16, services_cpu_form, stack_options
+from .launcher import LocalProcesses, kv_bf16, services_cpu_form, services_device, stack_options
 from ..prompts import CHAT_PROMPTS
 
 
@@ -52,7 +52,7 @@ def run_demo(args) -> int:
             print(f"| {prompt[:40]} | {speeds[0]:.1f} | {speeds[None]:.1f} | {speedup:.2f}x | {'yes' if same else 'no'} |",
                   flush=True)
         print(f"(tok/s: the median of {TIMED_RUNS} runs of each, the modes taking turns)", flush=True)
-        form = services_cpu_form(processes.options) if processes.options.device in (None, "cpu") else ""
+        form = services_cpu_form(processes.options) if services_device(processes.options) == "cpu" else ""
         if form.startswith("float32+"):  # the engine's own kernels: a row's bits never depend on the batch
             kv = ", keys and values in bf16" if kv_bf16(processes.options) else ""
             print(f"(the services run {form}{kv}, row-exact: the two must be the same tokens)\n", flush=True)
