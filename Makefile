@@ -44,7 +44,7 @@ bench: setup
 	$(PY) -m specbatch.commands.cli bench
 
 protos: setup
-	$(PY) -m specbatch.protogen
+	$(PY) -m specbatch.protocol.generate
 
 clean:
 	rm -rf $(VENV) build *.egg-info

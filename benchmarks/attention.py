@@ -3,7 +3,7 @@ contexts, rows of different lengths, three ways in one run:
 
 - ``dense``: one SDPA over the first ``end`` columns of every row (the longest row's end, or the
   captured step's context bucket, which is at most twice that) with the engine's 4D boolean mask:
-  what ``specbatch.llama`` does today. Short rows read the long row's columns, masked;
+  what ``specbatch.models.llama`` does today. Short rows read the long row's columns, masked;
 - ``per row``: one SDPA per row over its own columns, no mask (reads exactly what each row needs,
   at one kernel launch per row);
 - ``flex``: FlexAttention (``torch.nn.attention.flex_attention``, compiled) with a block mask

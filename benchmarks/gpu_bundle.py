@@ -71,7 +71,7 @@ def download_wheels(folder: Path, python_version: str) -> None:
 
 
 def copy_tokenizer(cache: Path) -> None:
-    from specbatch.models import EMBEDDED, embedded_model_folder
+    from specbatch.models.loading import EMBEDDED, embedded_model_folder
 
     source = embedded_model_folder()
     folder = cache / "models" / EMBEDDED
@@ -82,7 +82,7 @@ def copy_tokenizer(cache: Path) -> None:
 
 
 def slim_sharegpt(site: Path) -> None:
-    from specbatch.prompts import sharegpt_conversations
+    from specbatch.commands.prompts import sharegpt_conversations
 
     conversations = itertools.islice(sharegpt_conversations(), FIRST_CONVERSATION + CONVERSATIONS)
     kept = [conversation if index >= FIRST_CONVERSATION else {} for index, conversation in enumerate(conversations)]
@@ -106,7 +106,7 @@ def split_gguf(folder: Path, bundle: Path) -> list[Path]:
     the file's digest. Returns the parts to carry on their own."""
     import hashlib
 
-    from specbatch.models import EMBEDDED_GGUF, _embedded_gguf_folder
+    from specbatch.models.loading import EMBEDDED_GGUF, _embedded_gguf_folder
 
     data = (_embedded_gguf_folder() / EMBEDDED_GGUF).read_bytes()
     shutil.rmtree(folder, ignore_errors=True)

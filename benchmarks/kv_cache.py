@@ -9,7 +9,7 @@ machine's drift lands on both alike. Prints each cell's milliseconds and the rat
 
 With ``--quality N``, first how far the rounding moves the model: N held-out ShareGPT prompts
 decoded greedily (target-only, ``--tokens`` each) with either pool, the outputs that differ, where,
-and the float32 pool's top-2 logit gap there (``specbatch.exactness.NEAR_TIE`` is the bound the
+and the float32 pool's top-2 logit gap there (``specbatch.engine.exactness.NEAR_TIE`` is the bound the
 exactness runs hold mismatches to).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/kv_cache.py [--contexts 128,300,600] [--batches 1,8,32] [--quality 64]
@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from specbatch import native
-from specbatch.commands.bench_engine import Bench, Grid
-from specbatch.engine import Engine
-from specbatch.exactness import NEAR_TIE, first_mismatch, target_only
-from specbatch.models import ModelSpec, load_model, load_tokenizer
-from specbatch.prompts import chat_token_ids, sharegpt_prompts
+from specbatch.kernels import native
+from specbatch.commands.bench.engine import Bench, Grid
+from specbatch.engine.engine import Engine
+from specbatch.engine.exactness import NEAR_TIE, first_mismatch, target_only
+from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
+from specbatch.commands.prompts import chat_token_ids, sharegpt_prompts
 
 
 def ints(text: str) -> tuple[int, ...]:

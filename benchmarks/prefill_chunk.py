@@ -21,11 +21,11 @@ import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
-from specbatch.client import connect
-from specbatch.commands import bench_pairs
-from specbatch.commands.bench import Load, Mode, run_rounds, summarize
-from specbatch.commands.launcher import LocalProcesses, StackOptions, default_k_policy, free_port
-from specbatch.prompts import sharegpt_prompts
+from specbatch.rpc.client import connect
+from specbatch.commands.bench import pairs as bench_pairs
+from specbatch.commands.bench.run import Load, Mode, run_rounds, summarize
+from specbatch.stack.launcher import LocalProcesses, StackOptions, default_k_policy, free_port
+from specbatch.commands.prompts import sharegpt_prompts
 
 
 def main() -> int:

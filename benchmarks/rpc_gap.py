@@ -1,5 +1,5 @@
 """What one gRPC round trip costs between two processes, by the idle gap before it, beside the same
-call over the services' local socket (specbatch/local_rpc.py).
+call over the services' local socket (specbatch/rpc/local.py).
 
 A model service at batch 1 sleeps 3-15 ms between its calls (the other service or the target's
 forward runs meanwhile). This measures an empty unary call (a Verify whose handler only stamps the
@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
-from specbatch.commands.launcher import free_port  # noqa: E402
-from specbatch.local_rpc import LocalChannel  # noqa: E402
-from specbatch.serving import Server  # noqa: E402
+from specbatch.stack.launcher import free_port  # noqa: E402
+from specbatch.rpc.local import LocalChannel  # noqa: E402
+from specbatch.rpc.server import Server  # noqa: E402
 from specbatch.v1 import model_services_pb2 as pb  # noqa: E402
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc  # noqa: E402
 

@@ -1,6 +1,6 @@
 """A bounded soak test of the whole stack as processes on loopback (not part of CI).
 
-Starts target, draft and coordinator (specbatch.commands.launcher), warms up, then keeps N concurrent
+Starts target, draft and coordinator (specbatch.stack.launcher), warms up, then keeps N concurrent
 client streams busy with short requests for a fixed time, stepping N through 64, 128 and 256 (or
 a fixed --concurrency). The coordinator gets a small queue (--max-queue), so the highest levels do
 overflow it: clients then wait as long as the ``retry-after-ms`` trailer of RESOURCE_EXHAUSTED says
@@ -34,10 +34,10 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from specbatch.commands.bench import PeriodicSampler, percentiles
-from specbatch.client import make_request
-from specbatch.commands.launcher import LocalProcesses, StackOptions, free_port
-from specbatch.tls import open_channel
+from specbatch.commands.bench.run import PeriodicSampler, percentiles
+from specbatch.rpc.client import make_request
+from specbatch.stack.launcher import LocalProcesses, StackOptions, free_port
+from specbatch.rpc.tls import open_channel
 from specbatch.v1 import generation_pb2 as pb
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
 from specbatch.v1 import model_services_pb2 as mpb
@@ -151,7 +151,7 @@ class Prompts:
         self.chat: list[str] = []
         self.vocab = vocab
         if not args.tiny and args.prompts == "sharegpt":
-            from specbatch.prompts import sharegpt_prompts
+            from specbatch.commands.prompts import sharegpt_prompts
 
             self.chat = sharegpt_prompts(args.prompt_count, args.prompt_start, max_chars=args.prompt_chars)
 

@@ -4,7 +4,7 @@
 bench-engine times a verify or propose call from host to host. On a GPU with captured steps
 that time is the CUDA graph's kernels plus everything around them: building the call's inputs on
 the host, copying them into the static buffers, the acceptance rule, the one synchronisation, and
-Python. This script times the same calls (``specbatch.commands.bench_engine.Bench``) and records
+Python. This script times the same calls (``specbatch.commands.bench.engine.Bench``) and records
 CUDA events around every graph replay, so each cell splits into
 
   graph: GPU time between the events around each replay (summed over a call's forwards),
@@ -29,10 +29,10 @@ import time
 import torch
 
 from draft_service.proposer import ProposeItem, proposals
-from specbatch.captured import CapturedForward
-from specbatch.commands.bench_engine import Bench, Grid, _sizes
-from specbatch.engine import Engine
-from specbatch.models import ModelSpec, default_device, load_model
+from specbatch.engine.captured import CapturedForward
+from specbatch.commands.bench.engine import Bench, Grid, _sizes
+from specbatch.engine.engine import Engine
+from specbatch.models.loading import ModelSpec, default_device, load_model
 from target_service.verifier import VerifyItem, verify
 
 

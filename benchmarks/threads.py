@@ -29,8 +29,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from specbatch.client import connect, generate, make_request
-from specbatch.commands.launcher import LocalProcesses, StackOptions, available_cores, free_port, threads_per_service
+from specbatch.rpc.client import connect, generate, make_request
+from specbatch.stack.launcher import LocalProcesses, StackOptions, available_cores, free_port, threads_per_service
 
 # What the busy jobs run: a pure-Python spin, or torch matrix products on torch's default team
 # (another tenant's numerical job).

@@ -10,10 +10,10 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from specbatch.errors import InvalidRequest
-from specbatch.prompts import chat_token_ids
-from specbatch.sampling_params import SamplingParams
-from specbatch.speculation import MAX_K, draft_ahead_problems, leaf_option_problems, prompt_lookup_problems
+from specbatch.protocol.errors import InvalidRequest
+from specbatch.commands.prompts import chat_token_ids
+from specbatch.protocol.sampling_params import SamplingParams
+from specbatch.protocol.speculation import MAX_K, draft_ahead_problems, leaf_option_problems, prompt_lookup_problems
 from specbatch.v1 import generation_pb2 as pb
 
 from .requests import Request, TextStream

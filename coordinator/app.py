@@ -8,12 +8,12 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from specbatch.models import EMBEDDED, ModelSpec, load_tokenizer, model_source
-from specbatch.metrics import new_registry, serve_metrics
-from specbatch.serving import DEFAULT_PORTS, Server, configure_logging
-from specbatch.speculation import (MAX_GUESSES, MAX_K, MAX_LEAVES, draft_ahead_problems, leaf_option_problems,
+from specbatch.models.loading import EMBEDDED, ModelSpec, load_tokenizer, model_source
+from specbatch.rpc.metrics import new_registry, serve_metrics
+from specbatch.rpc.server import DEFAULT_PORTS, Server, configure_logging
+from specbatch.protocol.speculation import (MAX_GUESSES, MAX_K, MAX_LEAVES, draft_ahead_problems, leaf_option_problems,
                                   prompt_lookup_problems, shared_lookup_problems)
-from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials_from_args,
+from specbatch.rpc.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials_from_args,
                            server_credentials_from_args)
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
 
@@ -128,7 +128,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     the services (``tls_server_name``: the name their certificates carry, when replicas are dialled
     by IP); ``server_credentials``: TLS for the coordinator's own port. ``metrics_port``:
     Prometheus /metrics (0: none; None: the default port, skipped if taken). ``leaves``: the
-    draft's next-best tokens verified beside the first drafted one (specbatch.acceptance);
+    draft's next-best tokens verified beside the first drafted one (specbatch.engine.acceptance);
     ``unsure_below``: where the draft's first token is less likely than this, it drafts that token
     alone with k - 1 more leaves (the same rows on the target); ``draft_ahead``: tokens the draft
     guesses as the target's at each drafted position while the target verifies, drafting the next

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import grpc
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
-from specbatch.local_rpc import LocalChannel, LocalRpcError
-from specbatch.sampling_params import SamplingParams
-from specbatch.tls import channel_options_reconnecting_within, open_channel
+from specbatch.rpc.local import LocalChannel, LocalRpcError
+from specbatch.protocol.sampling_params import SamplingParams
+from specbatch.rpc.tls import channel_options_reconnecting_within, open_channel
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 
@@ -106,7 +106,7 @@ class ServiceClient:
     propagate downstream), never more than the client's own ``timeout``.
 
     Where the service's CacheStats names a local socket that exists on this host, the calls go
-    there instead of through gRPC (specbatch/local_rpc.py); a failed socket sends them back to
+    there instead of through gRPC (specbatch/rpc/local.py); a failed socket sends them back to
     gRPC (the retry that follows takes that path) until CacheStats names one again.
     """
 

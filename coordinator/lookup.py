@@ -6,7 +6,7 @@ what was generated, the tokens that followed them then are proposed as this step
 at its latest occurrence. The target verifies them like any draft, so the output is unchanged:
 greedy requests keep the longest agreeing prefix; sampled requests treat each copied token as
 drawn from a point mass (q(x) = 1), which rejection sampling turns into exactly the target's
-distribution (specbatch.acceptance).
+distribution (specbatch.engine.acceptance).
 
 Why it pays on a CPU at batch 1: such a step makes no Propose (the draft and its RPC are about
 5 ms of a ~36 ms step on the 2-core Xeon), and the runs it finds are long. On 24 held-out ShareGPT

@@ -16,7 +16,7 @@ import os
 import threading
 from pathlib import Path
 
-from specbatch.profile import Profile, ProfileError, load_profile
+from specbatch.protocol.profile import Profile, ProfileError, load_profile
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from specbatch.sampling_params import SamplingParams
+from specbatch.protocol.sampling_params import SamplingParams
 from specbatch.v1 import generation_pb2 as pb
 
 from .lookup import PromptLookup

@@ -9,7 +9,7 @@ import time
 import grpc
 
 from specbatch import __version__
-from specbatch.errors import InvalidRequest
+from specbatch.protocol.errors import InvalidRequest
 from specbatch.v1 import generation_pb2 as pb
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
 

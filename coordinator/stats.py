@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from specbatch.speculation import MAX_K, tally_positions
+from specbatch.protocol.speculation import MAX_K, tally_positions
 
 
 @dataclass

@@ -24,7 +24,7 @@ import time
 
 import grpc
 
-from specbatch.speculation import MAX_K
+from specbatch.protocol.speculation import MAX_K
 from specbatch.v1 import model_services_pb2 as services_pb
 
 from .backends import Call, lost_state, unreachable

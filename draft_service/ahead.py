@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specbatch.engine import Engine, InvalidRequest, SequenceInput
-from specbatch.speculation import MAX_GUESSES, MAX_K
+from specbatch.engine.engine import Engine, InvalidRequest, SequenceInput
+from specbatch.protocol.speculation import MAX_GUESSES, MAX_K
 
 from .proposer import ProposeItem, propose
 

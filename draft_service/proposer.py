@@ -6,11 +6,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specbatch import native
-from specbatch.engine import Engine, InvalidRequest, SequenceInput
-from specbatch.sampling import (DRAW_DRAFT, MAX_SUPPORT, SamplingParams, SparseDistribution, distributions,
+from specbatch.kernels import native
+from specbatch.engine.engine import Engine, InvalidRequest, SequenceInput
+from specbatch.engine.sampling import (DRAW_DRAFT, MAX_SUPPORT, SamplingParams, SparseDistribution, distributions,
                                 params_tensors, sample, uniforms)
-from specbatch.speculation import MAX_K, MAX_LEAVES, leaf_option_problems
+from specbatch.protocol.speculation import MAX_K, MAX_LEAVES, leaf_option_problems
 
 # How many of its most likely tokens the draft samples among, for a sampled request: q' is q cut
 # to them. Exact whatever the size (the target is told q'); larger keeps more of q's tail, which

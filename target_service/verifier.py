@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specbatch import native
-from specbatch.acceptance import SampledDrafts, greedy_accept, leaf_hit, rejection_sample, sampled_drafts
-from specbatch.engine import Engine, InvalidRequest, SequenceInput
-from specbatch.sampling import (DRAW_ACCEPT, DRAW_TARGET, SamplingParams, SparseDistribution, distributions,
+from specbatch.kernels import native
+from specbatch.engine.acceptance import SampledDrafts, greedy_accept, leaf_hit, rejection_sample, sampled_drafts
+from specbatch.engine.engine import Engine, InvalidRequest, SequenceInput
+from specbatch.engine.sampling import (DRAW_ACCEPT, DRAW_TARGET, SamplingParams, SparseDistribution, distributions,
                                 params_tensors, sample, uniforms)
 
 
@@ -21,7 +21,7 @@ class VerifyItem:
     # Sampled requests with drafts: the q' each draft token was drawn from, one per draft.
     draft_distributions: list[SparseDistribution] = field(default_factory=list)
     # The draft's next-best tokens: leaves[j] are alternatives to drafts[j], each fed beside the
-    # chain and seeing it only up to its own position (specbatch.acceptance, "Leaves").
+    # chain and seeing it only up to its own position (specbatch.engine.acceptance, "Leaves").
     leaves: list[list[int]] = field(default_factory=list)
 
     def problems(self) -> list[str]:
@@ -56,14 +56,14 @@ class Verdict:
     cached_len: int  # tokens of this sequence now cached on the target
     leaf: int | None = None  # the leaf kept after the accepted drafts (next_token follows it)
     # With return_features: the target's final hidden state at each token it fed and kept
-    # ([kept, hidden]), for a draft that reads them (specbatch.eagle).
+    # ([kept, hidden]), for a draft that reads them (specbatch.models.eagle).
     features: torch.Tensor | None = None
 
 
 def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
            return_features: bool = False) -> list[Verdict]:
     """One forward of (uncached tokens + drafts + leaves) for every sequence, then the acceptance
-    rule (specbatch.acceptance): greedy rows and sampled rows each in one batched decision.
+    rule (specbatch.engine.acceptance): greedy rows and sampled rows each in one batched decision.
 
     With no drafts this is a prefill that also yields the first token. The target keeps the
     keys/values of the accepted drafts (and of a kept leaf) only; the next token is not fed yet

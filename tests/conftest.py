@@ -39,7 +39,7 @@ def target_model():
 @pytest.fixture(scope="session")
 def draft_model(target_model):
     """A draft that agrees with the target often but not always: target's first 2 layers."""
-    from specbatch.models import keep_first_layers
+    from specbatch.models.loading import keep_first_layers
     import copy
 
     draft = copy.deepcopy(target_model)
@@ -49,7 +49,7 @@ def draft_model(target_model):
 
 @pytest.fixture
 def stack(target_model, draft_model, tokenizer):
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=128)
     yield stack
@@ -58,12 +58,12 @@ def stack(target_model, draft_model, tokenizer):
 
 @pytest.fixture(scope="session")
 def zygote():
-    """Service processes forked from one that has imported them (``specbatch.prefork``): a service
+    """Service processes forked from one that has imported them (``specbatch.stack.prefork``): a service
     starts in well under a second instead of 7-8 s of imports. Tests of the plain ``python -m``
     start keep ``prefork.popen``."""
     import os
 
-    from specbatch.prefork import Zygote
+    from specbatch.stack.prefork import Zygote
 
     # OpenMP sizes its pool once, at import: one thread, as every test service runs.
     zygote = Zygote(env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from coordinator import app
-from specbatch.client import generate, make_request
-from specbatch.commands.local import start_local_stack
+from specbatch.rpc.client import generate, make_request
+from specbatch.stack.in_process import start_local_stack
 from specbatch.v1 import generation_pb2 as pb
 from test_exactness import prompts_of_lengths, run_staggered_and_check
 from test_profile import gpu_like, synthetic_profile

@@ -9,8 +9,8 @@ import torch
 
 from draft_service.ahead import AheadItem, propose_ahead
 from draft_service.proposer import ProposeItem, propose
-from specbatch.client import generate_all, make_request
-from specbatch.engine import Engine, InvalidRequest, SequenceInput
+from specbatch.rpc.client import generate_all, make_request
+from specbatch.engine.engine import Engine, InvalidRequest, SequenceInput
 from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
 from tiny import decode_while_the_draft_forgets, greedy_reference, random_prompts
 
@@ -59,7 +59,7 @@ def test_greedy_output_drafting_ahead_matches_generate_and_skips_proposes(target
                                                                           tokenizer, eagle):
     """Mixed batches through the services, drafting ahead: every output is target-only decoding,
     token for token; some verdicts were guessed right (their next step made no Propose), not all."""
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, eagle_draft if eagle else draft_model, tokenizer, max_batch_size=4,
                               max_new_tokens=64, draft_ahead=3)
@@ -81,7 +81,7 @@ def test_a_draft_that_forgets_its_sequences_while_drafting_ahead_costs_no_token(
     """The draft loses every sequence now and then mid-request: a ProposeAhead then finds its
     sequence gone (FAILED_PRECONDITION), the coordinator rebuilds the draft from the history, and
     the output is still target-only decoding."""
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=64,
                               draft_ahead=2)

@@ -10,8 +10,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specbatch import __version__
-from specbatch.client import generate, make_request
-from specbatch.commands.local import start_local_stack
+from specbatch.rpc.client import generate, make_request
+from specbatch.stack.in_process import start_local_stack
 from specbatch.v1 import generation_pb2 as pb
 from specbatch.v1 import model_services_pb2 as mpb
 from specbatch.v1 import model_services_pb2_grpc as mpb_grpc

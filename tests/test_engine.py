@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draft_service.proposer import MAX_K, ProposeItem, propose, proposals
-from specbatch.engine import (
+from specbatch.engine.engine import (
     CapacityExceeded,
     Engine,
     PADDED_ROWS_FREE,
@@ -20,7 +20,7 @@ from specbatch.engine import (
     UnknownSequence,
     length_groups,
 )
-from specbatch.sampling import SamplingParams
+from specbatch.engine.sampling import SamplingParams
 from target_service.verifier import VerifyItem, verify
 from tiny import VOCAB, greedy_reference, hooked_forwards
 
@@ -679,8 +679,8 @@ def test_fp32_linears_give_each_row_what_it_gets_alone(threads):
     on this CPU and thread count (checked per shape: on an AVX-512 EPYC a 96x64 weight keeps it
     and 576x1536 does not): bitwise the same row by row there, and always the same product as
     F.linear."""
-    from specbatch.exactness import differing_by_row_count
-    from specbatch.linear import PackedLinear, onednn_fp32_rows_agree
+    from specbatch.engine.exactness import differing_by_row_count
+    from specbatch.kernels.linear import PackedLinear, onednn_fp32_rows_agree
 
     generator = torch.Generator().manual_seed(1)
     before = torch.get_num_threads()
@@ -704,7 +704,7 @@ def test_fp32_linears_give_each_row_what_it_gets_alone(threads):
 def test_int8_linears_approximate_the_product_and_are_refused_where_inexact_or_unsupported(target_model):
     """Int8Linear (a draft's choice on a CPU) is the float32 product within int8's error; an engine
     asked for int8 weights where they cannot run (bf16, transformers' forward) refuses at start."""
-    from specbatch.linear import Int8Linear, int8_linears_available
+    from specbatch.kernels.linear import Int8Linear, int8_linears_available
 
     if not int8_linears_available():
         pytest.skip("no fbgemm in this PyTorch build (not x86)")

@@ -9,7 +9,7 @@ from concurrent import futures
 
 import pytest
 
-from specbatch.client import generate, generate_all, make_request
+from specbatch.rpc.client import generate, generate_all, make_request
 from tiny import VOCAB, greedy_reference
 
 
@@ -72,7 +72,7 @@ def test_mixed_k_and_sampled_neighbours_leave_greedy_exact(stack, target_model):
 
 
 def test_eos_stops_and_is_reported(target_model, draft_model, tokenizer):
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     prompt = prompts_of_lengths([6], seed=3)[0]
     reference = greedy_reference(target_model, prompt, 40)

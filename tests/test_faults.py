@@ -15,9 +15,9 @@ from concurrent import futures
 import grpc
 import pytest
 
-from specbatch.client import connect, generate, make_request
-from specbatch.commands.launcher import free_port
-from specbatch.serving import wait_until_serving
+from specbatch.rpc.client import connect, generate, make_request
+from specbatch.stack.launcher import free_port
+from specbatch.rpc.server import wait_until_serving
 from specbatch.v1 import generation_pb2 as gen_pb
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc

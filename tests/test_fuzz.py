@@ -26,9 +26,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
-from specbatch.client import generate, make_request
-from specbatch.commands.local import start_local_stack
-from specbatch.prompts import chat_token_ids
+from specbatch.rpc.client import generate, make_request
+from specbatch.stack.in_process import start_local_stack
+from specbatch.commands.prompts import chat_token_ids
 from specbatch.v1 import generation_pb2 as pb
 from tiny import EOS, VOCAB, greedy_reference
 

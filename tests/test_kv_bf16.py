@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbatch import native
-from specbatch.engine import Engine, SequenceInput
-from specbatch.llama import _signed_sin
+from specbatch.kernels import native
+from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.models.llama import _signed_sin
 from tests.tiny import greedy_mixed_batch, tiny_llama, with_threads
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no CPU kernels here: {native.unavailable_reason()}")
@@ -125,7 +125,7 @@ def test_bf16_keys_and_values_are_refused_off_the_cpu_kernels(monkeypatch):
 def test_speculation_with_bf16_keys_and_values_is_its_own_target_only_decoding(target_model, draft_model, tokenizer):
     """Target and draft keep bf16 keys and values: greedy output at k = 3, with leaves, in one mixed
     batch, is token for token the same stack's target-only (k = 0) output."""
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=64,
                               target_engine_options={"kv_bf16": True}, draft_engine_options={"kv_bf16": True})

@@ -9,11 +9,11 @@ import threading
 import time
 from concurrent import futures
 
-from specbatch.client import generate_all, make_request
-from specbatch.engine import Engine, SequenceInput
-from specbatch.commands.local import start_local_stack
-from specbatch.service_metrics import ServiceMetrics
-from specbatch.model_service import SequenceLeases, model_service_parser
+from specbatch.rpc.client import generate_all, make_request
+from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.stack.in_process import start_local_stack
+from specbatch.service.metrics import ServiceMetrics
+from specbatch.service.model_service import SequenceLeases, model_service_parser
 from test_engine import FakeClock
 from test_exactness import prompts_of_lengths
 from tiny import greedy_reference
@@ -32,7 +32,7 @@ def test_sweep_reclaims_on_the_model_thread_counts_and_logs(target_model, caplog
     engine.reclaim_idle = lambda max_idle: threads.append(threading.current_thread().name) or original(max_idle)
     assert leases.sweep() == []
     clock.now += 31
-    caplog.set_level(logging.WARNING, logger="specbatch.model_service")
+    caplog.set_level(logging.WARNING, logger="specbatch.service.model_service")
     assert sorted(leases.sweep()) == ["old", "older"]
     assert list(engine.sequences) == ["new"]
     assert all(name.startswith("model") for name in threads)  # never beside a forward

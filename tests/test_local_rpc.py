@@ -1,4 +1,4 @@
-"""The services' calls over Unix sockets (specbatch/local_rpc.py): the same results and statuses as
+"""The services' calls over Unix sockets (specbatch/rpc/local.py): the same results and statuses as
 through gRPC, and back to gRPC where a socket fails."""
 
 import os
@@ -7,7 +7,7 @@ import stat
 import grpc
 import pytest
 
-from specbatch.local_rpc import LocalChannel, LocalRpcError, LocalServer
+from specbatch.rpc.local import LocalChannel, LocalRpcError, LocalServer
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 from tests.tiny import greedy_mixed_batch, greedy_reference, random_prompts
@@ -15,7 +15,7 @@ from tests.tiny import greedy_mixed_batch, greedy_reference, random_prompts
 
 @pytest.fixture
 def socket_stack(target_model, draft_model, tokenizer, tmp_path):
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=128,
                               socket_dir=str(tmp_path))
@@ -97,7 +97,7 @@ def test_no_socket_is_named_without_one(stack):
 def test_a_request_over_the_message_cap_is_refused_as_grpc_refuses_it(socket_stack, monkeypatch):
     """RESOURCE_EXHAUSTED, as gRPC's 64 MiB cap answers (the cap lowered here to a few bytes); the
     service goes on serving other connections."""
-    from specbatch import local_rpc
+    from specbatch.rpc import local as local_rpc
 
     monkeypatch.setattr(local_rpc, "MAX_MESSAGE_BYTES", 16)
     local = LocalChannel(socket_stack.target.local.path)

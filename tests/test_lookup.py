@@ -12,7 +12,7 @@ import pytest
 
 from coordinator.lookup import (LONGEST, SHARED_LONGEST, SHARED_OCCURRENCES, SHARED_SHORTEST, SHORTEST, PromptLookup,
                                SharedLookup, agreed)
-from specbatch.client import generate, generate_all, make_request
+from specbatch.rpc.client import generate, generate_all, make_request
 from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
 from tiny import VOCAB, decode_while_the_draft_forgets, greedy_reference
 
@@ -65,7 +65,7 @@ def test_greedy_output_with_prompt_lookup_matches_generate_and_skips_proposes(ta
     """A mixed batch through the services, some requests looking up (the coordinator's flag), one
     not (its own prompt_lookup = 0), one target-only: every output is target-only decoding, token
     for token; some steps drafted by lookup, the others still asked the draft."""
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, eagle_draft if eagle else draft_model, tokenizer, max_batch_size=4,
                               max_new_tokens=64, prompt_lookup=4)
@@ -87,7 +87,7 @@ def test_greedy_output_with_prompt_lookup_matches_generate_and_skips_proposes(ta
 def test_sampled_requests_look_up_too(target_model, draft_model, tokenizer):
     """Seeded sampled requests with lookup on run to their length and draw the same tokens each
     time (their distribution: tests/test_speculative_sampling.py)."""
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64,
                               prompt_lookup=4)
@@ -102,7 +102,7 @@ def test_sampled_requests_look_up_too(target_model, draft_model, tokenizer):
 
 
 def test_a_prompt_lookup_out_of_range_is_refused(target_model, draft_model, tokenizer):
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64)
     try:
@@ -122,7 +122,7 @@ def test_a_draft_that_forgets_its_sequences_between_looked_up_steps_costs_no_tok
     """Steps drafted by lookup leave the draft untouched (its lease is not renewed); a draft that
     lost the sequence meanwhile is rebuilt from the history at the next Propose, and the output
     is still target-only decoding."""
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=64,
                               prompt_lookup=4)
@@ -212,7 +212,7 @@ def test_shared_lookup_drafts_from_finished_requests_and_output_is_unchanged(tar
     """A second request with the same prompt drafts from the first one's text (the shared index),
     and its output is still target-only decoding; a request kept out of the index neither drafts
     from it nor joins it."""
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64,
                               prompt_lookup=4, shared_lookup=10_000)
@@ -246,7 +246,7 @@ def test_who_is_in_the_shared_index_by_default():
 
 def test_a_seeded_sampled_request_gives_the_same_tokens_whatever_the_shared_index_holds(target_model,
                                                                                        draft_model, tokenizer):
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64,
                               prompt_lookup=4, shared_lookup=10_000)

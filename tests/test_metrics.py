@@ -1,4 +1,4 @@
-"""coordinator/metrics.py, specbatch/service_metrics.py, specbatch/metrics.py and specbatch/logs.py:
+"""coordinator/metrics.py, specbatch/service/metrics.py, specbatch/rpc/metrics.py and specbatch/rpc/logs.py:
 the coordinator's metric arithmetic, a real target service's /metrics over HTTP (engine gauges,
 per-method counts with status codes), the services' metric and log flags, and JSON log lines."""
 
@@ -19,14 +19,14 @@ from prometheus_client import CollectorRegistry, generate_latest
 from coordinator import metrics as coordinator_metrics
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.stats import StepStats
-from specbatch import metrics as metrics_module
-from specbatch.engine import Engine
-from specbatch.logs import configure_logging
-from specbatch.metrics import start_metrics_server
-from specbatch.metrics import serve_metrics
-from specbatch.model_service import model_service_parser
-from specbatch.service_metrics import ServiceMetrics
-from specbatch.serving import Server
+from specbatch.rpc import metrics as metrics_module
+from specbatch.engine.engine import Engine
+from specbatch.rpc.logs import configure_logging
+from specbatch.rpc.metrics import start_metrics_server
+from specbatch.rpc.metrics import serve_metrics
+from specbatch.service.model_service import model_service_parser
+from specbatch.service.metrics import ServiceMetrics
+from specbatch.rpc.server import Server
 from specbatch.v1 import model_services_pb2 as mpb
 from specbatch.v1 import model_services_pb2_grpc as mpb_grpc
 from target_service.servicer import TargetServicer
@@ -297,8 +297,8 @@ def test_text_log_lines_show_request_fields():
 def test_captured_steps_export_their_replayed_and_eager_calls(target_model):
     """A GPU step that falls back to eager costs several times its captured time, silently: the
     services export both counts (and log each reason once)."""
-    from specbatch.engine import SequenceInput
-    from specbatch.service_metrics import ServiceMetrics
+    from specbatch.engine.engine import SequenceInput
+    from specbatch.service.metrics import ServiceMetrics
     from target_service.verifier import VerifyItem, verify
 
     engine = Engine(target_model, max_sequences=4, max_context=64, captured_steps="static")

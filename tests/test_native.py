@@ -1,4 +1,4 @@
-"""The engine's own float32 kernels (specbatch.native): the product and attention, and a row's bits
+"""The engine's own float32 kernels (specbatch.kernels.native): the product and attention, and a row's bits
 independent of the other rows of the call and of the thread count, which bitwise-exact fp32
 speculation needs."""
 
@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specbatch import native
-from specbatch.engine import Engine, SequenceInput
-from specbatch.linear import fused, linear
+from specbatch.kernels import native
+from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.kernels.linear import fused, linear
 from tests.tiny import VOCAB, tiny_llama, with_threads as _with_threads
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"no panel kernel here: {native.unavailable_reason()}")
@@ -460,7 +460,7 @@ def test_rope_is_bitwise_the_pytorch_rotation_and_kv_write(batch, width, head_di
     """The rotated queries, and the keys and values written into the cache, bit for bit what the
     PyTorch operators compute (products rounded, then added: no fused multiply-add), into a
     gathered (non-contiguous) pool slice as the engine's batch has it."""
-    from specbatch.llama import _signed_sin, _TorchRope
+    from specbatch.models.llama import _signed_sin, _TorchRope
 
     heads, kv_heads = 6, 2
     qkv, positions, columns, cos, sin = _rope_inputs(batch, width, heads, kv_heads, head_dim, 60, seed=head_dim)
@@ -505,7 +505,7 @@ def test_layer_ops_give_a_row_the_same_bits_alone_and_at_any_thread_count(thread
 def test_the_angle_table_is_bitwise_the_models_rotary_embedding():
     """Row p of the forward's table is what the model's rotary embedding computes at position p,
     whatever positions it is computed beside; the table grows past its first length."""
-    from specbatch.llama import _signed_sin
+    from specbatch.models.llama import _signed_sin
 
     engine = Engine(tiny_llama(1, seed=0), max_sequences=1)
     forward = engine.forward
@@ -562,7 +562,7 @@ def test_refuses_other_dtypes():
 
 
 def test_switched_off_by_the_environment():
-    code = "from specbatch import native; print(native.available(), native.unavailable_reason())"
+    code = "from specbatch.kernels import native; print(native.available(), native.unavailable_reason())"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env={**os.environ, "SPECBATCH_NATIVE": "0"}, check=True)
     assert result.stdout.split() == ["False", "SPECBATCH_NATIVE=0"]

@@ -1,4 +1,4 @@
-"""The engine's own forward for OPT (specbatch.opt) against transformers' OPTForCausalLM: the same
+"""The engine's own forward for OPT (specbatch.models.opt) against transformers' OPTForCausalLM: the same
 logits over ragged batches (cached prefixes, a rollback, a decode step, non-adjacent slots), the
 same greedy decoding as ``generate``, and bf16 close to the transformers path."""
 
@@ -10,8 +10,8 @@ import random
 import pytest
 import torch
 
-from specbatch.engine import Engine, SequenceInput
-from specbatch.opt import OptForward
+from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.models.opt import OptForward
 from test_engine import Decoding, random_prompts, verify_steps
 from tiny import greedy_reference, tiny_opt
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from coordinator.policy import FixedK, Goodput, LiveAcceptance, LiveStepTimes, ProfileK, StepTimes, parse_policy
-from specbatch.profile import expected_tokens
-from specbatch.speculation import tally_positions
+from specbatch.protocol.profile import expected_tokens
+from specbatch.protocol.speculation import tally_positions
 from coordinator.profile_file import ProfileFile
 from test_profile import gpu_like, synthetic_profile
 

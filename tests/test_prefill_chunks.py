@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from specbatch.client import generate_all, make_request
+from specbatch.rpc.client import generate_all, make_request
 from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
 from tiny import VOCAB, greedy_reference
 
@@ -30,7 +30,7 @@ def test_greedy_output_with_chunked_prefill_matches_generate(target_model, draft
     """Six requests on four batch slots (the last two are admitted as earlier ones finish, while
     others decode), drafting k = 2 with leaves, one of them target-only: each output is
     target-only decoding."""
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, eagle_draft if eagle else draft_model, tokenizer, max_batch_size=4,
                               max_new_tokens=64, prefill_chunk=CHUNK, leaves=2)
@@ -49,7 +49,7 @@ def test_sampled_requests_draw_the_same_tokens_whether_prefilled_whole_or_in_chu
                                                                                      tokenizer):
     """A chunk before a prompt's last decides a token nobody keeps; draws go by position, so
     seeded sampled requests draw what they draw with whole prefills."""
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     batch = prompts(4, seed=12)
     requests = [make_request(p, 20, k=2, ignore_eos=True, temperature=0.8, seed=30 + i) for i, p in enumerate(batch)]
@@ -69,7 +69,7 @@ def test_an_eagle_draft_drafts_the_same_after_a_chunked_prefill(target_model, ea
     """The target's features of a prompt arrive chunk by chunk and are stored where each chunk
     starts: the draft, which reads them, proposes and gets accepted exactly what it does after a
     whole prefill (the engine's rows do not depend on how a prompt was split)."""
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     batch = prompts(4, seed=13)
     requests = [make_request(p, 24, ignore_eos=True, k=3) for p in batch]
@@ -90,7 +90,7 @@ def test_the_flag_reaches_the_coordinator_and_a_negative_one_is_refused(capsys):
     import argparse
 
     from coordinator.app import main as coordinator_main
-    from specbatch.commands.launcher import LocalProcesses, add_stack_flags, stack_options
+    from specbatch.stack.launcher import LocalProcesses, add_stack_flags, stack_options
 
     parser = argparse.ArgumentParser()
     add_stack_flags(parser)

@@ -1,4 +1,4 @@
-"""specbatch.prefork: children forked from a zygote behave as ``python -m`` processes would."""
+"""specbatch.stack.prefork: children forked from a zygote behave as ``python -m`` processes would."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from specbatch.prefork import Zygote
+from specbatch.stack.prefork import Zygote
 
 TESTS = Path(__file__).resolve().parent
 

@@ -12,10 +12,10 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from specbatch.commands import cli
-from specbatch.client import connect, generate, make_request
-from specbatch.reflection import register_v1_descriptor
+from specbatch.rpc.client import connect, generate, make_request
+from specbatch.rpc.reflection import register_v1_descriptor
 from specbatch.v1 import generation_pb2 as gpb
-from specbatch.commands.launcher import (WIDE_SPINCOUNT, LocalProcesses, StackOptions, default_k_policy, free_port,
+from specbatch.stack.launcher import (WIDE_SPINCOUNT, LocalProcesses, StackOptions, default_k_policy, free_port,
                                         threads_per_service)
 from tiny import greedy_reference
 
@@ -114,7 +114,7 @@ def test_threads_per_service_is_half_the_cores():
 def spawn_stack(monkeypatch, cores: int, options: StackOptions) -> dict:
     """The three processes `specbatch up` would start with ``options`` on ``cores`` cores, recorded
     instead of started: module -> (its command-line flags, its environment)."""
-    import specbatch.commands.launcher as launcher
+    import specbatch.stack.launcher as launcher
 
     spawned = {}
     monkeypatch.setattr(launcher, "available_cores", lambda: cores)
@@ -172,7 +172,7 @@ def test_an_omp_wait_policy_in_the_environment_is_kept(monkeypatch):
 
 
 def test_services_take_a_thread_count():
-    from specbatch.model_service import model_service_parser
+    from specbatch.service.model_service import model_service_parser
 
     assert model_service_parser("target", 50052, "x").parse_args(["--threads", "3"]).threads == 3
     wide = model_service_parser("target", 50052, "x").parse_args(["--wide-threads", "4", "--wide-from-rows", "16"])
@@ -213,7 +213,7 @@ def test_embedded_default_takes_the_profile_of_the_form_the_services_run(monkeyp
     """Step times with bf16 weights, in bf16 and in fp32 differ by 1.5-2x and more, so the best k
     does too: `specbatch up` gives the coordinator the shipped profile measured in the form the
     services will run."""
-    import specbatch.commands.launcher as launcher
+    import specbatch.stack.launcher as launcher
 
     monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: native_bf16)
     monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: panel_kernel)
@@ -233,7 +233,7 @@ def test_embedded_draft_runs_int8_where_the_services_run_float32_on_a_cpu(monkey
     """The embedded draft's float32 forward is bound by reading its weights; the launcher gives it
     --int8-weights there (bf16 weights for the target included) unless told otherwise, and never
     elsewhere unasked."""
-    import specbatch.commands.launcher as launcher
+    import specbatch.stack.launcher as launcher
 
     monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: native_bf16)
     monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: False)
@@ -243,7 +243,7 @@ def test_embedded_draft_runs_int8_where_the_services_run_float32_on_a_cpu(monkey
 def _spawned_on_a_cpu_with(monkeypatch, dot, options: dict) -> dict:
     """The flags the launcher gives each service (module -> args) with the engine's kernels built
     and dot products as ``dot`` says (True: bf16, "fp16": float16 too, False: neither)."""
-    import specbatch.commands.launcher as launcher
+    import specbatch.stack.launcher as launcher
 
     monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: True)
     monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: True)
@@ -288,9 +288,9 @@ def test_embedded_services_on_a_gpu_host_get_no_cpu_forms(monkeypatch, device, c
     """With no --device the services take the GPU where there is one; the launcher must then give
     them none of the CPU forms (int8, bf16 dot products, bf16 keys and values), which refuse CUDA,
     nor the CPU's profile: a stack with no flags on a GPU host used to die at start-up."""
-    import specbatch.models
+    import specbatch.models.loading
 
-    monkeypatch.setattr(specbatch.models, "default_device", lambda: "cuda")
+    monkeypatch.setattr(specbatch.models.loading, "default_device", lambda: "cuda")
     spawned = _spawned_on_a_cpu_with(monkeypatch, True, {} if device is None else {"device": device})
     for module in ("target_service", "draft_service"):
         forms = [flag for flag in spawned[module] if flag in ("--bf16-dot", "--int8-weights", "--kv-bf16", "float32")]
@@ -309,15 +309,15 @@ def test_embedded_pair_on_a_gpu_in_bf16_serves_the_gpu_profile(monkeypatch, opti
     """On a GPU the embedded pair in bf16 serves the profile measured for it there (an H200, real
     weights: k = 3 to batch 8, k = 0 from 16); the CPU's profiles would pick wrong k there, and
     other models or dtypes have no measured profile, so they keep fixed:3."""
-    import specbatch.commands.launcher as launcher
-    import specbatch.models
+    import specbatch.stack.launcher as launcher
+    import specbatch.models.loading
 
-    monkeypatch.setattr(specbatch.models, "default_device", lambda: "cuda")
+    monkeypatch.setattr(specbatch.models.loading, "default_device", lambda: "cuda")
     chosen, path = default_k_policy(StackOptions(**options))
     assert chosen == policy
     assert (path is not None and Path(path) == launcher.EMBEDDED_GPU_PROFILE) is gpu_profile
     if gpu_profile:  # the file loads, and says what was measured: speculate at small batches only
-        from specbatch.profile import load_profile
+        from specbatch.protocol.profile import load_profile
 
         profile = load_profile(path)
         assert profile.best_k_for(1) == 3 and profile.best_k_for(32) == 0
@@ -338,10 +338,10 @@ def test_embedded_services_keep_bf16_keys_and_values_where_their_layers_run_on_d
 def test_launcher_and_services_agree_on_native_bf16():
     """The launcher reads the CPU flags without torch; the services ask oneDNN. They must agree,
     or the coordinator would run the other dtype's profile."""
-    from specbatch import native
-    from specbatch.commands.launcher import (bf16_dot_expected, cpu_multiplies_bf16, fp16_dot_expected,
+    from specbatch.kernels import native
+    from specbatch.stack.launcher import (bf16_dot_expected, cpu_multiplies_bf16, fp16_dot_expected,
                                              panel_kernel_expected)
-    from specbatch.linear import onednn_bf16_available
+    from specbatch.kernels.linear import onednn_bf16_available
 
     assert cpu_multiplies_bf16() == onednn_bf16_available()
     assert panel_kernel_expected() == native.available()

@@ -1,4 +1,4 @@
-"""The profile document (specbatch/profile.py): schema, round trip, interpolation; and the file
+"""The profile document (specbatch/protocol/profile.py): schema, round trip, interpolation; and the file
 the coordinator watches (coordinator/profile_file.py): reload on change, ConfigMap symlink swaps,
 malformed profiles refused at start and ignored at reload."""
 
@@ -12,7 +12,7 @@ import time
 import pytest
 
 from coordinator.profile_file import ProfileFile
-from specbatch.profile import (NEAR_BEST, Profile, ProfileError, best_k_of, build_profile, expected_tokens,
+from specbatch.protocol.profile import (NEAR_BEST, Profile, ProfileError, best_k_of, build_profile, expected_tokens,
                                load_profile)
 
 

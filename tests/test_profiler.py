@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 
 from specbatch.commands import cli
-from specbatch.commands.local import start_local_stack
-from specbatch.profile import load_profile
+from specbatch.stack.in_process import start_local_stack
+from specbatch.protocol.profile import load_profile
 from specbatch.commands.profiler import Sweep, measure, powers_of_two
 from test_exactness import prompts_of_lengths
 

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from specbatch.protogen import ROOT, generate
+from specbatch.protocol.generate import ROOT, generate
 
 
 def test_generated_code_is_current(tmp_path: Path):

@@ -1,4 +1,4 @@
-"""GGUF's Q4_1 blocks (specbatch.gguf_blocks) and their multiply (native panel_q4_1.c): the blocks recovered
+"""GGUF's Q4_1 blocks (specbatch.kernels.gguf_blocks) and their multiply (native panel_q4_1.c): the blocks recovered
 from a dequantized weight bit for bit, other weights quantized as llama.cpp does, and the products
 row-exact; the target service's `--q4-1` through the launcher and the services."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbatch import native
-from specbatch.engine import Engine
-from specbatch.linear import linear
-from specbatch.gguf_blocks import BLOCK, q4_1_blocks
+from specbatch.kernels import native
+from specbatch.engine.engine import Engine
+from specbatch.kernels.linear import linear
+from specbatch.kernels.gguf_blocks import BLOCK, q4_1_blocks
 from test_native import layer_and_rows, needs_bf16_dot, rows_alone_and_beside_others
 from tiny import greedy_mixed_batch, tiny_llama
 
@@ -88,7 +88,7 @@ def test_speculation_on_q4_1_layers_is_its_own_target_only_decoding(target_model
     """A target on Q4_1 layers (bf16 keys and values, as `specbatch up --q4-1` runs it) and a draft on
     bf16 dot products: greedy output at k = 3 with leaves, in one mixed batch, is token for token the
     same stack's target-only (k = 0) output."""
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=64,
                               target_engine_options={"q4_1": True, "kv_bf16": True},
@@ -105,7 +105,7 @@ def test_speculation_on_q4_1_layers_is_its_own_target_only_decoding(target_model
 def test_the_launcher_gives_the_target_q4_1_and_keeps_the_draft(monkeypatch, dot):
     """`specbatch up --q4-1`: the target service gets --q4-1 in float32 with bf16 keys and values, the
     draft its usual form (int8 for the embedded draft), and the profile looked up is the Q4_1 form's."""
-    from specbatch.commands.launcher import StackOptions, services_cpu_form
+    from specbatch.stack.launcher import StackOptions, services_cpu_form
     from test_processes import _spawned_on_a_cpu_with
 
     spawned = _spawned_on_a_cpu_with(monkeypatch, dot, {"target_q4_1": True})
@@ -122,7 +122,7 @@ def test_the_launcher_refuses_q4_1_where_it_cannot_run(flags, message):
     """Refused before any service starts, with the reason, instead of two services exiting."""
     import argparse
 
-    from specbatch.commands.launcher import add_stack_flags, stack_options
+    from specbatch.stack.launcher import add_stack_flags, stack_options
 
     parser = argparse.ArgumentParser()
     add_stack_flags(parser)
@@ -133,7 +133,7 @@ def test_the_launcher_refuses_q4_1_where_it_cannot_run(flags, message):
 def test_the_launcher_refuses_q4_1_without_avx512_bf16(monkeypatch):
     import argparse
 
-    import specbatch.commands.launcher as launcher
+    import specbatch.stack.launcher as launcher
 
     monkeypatch.setattr(launcher, "bf16_dot_expected", lambda: False)
     parser = argparse.ArgumentParser()

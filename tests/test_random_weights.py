@@ -11,14 +11,14 @@ import torch
 from transformers import AutoConfig
 
 from specbatch.commands import cli
-from specbatch.client import connect, generate, make_request
-from specbatch.engine import Engine, SequenceInput
-from specbatch.commands.launcher import LocalProcesses, StackOptions, _model_flags, free_port
-from specbatch.model_service import model_service_parser
-from specbatch.models import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, cache_root, load_model, load_tokenizer
-from specbatch.profile import best_k_of, expected_tokens, load_profile
+from specbatch.rpc.client import connect, generate, make_request
+from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.stack.launcher import LocalProcesses, StackOptions, _model_flags, free_port
+from specbatch.service.model_service import model_service_parser
+from specbatch.models.loading import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, cache_root, load_model, load_tokenizer
+from specbatch.protocol.profile import best_k_of, expected_tokens, load_profile
 from specbatch.commands.profiler import given_acceptance
-from specbatch.random_weights import KNOWN_CONFIGS, fit_vocab, random_config, random_model, tokenizer_source
+from specbatch.models.random_weights import KNOWN_CONFIGS, fit_vocab, random_config, random_model, tokenizer_source
 from target_service.verifier import VerifyItem, verify
 from tiny import VOCAB, greedy_reference
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbatch.client import generate, generate_all, make_request
-from specbatch.eagle import reads_target_features
-from specbatch.models import EMBEDDED_DRAFT, ModelSpec, load_model, load_tokenizer
+from specbatch.rpc.client import generate, generate_all, make_request
+from specbatch.models.eagle import reads_target_features
+from specbatch.models.loading import EMBEDDED_DRAFT, ModelSpec, load_model, load_tokenizer
 
 pytestmark = pytest.mark.real_model
 
@@ -26,7 +26,7 @@ def real():
 
 @pytest.fixture(scope="module")
 def real_stack(real):
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     target, draft, tokenizer = real
     stack = start_local_stack(target, draft, tokenizer, max_batch_size=4)
@@ -80,7 +80,7 @@ def test_chat_prompt_is_rendered_with_the_template(real, real_stack):
 
 @pytest.fixture(scope="module")
 def bf16_stack():
-    from specbatch.commands.local import start_local_stack
+    from specbatch.stack.in_process import start_local_stack
 
     target = load_model(ModelSpec(), device="cpu", dtype=torch.bfloat16)
     draft = load_model(ModelSpec(EMBEDDED_DRAFT), device="cpu", dtype=torch.bfloat16)
@@ -94,7 +94,7 @@ def test_bf16_output_leaves_target_only_decoding_only_at_near_ties(real, bf16_st
     k+1 tokens may flip a greedy choice where the target's two best logits (nearly) tie: the
     reference is target-only decoding in bf16 through the same engine, and every output that
     leaves it must do so at a near-tie. The mismatches are counted and reported."""
-    from specbatch.exactness import first_mismatch, target_only
+    from specbatch.engine.exactness import first_mismatch, target_only
 
     _, _, tokenizer = real
     prompts = [chat_ids(tokenizer, c) for c in CHATS]
@@ -118,9 +118,9 @@ def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real, form):
     lengths prefilled together and k 1-4 in one batch. (Differences show only at near-ties, which
     four short chats rarely reach: tests/test_native.py checks the prefill's bits directly, and
     benchmarks/exactness.py --weights bf16-dot runs 64 prompts.)"""
-    from specbatch import native
-    from specbatch.commands.local import start_local_stack
-    from specbatch.exactness import first_mismatch, target_only
+    from specbatch.kernels import native
+    from specbatch.stack.in_process import start_local_stack
+    from specbatch.engine.exactness import first_mismatch, target_only
 
     if not (native.fp16_dot_available() if form == "fp16_dot" else native.bf16_dot_available()):
         pytest.skip(f"the CPU lacks {'AVX512_FP16' if form == 'fp16_dot' else 'AVX512_BF16'}")
@@ -141,7 +141,7 @@ def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real, form):
 def test_the_embedded_targets_layers_are_its_gguf_q4_1_blocks(real):
     """transformers dequantized the GGUF's Q4_1 layers to float32; every block of every decoder
     layer is recovered from them bit for bit, so `--q4-1` multiplies by the file's own weights."""
-    from specbatch.gguf_blocks import q4_1_blocks
+    from specbatch.kernels.gguf_blocks import q4_1_blocks
 
     target, _, _ = real
     for layer in target.model.layers:

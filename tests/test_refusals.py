@@ -7,8 +7,8 @@ import time
 import grpc
 import pytest
 
-from specbatch.client import generate, make_request
-from specbatch.commands.local import start_local_stack
+from specbatch.rpc.client import generate, make_request
+from specbatch.stack.in_process import start_local_stack
 from tiny import greedy_reference
 
 

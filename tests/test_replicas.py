@@ -12,9 +12,9 @@ import pytest
 
 from coordinator.placement import call_timeout
 from coordinator.replicas import resolve
-from specbatch.client import generate, generate_all, make_request
-from specbatch.engine import Engine
-from specbatch.commands.local import serve_engine, start_local_stack
+from specbatch.rpc.client import generate, generate_all, make_request
+from specbatch.engine.engine import Engine
+from specbatch.stack.in_process import serve_engine, start_local_stack
 from specbatch.v1 import generation_pb2 as gen_pb
 from draft_service.servicer import DraftServicer
 from target_service.servicer import TargetServicer
@@ -325,7 +325,7 @@ def test_dns_discovery_adds_and_removes_replicas(monkeypatch, target_model, draf
     coordinator = build_coordinator("dns:targets:0", f"127.0.0.1:{first.draft.port}", tokenizer, eos_token_ids=frozenset(),
                                     refresh_seconds=0.1, max_batch_size=8)
     try:
-        from specbatch.client import connect
+        from specbatch.rpc.client import connect
 
         stub = connect(f"127.0.0.1:{coordinator.port}")
         prompts = prompts_of_lengths([5, 9, 13, 7], seed=17)
@@ -350,7 +350,7 @@ def test_dns_discovery_adds_and_removes_replicas(monkeypatch, target_model, draf
 
 def test_two_coordinators_share_one_draft_and_target(target_model, draft_model, tokenizer):
     from coordinator.app import build_coordinator
-    from specbatch.client import connect
+    from specbatch.rpc.client import connect
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8)
     other = build_coordinator(f"127.0.0.1:{stack.target.port}", f"127.0.0.1:{stack.draft.port}", tokenizer,

@@ -12,7 +12,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from specbatch.client import generate, generate_all, make_request
+from specbatch.rpc.client import generate, generate_all, make_request
 from specbatch.v1 import model_services_pb2 as mpb
 from specbatch.v1 import model_services_pb2_grpc as mpb_grpc
 from test_exactness import forget_everything_mid_run, prompts_of_lengths

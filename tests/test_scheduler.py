@@ -15,7 +15,7 @@ from coordinator.replicas import Replica, ReplicaSet
 from coordinator.requests import Request, TextStream
 from coordinator.scheduler import Draining, QueueFull, Scheduler
 from coordinator.stats import StepStats, StepTotals
-from specbatch.sampling_params import SamplingParams
+from specbatch.protocol.sampling_params import SamplingParams
 
 VOCAB = 1000
 

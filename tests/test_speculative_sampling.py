@@ -27,11 +27,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from coordinator.lookup import PromptLookup
 from draft_service.proposer import Proposal, ProposeItem, proposals
-from specbatch import acceptance
-from specbatch.eagle import draft_from_target
-from specbatch.engine import Engine, SequenceInput
-from specbatch.models import keep_first_layers
-from specbatch.sampling import (DRAW_ACCEPT, SparseDistribution, DRAW_DRAFT, DRAW_TARGET, SamplingParams, distributions, params_tensors,
+from specbatch.engine import acceptance
+from specbatch.models.eagle import draft_from_target
+from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.models.loading import keep_first_layers
+from specbatch.engine.sampling import (DRAW_ACCEPT, SparseDistribution, DRAW_DRAFT, DRAW_TARGET, SamplingParams, distributions, params_tensors,
                                 sample, target_distribution, uniforms)
 from target_service import verifier
 from target_service.verifier import VerifyItem, verify

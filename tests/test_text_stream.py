@@ -5,7 +5,7 @@ import random
 import pytest
 
 from coordinator.requests import TextStream
-from specbatch.models import ModelSpec, load_tokenizer
+from specbatch.models.loading import ModelSpec, load_tokenizer
 
 
 def stream_all(tokenizer, ids, stops=()):

@@ -1,4 +1,4 @@
-"""TLS and mTLS on the gRPC servers (specbatch.tls), with a throwaway CA made by trustme."""
+"""TLS and mTLS on the gRPC servers (specbatch.rpc.tls), with a throwaway CA made by trustme."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ import pytest
 import trustme
 
 from specbatch.commands import cli
-from specbatch.engine import Engine
-from specbatch.commands.launcher import free_port
-from specbatch.serving import Server, wait_until_serving
-from specbatch.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials,
+from specbatch.engine.engine import Engine
+from specbatch.stack.launcher import free_port
+from specbatch.rpc.server import Server, wait_until_serving
+from specbatch.rpc.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials,
                            channel_credentials_from_args, open_channel, server_credentials,
                            server_credentials_from_args)
 from specbatch.v1 import generation_pb2 as gpb
@@ -212,7 +212,7 @@ def test_whole_stack_over_mtls(pki, target_model, draft_model, tokenizer):
     coordinator without the client certificate is refused by the services at start."""
     from coordinator.app import build_coordinator
     from draft_service.servicer import DraftServicer
-    from specbatch.client import connect, generate, make_request
+    from specbatch.rpc.client import connect, generate, make_request
     from tiny import greedy_reference
 
     mtls = server_credentials(pki.server_cert, pki.server_key, pki.ca)

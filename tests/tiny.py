@@ -106,7 +106,7 @@ def decode_while_the_draft_forgets(stack, target_model, prompt: list[int], max_n
     """One greedy k = 2 request through ``stack`` whose (first) draft drops all its sequences every
     third response (``ForgetEveryThird``); asserts the output is target-only decoding and returns
     how many responses streamed."""
-    from specbatch.client import generate, make_request
+    from specbatch.rpc.client import generate, make_request
 
     forget_every_third = ForgetEveryThird(stack.draft_engines[0])
     result = generate(stack.client(), make_request(prompt, max_new_tokens, k=2, ignore_eos=True),
@@ -136,7 +136,7 @@ def random_prompts(seed: int, count: int = 6) -> list[list[int]]:
 def greedy_mixed_batch(stack, seed: int, k: int, prompts: int = 6) -> list:
     """Six short random prompts (seeded) decoded greedily together through ``stack`` at ``k``, with
     one leaf: the results (30 tokens each), in prompt order."""
-    from specbatch.client import generate_all, make_request
+    from specbatch.rpc.client import generate_all, make_request
 
     chosen = random_prompts(seed, prompts)
     return generate_all(stack.client(), [make_request(p, 30, k=k, ignore_eos=True, leaves=1) for p in chosen],

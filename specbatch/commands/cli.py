@@ -10,13 +10,13 @@ import threading
 
 from google.protobuf.json_format import MessageToDict
 
-from ..serving import DEFAULT_PORTS
+from specbatch.rpc.server import DEFAULT_PORTS
 
 DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORTS['coordinator']}"
 
 
 def cmd_up(args) -> int:
-    from .launcher import LocalProcesses, stack_options
+    from specbatch.stack.launcher import LocalProcesses, stack_options
 
     processes = LocalProcesses(stack_options(args))
     stop = threading.Event()
@@ -53,7 +53,7 @@ def add_sampling_flags(parser) -> None:
 def cmd_generate(args) -> int:
     import grpc
 
-    from ..client import connect, generate, make_request
+    from specbatch.rpc.client import connect, generate, make_request
 
     if args.token_ids:
         prompt = [int(t) for t in args.token_ids.split(",") if t.strip()]
@@ -74,7 +74,7 @@ def cmd_generate(args) -> int:
 
     credentials = None
     if args.tls_ca or args.tls_cert or args.tls_key:
-        from ..tls import channel_credentials
+        from specbatch.rpc.tls import channel_credentials
 
         try:
             credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
@@ -95,37 +95,37 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from specbatch.commands.demo import run_demo
 
     return run_demo(args)
 
 
 def cmd_bench(args) -> int:
-    from .bench import run_bench
+    from specbatch.commands.bench.run import run_bench
 
     return run_bench(args)
 
 
 def cmd_profile(args) -> int:
-    from .profiler import run_profile
+    from specbatch.commands.profiler import run_profile
 
     return run_profile(args)
 
 
 def cmd_bench_engine(args) -> int:
-    from .bench_engine import run_bench_engine
+    from specbatch.commands.bench.engine import run_bench_engine
 
     return run_bench_engine(args)
 
 
 def cmd_distill(args) -> int:
-    from .distill import run_distill
+    from specbatch.commands.distill.distill import run_distill
 
     return run_distill(args)
 
 
 def main(argv=None) -> int:
-    from .launcher import add_stack_flags
+    from specbatch.stack.launcher import add_stack_flags
 
     parser = argparse.ArgumentParser(prog="specbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -151,28 +151,28 @@ def main(argv=None) -> int:
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.set_defaults(fn=cmd_demo)
 
-    from .bench import add_bench_flags
+    from specbatch.commands.bench.run import add_bench_flags
 
     bench = sub.add_parser("bench", help="k=0, fixed k and the k policies under uniform, trace and Poisson traffic")
     add_stack_flags(bench)
     add_bench_flags(bench)
     bench.set_defaults(fn=cmd_bench)
 
-    from .profiler import add_profile_flags
+    from specbatch.commands.profiler import add_profile_flags
 
     profile = sub.add_parser("profile", help="measure step time and acceptance over batch size x k; write the profile")
     add_stack_flags(profile)
     add_profile_flags(profile)
     profile.set_defaults(fn=cmd_profile)
 
-    from .bench_engine import add_bench_engine_flags
+    from specbatch.commands.bench.engine import add_bench_engine_flags
 
     bench_engine = sub.add_parser("bench-engine", help="ms per verify step and per drafted token over batch x tokens, "
                                   "beside the bandwidth limit")
     add_bench_engine_flags(bench_engine)
     bench_engine.set_defaults(fn=cmd_bench_engine)
 
-    from .distill import add_distill_flags
+    from specbatch.commands.distill.distill import add_distill_flags
 
     distill = sub.add_parser("distill", help="train an EAGLE-style draft for a target (resumable)")
     add_distill_flags(distill)

@@ -1,5 +1,5 @@
 """``specbatch profile``: measure step time and acceptance over batch size × k on the running
-draft and target services, and write the profile (specbatch/profile.py), its table and a heat map.
+draft and target services, and write the profile (specbatch/protocol/profile.py), its table and a heat map.
 
 How it measures: the coordinator's own scheduler (coordinator/scheduler.py) drives the services
 through the coordinator's clients, so each number is what a serving step costs, RPC and
@@ -31,10 +31,10 @@ from coordinator.requests import Request, TextStream
 from coordinator.replicas import ReplicaSet
 from coordinator.scheduler import Scheduler
 
-from ..profile import Profile, build_profile
-from ..prompts import chat_prompts, sharegpt_prompts
-from ..random_weights import fit_vocab
-from ..sampling import SamplingParams
+from specbatch.protocol.profile import Profile, build_profile
+from specbatch.commands.prompts import chat_prompts, sharegpt_prompts
+from specbatch.models.random_weights import fit_vocab
+from specbatch.engine.sampling import SamplingParams
 
 
 @dataclass
@@ -165,7 +165,7 @@ def describe_hardware(device: str | None) -> dict:
 
     info["device"] = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if info["device"] == "cpu":  # the widest vector unit torch uses, and bf16 support: they set the dtype and speed
-        from specbatch.linear import onednn_bf16_available
+        from specbatch.kernels.linear import onednn_bf16_available
 
         info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
         info["native_bf16"] = onednn_bf16_available()
@@ -264,7 +264,7 @@ def given_acceptance(numbers: str | None, profile_path: str | None, max_k: int) 
     """The acceptance per draft position to profile with, when it is given rather than measured:
     ``numbers`` (comma-separated) or that of the profile at ``profile_path``; the first ``max_k``."""
     if profile_path:
-        from ..profile import load_profile
+        from specbatch.protocol.profile import load_profile
 
         values, where = list(load_profile(profile_path).acceptance_by_position), f"the profile {profile_path}"
     elif numbers:
@@ -286,9 +286,9 @@ def run_profile(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from .launcher import (LocalProcesses, draft_int8_weights, kv_bf16, services_cpu_form, stack_options, weights_flag,
+    from specbatch.stack.launcher import (LocalProcesses, draft_int8_weights, kv_bf16, services_cpu_form, stack_options, weights_flag,
                            wide_threads)
-    from ..models import EMBEDDED, ModelSpec, load_tokenizer, parse_dtype, default_device
+    from specbatch.models.loading import EMBEDDED, ModelSpec, load_tokenizer, parse_dtype, default_device
 
     remote = bool(args.target)
     if remote and not args.draft:

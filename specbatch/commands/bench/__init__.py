@@ -1,0 +1,1 @@
+"""`specbatch bench` and the engine and sampling benchmarks beside it."""

@@ -1,0 +1,1 @@
+"""`specbatch distill`: train an EAGLE-style draft for a target."""

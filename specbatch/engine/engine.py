@@ -1,0 +1,663 @@
+"""The forward/KV-cache engine shared by the draft service and the target service.
+
+All sequences of an engine live in one KV pool, ``[layers, 2 (key/value), slots, kv_heads,
+context, head_dim]``: each sequence owns a slot, keyed by its id, and its tokens fill the first
+``length`` columns of that slot. The pool lives across calls. A batched call runs only the *new*
+tokens of each of its sequences (ragged: each its own count) through the model once, with the
+new keys/values written straight into each sequence's slot at its own next columns and a 4D mask
+that lets each row see exactly its own columns. So:
+
+- a step never recomputes a cached prefix, and never copies one either when the call's sequences
+  hold neighbouring slots (the common case: slots are kept dense, and the coordinator sends the
+  whole running batch), the batch cache is a view of the pool; other calls gather their slots;
+- rolling back is O(1): a sequence's length is set lower, and the stale columns are masked and
+  later overwritten;
+- positions are passed explicitly, so RoPE and absolute-position models see the same positions as
+  an unpadded run.
+
+Within a call, new tokens are right-aligned (so the last positions of every row share columns of
+the logits); a padding token writes its keys/values to a scratch column past every row's end and
+attends only column 0, which keeps it finite.
+
+The forward itself is ``Engine.forward``: the engine's own, weights prepacked (``specbatch.models.llama``
+for Llama-family models and the EAGLE draft, ``specbatch.models.opt`` for OPT; ``OWN_FORWARDS``), or
+``specbatch.models.transformers_forward`` (any other model). All return the final hidden states beside
+the logits: the target service sends them to an EAGLE-style draft (``specbatch.models.eagle``), which
+reads one such feature per fed token as a second input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from specbatch.models import llama
+from specbatch.kernels import native
+from specbatch.models import opt
+from specbatch.engine.captured import CapturedForward, eager_attention, resolve_mode, to_device
+from specbatch.models.eagle import reads_target_features
+from specbatch.engine.kv_pool import KVPool, SequenceCache, tree_mask, write_columns_and_mask
+from specbatch.kernels.linear import int8_linears_available
+from specbatch.models.transformers_forward import TransformersForward
+# The refusals live in a torch-free module; imported here too, where callers have long found them.
+from specbatch.protocol.errors import CapacityExceeded, EngineError, InvalidRequest, StaleCache, UnknownSequence  # noqa: F401
+
+
+@dataclass
+class SequenceInput:
+    """What one call asks of one sequence: keep ``keep_len`` cached tokens, then feed ``tokens``."""
+
+    seq_id: str
+    keep_len: int
+    tokens: list[int]
+    features: torch.Tensor | None = None  # [len(tokens), feature_size]: for drafts that read target features
+    # A tree of tokens instead of a chain (a verify call with leaves: specbatch.engine.acceptance): for each
+    # token, the index of the fed token it follows, or -1 for the last cached one. Parents come
+    # before their children. None: a chain, each token follows the one before it.
+    parents: list[int] | None = None
+
+
+class RaggedBatch:
+    """The sequences of one call, as a batch cache over their pool slots (see the module docstring).
+
+    Rows are the call's sequences in slot order; results come back in the call's order.
+    """
+
+    def __init__(self, engine: "Engine", inputs: list[SequenceInput], decode_steps: int = 0):
+        self.engine = engine
+        self.order = sorted(range(len(inputs)), key=lambda i: engine.sequences[inputs[i].seq_id].slot)
+        # Row r holds the call's item order[r]; item i sits in row inverse[i]. Usually the call
+        # comes in slot order, and then rows need no reordering (on a GPU, two launches fewer a forward).
+        self.in_order = self.order == list(range(len(inputs)))
+        if not self.in_order:
+            self.order_index = to_device(torch.tensor(self.order), engine.device)
+            self.inverse = torch.empty_like(self.order_index)
+            self.inverse[self.order_index] = torch.arange(len(self.order), device=engine.device)
+        self.caches = [engine.sequences[inputs[i].seq_id] for i in self.order]
+        self.inputs = [inputs[i] for i in self.order]
+        self.kept = torch.tensor([item.keep_len for item in self.inputs])
+        self.fed = torch.tensor([len(item.tokens) for item in self.inputs])
+        batch, width = len(inputs), int(self.fed.max())
+        longest = int((self.kept + self.fed).max()) + decode_steps
+        pool = engine.pool
+        pool.ensure(len(engine.sequences), longest + 1, engine.max_context + 1)
+        for item in self.inputs:  # only now: a call refused above (no room in the pool) changes nothing
+            engine.rollback(item.seq_id, item.keep_len)  # the caller dropped the rest; it gets overwritten
+        slots = [cache.slot for cache in self.caches]
+        # The batch cache's row of each of the call's rows: the call's own rows, unless spread.
+        self.kv_rows = list(range(batch))
+        self.spread = None
+        self.gathered = False
+        if slots != list(range(batch)) and self._spreads(slots[-1] + 1, width, longest):
+            self._spread(slots)
+        elif slots == list(range(slots[0], slots[0] + batch)):  # a view: writes land in the pool directly
+            self.kv = pool.kv[:, :, slots[0] : slots[0] + batch]
+        else:  # gather the slots (up to the longest row, plus scratch), write back on commit
+            self.kv = pool.kv[:, :, slots, :, : longest + 1]
+            self.gathered = True
+        self.scratch = self.kv.shape[4] - 1
+        # Right-aligned new tokens: row r's token j sits at column kept+j-(width-fed).
+        offsets = torch.arange(width)[None, :] - (width - self.fed)[:, None]
+        self.valid = offsets >= 0
+        self.columns = (self.kept[:, None] + offsets).clamp(min=0)
+        # A chain's tokens sit at their own positions; a tree's at their depth (tree_layout).
+        self.tree = None if all(item.parents is None for item in self.inputs) else tree_layout(self.inputs, width)
+        positions = self.columns if self.tree is None else (self.kept[:, None] + self.tree[0]).clamp(min=0)
+        input_ids = torch.zeros(batch, width, dtype=torch.long)
+        for row, item in enumerate(self.inputs):
+            input_ids[row, width - len(item.tokens) :] = torch.tensor(item.tokens, dtype=torch.long)
+        features = None
+        if engine.feature_size:  # right-aligned like the tokens; padding reads zeros
+            features = torch.zeros(batch, width, engine.feature_size, dtype=engine.dtype)
+            for row, item in enumerate(self.inputs):
+                features[row, width - len(item.tokens) :] = item.features
+        self._pending = (input_ids, positions, features)
+        self.decoded = 0
+        self.hidden: torch.Tensor | None = None  # the decoder's final hidden states of the last forward
+
+    def _spreads(self, rows: int, width: int, longest: int) -> bool:
+        """Whether the call runs over the pool's slots from 0 to its last (``rows`` of them), the
+        slots between its own as padding rows: where the engine replays captured steps, which
+        take only calls over the pool's slots from 0, and such a call fits one. On a GPU a few
+        padding rows cost next to nothing, while a gathered call runs eagerly: a Propose for the
+        rows that did not find their drafts by lookup cost ~15 ms a forward instead of ~2."""
+        fits = getattr(self.engine.forward, "fits", None)
+        return fits is not None and fits(rows, width, longest)
+
+    def _spread(self, slots: list[int]) -> None:
+        self.kv = self.engine.pool.kv[:, :, : slots[-1] + 1]  # the pool's view from slot 0
+        self.kv_rows = slots
+        self.spread = torch.tensor(slots)
+        self.spread_on_device = to_device(self.spread, self.engine.device)
+
+    def _spread_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The call's rows at their slots of the spread batch, zeros (padding) between."""
+        index = self.spread if rows.device.type == "cpu" else self.spread_on_device
+        out = rows.new_zeros((self.kv.shape[2],) + rows.shape[1:])
+        out[index] = rows
+        return out
+
+    def _forward(self, input_ids, positions, valid, logits_to_keep: int, features=None,
+                 columns: torch.Tensor | None = None) -> torch.Tensor:
+        """``columns``: where each token writes, when not at its position (a tree)."""
+        device = self.engine.device
+        columns = positions if columns is None else columns
+        end = int(columns[valid].max()) + 1  # every row feeds at least one token
+        sees = None if self.tree is None else self.tree[1]
+        if self.spread is not None:  # padding rows feed no real token: they write scratch and see column 0
+            input_ids, positions, valid, columns = (self._spread_rows(t) for t in (input_ids, positions, valid, columns))
+            features = None if features is None else self._spread_rows(features)
+            sees = None if sees is None else self._spread_rows(sees)
+        columns, mask = write_columns_and_mask(columns, valid, self.scratch, end)
+        if sees is not None:
+            mask = tree_mask(mask, columns, valid, sees)
+        forward = self.engine.forward
+        if not getattr(forward, "takes_host_inputs", False):
+            input_ids, positions, columns, mask = (to_device(t, device) for t in (input_ids, positions, columns, mask))
+            features = None if features is None else to_device(features, device)
+        # A captured forward chooses per call; any other runs eagerly (eager_attention says why).
+        with contextlib.nullcontext() if isinstance(forward, CapturedForward) else eager_attention(device):
+            logits, self.hidden = forward(input_ids, positions, columns, self.kv, mask, logits_to_keep, features)
+        if self.spread is not None:
+            logits, self.hidden = logits[self.spread_on_device], self.hidden[self.spread_on_device]
+        return logits
+
+    def item_rows(self) -> list[int]:
+        """The row of each of the call's items in the batch's cache (on the host)."""
+        rows = [0] * len(self.order)
+        for row, item in enumerate(self.order):
+            rows[item] = self.kv_rows[row]
+        return rows
+
+    def _unsort(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.in_order else rows[self.inverse]
+
+    @torch.inference_mode()
+    def prefill(self, logits_to_keep: int = 1) -> torch.Tensor:
+        """Run every row's new tokens; returns logits of the last ``logits_to_keep`` columns,
+        rows in the call's order."""
+        input_ids, positions, features = self._pending
+        return self._unsort(self._forward(input_ids, positions, self.valid, logits_to_keep, features, self.columns))
+
+    @torch.inference_mode()
+    def decode(self, tokens: torch.Tensor, features: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed one more token per row (``tokens`` in the call's order, and for a draft that reads
+        features, one ``[batch, feature_size]`` row each); returns ``[batch, vocab]``."""
+        assert self.tree is None, "a tree call feeds its tokens at once"
+        tokens = tokens.view(-1) if self.in_order else tokens.view(-1)[self.order_index]
+        if features is not None and not self.in_order:
+            features = features[self.order_index]
+        positions = self.kept + self.fed + self.decoded
+        self.decoded += 1
+        fast = getattr(self.engine.forward, "decode", None)  # captured steps: far less host work a token
+        if fast is not None:
+            out = fast(tokens, to_device(positions, self.engine.device), int(positions.max()) + 1, self.kv,
+                       None if features is None else to_device(features, self.engine.device),
+                       rows=None if self.spread is None else self.spread_on_device)
+            if out is not None:
+                logits, hidden = out
+                self.hidden = hidden[:, None]
+                return self._unsort(logits)
+        positions = positions[:, None]
+        logits = self._forward(tokens[:, None], positions, torch.ones_like(positions, dtype=torch.bool), 1,
+                               None if features is None else features[:, None])
+        return self._unsort(logits[:, -1])
+
+    def last_hidden(self) -> torch.Tensor:
+        """The final hidden states of the last forward, ``[batch, columns, hidden]``, rows in the
+        call's order (right-aligned like the tokens)."""
+        return self._unsort(self.hidden)
+
+    def commit(self, keep: list[int], paths: list[list[int] | None] | None = None) -> None:
+        """Per sequence (``keep`` in the call's order): keep the first ``keep[i]`` tokens it was fed.
+        A tree keeps one path instead: ``paths[i]``, the indices of the fed tokens it keeps, in
+        order; their keys/values move down to the columns right after the cache (``keep`` is
+        then ``len(paths[i])``)."""
+        for row, i in enumerate(self.order):
+            cache, kept, n = self.caches[row], int(self.kept[row]), keep[i]
+            assert 0 <= n <= int(self.fed[row]) + self.decoded
+            path = paths[i] if paths is not None else None
+            if path is not None:
+                assert len(path) == n and all(a < b for a, b in zip(path, path[1:]))
+                kv_row = self.kv_rows[row]
+                for column, index in enumerate(path):  # sources never fall below their target
+                    if index != column:
+                        self.kv[:, :, kv_row, :, kept + column] = self.kv[:, :, kv_row, :, kept + index]
+            if self.gathered:
+                cache.kv[:, :, :, kept : kept + n] = self.kv[:, :, row, :, kept : kept + n]
+            cache.length = kept + n
+
+
+# How much padding a call of sequences of different lengths may carry before it runs as several
+# forwards (``length_groups``): its rows are its longest sequence's tokens times its sequences. On
+# the CPU kernels a forward of many rows costs its rows, so padding is waste; a forward of few rows
+# costs its weights' stream, which a second forward would pay again.
+PADDED_ROWS_PER_TOKEN = 1.25
+PADDED_ROWS_FREE = 64
+
+
+def length_groups(lengths: list[int], by_length: bool = True) -> list[list[int]]:
+    """The indices of a call's sequences (``lengths``: tokens fed each) in the forwards that run
+    them: one unless ``by_length``, else longest first, each forward taking the next sequences
+    while its padded rows stay within PADDED_ROWS_PER_TOKEN times its tokens, or within
+    PADDED_ROWS_FREE rows of them. Each group lists its sequences in the call's order."""
+    if not by_length:
+        return [list(range(len(lengths)))]
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        group = groups[-1] if groups else None
+        if group is not None:
+            rows, tokens = (len(group) + 1) * lengths[group[0]], sum(lengths[j] for j in group) + lengths[i]
+            if rows <= PADDED_ROWS_PER_TOKEN * tokens or rows - tokens <= PADDED_ROWS_FREE:
+                group.append(i)
+                continue
+        groups.append([i])
+    return [sorted(group) for group in groups]
+
+
+def tree_layout(inputs: list[SequenceInput], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For a call whose rows may be trees: each token's depth below its row's cache (its position
+    is the cache length plus it), ``[batch, width]``, and which fed tokens each token sees,
+    ``[batch, width, width]`` (itself and its ancestors), both right-aligned like the tokens.
+    Rows without ``parents`` are chains."""
+    batch = len(inputs)
+    depth = torch.zeros(batch, width, dtype=torch.long)
+    sees = torch.zeros(batch, width, width, dtype=torch.bool)
+    for row, item in enumerate(inputs):
+        fed = len(item.tokens)
+        parents = item.parents if item.parents is not None else list(range(-1, fed - 1))
+        first = width - fed
+        for j, parent in enumerate(parents):
+            column = first + j
+            if parent >= 0:
+                depth[row, column] = depth[row, first + parent] + 1
+                sees[row, column] = sees[row, first + parent]
+            sees[row, column, column] = True
+    return depth, sees
+
+
+# The engine's own forwards, each beside the test of which models it covers.
+OWN_FORWARDS = ((llama.supports, llama.LlamaForward), (opt.supports, opt.OptForward))
+
+
+def own_forward(model):
+    """The engine's own forward class that covers ``model``, or None (it then runs through
+    transformers: ``specbatch.models.transformers_forward``)."""
+    return next((forward for supports, forward in OWN_FORWARDS if supports(model)), None)
+
+
+# The own forward's weight forms, one at most (the Engine's flags): the ``weights`` its forward
+# takes, the form as messages name it, whether this CPU runs it, and what it needs.
+WEIGHT_FORMS = {
+    "int8_weights": ("int8", "int8 weights", lambda: int8_linears_available(), "an x86 CPU (fbgemm)"),
+    "bf16_weights": ("bf16", "bf16 weights", lambda: native.available(), "a CPU where the panel kernel builds"),
+    "bf16_dot": ("bf16-dot", "bf16 dot products", lambda: native.bf16_dot_available(),
+                 "a CPU with AVX512_BF16 where the panel kernel builds"),
+    "fp16_dot": ("fp16-dot", "float16 products", lambda: native.fp16_dot_available(),
+                 "a CPU with AVX512_FP16 where the panel kernel builds"),
+    "q4_1": ("q4_1", "Q4_1 weights", lambda: native.bf16_dot_available(),
+             "a CPU with AVX512_BF16 where the panel kernel builds"),
+}
+
+
+@dataclass
+class Engine:
+    """A model plus the KV caches of the sequences it serves, keyed by sequence id."""
+
+    model: torch.nn.Module
+    max_sequences: int = 256
+    max_context: int | None = None
+    max_cache_bytes: int | None = None  # KV pool budget; None: bounded only by max_sequences × max_context
+    sequences: dict[str, SequenceCache] = field(default_factory=dict)
+    sequences_created: int = 0  # since start: how many sequences were ever placed here
+    # One call at a time on one model: `run` holds it around every call.
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    # Forwards always run on this one thread: each thread that calls into torch gets its own
+    # OpenMP team, and teams left behind by gRPC's worker threads spin and steal the cores
+    # (measured: 1.5-1.7x slower steps on 2 cores when calls hop between threads).
+    model_thread: futures.ThreadPoolExecutor = field(
+        default_factory=lambda: futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model"))
+    # Which forward runs the model: "specbatch" (the engine's own, weights prepacked:
+    # specbatch.models.llama for Llama-family models and the EAGLE draft, specbatch.models.opt for OPT; see
+    # OWN_FORWARDS), "transformers" (the model's own forward, any model), or "auto": the own one
+    # where it covers the model, else transformers. After start-up it names the one in use.
+    implementation: str = "auto"
+    # The own forward's linear layers in int8 (specbatch.kernels.linear.Int8Linear; CPU, float32): a
+    # draft's choice where reading its weights bounds its forward. Never a target's: the results
+    # move ~2 % and depend on the other rows of a call, so the output would no longer be exact.
+    int8_weights: bool = False
+    # The own forward's float32 linear layers with their weights rounded to bfloat16, on the
+    # engine's panel kernel (CPU): a step reads half the bytes and stays row-exact, so a target may
+    # run it (its output is then exactly its own target-only decoding with these weights).
+    bf16_weights: bool = False
+    # As bf16_weights, with each linear layer's input rounded to bfloat16 too and the products of
+    # pairs summed in float32 by AVX512_BF16's dot-product instruction (native.bf16_dot_available):
+    # half the arithmetic again, so a verify step's extra rows cost less; still row-exact. The
+    # rest of the forward (norms, attention, residuals) stays float32.
+    bf16_dot: bool = False
+    # As bf16_dot, in float16 on AVX512_FP16 (native.fp16_dot_available): each linear layer's
+    # weight and input rows (each scaled by a power of two) rounded to float16, products summed in
+    # float16 in runs of 32 and the runs in float32. There a 512-bit float16 multiply-add with an
+    # embedded broadcast reaches ~2.5x bf16 dot products' arithmetic, so a verify step's extra rows
+    # cost well under half as much; the rounding is finer than bf16's. Row-exact.
+    fp16_dot: bool = False
+    # The own Llama forward's decoder layers in GGUF's Q4_1 blocks (specbatch.kernels.gguf_blocks; 5 bits a weight
+    # with its scales, under a third of bf16's bytes), each layer's input rounded to bfloat16 and
+    # the products summed in float32 on AVX512_BF16 (native.panel_q4_1.c); the head on bf16 dot
+    # products. For the embedded target the blocks are the GGUF file's own, recovered exactly from
+    # its float32 weights; another model's weights would be quantized. Row-exact.
+    q4_1: bool = False
+    # Keys and values kept in bfloat16 (rounded to nearest as they are written; attention widens
+    # them back and computes in float32): the own Llama forward in float32 on the engine's CPU
+    # kernels (native.available). From batch 8 on a step reads its cached keys and values from
+    # memory, and they outweigh the weights at 32 sequences of 300 tokens; this halves those bytes
+    # and the pool's memory. The model's numbers move (as a bf16 model's own cache rounds them);
+    # speculation stays exact against target-only decoding with the same setting.
+    kv_bf16: bool = False
+    # Calls of at least ``wide_from_rows`` rows (sequences × tokens fed) run on ``wide_threads``
+    # threads where the layers run in one C call (llama.LlamaForward), the rest on the process's
+    # thread count; 0: every call on it. On a 2-core AVX-512 EPYC with bf16 dot products a second
+    # thread loses at a step's few rows (1 row 13.8 -> 17.1 ms) and gains from 12 rows on, where the
+    # multiplies are bound by arithmetic (12 rows 1.14x, 32 rows 1.24-1.53x, 64 rows 1.46x;
+    # docs/engine.md, "Wide calls"). The kernels' results do not depend on the thread count, so
+    # neither does the output.
+    wide_threads: int = 0
+    wide_from_rows: int = 12
+    clock: Callable[[], float] = time.monotonic  # for sequence leases (``reclaim_idle``); tests pass their own
+    # Steps at bucketed static shapes, replayed as CUDA graphs (specbatch.engine.captured): "auto" (on for
+    # CUDA with the own forward), "on" (captured at start-up), "lazy", "static" (padded, no
+    # capture: any device), "off". After start-up it names the mode in use.
+    captured_steps: str = "auto"
+
+    def _weight_form(self, own) -> str | None:
+        """The own forward's ``weights`` for the one weight form asked (None: as the model has
+        them), refused where the forward, the device, the dtype or the CPU cannot run it."""
+        asked = [flag for flag in WEIGHT_FORMS if getattr(self, flag)]
+        if len(asked) > 1:
+            raise ValueError(f"ask for one weight form of {', '.join(WEIGHT_FORMS)} (got {', '.join(asked)})")
+        if not asked:
+            return None
+        weights, described, available, where = WEIGHT_FORMS[asked[0]]
+        llama_only = weights == "q4_1"  # the GGUF's blocks are the Llama layers'
+        if (own is None or (llama_only and own is not llama.LlamaForward) or self.device.type != "cpu"
+                or self.dtype != torch.float32 or not available()):
+            reason = "" if weights == "int8" else f" ({native.unavailable_reason() or 'it does'})"
+            raise ValueError(f"{described} need the engine's own {'Llama ' if llama_only else ''}forward, in float32 "
+                             f"on {where}{reason}")
+        return weights
+
+    def __post_init__(self):
+        self.model.eval()
+        config = self.model.config
+        self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+        self.hidden_size = config.hidden_size
+        # A draft that reads target features: their size, and its output head's token ids.
+        self.feature_size = config.feature_size if reads_target_features(self.model) else 0
+        self.output_token_ids = getattr(self.model, "draft_to_target", None)
+        self.max_context = self.max_context or getattr(config, "max_position_embeddings", None) or 2048
+        param = next(self.model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.kv_shape = self.run(self._probe_kv_shape)
+        if self.implementation not in ("auto", "specbatch", "transformers"):
+            raise ValueError(f"unknown forward implementation {self.implementation!r}")
+        own = own_forward(self.model) if self.implementation != "transformers" else None
+        if self.implementation == "specbatch" and own is None:
+            raise ValueError(f"the engine's own forward does not cover {type(self.model).__name__}: "
+                             "use implementation 'transformers' or 'auto'")
+        weights = self._weight_form(own)
+        # The forward of one ragged batch (see RaggedBatch); LlamaForward.__call__ is the contract.
+        self.forward = own(self.model, weights=weights) if own else TransformersForward(self.model)
+        # The own Llama forward on the CPU kernels: a row's result never depends on the other rows of
+        # a call, so a call may run as several forwards (by_length) with the same results.
+        self.rows_independent = bool(getattr(self.forward, "native_attention", False))
+        if self.kv_bf16 and not getattr(self.forward, "native_attention", False):
+            raise ValueError("bf16 keys and values need the engine's own Llama forward in float32 on a CPU where its "
+                             f"kernels build ({native.unavailable_reason() or 'they do'})")
+        self.pool = KVPool(self.kv_shape, torch.bfloat16 if self.kv_bf16 else self.dtype, self.device,
+                           self.max_cache_bytes)
+        if self.wide_threads < 0 or self.wide_from_rows < 1:
+            raise ValueError("wide_threads must be 0 (off) or more, wide_from_rows 1 or more")
+        if self.wide_threads and isinstance(self.forward, llama.LlamaForward):
+            self.forward.wide_threads, self.forward.wide_from_rows = self.wide_threads, self.wide_from_rows
+        self.implementation = "specbatch" if own else "transformers"
+        self.captured_steps = resolve_mode(self.captured_steps, self.device, own is not None)
+        if self.kv_bf16 and self.captured_steps != "off":
+            raise ValueError("bf16 keys and values run on the CPU kernels; captured steps are for CUDA")
+        self.capture_report: dict = {}
+        if self.captured_steps != "off":  # the pool must stay where the graphs point
+            self.rows_independent = False  # captured calls run at their buckets' shapes
+            self.pool.fix(self.max_sequences, self.max_context + 1)
+            self.forward = CapturedForward(self.forward, self.pool, self.captured_steps, self.feature_size)
+            if self.captured_steps == "on":
+                self.capture_report = self.run(self.forward.capture_all)
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            raise ValueError("models with sliding-window attention layers are not supported yet")
+
+    def run(self, fn, *args, **kwargs):
+        """Call ``fn`` on the model thread, one call at a time (see ``model_thread``)."""
+
+        def locked():
+            with self.lock:
+                return fn(*args, **kwargs)
+
+        return self.model_thread.submit(locked).result()
+
+    @torch.inference_mode()
+    def _probe_kv_shape(self) -> tuple[int, int, int]:
+        """Read the per-layer KV shape off a one-token forward; all layers must agree."""
+        cache = DynamicCache(config=self.model.config)
+        self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device), past_key_values=cache)
+        shapes = {tuple(layer.keys.shape[1::2]) for layer in cache.layers}
+        if len(shapes) != 1:
+            raise ValueError(f"models whose layers cache keys of different shapes are not supported: {shapes}")
+        (kv_heads, head_dim), = shapes
+        return len(cache.layers), kv_heads, head_dim
+
+    # ---- sequence bookkeeping -------------------------------------------------------------------
+
+    def length(self, seq_id: str) -> int:
+        return self._get(seq_id).length
+
+    def _get(self, seq_id: str) -> SequenceCache:
+        try:
+            return self.sequences[seq_id]
+        except KeyError:
+            raise UnknownSequence(f"unknown sequence id {seq_id!r}") from None
+
+    def _new_cache(self) -> SequenceCache:
+        used = {cache.slot for cache in self.sequences.values()}
+        slot = next(i for i in range(len(used) + 1) if i not in used)
+        return SequenceCache(self.pool, slot)
+
+    def check_rollback(self, seq_id: str, length: int) -> SequenceCache:
+        """Refuse a rollback that ``rollback`` would refuse, changing nothing."""
+        cache = self._get(seq_id)
+        if not 0 <= length <= cache.length:
+            raise InvalidRequest(f"sequence {seq_id!r} holds {cache.length} tokens; cannot roll back to {length}")
+        return cache
+
+    def rollback(self, seq_id: str, length: int) -> int:
+        """Roll a sequence back to its first ``length`` tokens: O(1), the columns past it are
+        masked and later overwritten. Every call does this for each of its sequences, to the
+        ``keep_len`` it names (RaggedBatch); the Rollback RPC does it alone."""
+        cache = self.check_rollback(seq_id, length)
+        cache.length, cache.last_used = length, self.clock()
+        return length
+
+    def fork(self, new_id: str, source_kv: torch.Tensor, length: int) -> None:
+        """A new sequence ``new_id`` holding a copy of ``source_kv``'s first ``length`` columns
+        (one row of a batch's cache, ``[layers, 2, kv_heads, columns, head_dim]``: columns a call
+        wrote past a sequence's cache count too). Drafting ahead forks a sequence once per guess
+        and releases the forks within the same call, so no state outlives it."""
+        if new_id in self.sequences:
+            raise InvalidRequest(f"sequence id {new_id!r} is taken")
+        if len(self.sequences) >= self.max_sequences:
+            raise CapacityExceeded(f"{len(self.sequences)} sequences cached; the limit is {self.max_sequences}")
+        self.pool.ensure(len(self.sequences) + 1, length + 1, self.max_context + 1)
+        cache = self._new_cache()
+        cache.kv[:, :, :, :length] = source_kv[:, :, :, :length]
+        cache.length, cache.last_used = length, self.clock()
+        self.sequences[new_id] = cache
+
+    def reclaim_idle(self, max_idle: float) -> list[str]:
+        """Release the sequences no call has touched for more than ``max_idle`` seconds (their
+        caller is gone: a coordinator killed or stopped before it released them); their ids.
+        Run it through ``run``, so it never lands inside a call. A caller that was only slow gets
+        NOT_FOUND next time and rebuilds the sequence from its history."""
+        idle_since = self.clock() - max_idle
+        idle = [seq_id for seq_id, cache in self.sequences.items() if cache.last_used < idle_since]
+        self.release(idle)
+        return idle
+
+    def release(self, seq_ids: list[str]) -> int:
+        """Forget sequences; unknown ids are ignored so that release is idempotent.
+
+        Freed slots are refilled from the top, so the live sequences keep holding the slots
+        ``0 … n-1`` and a call over all of them stays a view of the pool.
+        """
+        released = sum(self.sequences.pop(seq_id, None) is not None for seq_id in set(seq_ids))
+        by_slot = sorted(self.sequences.values(), key=lambda cache: cache.slot)
+        for target, cache in enumerate(by_slot):
+            if cache.slot != target:
+                self.pool.move(cache.slot, target, cache.length)
+                cache.slot = target
+        return released
+
+    # ---- batched calls --------------------------------------------------------------------------
+
+    def validate(self, inputs: list[SequenceInput], extra_tokens: list[int], create: bool) -> None:
+        """Check a whole call before touching any state, so a bad call changes nothing."""
+        if not inputs:
+            raise InvalidRequest("a call needs at least one sequence")
+        seen: set[str] = set()
+        new = 0
+        for item, extra in zip(inputs, extra_tokens):
+            if not item.seq_id:
+                raise InvalidRequest("sequence id must not be empty")
+            if item.seq_id in seen:
+                raise InvalidRequest(f"sequence id {item.seq_id!r} appears twice in one call")
+            seen.add(item.seq_id)
+            cache = self.sequences.get(item.seq_id)
+            if cache is None:
+                if not create:
+                    raise UnknownSequence(f"unknown sequence id {item.seq_id!r}")
+                if item.keep_len:
+                    raise StaleCache(f"sequence {item.seq_id!r} is not cached here; keep_len must be 0")
+                new += 1
+            elif item.keep_len > cache.length:
+                raise StaleCache(
+                    f"sequence {item.seq_id!r} holds {cache.length} tokens here, fewer than keep_len={item.keep_len}"
+                )
+            if not item.tokens:
+                raise InvalidRequest(f"sequence {item.seq_id!r}: no new tokens to feed")
+            if self.feature_size and (item.features is None or tuple(item.features.shape) != (len(item.tokens), self.feature_size)):
+                raise InvalidRequest(f"sequence {item.seq_id!r}: this draft reads one target feature of size "
+                                     f"{self.feature_size} per token; got {None if item.features is None else tuple(item.features.shape)}")
+            if item.parents is not None and (len(item.parents) != len(item.tokens) or item.parents[:1] != [-1] or any(
+                    not -1 <= parent < j for j, parent in enumerate(item.parents))):
+                raise InvalidRequest(f"sequence {item.seq_id!r}: a tree needs one parent per token, the first -1, "
+                                     "each before its child")
+            bad = [t for t in item.tokens if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequest(f"sequence {item.seq_id!r}: token ids {bad[:5]} outside [0, {self.vocab_size})")
+            total = item.keep_len + len(item.tokens) + extra
+            if total > self.max_context:
+                raise InvalidRequest(
+                    f"sequence {item.seq_id!r} would reach {total} tokens, over the model's context of {self.max_context}"
+                )
+        if len(self.sequences) + new > self.max_sequences:
+            raise CapacityExceeded(
+                f"{len(self.sequences)} sequences cached and {new} more asked for; the limit is {self.max_sequences}"
+            )
+
+    def start(self, inputs: list[SequenceInput], decode_steps: int = 0, create: bool = False,
+              extra_tokens: list[int] | None = None) -> RaggedBatch:
+        """Validate a call, create new sequences if allowed, and gather its batch cache."""
+        self.validate(inputs, extra_tokens or [decode_steps] * len(inputs), create)
+        created = [item.seq_id for item in inputs if item.seq_id not in self.sequences]
+        for seq_id in created:
+            self.sequences[seq_id] = self._new_cache()
+        now = self.clock()
+        for item in inputs:
+            self.sequences[item.seq_id].last_used = now
+        try:
+            batch = RaggedBatch(self, inputs, decode_steps)
+        except BaseException:
+            self.release(created)  # a refused call leaves no trace
+            raise
+        self.sequences_created += len(created)
+        return batch
+
+    def cached_tokens(self) -> int:
+        return sum(cache.length for cache in self.sequences.values())
+
+    def by_length(self, inputs: list[SequenceInput], create: bool, run: Callable[[list[int]], list],
+                  extra_tokens: list[int] | None = None) -> list | None:
+        """A call whose sequences feed very different token counts, as forwards of similar ones:
+        ``run(indices)`` for each group of ``length_groups``, its results (one a sequence) gathered
+        in the call's order. None where the call is one forward (the caller runs it whole): always
+        unless the engine runs its CPU kernels, whose results for a row do not depend on the other
+        rows of a call, so the outputs are the same either way. Before any group runs, the whole
+        call is validated and its new sequences created in its order (later calls in that order
+        find their slots in it); they are released should a forward fail. ``extra_tokens``: as
+        ``start``'s, the tokens each sequence will decode after its fed ones."""
+        groups = length_groups([len(item.tokens) for item in inputs], self.rows_independent)
+        if len(groups) <= 1:
+            return None
+        self.validate(inputs, extra_tokens or [0] * len(inputs), create)
+        created = [item.seq_id for item in inputs if item.seq_id not in self.sequences]
+        for seq_id in created:
+            self.sequences[seq_id] = self._new_cache()
+        self.sequences_created += len(created)
+        results: list = [None] * len(inputs)
+        try:
+            for group in groups:
+                for i, result in zip(group, run(group)):
+                    results[i] = result
+        except BaseException:
+            self.release([seq_id for seq_id in created if seq_id in self.sequences])  # none half made
+            raise
+        return results
+
+    def catch_up(self, inputs: list[SequenceInput], extra_tokens: list[int]) -> list[SequenceInput]:
+        """Where steps are captured: a call's rows that are wider than every bucket (a new prompt
+        in a draft's Propose, a draft that fell behind) first prefill all but their last tokens,
+        in a forward of their own, so the call itself stays captured; it returns the call's
+        inputs with those rows cut to what is left (as many tokens as the call's other rows
+        feed). One such row made every forward of a Propose eager: on the H200 a Propose at
+        batch 8 then cost ~30 ms instead of ~3. Elsewhere (and where no row is that wide) the
+        inputs come back as they are. The whole call is validated first, so a call refused
+        changes nothing."""
+        widest = getattr(self.forward, "widest", None)
+        if widest is None or all(len(item.tokens) <= widest for item in inputs):
+            return inputs
+        self.validate(inputs, extra_tokens, create=True)
+        left = max((len(item.tokens) for item in inputs if len(item.tokens) <= widest), default=1)
+        wide = [item for item in inputs if len(item.tokens) > widest]
+        self.prefill([SequenceInput(item.seq_id, item.keep_len, item.tokens[:-left],
+                                    None if item.features is None else item.features[:-left]) for item in wide])
+        return [item if len(item.tokens) <= widest else
+                SequenceInput(item.seq_id, item.keep_len + len(item.tokens) - left, item.tokens[-left:],
+                              None if item.features is None else item.features[-left:])
+                for item in inputs]
+
+    def prefill(self, inputs: list[SequenceInput]) -> list[int]:
+        """Add or extend sequences: cache all their tokens. Returns each one's cached length.
+        Sequences of very different lengths run in forwards of similar ones (``by_length``): 32
+        ShareGPT prompts (31-219 tokens, 60 on average) were two thirds padding in one."""
+
+        def run(group) -> list[int]:
+            items = [inputs[i] for i in group]
+            batch = self.start(items, create=True)
+            batch.prefill(1)
+            batch.commit([len(item.tokens) for item in items])
+            return [item.keep_len + len(item.tokens) for item in items]
+
+        return self.by_length(inputs, True, run) or run(range(len(inputs)))

@@ -1,0 +1,212 @@
+"""Linear layers for the engine's own forward: weights prepared once, at load.
+
+On a CPU with native bf16 (AVX512_BF16 or AMX), a bf16 weight reordered once into oneDNN's
+blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) multiplies a few rows at nearly the
+cost of one: on SmolLM2's MLP shape 26 µs at 1 row and 28 µs at 5, where fp32 ``F.linear`` (MKL)
+takes 76 µs and 200 µs (docs/engine.md). That flatness is what makes verifying k drafts cost
+about one token's forward, which speculation needs. A float32 weight is reordered for oneDNN too
+(on a CPU without native bf16 the engine runs fp32): flatter than MKL's small-row sgemm, though
+not flat. On x86 CPUs with AVX2, float32 weights go to the engine's own kernel instead
+(``specbatch.kernels.native``: flat up to five or six rows, and faster than oneDNN at every row count
+measured there); oneDNN is the fallback where it cannot be built. On GPUs the weight is used as it
+is with ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from specbatch.kernels import native
+
+
+def onednn_bf16_available() -> bool:
+    """True where the CPU multiplies bf16 natively (oneDNN's check: AVX512_BF16 or AMX)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+# Row counts at which a float32 oneDNN multiply must give each row exactly what it gives alone.
+ROW_COUNTS_CHECKED = (2, 3, 5, 8, 17, 32, 64)
+
+
+def onednn_fp32_rows_agree(out_features: int, in_features: int) -> bool:
+    """Whether oneDNN's float32 multiply of this weight shape, on this CPU and thread count, gives
+    every row bitwise what it gives that row alone, at each of ``ROW_COUNTS_CHECKED`` rows.
+    Checked once per shape and thread count: oneDNN picks its kernel by both."""
+    return _onednn_fp32_rows_agree(out_features, in_features, torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def _onednn_fp32_rows_agree(out_features: int, in_features: int, threads: int) -> bool:
+    """``onednn_fp32_rows_agree`` at ``threads`` threads (the current count: part of the cache key).
+
+    fp32 speculation is exact (greedy output equals target-only decoding) only if verifying k+1
+    tokens computes each the same as one token a call. MKL's ``F.linear`` does not: on an
+    AVX2-only EPYC 66-93 % of its outputs differ in the last bits at 2-64 rows from the same rows
+    one at a time (a matrix-vector kernel for one row, another for more), for SmolLM2's shapes
+    and tiny ones alike. oneDNN's there differ in none, up to 64 rows; on an AVX-512 EPYC they
+    agree for a 96x64 weight and differ in 82-94 % for SmolLM2's 576x1536 (its bf16 kernels
+    differ there too), so each shape is checked (about a millisecond a shape; the output head's
+    one-row calls ~80 ms)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.05
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    x = torch.randn(max(ROW_COUNTS_CHECKED), in_features, generator=generator)
+
+    def multiply(rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [None], "")
+
+    with torch.inference_mode():
+        return not any(differing_by_row_count(multiply, x, ROW_COUNTS_CHECKED).values())
+
+
+def differing_by_row_count(multiply, x: torch.Tensor, row_counts) -> dict[int, float]:
+    """For each m of ``row_counts``: the fraction of the outputs of ``multiply(x[:m])`` that differ
+    bitwise from the same rows multiplied one at a time."""
+    alone = torch.cat([multiply(x[i : i + 1]) for i in range(max(row_counts))])
+    return {m: float((multiply(x[:m]) != alone[:m]).float().mean()) for m in row_counts}
+
+
+def onednn_prepacks(weight: torch.Tensor) -> bool:
+    """Whether a CPU weight is reordered once for oneDNN: in bf16 where the CPU multiplies bf16
+    natively; in float32 wherever oneDNN is built in and its results do not depend on the row
+    count (``onednn_fp32_rows_agree``): that makes fp32 speculation bitwise exact, which MKL's
+    ``F.linear`` is not, and it is faster at the few rows of a verify step: on an AVX2-only
+    EPYC, one MLP weight read from memory took 234 / 251 / 331 µs at 1 / 2 / 4 rows against
+    316 / 479 / 526 µs (docs/engine.md). oneDNN's fixed cost per call (~25-60 µs there) makes
+    small weights slower (tiny test models); exactness is worth it."""
+    if weight.device.type != "cpu":
+        return False
+    if weight.dtype == torch.bfloat16:
+        return onednn_bf16_available()
+    return (weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and onednn_fp32_rows_agree(*weight.shape))
+
+
+class PackedLinear:
+    """``x @ weight.T (+ bias)`` with the weight prepared once for the device and dtype.
+
+    ``weight`` may be the concatenation of several layers' weights (fused QKV, fused gate/up):
+    the output is then split by the caller.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        weight = weight.detach()
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else bias.detach()
+        self.prepacked = onednn_prepacks(weight)
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None) if self.prepacked else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.prepacked:
+            return F.linear(x, self.weight, self.bias)
+        shape = x.shape
+        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), self.weight, self.bias, "none", [None], "")
+        return y.view(*shape[:-1], self.out_features)
+
+
+class Int8Linear:
+    """``x @ weight.T (+ bias)`` with the weight in int8 (one scale per output row) and each call's
+    input quantized to 8 bits on the fly: fbgemm's dynamic quantized linear, for a draft on a CPU.
+
+    A draft's forward is bound by reading its weights: the shipped EAGLE draft's 36 MB of float32
+    cost 2.7 ms a forward on an AVX2-only EPYC, and 1.1 ms in int8 (docs/engine.md). Its results
+    are not the float32 ones (about 2 % relative error a multiply), and, the input's scale being
+    one per call, a row's result depends on the other rows of the call: fine for a draft, whose
+    tokens the target accepts or rejects, so the output stays the target's; never for a target.
+    One scale for the whole input also means an input with a few huge features (a model's raw
+    hidden states) keeps no resolution for the rest: layers reading normalized inputs suit it.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        weight = weight.detach().float()
+        self.out_features, self.in_features = weight.shape
+        scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        with warnings.catch_warnings():  # quantized tensors are deprecated; the prepacked form is what is used
+            warnings.simplefilter("ignore", UserWarning)
+            qweight = torch.quantize_per_channel(weight, scales.double(), torch.zeros(len(scales), dtype=torch.long),
+                                                 0, torch.qint8)
+        with quantized_engine("fbgemm"):  # fbgemm's kernels: 1.1 ms against x86's 1.4 for the draft above
+            self.packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # reduce_range: 7-bit inputs, as fbgemm needs on CPUs without VNNI (its 16-bit sums saturate).
+        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
+
+
+def int8_linears_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+@contextlib.contextmanager
+def quantized_engine(name: str):
+    """PyTorch's quantized engine set to ``name`` for the block (it is process-wide)."""
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = name
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = before
+
+
+Linear = PackedLinear | native.PanelLinear | Int8Linear
+
+
+def panel_kernel_takes(weight: torch.Tensor) -> bool:
+    """Whether a weight runs on the engine's own float32 kernel (``specbatch.kernels.native``): float32 on
+    a CPU where it builds. Row-exact by construction, so no per-shape check is needed."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and native.available()
+
+
+WEIGHT_FORMATS = ("bf16", "bf16-dot", "fp16-dot", "int8", "q4_1")  # besides None: the weights as the model has them
+
+
+def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weights: str | None = None) -> Linear:
+    """The engine's linear layer. ``weights``: None, as the model has them: float32 on a CPU on
+    ``native.PanelLinear`` where it builds, else ``PackedLinear`` (oneDNN or ``F.linear``);
+    "bf16": a float32 weight rounded to bfloat16 on the panel kernel (half the bytes a step reads,
+    still row-exact); "bf16-dot": the weight and each input rounded to bfloat16, pairs' products
+    summed in float32 on AVX512_BF16 (``native.bf16_dot_available``; row-exact too); "fp16-dot":
+    the weight and each input (scaled by a power of two) rounded to float16, products summed in
+    float16 in runs of 32, the runs in float32, on AVX512_FP16 (``native.fp16_dot_available``;
+    row-exact); "int8" (a draft's choice): int8 weights and inputs, on the panel kernel where the CPU
+    has AVX512_VNNI (each input row its own scale: row-exact), else ``Int8Linear`` (fbgemm); "q4_1":
+    the weight in GGUF's Q4_1 blocks (``specbatch.kernels.gguf_blocks``: exactly the file's values where the
+    weight came from them) and each input rounded to bfloat16, on AVX512_BF16 (row-exact)."""
+    if weights == "int8":
+        if panel_kernel_takes(weight) and native.int8_dot_available():  # row-exact, and one C call a layer
+            return native.PanelLinear(weight, bias, int8_dot=True)
+        return Int8Linear(weight, bias)
+    if weights == "q4_1":
+        if not panel_kernel_takes(weight) or not native.bf16_dot_available():
+            raise ValueError("q4_1 weights are for float32 weights on a CPU with AVX512_BF16 where the panel kernel "
+                             "builds")
+        return native.PanelLinear(weight, bias, q4_1=True)
+    if weights in ("bf16", "bf16-dot", "fp16-dot"):
+        if not panel_kernel_takes(weight):
+            raise ValueError(f"{weights} weights are for float32 weights on a CPU where the panel kernel builds")
+        if weights == "bf16-dot" and not native.bf16_dot_available():
+            raise ValueError("bf16-dot weights need a CPU with AVX512_BF16")
+        if weights == "fp16-dot" and not native.fp16_dot_available():
+            raise ValueError("fp16-dot weights need a CPU with AVX512_FP16")
+        return native.PanelLinear(weight, bias, bf16_weights=weights == "bf16", bf16_dot=weights == "bf16-dot",
+                                  fp16_dot=weights == "fp16-dot")
+    if weights is not None:
+        raise ValueError(f"unknown weight format {weights!r} (one of {WEIGHT_FORMATS} or None)")
+    if panel_kernel_takes(weight):
+        return native.PanelLinear(weight, bias)
+    return PackedLinear(weight, bias)
+
+
+def fused(*layers: torch.nn.Linear, weights: str | None = None) -> Linear:
+    """One linear layer computing several that read the same input, side by side."""
+    weight = torch.cat([layer.weight for layer in layers])
+    biases = [layer.bias for layer in layers]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b if b is not None else torch.zeros(layer.out_features, dtype=weight.dtype, device=weight.device)
+         for b, layer in zip(biases, layers)])
+    return linear(weight, bias, weights)

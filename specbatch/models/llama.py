@@ -1,0 +1,250 @@
+"""The engine's own forward for Llama-family models (and the EAGLE-style draft), over its KV pool.
+
+transformers' forward spends most of a one-token CPU step outside the matrix multiplies: cache
+objects, mask builders, attention dispatch and a scatter per layer (docs/engine.md measures it).
+This forward does the same arithmetic as ``LlamaForCausalLM`` in as few operations as it can:
+fused QKV and gate/up projections with weights prepared once (``specbatch.kernels.linear``), new
+keys/values written straight into the pool with one indexed copy, and one SDPA call per layer
+over the rows' own pool columns with the engine's 4D mask. The parameters stay the model's own;
+only the projections are repacked.
+
+OPT models have their own (``specbatch.models.opt``); others run through transformers
+(``specbatch.models.transformers_forward``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from specbatch.kernels import native
+from specbatch.models.eagle import reads_target_features
+from specbatch.kernels.linear import fused, linear
+
+# Architectures whose decoder layers are LlamaDecoderLayer as this forward computes them.
+SUPPORTED_MODEL_TYPES = ("llama", "specbatch_eagle")
+
+
+def supports(model) -> bool:
+    config = model.config
+    # A target returning fused features (eagle.fuse_target_features) wraps its final norm: the
+    # transformers forward computes those.
+    return (getattr(config, "model_type", None) in SUPPORTED_MODEL_TYPES and config.hidden_act == "silu"
+            and getattr(config, "pretraining_tp", 1) == 1 and not getattr(config, "feature_layers", None))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As LlamaRMSNorm (bitwise, in float32 and bf16): normalised in float32 (PyTorch's rms_norm
+    # computes a bf16 input in float32 and rounds once, as LlamaRMSNorm's .to() does), scaled in
+    # the model's dtype; two operators where LlamaRMSNorm takes seven.
+    return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
+
+
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated, for ``_rotate``."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # RoPE as LlamaForCausalLM applies it, x * cos + rotate_half(x) * sin, where rotate_half(x)
+    # = cat(-x2, x1): rolling x by half a head and negating sin's first half instead gives the
+    # same products bit for bit (negation is exact) in four operators rather than eight.
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+# A layer's small operations in PyTorch operators, with the signatures of specbatch.kernels.native's
+# (which the forward uses instead for float32 on a CPU where they build).
+
+def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += delta`` in place (the residual stream), then the RMS norm of x."""
+    if delta is not None:
+        x += delta
+    return _rms_norm(x, weight, eps)
+
+
+def _silu_mul(h: torch.Tensor) -> torch.Tensor:
+    n = h.shape[-1] // 2
+    return F.silu(h[..., :n]) * h[..., n:]
+
+
+class _TorchRope:
+    """``native.Rope``'s contract in PyTorch operators: rotates a forward's queries and keys
+    (angles computed for its positions) and writes keys and values into the cache; returns the
+    queries ``[batch, heads, width, head_dim]``."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, write_columns: torch.Tensor):
+        self.cos, self.signed_sin = cos[:, None], _signed_sin(sin[:, None])
+        self.columns = write_columns
+        self.rows = torch.arange(write_columns.shape[0], device=write_columns.device)[:, None]
+
+    def __call__(self, qkv, heads: int, kv_heads: int, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        batch, width, _ = qkv.shape
+        hd = self.cos.shape[-1]
+        qk, v = qkv.split(((heads + kv_heads) * hd, kv_heads * hd), dim=-1)
+        # Queries and keys rotated in one go: heads side by side, the same positions.
+        q, k = _rotate(qk.view(batch, width, -1, hd).transpose(1, 2), self.cos, self.signed_sin).split(
+            (heads, kv_heads), dim=1)
+        keys[self.rows, :, self.columns] = k.transpose(1, 2)
+        values[self.rows, :, self.columns] = v.view(batch, width, -1, hd)
+        return q
+
+
+class _Layer:
+    def __init__(self, layer, weights: str | None):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj, weights=weights)
+        self.o = linear(attn.o_proj.weight, attn.o_proj.bias, weights)
+        self.gate_up = fused(mlp.gate_proj, mlp.up_proj, weights=weights)
+        self.down = linear(mlp.down_proj.weight, mlp.down_proj.bias, weights)
+        self.norm_in, self.norm_post = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.variance_epsilon
+        self.head_dim = attn.head_dim
+        self.q_size = attn.q_proj.out_features
+        self.kv_size = attn.k_proj.out_features
+        self.intermediate = mlp.gate_proj.out_features
+        self.scaling = attn.scaling
+
+
+class LlamaForward:
+    """``__call__`` runs one ragged batch: see ``specbatch.engine.engine.RaggedBatch`` for the layout.
+    ``weights``: how the linear layers keep their weights (``specbatch.kernels.linear.linear``): None, as
+    the model has them; "bf16", rounded to bfloat16 for a float32 forward; "bf16-dot", the weights
+    and the layers' inputs rounded to bfloat16 for a float32 forward; "fp16-dot", to float16 with
+    float16 products; "int8" (drafts only); "q4_1", the decoder layers' weights in GGUF's Q4_1
+    blocks, the output head on bf16 dot products."""
+
+    def __init__(self, model, weights: str | None = None):
+        if not supports(model):
+            raise ValueError(f"{type(model).__name__} is not a Llama-family model this forward covers")
+        base = model.get_decoder()
+        self.embed = base.embed_tokens.weight
+        # The EAGLE draft's fusing layer stays in the model's dtype under ``int8``: it reads the
+        # target's raw hidden states, whose few huge features leave an input scaled to 8 bits for
+        # one call no resolution for the rest (int8 there: greedy tokens a step 1.93 -> 1.53 at
+        # k = 5; int8 everywhere else: 1.91 -> 1.88, docs/engine.md).
+        self.fuse = (linear(base.fc.weight, None, None if weights == "int8" else weights)
+                     if reads_target_features(model) else None)
+        self.rotary = base.rotary_emb
+        self.layers = [_Layer(layer, weights) for layer in base.layers]
+        self.norm, self.eps = base.norm.weight, base.norm.variance_epsilon
+        # Under "q4_1" the head keeps bf16 dot products: the embedded GGUF holds it in Q8_0 (256
+        # levels a block), which 4-bit blocks would coarsen; its bf16 rounding is the bf16-dot form's.
+        self.head = linear(model.get_output_embeddings().weight, None, "bf16-dot" if weights == "q4_1" else weights)
+        # PyTorch's CPU SDPA in bf16 is slow with one query row per head: batch 8, 9 heads over
+        # 3 KV heads, 1 token, 129 columns takes 435 µs, against 84 µs with the 3 query heads of
+        # each KV head folded into one head of 3 query rows. In fp32 folding is slower (54 vs 91).
+        fold = self.embed.device.type == "cpu" and self.embed.dtype != torch.float32
+        # Query heads folded into each key/value head's SDPA call (1: none).
+        self.folded_groups = self.layers[0].q_size // self.layers[0].kv_size if fold else 1
+        # In float32 on a CPU, attention runs on the engine's own kernel (specbatch.kernels.native): SDPA
+        # spends most of a step's few query rows setting up its tiled kernel (~50 us a layer at one
+        # row, ~100 at three on SmolLM2's shape, on an AVX2 EPYC), and a row's result must not
+        # depend on the other rows (float32 speculation is bitwise exact). At every width, prompts
+        # included: SDPA's result for a prompt's rows depends on the call's width (a prompt
+        # prefilled beside a longer one, or past 16 tokens a row where steps used the kernel, moved
+        # SmolLM2's logits by up to 0.15 on an AVX-512 EPYC: 8 of 64 mixed-batch outputs left
+        # target-only decoding at near-ties), and the kernel is no slower there (a 256-token
+        # prefill 333 ms against SDPA's 342; 4 x 128 tokens 601 against 624).
+        self.native_attention = (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
+                                 and self.layers[0].head_dim in native.HEAD_DIMS and native.available())
+        # And the small operations between the multiplies (norms, rotary embedding with the KV
+        # write, SiLU): ~25 PyTorch operators a layer, ~2-5 us of arithmetic each at a step's few
+        # rows but tens of us each in dispatch and set-up. At every width, so that a token's keys
+        # and values come out of the same arithmetic however it was fed. Rotary angles come from a
+        # table of every position, which needs frequencies fixed up front (not "dynamic" RoPE).
+        self.native_layer_ops = (self.native_attention
+                                 and getattr(self.rotary, "rope_type", "default") not in ("dynamic", "longrope"))
+        self._angles: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, signed sin) [positions, head_dim]
+        # And the whole layer loop in one C call where every projection is on the panel kernel: the
+        # same kernels in the same order, bitwise the loop below, without its ~9 Python calls a layer
+        # (~3 ms of SmolLM2's ~16 ms one-token step on a 2-core EPYC). None: the loop runs in Python.
+        self.decoder_layers = self._native_decoder_layers() if self.native_layer_ops else None
+        # Calls of at least wide_from_rows rows run the layers in one call, and the output head, on
+        # wide_threads threads (0: the process's count; specbatch.engine.engine.Engine sets them).
+        self.wide_threads, self.wide_from_rows = 0, 1
+
+    def _native_decoder_layers(self) -> native.DecoderLayers | None:
+        layers = self.layers
+        first = layers[0]
+        if not all(isinstance(linear, native.PanelLinear)
+                   for layer in layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            return None  # a draft's int8 projections, say
+        if any((layer.head_dim, layer.q_size, layer.kv_size, layer.intermediate)
+               != (first.head_dim, first.q_size, first.kv_size, first.intermediate) for layer in layers):
+            return None
+        return native.DecoderLayers(
+            [(layer.qkv, layer.o, layer.gate_up, layer.down, layer.norm_in, layer.norm_post, layer.eps, layer.scaling)
+             for layer in layers],
+            first.q_size // first.head_dim, first.kv_size // first.head_dim, first.head_dim, first.intermediate,
+            self.norm, self.eps)
+
+    def _angle_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for every position up to the largest in ``positions``, grown by doubling.
+        Row p is bitwise the model's own rotary embedding at position p: its angles are products of
+        one frequency and one position, elementwise, whatever positions are computed beside."""
+        needed = int(positions.max()) + 1
+        if self._angles is None or self._angles[0].shape[0] < needed:
+            length = max(needed, 1024, 2 * (0 if self._angles is None else self._angles[0].shape[0]))
+            cos, sin = self.rotary(self.embed[:1], torch.arange(length, device=positions.device)[None])
+            self._angles = cos[0].contiguous(), _signed_sin(sin[0]).contiguous()
+        return self._angles
+
+    def _sdpa(self, q, keys, values, mask, scale):
+        """SDPA over the rows' pool columns; q ``[batch, heads, width, head_dim]``; ``mask``
+        already repeated for the folded groups (``__call__`` does it once for every layer).
+        Returns ``[batch, width, heads * head_dim]``, as ``native.Attention`` does."""
+        batch, heads, width, head_dim = q.shape
+        groups = self.folded_groups
+        if groups == 1:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        else:
+            # The query heads that share a key/value head become one head with groups × width query
+            # rows (heads are grouped consecutively, as transformers' repeat_kv has them).
+            out = F.scaled_dot_product_attention(q.reshape(batch, heads // groups, groups * width, head_dim), keys,
+                                                 values, attn_mask=mask, scale=scale)
+        return out.view(batch, heads, width, head_dim).transpose(1, 2).reshape(batch, width, -1)
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, write_columns: torch.Tensor,
+                 kv: torch.Tensor, mask: torch.Tensor, logits_to_keep: int,
+                 features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids, positions, write_columns: ``[batch, width]``; kv: ``[layers, 2, batch, kv_heads,
+        columns, head_dim]`` (written in place); mask: ``[batch, 1, width, end]``, True where a token
+        may attend. Returns float32 logits of the last ``logits_to_keep`` columns and the final
+        hidden states ``[batch, width, hidden]``."""
+        batch, width = input_ids.shape
+        x = F.embedding(input_ids, self.embed)
+        if self.fuse is not None:
+            x = self.fuse(torch.cat([x, features.to(x.dtype)], dim=-1))
+        end = mask.shape[-1]
+        if self.native_layer_ops:
+            add_rms_norm, silu_mul = native.add_rms_norm, native.silu_mul
+            rope = native.Rope(positions, write_columns, *self._angle_table(positions))
+        else:
+            add_rms_norm, silu_mul = _add_rms_norm, _silu_mul
+            rope = _TorchRope(*self.rotary(x, positions), write_columns)
+        if self.native_attention:
+            attention = native.Attention(mask)
+        else:
+            attention = functools.partial(self._sdpa, mask=mask.repeat(1, 1, self.folded_groups, 1))
+        if self.decoder_layers is not None and self.native_layer_ops and self.native_attention:
+            threads = (self.wide_threads if self.wide_threads and batch * width >= self.wide_from_rows
+                       else torch.get_num_threads())
+            hidden = self.decoder_layers(x.contiguous(), rope, attention, kv, threads)
+            head = self.head
+            logits = (head(hidden[:, -logits_to_keep:], threads) if isinstance(head, native.PanelLinear)
+                      else head(hidden[:, -logits_to_keep:]))
+            return logits.float(), hidden
+        delta = None  # what the last layer adds to the residual stream x (x is updated in place)
+        for i, layer in enumerate(self.layers):
+            h = add_rms_norm(x, delta, layer.norm_in, layer.eps)
+            keys, values = kv[i, 0], kv[i, 1]  # [batch, kv_heads, columns, head_dim]
+            q = rope(layer.qkv(h), layer.q_size // layer.head_dim, layer.kv_size // layer.head_dim, keys, values)
+            attn = attention(q, keys[:, :, :end], values[:, :, :end], scale=layer.scaling)
+            h = add_rms_norm(x, layer.o(attn), layer.norm_post, layer.eps)
+            delta = layer.down(silu_mul(layer.gate_up(h)))
+        hidden = add_rms_norm(x, delta, self.norm, self.eps)
+        return self.head(hidden[:, -logits_to_keep:]).float(), hidden

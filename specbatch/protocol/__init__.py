@@ -1,0 +1,1 @@
+"""The torch-free contract between the parts: refusals, sampling parameters, speculation limits, the profile document."""

@@ -1,0 +1,149 @@
+"""gRPC plumbing shared by the three servers: construction, health, reflection, errors, shutdown."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from specbatch.rpc import reflection
+from specbatch.protocol.errors import EngineError
+from specbatch.rpc.local import LocalServer
+from specbatch.rpc.logs import configure_logging  # noqa: F401  (re-exported: the servers import it from here)
+from specbatch.rpc.tls import CHANNEL_OPTIONS, channel_options_reconnecting_within, open_channel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
+
+
+def status_of(error: EngineError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, error.code)
+
+
+def engine_errors_to_status(method):
+    """Map an engine's refusal to its gRPC status, with the engine's message, in a servicer method."""
+
+    @functools.wraps(method)
+    def wrapper(self, request, context):
+        try:
+            return method(self, request, context)
+        except EngineError as error:
+            context.abort(status_of(error), str(error))
+
+    return wrapper
+
+
+class Server:
+    """A gRPC server with the standard health service and server reflection (v1 and v1alpha).
+
+    ``stop`` flips every service to NOT_SERVING first, so load balancers and the coordinator stop
+    sending work, then lets in-flight calls finish within the grace period.
+    """
+
+    def __init__(self, address: str, max_workers: int = 16, maximum_concurrent_rpcs: int | None = None,
+                 credentials: grpc.ServerCredentials | None = None, interceptors=()):
+        self.grpc_server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+            options=CHANNEL_OPTIONS,
+            interceptors=list(interceptors),  # e.g. specbatch.service.metrics.ServiceMetrics.interceptor()
+            maximum_concurrent_rpcs=maximum_concurrent_rpcs,
+        )
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
+        self.service_names: list[str] = [health.SERVICE_NAME, *reflection.SERVICE_NAMES]
+        self.servicers: list[tuple[object, str]] = []
+        self.local: LocalServer | None = None  # serve_locally
+        # credentials (specbatch.rpc.tls.server_credentials): TLS, or mTLS with a client CA; else plaintext.
+        self.tls = credentials is not None
+        self.port = (self.grpc_server.add_secure_port(address, credentials) if credentials is not None
+                     else self.grpc_server.add_insecure_port(address))
+        if not self.port:
+            raise RuntimeError(f"cannot listen on {address}")
+        self.address = address
+        self.stopped = threading.Event()
+
+    def add(self, add_fn, servicer, service_full_name: str) -> None:
+        add_fn(servicer, self.grpc_server)
+        self.service_names.append(service_full_name)
+        self.servicers.append((servicer, service_full_name))  # for a LocalServer beside it
+
+    def start(self) -> "Server":
+        reflection.enable_server_reflection(self.service_names, self.grpc_server)
+        self.grpc_server.start()
+        self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        return self
+
+    def _set_health(self, status) -> None:
+        self.health.set("", status)
+        for name in self.service_names:
+            self.health.set(name, status)
+
+    def set_not_serving(self) -> None:
+        """Health says NOT_SERVING (probes and clients go elsewhere) while calls still run."""
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def serve_locally(self, directory: str, kind: str, observe=None) -> LocalServer:
+        """Its servicers' calls on a Unix socket in ``directory`` too (specbatch/rpc/local.py), for
+        clients on this host: named in their CacheStats, stopped with the server."""
+        self.local = LocalServer(directory, kind, observe)
+        for servicer, name in self.servicers:
+            self.local.add(servicer, name)
+            if hasattr(servicer, "local_socket"):
+                servicer.local_socket = self.local.path
+        return self.local.start()
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.stopped.is_set():
+            return
+        self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self.local is not None:  # its calls in flight reply; new ones find no socket and use gRPC
+            self.local.stop()
+        self.grpc_server.stop(grace).wait()
+        self.stopped.set()
+
+    def run_until_signal(self, grace: float = 5.0, on_stop=None) -> None:
+        """Block until SIGTERM or SIGINT, then stop gracefully."""
+        requested = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: requested.set())
+        log.info("serving on port %d", self.port)
+        while not requested.wait(0.5):
+            pass
+        log.info("stopping (grace %.1fs)", grace)
+        if on_stop:
+            on_stop()
+        self.stop(grace)
+
+
+# A server still starting refuses connections, and gRPC then waits before it dials again: 1 s,
+# growing ×1.6 per refusal (the backoff belongs to the subchannel, which channels with the same
+# options share, so a new channel per poll does not reset it). Polled while a service imports
+# torch for several seconds, the next dial came up to 5 s after the server was listening. Capped
+# at the poll interval, a server is seen within about 0.2 s of serving.
+READINESS_CHANNEL_OPTIONS = channel_options_reconnecting_within(200)
+
+
+def wait_until_serving(address: str, timeout: float, service: str = "",
+                       credentials: grpc.ChannelCredentials | None = None) -> None:
+    """Poll a server's health service until it answers SERVING (over TLS with ``credentials``)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    with open_channel(address, credentials, READINESS_CHANNEL_OPTIONS) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} is not serving after {timeout:.0f}s")
+            time.sleep(0.2)
