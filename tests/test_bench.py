@@ -354,7 +354,7 @@ def test_gpu_bundle_cuts_the_gguf_into_parts_that_fit_a_call_and_add_up(tmp_path
     (tmp_path / "model").mkdir()
     for size, carried in ((2050, 2), (2500, 3)):
         data = bytes(range(256)) * (size // 256) + bytes(size % 256)
-        (tmp_path / "model" / specbatch.models.loading.EMBEDDED_GGUF).write_bytes(data)
+        (tmp_path / "model" / specbatch.models.embedded.EMBEDDED_GGUF).write_bytes(data)
         bundle = tmp_path / f"bundle-{size}"
         separate = bundle_module.split_gguf(tmp_path / f"parts-{size}", bundle)
         assert len(separate) == carried

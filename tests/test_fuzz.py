@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from specbatch.rpc.client import generate, make_request
 from specbatch.stack.in_process import start_local_stack
-from specbatch.commands.prompts import chat_token_ids
+from specbatch.models.loading import chat_token_ids
 from specbatch.v1 import generation_pb2 as pb
 from tiny import EOS, VOCAB, greedy_reference
 

@@ -15,7 +15,9 @@ from specbatch.rpc.client import connect, generate, make_request
 from specbatch.engine.engine import Engine, SequenceInput
 from specbatch.stack.launcher import LocalProcesses, StackOptions, _model_flags, free_port
 from specbatch.service.model_service import model_service_parser
-from specbatch.models.loading import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, cache_root, load_model, load_tokenizer
+from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
+from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
+from specbatch.cache import cache_root
 from specbatch.protocol.profile import best_k_of, expected_tokens, load_profile
 from specbatch.commands.profiler import given_acceptance
 from specbatch.models.random_weights import KNOWN_CONFIGS, fit_vocab, random_config, random_model, tokenizer_source

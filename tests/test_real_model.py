@@ -7,7 +7,8 @@ import torch
 
 from specbatch.rpc.client import generate, generate_all, make_request
 from specbatch.models.eagle import reads_target_features
-from specbatch.models.loading import EMBEDDED_DRAFT, ModelSpec, load_model, load_tokenizer
+from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
+from specbatch.models.embedded import EMBEDDED_DRAFT
 
 pytestmark = pytest.mark.real_model
 

@@ -119,7 +119,7 @@ def cmd_bench_engine(args) -> int:
 
 
 def cmd_distill(args) -> int:
-    from specbatch.commands.distill.distill import run_distill
+    from specbatch.commands.distill.run import run_distill
 
     return run_distill(args)
 
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     add_bench_engine_flags(bench_engine)
     bench_engine.set_defaults(fn=cmd_bench_engine)
 
-    from specbatch.commands.distill.distill import add_distill_flags
+    from specbatch.commands.distill.run import add_distill_flags
 
     distill = sub.add_parser("distill", help="train an EAGLE-style draft for a target (resumable)")
     add_distill_flags(distill)

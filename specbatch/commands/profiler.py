@@ -288,7 +288,8 @@ def run_profile(args) -> int:
 
     from specbatch.stack.launcher import (LocalProcesses, draft_int8_weights, kv_bf16, services_cpu_form, stack_options, weights_flag,
                            wide_threads)
-    from specbatch.models.loading import EMBEDDED, ModelSpec, load_tokenizer, parse_dtype, default_device
+    from specbatch.models.loading import ModelSpec, load_tokenizer, parse_dtype, default_device
+    from specbatch.models.embedded import EMBEDDED
 
     remote = bool(args.target)
     if remote and not args.draft:

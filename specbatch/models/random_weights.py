@@ -35,7 +35,7 @@ KNOWN_CONFIGS: dict[str, dict] = {
                    "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
                    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
                    "initializer_range": 0.02},
-    # The embedded target's own config (specbatch.models.loading.EMBEDDED).
+    # The embedded target's own config (specbatch.models.embedded.EMBEDDED).
     "smollm2-135m": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
                      "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
                      "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "hidden_act": "silu",
@@ -59,7 +59,7 @@ def random_config(name: str):
     from transformers import AutoConfig
 
     from specbatch.models import eagle  # noqa: F401 - a draft folder may hold an EAGLE-style config
-    from specbatch.models.loading import EMBEDDED_DRAFT, SHIPPED_DRAFT
+    from specbatch.models.embedded import EMBEDDED_DRAFT, SHIPPED_DRAFT
 
     if name == EMBEDDED_DRAFT:  # the services' default draft: its shipped config says what it is
         name = str(SHIPPED_DRAFT)
@@ -105,7 +105,7 @@ def random_model(name: str, device: str | torch.device, dtype: torch.dtype, seed
 def tokenizer_source(name: str) -> str:
     """Where the tokenizer for a random-weights model comes from: the config folder's own
     tokenizer if it has one, else the embedded SmolLM2 tokenizer."""
-    from specbatch.models.loading import EMBEDDED
+    from specbatch.models.embedded import EMBEDDED
 
     folder = Path(name)
     if not known_name(name) and any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):

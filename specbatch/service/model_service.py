@@ -18,7 +18,8 @@ from specbatch.engine.captured import add_cuda_graphs_flag
 from specbatch.engine.engine import Engine, SequenceInput
 from specbatch.rpc.logs import LOG_FORMATS
 from specbatch.rpc.metrics import DEFAULT_METRICS_PORTS, new_registry, serve_metrics
-from specbatch.models.loading import EMBEDDED, EMBEDDED_DRAFT, ModelSpec, load_model
+from specbatch.models.loading import ModelSpec, load_model
+from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
 from specbatch.engine.sampling import SamplingParams, SparseDistribution
 from specbatch.service.metrics import ServiceMetrics
 from specbatch.rpc.server import Server, configure_logging, engine_errors_to_status

@@ -558,7 +558,7 @@ class LocalProcesses:
         draft_model = None if o.no_draft else o.draft_model or o.target_model
         kv_flag = ["--kv-bf16"] if kv_bf16(o) else []
         if not o.no_draft and draft_model is None and o.draft_layers:
-            from specbatch.models.loading import EMBEDDED
+            from specbatch.models.embedded import EMBEDDED
 
             draft_model = EMBEDDED
         self._spawn("target", "target_service",
@@ -607,7 +607,7 @@ class LocalProcesses:
         if o.prefill_chunk:
             flags += ["--prefill-chunk", str(o.prefill_chunk)]
         if o.random_weights:
-            from specbatch.models.loading import EMBEDDED
+            from specbatch.models.embedded import EMBEDDED
             from specbatch.models.random_weights import tokenizer_source
 
             flags += ["--tokenizer", tokenizer_source(o.target_model or EMBEDDED)]

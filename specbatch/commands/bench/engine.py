@@ -245,7 +245,7 @@ def _sizes(text: str, flag: str) -> tuple[int, ...]:
 
 
 def add_bench_engine_flags(parser) -> None:
-    from specbatch.models.loading import EMBEDDED
+    from specbatch.models.embedded import EMBEDDED
 
     parser.add_argument("--target-model", default=EMBEDDED, help=f"HF hub id or folder, or with --random-weights a "
                         f"shape: opt-6.7b, opt-125m, llama-3-8b, smollm2-135m or a config folder (default {EMBEDDED})")

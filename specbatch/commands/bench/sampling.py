@@ -25,7 +25,8 @@ from coordinator.app import build_coordinator
 
 from specbatch.rpc.client import connect, generate, generate_all, make_request
 from specbatch.stack.launcher import LocalProcesses, add_stack_flags, free_port, stack_options
-from specbatch.models.loading import EMBEDDED, ModelSpec, load_tokenizer
+from specbatch.models.loading import ModelSpec, load_tokenizer
+from specbatch.models.embedded import EMBEDDED
 from specbatch.commands.prompts import CHAT_PROMPTS
 
 

@@ -1,4 +1,4 @@
-"""The data phase of ``specbatch distill`` (``specbatch.commands.distill.distill``): the target's answers
+"""The data phase of ``specbatch distill`` (``specbatch.commands.distill.run``): the target's answers
 to training prompts and its reading of ShareGPT conversations, each token with its feature, kept in
 safetensors shards that training reads lazily (``FeatureShards``); and the draft head's token
 subset chosen from that data."""
@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from specbatch.engine.engine import Engine, SequenceInput
-from specbatch.commands.prompts import chat_token_ids, sharegpt_exchanges, sharegpt_prompts
+from specbatch.commands.prompts import sharegpt_exchanges, sharegpt_prompts
+from specbatch.models.loading import chat_token_ids
 
 if TYPE_CHECKING:
-    from specbatch.commands.distill.distill import DistillConfig
+    from specbatch.commands.distill.config import DistillConfig
 
 log = logging.getLogger(__name__)
 
