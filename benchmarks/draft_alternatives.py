@@ -22,7 +22,7 @@ import collections
 
 import torch
 
-from specbatch.commands.distill.run import EVAL_PROMPTS_FROM, chat_prompt_ids
+from specbatch.commands.distill.data import EVAL_PROMPTS_FROM, chat_prompt_ids
 from specbatch.commands.distill.evaluate import find_eos_token_ids, greedy_speculative_steps
 from specbatch.models.eagle import fuse_target_features
 from specbatch.engine.engine import Engine

@@ -458,7 +458,7 @@ def test_distill_with_fused_features_and_two_layers_serves_exactly(target_model,
 
 def test_training_prompts_stop_before_the_held_out_conversations():
     """However many prompts distill asks for, none comes from the evaluation's range."""
-    from specbatch.commands.distill.run import EVAL_PROMPTS_FROM
+    from specbatch.commands.distill.data import EVAL_PROMPTS_FROM
     from specbatch.commands.prompts import sharegpt_exchanges
 
     tail = sharegpt_exchanges(10**6, start=EVAL_PROMPTS_FROM - 12, end=EVAL_PROMPTS_FROM)
