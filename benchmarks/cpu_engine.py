@@ -7,7 +7,7 @@ SmolLM2-135M at context 128, median of repeats, for batch × new tokens per sequ
   layers on ``F.linear`` (MKL), as before oneDNN took float32 too;
 - ``fp32-specbatch-onednn``: the same with oneDNN-reordered float32 weights (the fallback where
   the engine's own kernel cannot be built; the default before it);
-- ``fp32-specbatch``: the same on the engine's own float32 kernel (``specbatch.kernels.native``);
+- ``fp32-specbatch``: the same on the engine's own float32 kernel (``specbatch.kernels.build``);
 - ``fp32-bf16w-specbatch``: float32 with the weights read as bf16 on that kernel (the embedded
   services' default where the kernel builds and the CPU lacks AVX512_BF16);
 - ``fp32-bf16dot-specbatch`` (CPUs with AVX512_BF16): the linear layers' inputs rounded to bf16
@@ -41,9 +41,13 @@ from unittest import mock
 import torch
 
 from specbatch.commands.bench.engine import Bench, Grid
-from specbatch.kernels import native
-from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.kernels import build
+from specbatch.kernels.panel import PanelLinear
+from specbatch.kernels.layers import Attention, DecoderLayers, Rope
+from specbatch.engine.engine import Engine
+from specbatch.engine.batch import SequenceInput
 from specbatch.kernels.linear import onednn_bf16_available
+from specbatch.kernels import layers as kernel_layers
 from specbatch.models.loading import ModelSpec, load_model
 from target_service.verifier import VerifyItem, verify
 
@@ -71,13 +75,13 @@ def time_split(engine: Engine, batch: int, new: int, repeats: int = 10) -> dict:
         return call
 
     with contextlib.ExitStack() as patches:
-        patches.enter_context(mock.patch.object(native.PanelLinear, "__call__", named(native.PanelLinear.__call__, "panel_sgemm")))
-        patches.enter_context(mock.patch.object(native.Attention, "__call__", named(native.Attention.__call__, "native_attention")))
+        patches.enter_context(mock.patch.object(PanelLinear, "__call__", named(PanelLinear.__call__, "panel_sgemm")))
+        patches.enter_context(mock.patch.object(Attention, "__call__", named(Attention.__call__, "native_attention")))
         for layer_op in ("add_rms_norm", "silu_mul"):
-            patches.enter_context(mock.patch.object(native, layer_op, named(getattr(native, layer_op), f"native_{layer_op}")))
-        patches.enter_context(mock.patch.object(native.Rope, "__call__", named(native.Rope.__call__, "native_rope")))
-        patches.enter_context(mock.patch.object(native.DecoderLayers, "__call__",
-                                                named(native.DecoderLayers.__call__, "native_decoder_layers")))
+            patches.enter_context(mock.patch.object(kernel_layers, layer_op, named(getattr(kernel_layers, layer_op), f"native_{layer_op}")))
+        patches.enter_context(mock.patch.object(Rope, "__call__", named(Rope.__call__, "native_rope")))
+        patches.enter_context(mock.patch.object(DecoderLayers, "__call__",
+                                                named(DecoderLayers.__call__, "native_decoder_layers")))
         prof = patches.enter_context(profile(activities=[ProfilerActivity.CPU]))
         for _ in range(repeats):
             verify(engine, items)
@@ -119,13 +123,13 @@ def main() -> int:
     with mock.patch("specbatch.kernels.linear.panel_kernel_takes", lambda weight: False):
         engines["fp32-specbatch-onednn"] = Engine(fp32, implementation="specbatch")
     engines["fp32-specbatch"] = Engine(fp32, implementation="specbatch")
-    if native.available():
+    if build.available():
         engines["fp32-bf16w-specbatch"] = Engine(fp32, bf16_weights=True)
-    if native.bf16_dot_available():
+    if build.bf16_dot_available():
         engines["fp32-bf16dot-specbatch"] = Engine(fp32, bf16_dot=True, kv_bf16=True)
         # the decoder layers in the GGUF's own Q4_1 blocks, the head on bf16 dot products
         engines["fp32-q4_1-specbatch"] = Engine(fp32, q4_1=True, kv_bf16=True)
-    if native.fp16_dot_available():
+    if build.fp16_dot_available():
         engines["fp32-fp16dot-specbatch"] = Engine(fp32, fp16_dot=True, kv_bf16=True)
     # The embedded form with its decoder layers called one kernel at a time from Python, as before
     # they ran in one C call (specbatch/kernels/decoder.c): what that call saves.

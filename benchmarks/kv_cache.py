@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from specbatch.kernels import native
+from specbatch.kernels import build
 from specbatch.commands.bench.engine import Bench, Grid
 from specbatch.engine.engine import Engine
 from specbatch.engine.exactness import NEAR_TIE, first_mismatch, target_only
@@ -68,10 +68,10 @@ def main() -> int:
     parser.add_argument("--out", default="bench-out/kv_cache.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if not native.available():
-        raise SystemExit(f"the engine's CPU kernels are unavailable: {native.unavailable_reason()}")
-    form = ({"fp16_dot": True} if native.fp16_dot_available() else {"bf16_dot": True}
-            if native.bf16_dot_available() else {"bf16_weights": True})
+    if not build.available():
+        raise SystemExit(f"the engine's CPU kernels are unavailable: {build.unavailable_reason()}")
+    form = ({"fp16_dot": True} if build.fp16_dot_available() else {"bf16_dot": True}
+            if build.bf16_dot_available() else {"bf16_weights": True})
     model = load_model(ModelSpec(), "cpu", torch.float32)
     engines = {kv: Engine(model, kv_bf16=kv == "bf16", wide_threads=args.wide_threads, wide_from_rows=12,
                           max_sequences=max(args.batches), **form)

@@ -19,7 +19,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tenacity import Retrying, retry_if_exception_type, wait_exponential
 

@@ -6,8 +6,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specbatch.kernels import native
-from specbatch.engine.engine import Engine, InvalidRequest, SequenceInput
+from specbatch.kernels.layers import argmax
+from specbatch.engine.engine import Engine
+from specbatch.protocol.errors import InvalidRequest
+from specbatch.engine.batch import SequenceInput
 from specbatch.engine.sampling import (DRAW_DRAFT, MAX_SUPPORT, SamplingParams, SparseDistribution, distributions,
                                 params_tensors, sample, uniforms)
 from specbatch.protocol.speculation import MAX_K, MAX_LEAVES, leaf_option_problems
@@ -109,7 +111,7 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
     def pick(logits: torch.Tensor, step: int) -> torch.Tensor:
         if most_leaves[step]:  # the drafted token and the leaves are among these
             ranked[step] = logits.topk(min(most_leaves[step] + 1, logits.shape[-1]), dim=-1).indices
-        columns = torch.empty(len(items), dtype=torch.long, device=logits.device) if everyone else native.argmax(logits)
+        columns = torch.empty(len(items), dtype=torch.long, device=logits.device) if everyone else argmax(logits)
         if sampled:
             q = distributions(logits if everyone else logits[sampled_rows], temperature, top_k, top_p)
             top, support = torch.topk(q.kept(), min(support_size, logits.shape[-1]), dim=-1)

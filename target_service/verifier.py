@@ -6,9 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specbatch.kernels import native
+from specbatch.kernels.layers import argmax
 from specbatch.engine.acceptance import SampledDrafts, greedy_accept, leaf_hit, rejection_sample, sampled_drafts
-from specbatch.engine.engine import Engine, InvalidRequest, SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.protocol.errors import InvalidRequest
+from specbatch.engine.batch import SequenceInput
 from specbatch.engine.sampling import (DRAW_ACCEPT, DRAW_TARGET, SamplingParams, SparseDistribution, distributions,
                                 params_tensors, sample, uniforms)
 
@@ -97,7 +99,7 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
         return logits if len(which) == len(items) else logits[which]
 
     if greedy:
-        predicted = native.argmax(rows(greedy)).tolist()
+        predicted = argmax(rows(greedy)).tolist()
         for i, row in zip(greedy, predicted):
             item, leaves = items[i], leaf_counts[i]
             accepted, token = greedy_accept(row[width - leaves - len(item.drafts) - 1 : width - leaves], item.drafts)

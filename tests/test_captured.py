@@ -11,7 +11,9 @@ import torch
 
 from draft_service.proposer import ProposeItem, propose, proposals
 from specbatch.engine.captured import Buckets, CapturedForward
-from specbatch.engine.engine import CapacityExceeded, Engine, SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.protocol.errors import CapacityExceeded
+from specbatch.engine.batch import SequenceInput
 from specbatch.engine.kv_pool import tree_mask, write_columns_and_mask
 from target_service.verifier import VerifyItem, verify
 from tiny import VOCAB, greedy_reference, tiny_opt

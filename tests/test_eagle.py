@@ -16,7 +16,9 @@ from specbatch.rpc.client import generate, generate_all, make_request
 from specbatch.commands.distill.run import distill
 from specbatch.commands.distill.config import DistillConfig, amp_dtype
 from specbatch.models.eagle import draft_from_target, reads_target_features
-from specbatch.engine.engine import Engine, InvalidRequest, SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.protocol.errors import InvalidRequest
+from specbatch.engine.batch import SequenceInput
 from target_service.verifier import VerifyItem, verify
 from tiny import EOS, VOCAB, greedy_mixed_batch, greedy_reference, random_prompts
 
@@ -213,14 +215,14 @@ def test_bf16_weights_speculate_exactly_against_their_own_target_only_decoding(t
     float16 products: the target's rows do not depend
     on how many share a multiply, so speculative output at k=3, with leaves, in one mixed batch, is
     token for token the same stack's target-only (k=0) output."""
-    from specbatch.kernels import native
+    from specbatch.kernels import build
     from specbatch.stack.in_process import start_local_stack
 
-    if not native.available():
-        pytest.skip(f"no panel kernel here: {native.unavailable_reason()}")
-    if form == "bf16_dot" and not native.bf16_dot_available():
+    if not build.available():
+        pytest.skip(f"no panel kernel here: {build.unavailable_reason()}")
+    if form == "bf16_dot" and not build.bf16_dot_available():
         pytest.skip("the CPU lacks AVX512_BF16")
-    if form == "fp16_dot" and not native.fp16_dot_available():
+    if form == "fp16_dot" and not build.fp16_dot_available():
         pytest.skip("the CPU lacks AVX512_FP16")
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=8, max_new_tokens=64,
                               target_engine_options={form: True}, draft_engine_options={form: True})

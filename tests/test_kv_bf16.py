@@ -8,15 +8,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbatch.kernels import native
-from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.kernels import build
+from specbatch.kernels.layers import Attention, HEAD_DIMS, KV_DTYPES, Rope
+from specbatch.engine.engine import Engine
+from specbatch.engine.batch import SequenceInput
 from specbatch.models.llama import _signed_sin
 from tests.tiny import greedy_mixed_batch, tiny_llama, with_threads
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=f"no CPU kernels here: {native.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not build.available(), reason=f"no CPU kernels here: {build.unavailable_reason()}")
 
 
-@pytest.mark.parametrize("head_dim", native.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("width", [4, 20])
 def test_attention_over_bf16_keys_is_attention_over_their_float32_values(head_dim, threads, width):
@@ -31,7 +33,7 @@ def test_attention_over_bf16_keys_is_attention_over_their_float32_values(head_di
     keys, values = pool[0, 1:, :, :end], pool[1, 1:, :, :end]
     mask = torch.rand(batch, 1, width, end, generator=generator) < 0.8
     mask[..., 0] = True
-    attention = native.Attention(mask)
+    attention = Attention(mask)
     ours = with_threads(threads, lambda: attention(q, keys, values, head_dim**-0.5))
     widened = pool.float()
     theirs = attention(q, widened[0, 1:, :, :end], widened[1, 1:, :, :end], head_dim**-0.5)
@@ -42,7 +44,7 @@ def test_attention_refuses_mixed_or_other_dtypes():
     mask = torch.ones(1, 1, 1, 6, dtype=torch.bool)
     q = torch.randn(1, 3, 1, 16)
     keys = torch.randn(1, 1, 6, 16)
-    attention = native.Attention(mask)
+    attention = Attention(mask)
     with pytest.raises(ValueError, match="bfloat16"):
         attention(q, keys.bfloat16(), keys, 0.25)
     with pytest.raises(ValueError, match="bfloat16"):
@@ -63,9 +65,9 @@ def test_rope_writes_keys_and_values_rounded_as_torch_rounds_them(threads):
     qkv[0, 0, heads * head_dim : heads * head_dim + 16] = edge  # the first token's first key head
     positions = torch.arange(width)[None]
     cos, sin = torch.ones(width, head_dim), torch.zeros(width, head_dim)
-    pools = {dtype: torch.zeros(2, 1, kv_heads, width + 1, head_dim, dtype=dtype) for dtype in native.KV_DTYPES}
+    pools = {dtype: torch.zeros(2, 1, kv_heads, width + 1, head_dim, dtype=dtype) for dtype in KV_DTYPES}
     for dtype, pool in pools.items():
-        rope = native.Rope(positions, positions, cos, _signed_sin(sin).contiguous())
+        rope = Rope(positions, positions, cos, _signed_sin(sin).contiguous())
         with_threads(threads, lambda: rope(qkv.clone(), heads, kv_heads, pool[0], pool[1]))
     rounded = pools[torch.float32].bfloat16()
     written = pools[torch.bfloat16]
@@ -77,7 +79,7 @@ def test_rope_writes_keys_and_values_rounded_as_torch_rounds_them(threads):
 @pytest.mark.parametrize("form", [pytest.param({}, id="float32"),
                                   pytest.param({"bf16_weights": True}, id="bf16-weights"),
                                   pytest.param({"bf16_dot": True}, id="bf16-dot", marks=pytest.mark.skipif(
-                                      not native.bf16_dot_available(), reason="the CPU lacks AVX512_BF16"))])
+                                      not build.bf16_dot_available(), reason="the CPU lacks AVX512_BF16"))])
 def test_the_engine_keeps_bf16_keys_and_values_near_its_float32_ones(form):
     """The pool holds bfloat16, the layers in one call are bitwise the Python loop over it, and the
     logits of a prompt and a step stay within bf16 rounding of the float32 pool's."""
@@ -117,7 +119,7 @@ def test_bf16_keys_and_values_are_refused_off_the_cpu_kernels(monkeypatch):
         Engine(tiny_llama(1, seed=0), implementation="transformers", kv_bf16=True)
     with pytest.raises(ValueError, match="captured steps"):
         Engine(tiny_llama(1, seed=0), captured_steps="static", kv_bf16=True)
-    monkeypatch.setattr(native, "available", lambda: False)
+    monkeypatch.setattr(build, "available", lambda: False)
     with pytest.raises(ValueError, match="bf16 keys and values"):
         Engine(tiny_llama(1, seed=0), kv_bf16=True)
 

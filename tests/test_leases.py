@@ -10,7 +10,8 @@ import time
 from concurrent import futures
 
 from specbatch.rpc.client import generate_all, make_request
-from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.engine.batch import SequenceInput
 from specbatch.stack.in_process import start_local_stack
 from specbatch.service.metrics import ServiceMetrics
 from specbatch.service.model_service import SequenceLeases, model_service_parser

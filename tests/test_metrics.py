@@ -297,7 +297,7 @@ def test_text_log_lines_show_request_fields():
 def test_captured_steps_export_their_replayed_and_eager_calls(target_model):
     """A GPU step that falls back to eager costs several times its captured time, silently: the
     services export both counts (and log each reason once)."""
-    from specbatch.engine.engine import SequenceInput
+    from specbatch.engine.batch import SequenceInput
     from specbatch.service.metrics import ServiceMetrics
     from target_service.verifier import VerifyItem, verify
 

@@ -1,4 +1,4 @@
-"""The engine's own float32 kernels (specbatch.kernels.native): the product and attention, and a row's bits
+"""The engine's own float32 kernels (specbatch.kernels.build): the product and attention, and a row's bits
 independent of the other rows of the call and of the thread count, which bitwise-exact fp32
 speculation needs."""
 
@@ -12,12 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specbatch.kernels import native
-from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.kernels import build
+from specbatch.kernels.panel import PanelLinear
+from specbatch.kernels.layers import add_rms_norm, argmax, Attention, HEAD_DIMS, Rope, silu_mul
+from specbatch.engine.engine import Engine
+from specbatch.engine.batch import SequenceInput
 from specbatch.kernels.linear import fused, linear
 from tests.tiny import VOCAB, tiny_llama, with_threads as _with_threads
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=f"no panel kernel here: {native.unavailable_reason()}")
+pytestmark = pytest.mark.skipif(not build.available(), reason=f"no panel kernel here: {build.unavailable_reason()}")
 
 # Shapes with a partial last panel (N % 16), odd K, SmolLM2's MLP and a head-sized slice.
 SHAPES = [(17, 5), (96, 64), (40, 33), (3072, 576), (576, 1536), (4099, 576)]
@@ -29,7 +32,7 @@ def test_panel_linear_is_the_product(out_features, in_features, with_bias):
     generator = torch.Generator().manual_seed(out_features + in_features)
     weight = torch.randn(out_features, in_features, generator=generator) * 0.05
     bias = torch.randn(out_features, generator=generator) if with_bias else None
-    layer = native.PanelLinear(weight, bias)
+    layer = PanelLinear(weight, bias)
     x = torch.randn(2, 7, in_features, generator=generator)
     exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
     out = layer(x)
@@ -46,7 +49,7 @@ def test_a_row_gets_the_same_bits_at_any_row_count_and_thread_count(out_features
     block it lands in (1-6 rows; 7 rows split 4 + 3, 13 rows 5 + 4 + 4, ...) or which thread
     computes its panel."""
     generator = torch.Generator().manual_seed(3)
-    layer = native.PanelLinear(torch.randn(out_features, in_features, generator=generator) * 0.05)
+    layer = PanelLinear(torch.randn(out_features, in_features, generator=generator) * 0.05)
     x = torch.randn(40, in_features, generator=generator)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -68,8 +71,8 @@ def test_bf16_weights_are_the_float32_kernel_on_the_rounded_weights(out_features
     generator = torch.Generator().manual_seed(out_features * in_features)
     weight = torch.randn(out_features, in_features, generator=generator) * 0.05
     bias = torch.randn(out_features, generator=generator)
-    ours = native.PanelLinear(weight, bias, bf16_weights=True)
-    rounded = native.PanelLinear(weight.bfloat16().float(), bias)
+    ours = PanelLinear(weight, bias, bf16_weights=True)
+    rounded = PanelLinear(weight.bfloat16().float(), bias)
     assert ours.panels.dtype == torch.bfloat16 and ours.panels.shape == rounded.panels.shape
     x = torch.randn(40, in_features, generator=generator)
     before = torch.get_num_threads()
@@ -102,10 +105,10 @@ def layer_and_rows(out_features: int, in_features: int, seed: int, **form):
     generator = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=generator) * 0.05
     bias = torch.randn(out_features, generator=generator)
-    return weight, bias, native.PanelLinear(weight, bias, **form), torch.randn(40, in_features, generator=generator)
+    return weight, bias, PanelLinear(weight, bias, **form), torch.randn(40, in_features, generator=generator)
 
 
-needs_bf16_dot = pytest.mark.skipif(not native.bf16_dot_available(), reason="the CPU lacks AVX512_BF16")
+needs_bf16_dot = pytest.mark.skipif(not build.bf16_dot_available(), reason="the CPU lacks AVX512_BF16")
 
 
 @needs_bf16_dot
@@ -125,8 +128,8 @@ def test_bf16_dot_products_are_row_exact_products_of_the_rounded_operands(out_fe
     assert ((alone.double() - exact).abs() <= bound).all()
 
 
-needs_fp16 = pytest.mark.skipif(not native.fp16_dot_available(), reason="the CPU lacks AVX512_FP16")
-needs_int8_dot = pytest.mark.skipif(not native.int8_dot_available(), reason="the CPU lacks AVX512_VNNI")
+needs_fp16 = pytest.mark.skipif(not build.fp16_dot_available(), reason="the CPU lacks AVX512_FP16")
+needs_int8_dot = pytest.mark.skipif(not build.int8_dot_available(), reason="the CPU lacks AVX512_VNNI")
 
 
 @needs_int8_dot
@@ -159,7 +162,7 @@ def test_int8_weights_run_on_the_panel_kernel_where_the_cpu_has_vnni():
     """A draft's int8 layers: the panel kernel's row-exact int8 form where AVX512_VNNI is, else
     fbgemm's dynamic layer."""
     layer = linear(torch.randn(32, 16), weights="int8")
-    assert type(layer).__name__ == ("PanelLinear" if native.int8_dot_available() else "Int8Linear")
+    assert type(layer).__name__ == ("PanelLinear" if build.int8_dot_available() else "Int8Linear")
 
 
 @needs_fp16
@@ -187,7 +190,7 @@ def test_float16_products_take_any_row_scale():
     the same result times 2^e, bit for bit, from rows of 1e-30 to 1e30 (no overflow to inf, no
     underflow to zero), and a zero row gives zeros."""
     generator = torch.Generator().manual_seed(5)
-    layer = native.PanelLinear(torch.randn(96, 576, generator=generator) * 0.05, fp16_dot=True)
+    layer = PanelLinear(torch.randn(96, 576, generator=generator) * 0.05, fp16_dot=True)
     x = torch.randn(3, 576, generator=generator)
     base = layer(x)
     for exponent in (-100, -20, 20, 100):
@@ -201,9 +204,9 @@ def test_float16_products_take_any_row_scale():
     ("q4_1", "q4_1", "bf16_dot_available", "AVX512_BF16")])
 def test_dot_product_forms_are_refused_where_the_cpu_lacks_them(monkeypatch, form, weights, available, flag):
     weight = torch.randn(32, 16)
-    monkeypatch.setattr(native, available, lambda: False)
+    monkeypatch.setattr(build, available, lambda: False)
     with pytest.raises(RuntimeError, match=flag):
-        native.PanelLinear(weight, **{form: True})
+        PanelLinear(weight, **{form: True})
     with pytest.raises(ValueError, match=flag):
         linear(weight, weights=weights)
     with pytest.raises(ValueError, match=flag):
@@ -224,11 +227,11 @@ def _attention_inputs(batch, width, end, head_dim, seed, heads=9, kv_heads=3):
     return q, keys, values, mask
 
 
-@pytest.mark.parametrize("head_dim", native.HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("batch,width,end", [(1, 1, 1), (1, 3, 130), (3, 6, 37), (2, 16, 300)])
 def test_attention_is_sdpa(batch, width, end, head_dim):
     q, keys, values, mask = _attention_inputs(batch, width, end, head_dim, seed=width + end)
-    out = native.Attention(mask)(q, keys, values, head_dim**-0.5)
+    out = Attention(mask)(q, keys, values, head_dim**-0.5)
     exact = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask,
                                            scale=head_dim**-0.5, enable_gqa=True)
     assert out.shape == (batch, width, 9 * head_dim)
@@ -248,13 +251,13 @@ def test_attention_takes_any_number_of_heads_a_key_value_head(heads, kv_heads, t
     mask = torch.ones(batch, 1, width, end, dtype=torch.bool)
     mask[..., end - width:] = torch.ones(width, width, dtype=torch.bool).tril()
     mask[1, 0, 2, :7] = False
-    out = _with_threads(threads, lambda: native.Attention(mask)(q, keys, values, 0.125))
+    out = _with_threads(threads, lambda: Attention(mask)(q, keys, values, 0.125))
     exact = F.scaled_dot_product_attention(q.double(), keys.double(), values.double(), attn_mask=mask, scale=0.125,
                                            enable_gqa=True)
     torch.testing.assert_close(out.double(), exact.transpose(1, 2).reshape(batch, width, -1), rtol=1e-5, atol=1e-5)
     group = heads // kv_heads
     for head in (0, group - 1, heads - 1):  # one head alone: a query head per key/value head
-        one = native.Attention(mask[:, :, 3:4])(q[:, head : head + 1, 3:4], keys[:, head // group : head // group + 1],
+        one = Attention(mask[:, :, 3:4])(q[:, head : head + 1, 3:4], keys[:, head // group : head // group + 1],
                                                  values[:, head // group : head // group + 1], 0.125)
         assert torch.equal(one[:, 0], out[:, 3, head * head_dim : (head + 1) * head_dim]), head
 
@@ -268,9 +271,9 @@ def test_attention_rows_get_the_same_bits_alone_and_at_any_thread_count(threads)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        together = native.Attention(mask)(q, keys, values, 0.125)
+        together = Attention(mask)(q, keys, values, 0.125)
         for row in range(7):
-            alone = native.Attention(mask[:, :, row : row + 1])(q[:, :, row : row + 1], keys, values, 0.125)
+            alone = Attention(mask[:, :, row : row + 1])(q[:, :, row : row + 1], keys, values, 0.125)
             assert torch.equal(alone[:, 0], together[:, row]), row
         # the last row again, its keys/values three columns right with hidden columns between
         moved_keys, moved_values = torch.zeros(2, 3, 93, 64), torch.zeros(2, 3, 93, 64)
@@ -278,7 +281,7 @@ def test_attention_rows_get_the_same_bits_alone_and_at_any_thread_count(threads)
         moved_keys[:, :, 92], moved_values[:, :, 92] = keys[:, :, 89], values[:, :, 89]
         moved_mask = torch.zeros(2, 1, 1, 93, dtype=torch.bool)
         moved_mask[..., :89], moved_mask[..., 92] = mask[:, :, 6:, :89], True
-        moved = native.Attention(moved_mask)(q[:, :, 6:], moved_keys, moved_values, 0.125)
+        moved = Attention(moved_mask)(q[:, :, 6:], moved_keys, moved_values, 0.125)
         assert torch.equal(moved[:, 0], together[:, 6])
     finally:
         torch.set_num_threads(before)
@@ -286,7 +289,7 @@ def test_attention_rows_get_the_same_bits_alone_and_at_any_thread_count(threads)
 
 def test_attention_refuses_what_does_not_match_its_mask():
     q, keys, values, mask = _attention_inputs(1, 2, 10, 16, seed=1)
-    attend = native.Attention(mask)
+    attend = Attention(mask)
     with pytest.raises(ValueError):
         attend(q, keys[:, :, :9], values[:, :, :9], 0.25)
     with pytest.raises(ValueError):
@@ -401,8 +404,8 @@ def test_the_layers_in_one_call_refuse_a_pool_that_does_not_match():
     engine = Engine(tiny_llama(2, seed=6), max_sequences=2)
     forward = engine.forward
     positions = torch.tensor([[4]])
-    rope = native.Rope(positions, positions, *forward._angle_table(positions))
-    attention = native.Attention(torch.ones(1, 1, 1, 5, dtype=torch.bool))
+    rope = Rope(positions, positions, *forward._angle_table(positions))
+    attention = Attention(torch.ones(1, 1, 1, 5, dtype=torch.bool))
     x = torch.randn(1, 1, engine.hidden_size)
     kv = torch.zeros(2, 2, 1, 2, 8, 16)  # 2 layers, 2 key/value heads of 16, 8 columns: the tiny model's
     assert forward.decoder_layers.kv_heads == 2 and forward.decoder_layers.head_dim == 16
@@ -415,7 +418,7 @@ def test_the_layers_in_one_call_refuse_a_pool_that_does_not_match():
 def test_projections_off_the_panel_kernel_keep_the_python_loop(monkeypatch):
     """fbgemm's int8 layers (a CPU without AVX512_VNNI) and bf16 on oneDNN are not the kernels'."""
     assert Engine(tiny_llama(1, seed=0).to(torch.bfloat16)).forward.decoder_layers is None
-    monkeypatch.setattr(native, "int8_dot_available", lambda: False)
+    monkeypatch.setattr(build, "int8_dot_available", lambda: False)
     assert Engine(tiny_llama(1, seed=0), int8_weights=True).forward.decoder_layers is None
 
 
@@ -428,11 +431,11 @@ def test_add_rms_norm_adds_in_place_and_normalises(rows, n):
     delta = torch.randn(rows, n, generator=generator)
     weight = torch.randn(n, generator=generator)
     summed = x + delta
-    out = native.add_rms_norm(x, delta, weight, 1e-5)
+    out = add_rms_norm(x, delta, weight, 1e-5)
     assert torch.equal(x, summed)  # the residual stream, updated in place: the same float adds
     exact = weight.double() * summed.double() * torch.rsqrt(summed.double().pow(2).mean(-1, keepdim=True) + 1e-5)
     torch.testing.assert_close(out.double(), exact, rtol=2e-6, atol=2e-6)
-    torch.testing.assert_close(native.add_rms_norm(x, None, weight, 1e-5), out, rtol=0, atol=0)  # no add
+    torch.testing.assert_close(add_rms_norm(x, None, weight, 1e-5), out, rtol=0, atol=0)  # no add
 
 
 @pytest.mark.parametrize("rows,n", [(1, 1536), (4, 21), (200, 1536)])
@@ -440,7 +443,7 @@ def test_silu_mul_is_the_gated_product(rows, n):
     generator = torch.Generator().manual_seed(rows)
     h = torch.randn(rows, 2 * n, generator=generator) * 6
     h[0, :4] = torch.tensor([-100.0, 100.0, -0.0, 1e-30])  # exp's ends: no overflow, no NaN
-    out = native.silu_mul(h)
+    out = silu_mul(h)
     exact = F.silu(h[:, :n].double()) * h[:, n:].double()
     torch.testing.assert_close(out.double(), exact, rtol=4e-7, atol=1e-30)
 
@@ -467,7 +470,7 @@ def test_rope_is_bitwise_the_pytorch_rotation_and_kv_write(batch, width, head_di
     pools = [torch.zeros(2, batch + 1, kv_heads, 61, head_dim) for _ in range(2)]
     caches = [pool[:, 1:] for pool in pools]  # [2, batch, kv_heads, columns, head_dim], strided
     theirs = _TorchRope(cos[positions], sin[positions], columns)(qkv.clone(), heads, kv_heads, *caches[0])
-    ours = native.Rope(positions, columns, cos, _signed_sin(sin).contiguous())(qkv, heads, kv_heads, *caches[1])
+    ours = Rope(positions, columns, cos, _signed_sin(sin).contiguous())(qkv, heads, kv_heads, *caches[1])
     assert ours.shape == (batch, heads, width, head_dim)
     assert torch.equal(ours, theirs) and torch.equal(pools[1], pools[0])
     assert pools[1][:, 0].abs().sum() == 0  # nothing written outside the batch's slots
@@ -475,17 +478,17 @@ def test_rope_is_bitwise_the_pytorch_rotation_and_kv_write(batch, width, head_di
 
 def test_rope_refuses_what_it_cannot_write():
     qkv, positions, columns, cos, sin = _rope_inputs(1, 2, 2, 1, 8, 10, seed=0)
-    rope = native.Rope(positions, columns, cos, sin)
+    rope = Rope(positions, columns, cos, sin)
     cache = torch.zeros(2, 1, 1, 10, 8)
     with pytest.raises(ValueError):
         rope(qkv, 2, 1, cache[0, :, :, :5], cache[1, :, :, :5])  # a write column past the cache
     with pytest.raises(ValueError):
         rope(qkv[..., :-8], 2, 1, *cache)  # not the head counts' width
     with pytest.raises(ValueError):
-        native.Rope(positions + 500, columns, cos, sin)  # a position without angles
+        Rope(positions + 500, columns, cos, sin)  # a position without angles
     odd = torch.randn(500, 7)
     with pytest.raises(ValueError):
-        native.Rope(positions, columns, odd, odd)(torch.randn(1, 2, 28), 2, 1, *torch.zeros(2, 1, 1, 10, 7))
+        Rope(positions, columns, odd, odd)(torch.randn(1, 2, 28), 2, 1, *torch.zeros(2, 1, 1, 10, 7))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -494,12 +497,12 @@ def test_layer_ops_give_a_row_the_same_bits_alone_and_at_any_thread_count(thread
     generator = torch.Generator().manual_seed(7)
     x, delta = torch.randn(200, 576, generator=generator), torch.randn(200, 576, generator=generator)
     weight, h = torch.randn(576, generator=generator), torch.randn(200, 3072, generator=generator)
-    normed = _with_threads(threads, lambda: native.add_rms_norm(x.clone(), delta, weight, 1e-6))
-    gated = _with_threads(threads, lambda: native.silu_mul(h))
+    normed = _with_threads(threads, lambda: add_rms_norm(x.clone(), delta, weight, 1e-6))
+    gated = _with_threads(threads, lambda: silu_mul(h))
     for row in (0, 57, 199):
-        assert torch.equal(native.add_rms_norm(x[row : row + 1].clone(), delta[row : row + 1], weight, 1e-6),
+        assert torch.equal(add_rms_norm(x[row : row + 1].clone(), delta[row : row + 1], weight, 1e-6),
                            normed[row : row + 1])
-        assert torch.equal(native.silu_mul(h[row : row + 1]), gated[row : row + 1])
+        assert torch.equal(silu_mul(h[row : row + 1]), gated[row : row + 1])
 
 
 def test_the_angle_table_is_bitwise_the_models_rotary_embedding():
@@ -556,13 +559,13 @@ def test_engine_layers_pick_the_panel_kernel_for_float32_only():
 
 
 def test_refuses_other_dtypes():
-    layer = native.PanelLinear(torch.randn(16, 8))
+    layer = PanelLinear(torch.randn(16, 8))
     with pytest.raises(TypeError):
         layer(torch.randn(2, 8, dtype=torch.float64))
 
 
 def test_switched_off_by_the_environment():
-    code = "from specbatch.kernels import native; print(native.available(), native.unavailable_reason())"
+    code = "from specbatch.kernels import build; print(build.available(), build.unavailable_reason())"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env={**os.environ, "SPECBATCH_NATIVE": "0"}, check=True)
     assert result.stdout.split() == ["False", "SPECBATCH_NATIVE=0"]
@@ -570,19 +573,19 @@ def test_switched_off_by_the_environment():
 
 def test_builds_into_a_fresh_directory(tmp_path):
     """A cold cache compiles the library (as a fresh container or CI machine does) and reuses it."""
-    built = native.build(tmp_path)
+    built = build.build(tmp_path)
     assert built.parent == tmp_path and built.stat().st_size > 0
-    assert native.build(tmp_path) == built and len(list(tmp_path.iterdir())) == 1  # no scratch left behind
+    assert build.build(tmp_path) == built and len(list(tmp_path.iterdir())) == 1  # no scratch left behind
 
 
 def test_a_compiler_that_fails_is_reported(tmp_path, monkeypatch):
     """A broken $CC raises with the compiler's name (the engine then logs it and runs oneDNN)."""
     monkeypatch.setenv("CC", "false")
     with pytest.raises(RuntimeError, match="false failed"):
-        native.build(tmp_path)
+        build.build(tmp_path)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(RuntimeError, match="no-such-compiler"):
-        native.build(tmp_path)
+        build.build(tmp_path)
     assert not list(tmp_path.glob("*.so"))
 
 
@@ -606,7 +609,7 @@ def test_argmax_is_torchs_on_ties_nans_infinities_and_signed_zeros():
     x[9, 49150] = x[9, 20] = float("inf")
     for columns in (49152, 8192, 49149, 13, 8, 7, 1):
         rows = x[:, :columns]
-        assert torch.equal(native.argmax(rows), rows.argmax(-1)), columns
-        assert torch.equal(native.argmax(rows.reshape(3, 4, columns)), rows.reshape(3, 4, columns).argmax(-1))
-    assert torch.equal(native.argmax(x.t()), x.t().argmax(-1))  # not contiguous: a contiguous copy
-    assert torch.equal(native.argmax(x.double()), x.double().argmax(-1))
+        assert torch.equal(argmax(rows), rows.argmax(-1)), columns
+        assert torch.equal(argmax(rows.reshape(3, 4, columns)), rows.reshape(3, 4, columns).argmax(-1))
+    assert torch.equal(argmax(x.t()), x.t().argmax(-1))  # not contiguous: a contiguous copy
+    assert torch.equal(argmax(x.double()), x.double().argmax(-1))

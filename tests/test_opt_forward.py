@@ -10,7 +10,8 @@ import random
 import pytest
 import torch
 
-from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.engine.batch import SequenceInput
 from specbatch.models.opt import OptForward
 from test_engine import Decoding, random_prompts, verify_steps
 from tiny import greedy_reference, tiny_opt

@@ -338,15 +338,15 @@ def test_embedded_services_keep_bf16_keys_and_values_where_their_layers_run_on_d
 def test_launcher_and_services_agree_on_native_bf16():
     """The launcher reads the CPU flags without torch; the services ask oneDNN. They must agree,
     or the coordinator would run the other dtype's profile."""
-    from specbatch.kernels import native
+    from specbatch.kernels import build
     from specbatch.stack.launcher import (bf16_dot_expected, cpu_multiplies_bf16, fp16_dot_expected,
                                              panel_kernel_expected)
     from specbatch.kernels.linear import onednn_bf16_available
 
     assert cpu_multiplies_bf16() == onednn_bf16_available()
-    assert panel_kernel_expected() == native.available()
-    assert bf16_dot_expected() == native.bf16_dot_available()
-    assert fp16_dot_expected() == native.fp16_dot_available()
+    assert panel_kernel_expected() == build.available()
+    assert bf16_dot_expected() == build.bf16_dot_available()
+    assert fp16_dot_expected() == build.fp16_dot_available()
 
 
 @pytest.mark.parametrize("options, leaves", [

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbatch.kernels import native
+from specbatch.kernels.panel import PanelLinear
 from specbatch.engine.engine import Engine
 from specbatch.kernels.linear import linear
 from specbatch.kernels.gguf_blocks import BLOCK, q4_1_blocks
@@ -54,7 +54,7 @@ def test_q4_1_products_are_row_exact_products_of_the_rounded_input(out_features,
     and 40 split), on any thread count."""
     weight = q4_1_weight(out_features, in_features, seed=out_features + in_features)
     _, bias, _, x = layer_and_rows(out_features, in_features, out_features * in_features)
-    layer = native.PanelLinear(weight, bias, q4_1=True)
+    layer = PanelLinear(weight, bias, q4_1=True)
     assert layer.form == 5 and layer.recovered_blocks == (out_features * in_features // BLOCK,) * 2
     rounded_x = x.bfloat16().double()
     exact = rounded_x @ weight.double().T + bias.double()
@@ -68,7 +68,7 @@ def test_q4_1_refuses_what_it_cannot_pack_or_combine():
     with pytest.raises(ValueError, match="multiple of 32"):
         linear(torch.randn(16, 40), weights="q4_1")
     with pytest.raises(ValueError, match="one of"):
-        native.PanelLinear(torch.randn(16, 64), q4_1=True, bf16_dot=True)
+        PanelLinear(torch.randn(16, 64), q4_1=True, bf16_dot=True)
     with pytest.raises(ValueError, match=r"one weight form .*\(got bf16_dot, q4_1\)"):
         Engine(tiny_llama(1, seed=0), q4_1=True, bf16_dot=True)
     with pytest.raises(ValueError, match="Q4_1 weights need the engine's own Llama forward"):

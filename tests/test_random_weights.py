@@ -12,7 +12,8 @@ from transformers import AutoConfig
 
 from specbatch.commands import cli
 from specbatch.rpc.client import connect, generate, make_request
-from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.engine.batch import SequenceInput
 from specbatch.stack.launcher import LocalProcesses, StackOptions, _model_flags, free_port
 from specbatch.service.model_service import model_service_parser
 from specbatch.models.loading import ModelSpec, load_model, load_tokenizer

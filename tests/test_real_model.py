@@ -119,11 +119,11 @@ def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real, form):
     lengths prefilled together and k 1-4 in one batch. (Differences show only at near-ties, which
     four short chats rarely reach: tests/test_native.py checks the prefill's bits directly, and
     benchmarks/exactness.py --weights bf16-dot runs 64 prompts.)"""
-    from specbatch.kernels import native
+    from specbatch.kernels import build
     from specbatch.stack.in_process import start_local_stack
     from specbatch.engine.exactness import first_mismatch, target_only
 
-    if not (native.fp16_dot_available() if form == "fp16_dot" else native.bf16_dot_available()):
+    if not (build.fp16_dot_available() if form == "fp16_dot" else build.bf16_dot_available()):
         pytest.skip(f"the CPU lacks {'AVX512_FP16' if form == 'fp16_dot' else 'AVX512_BF16'}")
     target, draft, tokenizer = real
     stack = start_local_stack(target, draft, tokenizer, max_batch_size=4, target_engine_options={form: True},

@@ -29,7 +29,8 @@ from coordinator.lookup import PromptLookup
 from draft_service.proposer import Proposal, ProposeItem, proposals
 from specbatch.engine import acceptance
 from specbatch.models.eagle import draft_from_target
-from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.engine.batch import SequenceInput
 from specbatch.models.loading import keep_first_layers
 from specbatch.engine.sampling import (DRAW_ACCEPT, SparseDistribution, DRAW_DRAFT, DRAW_TARGET, SamplingParams, distributions, params_tensors,
                                 sample, target_distribution, uniforms)

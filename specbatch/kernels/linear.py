@@ -7,7 +7,7 @@ takes 76 µs and 200 µs (docs/engine.md). That flatness is what makes verifying
 about one token's forward, which speculation needs. A float32 weight is reordered for oneDNN too
 (on a CPU without native bf16 the engine runs fp32): flatter than MKL's small-row sgemm, though
 not flat. On x86 CPUs with AVX2, float32 weights go to the engine's own kernel instead
-(``specbatch.kernels.native``: flat up to five or six rows, and faster than oneDNN at every row count
+(``specbatch.kernels.build``: flat up to five or six rows, and faster than oneDNN at every row count
 measured there); oneDNN is the fallback where it cannot be built. On GPUs the weight is used as it
 is with ``F.linear``.
 """
@@ -21,7 +21,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from specbatch.kernels import native
+from specbatch.kernels import build
+from specbatch.kernels.panel import PanelLinear
 
 
 def onednn_bf16_available() -> bool:
@@ -153,13 +154,13 @@ def quantized_engine(name: str):
         torch.backends.quantized.engine = before
 
 
-Linear = PackedLinear | native.PanelLinear | Int8Linear
+Linear = PackedLinear | PanelLinear | Int8Linear
 
 
 def panel_kernel_takes(weight: torch.Tensor) -> bool:
-    """Whether a weight runs on the engine's own float32 kernel (``specbatch.kernels.native``): float32 on
+    """Whether a weight runs on the engine's own float32 kernel (``specbatch.kernels.build``): float32 on
     a CPU where it builds. Row-exact by construction, so no per-shape check is needed."""
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and native.available()
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and build.available()
 
 
 WEIGHT_FORMATS = ("bf16", "bf16-dot", "fp16-dot", "int8", "q4_1")  # besides None: the weights as the model has them
@@ -167,38 +168,38 @@ WEIGHT_FORMATS = ("bf16", "bf16-dot", "fp16-dot", "int8", "q4_1")  # besides Non
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weights: str | None = None) -> Linear:
     """The engine's linear layer. ``weights``: None, as the model has them: float32 on a CPU on
-    ``native.PanelLinear`` where it builds, else ``PackedLinear`` (oneDNN or ``F.linear``);
+    ``PanelLinear`` where it builds, else ``PackedLinear`` (oneDNN or ``F.linear``);
     "bf16": a float32 weight rounded to bfloat16 on the panel kernel (half the bytes a step reads,
     still row-exact); "bf16-dot": the weight and each input rounded to bfloat16, pairs' products
-    summed in float32 on AVX512_BF16 (``native.bf16_dot_available``; row-exact too); "fp16-dot":
+    summed in float32 on AVX512_BF16 (``build.bf16_dot_available``; row-exact too); "fp16-dot":
     the weight and each input (scaled by a power of two) rounded to float16, products summed in
-    float16 in runs of 32, the runs in float32, on AVX512_FP16 (``native.fp16_dot_available``;
+    float16 in runs of 32, the runs in float32, on AVX512_FP16 (``build.fp16_dot_available``;
     row-exact); "int8" (a draft's choice): int8 weights and inputs, on the panel kernel where the CPU
     has AVX512_VNNI (each input row its own scale: row-exact), else ``Int8Linear`` (fbgemm); "q4_1":
     the weight in GGUF's Q4_1 blocks (``specbatch.kernels.gguf_blocks``: exactly the file's values where the
     weight came from them) and each input rounded to bfloat16, on AVX512_BF16 (row-exact)."""
     if weights == "int8":
-        if panel_kernel_takes(weight) and native.int8_dot_available():  # row-exact, and one C call a layer
-            return native.PanelLinear(weight, bias, int8_dot=True)
+        if panel_kernel_takes(weight) and build.int8_dot_available():  # row-exact, and one C call a layer
+            return PanelLinear(weight, bias, int8_dot=True)
         return Int8Linear(weight, bias)
     if weights == "q4_1":
-        if not panel_kernel_takes(weight) or not native.bf16_dot_available():
+        if not panel_kernel_takes(weight) or not build.bf16_dot_available():
             raise ValueError("q4_1 weights are for float32 weights on a CPU with AVX512_BF16 where the panel kernel "
                              "builds")
-        return native.PanelLinear(weight, bias, q4_1=True)
+        return PanelLinear(weight, bias, q4_1=True)
     if weights in ("bf16", "bf16-dot", "fp16-dot"):
         if not panel_kernel_takes(weight):
             raise ValueError(f"{weights} weights are for float32 weights on a CPU where the panel kernel builds")
-        if weights == "bf16-dot" and not native.bf16_dot_available():
+        if weights == "bf16-dot" and not build.bf16_dot_available():
             raise ValueError("bf16-dot weights need a CPU with AVX512_BF16")
-        if weights == "fp16-dot" and not native.fp16_dot_available():
+        if weights == "fp16-dot" and not build.fp16_dot_available():
             raise ValueError("fp16-dot weights need a CPU with AVX512_FP16")
-        return native.PanelLinear(weight, bias, bf16_weights=weights == "bf16", bf16_dot=weights == "bf16-dot",
+        return PanelLinear(weight, bias, bf16_weights=weights == "bf16", bf16_dot=weights == "bf16-dot",
                                   fp16_dot=weights == "fp16-dot")
     if weights is not None:
         raise ValueError(f"unknown weight format {weights!r} (one of {WEIGHT_FORMATS} or None)")
     if panel_kernel_takes(weight):
-        return native.PanelLinear(weight, bias)
+        return PanelLinear(weight, bias)
     return PackedLinear(weight, bias)
 
 

@@ -19,7 +19,10 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from specbatch.kernels import native
+from specbatch.kernels import build
+from specbatch.kernels.panel import PanelLinear
+from specbatch.kernels import layers as kernel_layers
+from specbatch.kernels.layers import HEAD_DIMS, Attention, DecoderLayers, Rope
 from specbatch.models.eagle import reads_target_features
 from specbatch.kernels.linear import fused, linear
 
@@ -55,7 +58,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
-# A layer's small operations in PyTorch operators, with the signatures of specbatch.kernels.native's
+# A layer's small operations in PyTorch operators, with the signatures of specbatch.kernels.build's
 # (which the forward uses instead for float32 on a CPU where they build).
 
 def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,7 +74,7 @@ def _silu_mul(h: torch.Tensor) -> torch.Tensor:
 
 
 class _TorchRope:
-    """``native.Rope``'s contract in PyTorch operators: rotates a forward's queries and keys
+    """``Rope``'s contract in PyTorch operators: rotates a forward's queries and keys
     (angles computed for its positions) and writes keys and values into the cache; returns the
     queries ``[batch, heads, width, head_dim]``."""
 
@@ -109,7 +112,7 @@ class _Layer:
 
 
 class LlamaForward:
-    """``__call__`` runs one ragged batch: see ``specbatch.engine.engine.RaggedBatch`` for the layout.
+    """``__call__`` runs one ragged batch: see ``specbatch.engine.batch.RaggedBatch`` for the layout.
     ``weights``: how the linear layers keep their weights (``specbatch.kernels.linear.linear``): None, as
     the model has them; "bf16", rounded to bfloat16 for a float32 forward; "bf16-dot", the weights
     and the layers' inputs rounded to bfloat16 for a float32 forward; "fp16-dot", to float16 with
@@ -139,7 +142,7 @@ class LlamaForward:
         fold = self.embed.device.type == "cpu" and self.embed.dtype != torch.float32
         # Query heads folded into each key/value head's SDPA call (1: none).
         self.folded_groups = self.layers[0].q_size // self.layers[0].kv_size if fold else 1
-        # In float32 on a CPU, attention runs on the engine's own kernel (specbatch.kernels.native): SDPA
+        # In float32 on a CPU, attention runs on the engine's own kernel (specbatch.kernels.build): SDPA
         # spends most of a step's few query rows setting up its tiled kernel (~50 us a layer at one
         # row, ~100 at three on SmolLM2's shape, on an AVX2 EPYC), and a row's result must not
         # depend on the other rows (float32 speculation is bitwise exact). At every width, prompts
@@ -149,7 +152,7 @@ class LlamaForward:
         # target-only decoding at near-ties), and the kernel is no slower there (a 256-token
         # prefill 333 ms against SDPA's 342; 4 x 128 tokens 601 against 624).
         self.native_attention = (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
-                                 and self.layers[0].head_dim in native.HEAD_DIMS and native.available())
+                                 and self.layers[0].head_dim in HEAD_DIMS and build.available())
         # And the small operations between the multiplies (norms, rotary embedding with the KV
         # write, SiLU): ~25 PyTorch operators a layer, ~2-5 us of arithmetic each at a step's few
         # rows but tens of us each in dispatch and set-up. At every width, so that a token's keys
@@ -166,16 +169,16 @@ class LlamaForward:
         # wide_threads threads (0: the process's count; specbatch.engine.engine.Engine sets them).
         self.wide_threads, self.wide_from_rows = 0, 1
 
-    def _native_decoder_layers(self) -> native.DecoderLayers | None:
+    def _native_decoder_layers(self) -> DecoderLayers | None:
         layers = self.layers
         first = layers[0]
-        if not all(isinstance(linear, native.PanelLinear)
+        if not all(isinstance(linear, PanelLinear)
                    for layer in layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)):
             return None  # a draft's int8 projections, say
         if any((layer.head_dim, layer.q_size, layer.kv_size, layer.intermediate)
                != (first.head_dim, first.q_size, first.kv_size, first.intermediate) for layer in layers):
             return None
-        return native.DecoderLayers(
+        return DecoderLayers(
             [(layer.qkv, layer.o, layer.gate_up, layer.down, layer.norm_in, layer.norm_post, layer.eps, layer.scaling)
              for layer in layers],
             first.q_size // first.head_dim, first.kv_size // first.head_dim, first.head_dim, first.intermediate,
@@ -195,7 +198,7 @@ class LlamaForward:
     def _sdpa(self, q, keys, values, mask, scale):
         """SDPA over the rows' pool columns; q ``[batch, heads, width, head_dim]``; ``mask``
         already repeated for the folded groups (``__call__`` does it once for every layer).
-        Returns ``[batch, width, heads * head_dim]``, as ``native.Attention`` does."""
+        Returns ``[batch, width, heads * head_dim]``, as ``Attention`` does."""
         batch, heads, width, head_dim = q.shape
         groups = self.folded_groups
         if groups == 1:
@@ -221,13 +224,13 @@ class LlamaForward:
             x = self.fuse(torch.cat([x, features.to(x.dtype)], dim=-1))
         end = mask.shape[-1]
         if self.native_layer_ops:
-            add_rms_norm, silu_mul = native.add_rms_norm, native.silu_mul
-            rope = native.Rope(positions, write_columns, *self._angle_table(positions))
+            add_rms_norm, silu_mul = kernel_layers.add_rms_norm, kernel_layers.silu_mul
+            rope = Rope(positions, write_columns, *self._angle_table(positions))
         else:
             add_rms_norm, silu_mul = _add_rms_norm, _silu_mul
             rope = _TorchRope(*self.rotary(x, positions), write_columns)
         if self.native_attention:
-            attention = native.Attention(mask)
+            attention = Attention(mask)
         else:
             attention = functools.partial(self._sdpa, mask=mask.repeat(1, 1, self.folded_groups, 1))
         if self.decoder_layers is not None and self.native_layer_ops and self.native_attention:
@@ -235,7 +238,7 @@ class LlamaForward:
                        else torch.get_num_threads())
             hidden = self.decoder_layers(x.contiguous(), rope, attention, kv, threads)
             head = self.head
-            logits = (head(hidden[:, -logits_to_keep:], threads) if isinstance(head, native.PanelLinear)
+            logits = (head(hidden[:, -logits_to_keep:], threads) if isinstance(head, PanelLinear)
                       else head(hidden[:, -logits_to_keep:]))
             return logits.float(), hidden
         delta = None  # what the last layer adds to the residual stream x (x is updated in place)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass

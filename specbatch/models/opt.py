@@ -55,7 +55,7 @@ class _Layer:
 
 
 class OptForward:
-    """``__call__`` runs one ragged batch: see ``specbatch.engine.engine.RaggedBatch`` for the layout, and
+    """``__call__`` runs one ragged batch: see ``specbatch.engine.batch.RaggedBatch`` for the layout, and
     ``specbatch.models.llama.LlamaForward.__call__`` for the contract (and ``weights``)."""
 
     def __init__(self, model, weights: str | None = None):

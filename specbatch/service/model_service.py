@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from specbatch.engine.captured import add_cuda_graphs_flag
-from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.engine.batch import SequenceInput
 from specbatch.rpc.logs import LOG_FORMATS
 from specbatch.rpc.metrics import DEFAULT_METRICS_PORTS, new_registry, serve_metrics
 from specbatch.models.loading import ModelSpec, load_model

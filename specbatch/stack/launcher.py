@@ -193,7 +193,7 @@ def services_cpu_dtype(options: StackOptions) -> str:
 
 
 def panel_kernel_expected() -> bool:
-    """Whether the engine's own kernels (``specbatch.kernels.native``) should build here: an x86-64 CPU with
+    """Whether the engine's own kernels (``specbatch.kernels.build``) should build here: an x86-64 CPU with
     AVX2 and FMA, a C compiler, not switched off; read without importing torch, as ``native``
     decides it."""
     import platform

@@ -37,7 +37,8 @@ from draft_service.proposer import ProposeItem, proposals
 from target_service.verifier import VerifyItem, verify
 
 from specbatch.engine.captured import add_cuda_graphs_flag
-from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.engine.batch import SequenceInput
 
 FORMAT = "specbatch-bench-engine"
 VERSION = 1

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specbatch.engine.engine import Engine, SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.engine.batch import SequenceInput
 from specbatch.commands.prompts import sharegpt_exchanges, sharegpt_prompts
 from specbatch.models.loading import chat_token_ids
 
