@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
+from specbatch.commands.prompts import chat_prompts, sharegpt_prompts
+from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
 from specbatch.rpc.client import connect, generate, generate_all, make_request
 from specbatch.stack.launcher import LocalProcesses, StackOptions, draft_int8_weights
-from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
-from specbatch.commands.prompts import chat_prompts, sharegpt_prompts
 from specbatch.v1 import generation_pb2 as pb
 
 

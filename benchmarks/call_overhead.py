@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.backends import DraftClient, TargetClient  # noqa: E402
 from coordinator.policy import FixedK  # noqa: E402
-from specbatch.stack.launcher import DEFAULT_METRICS_PORTS, LocalProcesses, StackOptions  # noqa: E402
 from specbatch.commands.profiler import batch_by_hand  # noqa: E402
-from specbatch.models.loading import ModelSpec, load_tokenizer
-from specbatch.models.embedded import EMBEDDED  # noqa: E402
 from specbatch.commands.prompts import chat_prompts, sharegpt_prompts  # noqa: E402
+from specbatch.models.embedded import EMBEDDED  # noqa: E402
+from specbatch.models.loading import ModelSpec, load_tokenizer
+from specbatch.stack.launcher import DEFAULT_METRICS_PORTS, LocalProcesses, StackOptions  # noqa: E402
 
 WARMUP_STEPS = 10
 

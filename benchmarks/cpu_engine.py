@@ -41,13 +41,13 @@ from unittest import mock
 import torch
 
 from specbatch.commands.bench.engine import Bench, Grid
-from specbatch.kernels import build
-from specbatch.kernels.panel import PanelLinear
-from specbatch.kernels.layers import Attention, DecoderLayers, Rope
-from specbatch.engine.engine import Engine
 from specbatch.engine.batch import SequenceInput
-from specbatch.kernels.linear import onednn_bf16_available
+from specbatch.engine.engine import Engine
+from specbatch.kernels import build
 from specbatch.kernels import layers as kernel_layers
+from specbatch.kernels.layers import Attention, DecoderLayers, Rope
+from specbatch.kernels.linear import onednn_bf16_available
+from specbatch.kernels.panel import PanelLinear
 from specbatch.models.loading import ModelSpec, load_model
 from target_service.verifier import VerifyItem, verify
 

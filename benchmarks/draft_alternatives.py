@@ -24,11 +24,11 @@ import torch
 
 from specbatch.commands.distill.data import EVAL_PROMPTS_FROM, chat_prompt_ids
 from specbatch.commands.distill.evaluate import find_eos_token_ids, greedy_speculative_steps
-from specbatch.models.eagle import fuse_target_features
-from specbatch.engine.engine import Engine
-from specbatch.models.loading import ModelSpec, load_model, load_tokenizer, parse_dtype
-from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
 from specbatch.commands.prompts import sharegpt_prompts
+from specbatch.engine.engine import Engine
+from specbatch.models.eagle import fuse_target_features
+from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
+from specbatch.models.loading import ModelSpec, load_model, load_tokenizer, parse_dtype
 
 MAX_W = 4
 

@@ -34,10 +34,10 @@ import torch
 
 from specbatch.commands.distill.data import EVAL_PROMPTS_FROM, chat_prompt_ids
 from specbatch.commands.distill.evaluate import find_eos_token_ids, speculate
-from specbatch.models.eagle import fuse_target_features
-from specbatch.models.loading import ModelSpec, assemble_draft, default_device, load_model, load_tokenizer, parse_dtype
-from specbatch.models.embedded import EMBEDDED, TRAINED_WEIGHTS
 from specbatch.commands.prompts import mt_bench_prompts, sharegpt_prompts
+from specbatch.models.eagle import fuse_target_features
+from specbatch.models.embedded import EMBEDDED, TRAINED_WEIGHTS
+from specbatch.models.loading import ModelSpec, assemble_draft, default_device, load_model, load_tokenizer, parse_dtype
 
 SOURCES = ("sharegpt", "mt-bench")
 

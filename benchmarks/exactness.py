@@ -27,14 +27,13 @@ from pathlib import Path
 
 import torch
 
-from specbatch.rpc.client import generate, generate_all, make_request
-from specbatch.engine.exactness import NEAR_TIE, first_mismatch, row_dependence, target_only
-from specbatch.stack.in_process import start_local_stack
-from specbatch.kernels.linear import linear
-from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
-from specbatch.models.embedded import EMBEDDED_DRAFT
 from specbatch.commands.prompts import sharegpt_prompts
-from specbatch.models.loading import chat_token_ids
+from specbatch.engine.exactness import NEAR_TIE, first_mismatch, row_dependence, target_only
+from specbatch.kernels.linear import linear
+from specbatch.models.embedded import EMBEDDED_DRAFT
+from specbatch.models.loading import ModelSpec, chat_token_ids, load_model, load_tokenizer
+from specbatch.rpc.client import generate, generate_all, make_request
+from specbatch.stack.in_process import start_local_stack
 
 
 def judge(name: str, outputs: list[list[int]], references) -> dict:

@@ -71,8 +71,8 @@ def download_wheels(folder: Path, python_version: str) -> None:
 
 
 def copy_tokenizer(cache: Path) -> None:
-    from specbatch.models.loading import embedded_model_folder
     from specbatch.models.embedded import EMBEDDED
+    from specbatch.models.loading import embedded_model_folder
 
     source = embedded_model_folder()
     folder = cache / "models" / EMBEDDED
@@ -107,8 +107,8 @@ def split_gguf(folder: Path, bundle: Path) -> list[Path]:
     the file's digest. Returns the parts to carry on their own."""
     import hashlib
 
-    from specbatch.models.loading import _embedded_gguf_folder
     from specbatch.models.embedded import EMBEDDED_GGUF
+    from specbatch.models.loading import _embedded_gguf_folder
 
     data = (_embedded_gguf_folder() / EMBEDDED_GGUF).read_bytes()
     shutil.rmtree(folder, ignore_errors=True)

@@ -24,13 +24,12 @@ from pathlib import Path
 
 import torch
 
-from specbatch.kernels import build
 from specbatch.commands.bench.engine import Bench, Grid
+from specbatch.commands.prompts import sharegpt_prompts
 from specbatch.engine.engine import Engine
 from specbatch.engine.exactness import NEAR_TIE, first_mismatch, target_only
-from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
-from specbatch.commands.prompts import sharegpt_prompts
-from specbatch.models.loading import chat_token_ids
+from specbatch.kernels import build
+from specbatch.models.loading import ModelSpec, chat_token_ids, load_model, load_tokenizer
 
 
 def ints(text: str) -> tuple[int, ...]:

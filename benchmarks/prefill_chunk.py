@@ -21,11 +21,12 @@ import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
-from specbatch.rpc.client import connect
 from specbatch.commands.bench import pairs as bench_pairs
-from specbatch.commands.bench.run import Load, Mode, run_rounds, summarize
-from specbatch.stack.launcher import LocalProcesses, StackOptions, default_k_policy, free_port
+from specbatch.commands.bench.report import summarize
+from specbatch.commands.bench.run import Load, Mode, run_rounds
 from specbatch.commands.prompts import sharegpt_prompts
+from specbatch.rpc.client import connect
+from specbatch.stack.launcher import LocalProcesses, StackOptions, default_k_policy, free_port
 
 
 def main() -> int:

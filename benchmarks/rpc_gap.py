@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
-from specbatch.stack.launcher import free_port  # noqa: E402
 from specbatch.rpc.local import LocalChannel  # noqa: E402
 from specbatch.rpc.server import Server  # noqa: E402
+from specbatch.stack.launcher import free_port  # noqa: E402
 from specbatch.v1 import model_services_pb2 as pb  # noqa: E402
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc  # noqa: E402
 

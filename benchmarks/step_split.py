@@ -29,8 +29,8 @@ import time
 import torch
 
 from draft_service.proposer import ProposeItem, proposals
-from specbatch.engine.captured import CapturedForward
 from specbatch.commands.bench.engine import Bench, Grid, _sizes
+from specbatch.engine.captured import CapturedForward
 from specbatch.engine.engine import Engine
 from specbatch.models.loading import ModelSpec, default_device, load_model
 from target_service.verifier import VerifyItem, verify

@@ -10,8 +10,8 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from specbatch.protocol.errors import InvalidRequest
 from specbatch.models.loading import chat_token_ids
+from specbatch.protocol.errors import InvalidRequest
 from specbatch.protocol.sampling_params import SamplingParams
 from specbatch.protocol.speculation import MAX_K, draft_ahead_problems, leaf_option_problems, prompt_lookup_problems
 from specbatch.v1 import generation_pb2 as pb

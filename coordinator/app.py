@@ -8,23 +8,34 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from specbatch.models.loading import ModelSpec, load_tokenizer, model_source
 from specbatch.models.embedded import EMBEDDED
+from specbatch.models.loading import ModelSpec, load_tokenizer, model_source
+from specbatch.protocol.speculation import (
+    MAX_GUESSES,
+    MAX_K,
+    MAX_LEAVES,
+    draft_ahead_problems,
+    leaf_option_problems,
+    prompt_lookup_problems,
+    shared_lookup_problems,
+)
 from specbatch.rpc.metrics import new_registry, serve_metrics
 from specbatch.rpc.server import DEFAULT_PORTS, Server, configure_logging
-from specbatch.protocol.speculation import (MAX_GUESSES, MAX_K, MAX_LEAVES, draft_ahead_problems, leaf_option_problems,
-                                  prompt_lookup_problems, shared_lookup_problems)
-from specbatch.rpc.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials_from_args,
-                           server_credentials_from_args)
+from specbatch.rpc.tls import (
+    add_client_tls_flags,
+    add_server_tls_flags,
+    channel_credentials_from_args,
+    server_credentials_from_args,
+)
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
 
 from .admission import Limits
 from .backends import DraftClient, TargetClient
 from .metrics import CoordinatorMetrics
-from .replicas import NotReady, ReplicaSet
 from .policy import KNOWN as KNOWN_POLICIES
 from .policy import parse_policy
 from .profile_file import ProfileFile
+from .replicas import NotReady, ReplicaSet
 from .scheduler import Scheduler
 from .servicer import GenerationServicer
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import grpc
 from tenacity import retry, retry_if_exception, stop_after_attempt, wait_exponential
 
-from specbatch.rpc.local import LocalChannel, LocalRpcError
 from specbatch.protocol.sampling_params import SamplingParams
+from specbatch.rpc.local import LocalChannel, LocalRpcError
 from specbatch.rpc.tls import channel_options_reconnecting_within, open_channel
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from specbatch.rpc.metrics import BATCH_BUCKETS, STEP_BUCKETS, new_registry
 from specbatch.protocol.speculation import MAX_K
+from specbatch.rpc.metrics import BATCH_BUCKETS, STEP_BUCKETS, new_registry
 
 from .stats import StepStats
 

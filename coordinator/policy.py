@@ -30,8 +30,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from specbatch.protocol.speculation import tally_positions
 from specbatch.protocol.profile import expected_tokens
+from specbatch.protocol.speculation import tally_positions
 
 from .profile_file import ProfileFile
 

@@ -1,8 +1,8 @@
 """python -m draft_service: serve a draft model (default: the embedded target's distilled draft)."""
 
-from specbatch.service.model_service import run_model_service
 from specbatch.models.embedded import EMBEDDED_DRAFT
 from specbatch.rpc.server import DEFAULT_PORTS
+from specbatch.service.model_service import run_model_service
 
 from .servicer import DraftServicer
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specbatch.engine.batch import SequenceInput
 from specbatch.engine.engine import Engine
 from specbatch.protocol.errors import InvalidRequest
-from specbatch.engine.batch import SequenceInput
 from specbatch.protocol.speculation import MAX_GUESSES, MAX_K
 
 from .proposer import ProposeItem, propose

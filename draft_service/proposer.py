@@ -6,12 +6,20 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from specbatch.kernels.layers import argmax
-from specbatch.engine.engine import Engine
-from specbatch.protocol.errors import InvalidRequest
 from specbatch.engine.batch import SequenceInput
-from specbatch.engine.sampling import (DRAW_DRAFT, MAX_SUPPORT, SamplingParams, SparseDistribution, distributions,
-                                params_tensors, sample, uniforms)
+from specbatch.engine.engine import Engine
+from specbatch.engine.sampling import (
+    DRAW_DRAFT,
+    MAX_SUPPORT,
+    SamplingParams,
+    SparseDistribution,
+    distributions,
+    params_tensors,
+    sample,
+    uniforms,
+)
+from specbatch.kernels.layers import argmax
+from specbatch.protocol.errors import InvalidRequest
 from specbatch.protocol.speculation import MAX_K, MAX_LEAVES, leaf_option_problems
 
 # How many of its most likely tokens the draft samples among, for a sampled request: q' is q cut

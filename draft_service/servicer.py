@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from specbatch.service.model_service import CacheServicer, distribution_to_proto, sampling_from_proto, sequence_inputs
 from specbatch.rpc.server import engine_errors_to_status
+from specbatch.service.model_service import CacheServicer, distribution_to_proto, sampling_from_proto, sequence_inputs
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 

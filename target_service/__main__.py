@@ -1,8 +1,8 @@
 """python -m target_service: serve the target model (default: the embedded SmolLM2-135M-Instruct)."""
 
-from specbatch.service.model_service import run_model_service
 from specbatch.models.embedded import EMBEDDED
 from specbatch.rpc.server import DEFAULT_PORTS
+from specbatch.service.model_service import run_model_service
 
 from .servicer import TargetServicer
 

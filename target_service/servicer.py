@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
-from specbatch.service.model_service import (CacheServicer, distribution_from_proto, features_to_bytes, sampling_from_proto,
-                                     sequence_inputs)
 from specbatch.models.eagle import target_feature_size
 from specbatch.rpc.server import engine_errors_to_status
+from specbatch.service.model_service import (
+    CacheServicer,
+    distribution_from_proto,
+    features_to_bytes,
+    sampling_from_proto,
+    sequence_inputs,
+)
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 

@@ -6,13 +6,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specbatch.kernels.layers import argmax
 from specbatch.engine.acceptance import SampledDrafts, greedy_accept, leaf_hit, rejection_sample, sampled_drafts
-from specbatch.engine.engine import Engine
-from specbatch.protocol.errors import InvalidRequest
 from specbatch.engine.batch import SequenceInput
-from specbatch.engine.sampling import (DRAW_ACCEPT, DRAW_TARGET, SamplingParams, SparseDistribution, distributions,
-                                params_tensors, sample, uniforms)
+from specbatch.engine.engine import Engine
+from specbatch.engine.sampling import (
+    DRAW_ACCEPT,
+    DRAW_TARGET,
+    SamplingParams,
+    SparseDistribution,
+    distributions,
+    params_tensors,
+    sample,
+    uniforms,
+)
+from specbatch.kernels.layers import argmax
+from specbatch.protocol.errors import InvalidRequest
 
 
 @dataclass

@@ -39,8 +39,9 @@ def target_model():
 @pytest.fixture(scope="session")
 def draft_model(target_model):
     """A draft that agrees with the target often but not always: target's first 2 layers."""
-    from specbatch.models.loading import keep_first_layers
     import copy
+
+    from specbatch.models.loading import keep_first_layers
 
     draft = copy.deepcopy(target_model)
     keep_first_layers(draft, 2)

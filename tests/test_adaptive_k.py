@@ -10,13 +10,13 @@ import os
 import time
 
 import pytest
+from test_exactness import prompts_of_lengths, run_staggered_and_check
+from test_profile import gpu_like, synthetic_profile
 
 from coordinator import app
 from specbatch.rpc.client import generate, make_request
 from specbatch.stack.in_process import start_local_stack
 from specbatch.v1 import generation_pb2 as pb
-from test_exactness import prompts_of_lengths, run_staggered_and_check
-from test_profile import gpu_like, synthetic_profile
 
 HIGH = [0.9, 0.85, 0.8, 0.75, 0.7, 0.65]
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
+from tiny import decode_while_the_draft_forgets, greedy_reference, random_prompts
 
 from draft_service.ahead import AheadItem, propose_ahead
 from draft_service.proposer import ProposeItem, propose
-from specbatch.rpc.client import generate_all, make_request
+from specbatch.engine.batch import SequenceInput
 from specbatch.engine.engine import Engine
 from specbatch.protocol.errors import InvalidRequest
-from specbatch.engine.batch import SequenceInput
-from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
-from tiny import decode_while_the_draft_forgets, greedy_reference, random_prompts
+from specbatch.rpc.client import generate_all, make_request
 
 
 @pytest.mark.parametrize("captured_steps", ["off", "static"])

@@ -8,6 +8,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tiny import VOCAB, greedy_reference, hooked_forwards
 
 from specbatch import __version__
 from specbatch.rpc.client import generate, make_request
@@ -15,7 +16,6 @@ from specbatch.stack.in_process import start_local_stack
 from specbatch.v1 import generation_pb2 as pb
 from specbatch.v1 import model_services_pb2 as mpb
 from specbatch.v1 import model_services_pb2_grpc as mpb_grpc
-from tiny import VOCAB, greedy_reference, hooked_forwards
 
 MAX_NEW_TOKENS = 128  # the stack fixture's limit
 CONTEXT = 256  # the tiny models' max_position_embeddings

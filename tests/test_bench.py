@@ -10,13 +10,21 @@ import time
 from pathlib import Path
 
 import pytest
+from test_profile import gpu_like, synthetic_profile
 
 from coordinator.app import build_coordinator
 from specbatch.commands import cli
-from specbatch.commands.bench.run import coordinator_policies, percentiles
-from specbatch.commands.bench.traffic import (DEFAULT_TRACE, Record, Trace, poisson_arrivals, prompt_order, run_closed_loop,
-                               run_open_loop)
-from test_profile import gpu_like, synthetic_profile
+from specbatch.commands.bench.report import percentiles
+from specbatch.commands.bench.run import coordinator_policies
+from specbatch.commands.bench.traffic import (
+    DEFAULT_TRACE,
+    Record,
+    Trace,
+    poisson_arrivals,
+    prompt_order,
+    run_closed_loop,
+    run_open_loop,
+)
 
 
 def test_poisson_arrivals_are_seeded_and_at_the_rate():
@@ -279,7 +287,7 @@ def test_a_closed_loop_over_a_trace_gains_latency_only_by_finishing_more_request
 
 
 def test_trace_headroom_bounds_what_a_policy_can_gain_over_the_best_fixed_k():
-    from specbatch.commands.bench.run import trace_headroom
+    from specbatch.commands.bench.report import trace_headroom
 
     measured = {"k=0 (target only)": {1: 10.0, 4: 40.0}, "k=1": {1: 20.0, 4: 30.0}, "goodput": {1: 19.0, 4: 39.0}}
     rows = [{"traffic": "uniform", "value": c, "mode": mode, "tokens_per_s": tps}

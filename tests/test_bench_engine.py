@@ -6,12 +6,19 @@ import json
 
 import pytest
 import torch
+from test_random_weights import tiny_shape
 
 from specbatch.commands import cli
-from specbatch.commands.bench.engine import CPU_BANDWIDTH_GBS, Grid, Traffic, bench_engine, default_bandwidth_gbs, limit_ms
+from specbatch.commands.bench.engine import (
+    CPU_BANDWIDTH_GBS,
+    Grid,
+    Traffic,
+    bench_engine,
+    default_bandwidth_gbs,
+    limit_ms,
+)
 from specbatch.engine.engine import Engine
 from specbatch.models.loading import ModelSpec, load_model
-from test_random_weights import tiny_shape
 
 
 @pytest.fixture(scope="module")

@@ -8,15 +8,16 @@ import random
 
 import pytest
 import torch
-
-from draft_service.proposer import ProposeItem, propose, proposals
-from specbatch.engine.captured import Buckets, CapturedForward
-from specbatch.engine.engine import Engine
-from specbatch.protocol.errors import CapacityExceeded
-from specbatch.engine.batch import SequenceInput
-from specbatch.engine.kv_pool import tree_mask, write_columns_and_mask
-from target_service.verifier import VerifyItem, verify
 from tiny import VOCAB, greedy_reference, tiny_opt
+
+from draft_service.proposer import ProposeItem, proposals, propose
+from specbatch.engine.batch import SequenceInput
+from specbatch.engine.buckets import Buckets
+from specbatch.engine.captured import CapturedForward
+from specbatch.engine.engine import Engine
+from specbatch.engine.kv_pool import tree_mask, write_columns_and_mask
+from specbatch.protocol.errors import CapacityExceeded
+from target_service.verifier import VerifyItem, verify
 
 
 def prompts(lengths, seed):
@@ -379,9 +380,10 @@ def test_served_with_captured_steps_only_prompts_run_eagerly(target_model, draft
     over: on the H200 a Propose over the rows lookup left to the draft ran eagerly every step, and
     an EAGLE draft's Propose (which takes a new request's prompt with the target's features) ran
     eagerly whole, decodes included, until the prompt's head was caught up apart."""
-    from specbatch.stack.in_process import start_local_stack
-    from specbatch.models.eagle import draft_from_target
     from test_exactness import prompts_of_lengths, run_staggered_and_check
+
+    from specbatch.models.eagle import draft_from_target
+    from specbatch.stack.in_process import start_local_stack
 
     options = {"captured_steps": "static", "max_sequences": 8, "max_context": 256}
     draft = draft_from_target(target_model).eval() if eagle else draft_model

@@ -10,17 +10,17 @@ import random
 
 import pytest
 import torch
+from tiny import EOS, VOCAB, greedy_mixed_batch, greedy_reference, random_prompts
 
 from draft_service.proposer import ProposeItem, propose
-from specbatch.rpc.client import generate, generate_all, make_request
-from specbatch.commands.distill.run import distill
 from specbatch.commands.distill.config import DistillConfig, amp_dtype
-from specbatch.models.eagle import draft_from_target, reads_target_features
-from specbatch.engine.engine import Engine
-from specbatch.protocol.errors import InvalidRequest
+from specbatch.commands.distill.run import distill
 from specbatch.engine.batch import SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.models.eagle import draft_from_target, reads_target_features
+from specbatch.protocol.errors import InvalidRequest
+from specbatch.rpc.client import generate, generate_all, make_request
 from target_service.verifier import VerifyItem, verify
-from tiny import EOS, VOCAB, greedy_mixed_batch, greedy_reference, random_prompts
 
 SMALL = DistillConfig(prompts=24, max_new_tokens=24, max_prompt_tokens=24, corpus_tokens=400, corpus_max_tokens=40,
                       data_batch=12, draft_vocab=64, steps=60, batch_sequences=8, lr=3e-3, checkpoint_every=20,
@@ -262,8 +262,8 @@ def test_trained_only_export_reassembles_with_the_target(eagle_draft, target_mod
     """The embedded default ships only its trained weights; adding the target's embeddings and
     head rows back gives the same draft (to float16 rounding) and the same proposals."""
     from specbatch.commands.distill.train import export_trained_only
-    from specbatch.models.loading import assemble_draft
     from specbatch.models.embedded import TRAINED_WEIGHTS
+    from specbatch.models.loading import assemble_draft
 
     export_trained_only(eagle_draft, tmp_path)
     assert (tmp_path / TRAINED_WEIGHTS).stat().st_size < 0.6 * sum(
@@ -279,9 +279,8 @@ def test_trained_only_export_reassembles_with_the_target(eagle_draft, target_mod
 def test_draft_service_process_serves_the_distilled_folder(distilled, target_model, tokenizer, tmp_path, zygote):
     """``python -m draft_service --model OUT/draft``: the checkpoint loads like any model."""
     from specbatch.rpc.client import connect
-    from specbatch.stack.launcher import LocalProcesses, StackOptions
+    from specbatch.stack.launcher import LocalProcesses, StackOptions, free_port
     from specbatch.v1 import generation_pb2 as gpb
-    from specbatch.stack.launcher import free_port
 
     target_model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
@@ -427,8 +426,8 @@ def test_distill_with_fused_features_and_two_layers_serves_exactly(target_model,
     through the trained-only form, and through the services the output stays the target's."""
     from specbatch.commands.distill.train import export_trained_only
     from specbatch.models.eagle import fuse_target_features
-    from specbatch.stack.in_process import start_local_stack
     from specbatch.models.loading import assemble_draft
+    from specbatch.stack.in_process import start_local_stack
 
     cfg = dataclasses.replace(SMALL, feature_layers="0,1", layers=2)
     target = copy.deepcopy(target_model)

@@ -7,14 +7,14 @@ import random
 
 import pytest
 import torch
-
-from draft_service.proposer import MAX_K, ProposeItem, propose, proposals
-from specbatch.engine.engine import Engine
-from specbatch.protocol.errors import CapacityExceeded, InvalidRequest, StaleCache, UnknownSequence
-from specbatch.engine.batch import PADDED_ROWS_FREE, PADDED_ROWS_PER_TOKEN, SequenceInput, length_groups
-from specbatch.engine.sampling import SamplingParams
-from target_service.verifier import VerifyItem, verify
 from tiny import VOCAB, greedy_reference, hooked_forwards
+
+from draft_service.proposer import MAX_K, ProposeItem, proposals, propose
+from specbatch.engine.batch import PADDED_ROWS_FREE, PADDED_ROWS_PER_TOKEN, SequenceInput, length_groups
+from specbatch.engine.engine import Engine
+from specbatch.engine.sampling import SamplingParams
+from specbatch.protocol.errors import CapacityExceeded, InvalidRequest, StaleCache, UnknownSequence
+from target_service.verifier import VerifyItem, verify
 
 
 def random_prompts(lengths, seed):

@@ -8,9 +8,9 @@ import time
 from concurrent import futures
 
 import pytest
+from tiny import VOCAB, greedy_reference
 
 from specbatch.rpc.client import generate, generate_all, make_request
-from tiny import VOCAB, greedy_reference
 
 
 def prompts_of_lengths(lengths, seed=0):

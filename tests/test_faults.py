@@ -14,15 +14,15 @@ from concurrent import futures
 
 import grpc
 import pytest
+from test_exactness import prompts_of_lengths
+from tiny import greedy_reference
 
 from specbatch.rpc.client import connect, generate, make_request
-from specbatch.stack.launcher import free_port
 from specbatch.rpc.server import wait_until_serving
+from specbatch.stack.launcher import free_port
 from specbatch.v1 import generation_pb2 as gen_pb
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
-from test_exactness import prompts_of_lengths
-from tiny import greedy_reference
 
 NEW_TOKENS = 100
 

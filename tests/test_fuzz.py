@@ -25,12 +25,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
+from tiny import EOS, VOCAB, greedy_reference
 
+from specbatch.models.loading import chat_token_ids
 from specbatch.rpc.client import generate, make_request
 from specbatch.stack.in_process import start_local_stack
-from specbatch.models.loading import chat_token_ids
 from specbatch.v1 import generation_pb2 as pb
-from tiny import EOS, VOCAB, greedy_reference
 
 LIMIT = 128  # the stack's max_new_tokens limit
 CONTEXT = 256  # the tiny models' context

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbatch.kernels import build
-from specbatch.kernels.layers import Attention, HEAD_DIMS, KV_DTYPES, Rope
-from specbatch.engine.engine import Engine
 from specbatch.engine.batch import SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.kernels import build
+from specbatch.kernels.layers import HEAD_DIMS, KV_DTYPES, Attention, Rope
 from specbatch.models.llama import _signed_sin
 from tests.tiny import greedy_mixed_batch, tiny_llama, with_threads
 

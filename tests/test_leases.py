@@ -9,15 +9,16 @@ import threading
 import time
 from concurrent import futures
 
-from specbatch.rpc.client import generate_all, make_request
-from specbatch.engine.engine import Engine
-from specbatch.engine.batch import SequenceInput
-from specbatch.stack.in_process import start_local_stack
-from specbatch.service.metrics import ServiceMetrics
-from specbatch.service.model_service import SequenceLeases, model_service_parser
 from test_engine import FakeClock
 from test_exactness import prompts_of_lengths
 from tiny import greedy_reference
+
+from specbatch.engine.batch import SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.rpc.client import generate_all, make_request
+from specbatch.service.metrics import ServiceMetrics
+from specbatch.service.model_service import SequenceLeases, model_service_parser
+from specbatch.stack.in_process import start_local_stack
 
 
 def test_sweep_reclaims_on_the_model_thread_counts_and_logs(target_model, caplog):

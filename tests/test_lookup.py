@@ -9,12 +9,20 @@ import random
 
 import grpc
 import pytest
-
-from coordinator.lookup import (LONGEST, SHARED_LONGEST, SHARED_OCCURRENCES, SHARED_SHORTEST, SHORTEST, PromptLookup,
-                               SharedLookup, agreed)
-from specbatch.rpc.client import generate, generate_all, make_request
 from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
 from tiny import VOCAB, decode_while_the_draft_forgets, greedy_reference
+
+from coordinator.lookup import (
+    LONGEST,
+    SHARED_LONGEST,
+    SHARED_OCCURRENCES,
+    SHARED_SHORTEST,
+    SHORTEST,
+    PromptLookup,
+    SharedLookup,
+    agreed,
+)
+from specbatch.rpc.client import generate, generate_all, make_request
 
 
 def scanned(history: list[int], most: int) -> list[int]:

@@ -19,14 +19,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from coordinator import metrics as coordinator_metrics
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.stats import StepStats
-from specbatch.rpc import metrics as metrics_module
 from specbatch.engine.engine import Engine
+from specbatch.rpc import metrics as metrics_module
 from specbatch.rpc.logs import configure_logging
-from specbatch.rpc.metrics import start_metrics_server
-from specbatch.rpc.metrics import serve_metrics
-from specbatch.service.model_service import model_service_parser
-from specbatch.service.metrics import ServiceMetrics
+from specbatch.rpc.metrics import serve_metrics, start_metrics_server
 from specbatch.rpc.server import Server
+from specbatch.service.metrics import ServiceMetrics
+from specbatch.service.model_service import model_service_parser
 from specbatch.v1 import model_services_pb2 as mpb
 from specbatch.v1 import model_services_pb2_grpc as mpb_grpc
 from target_service.servicer import TargetServicer

@@ -12,13 +12,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specbatch.kernels import build
-from specbatch.kernels.panel import PanelLinear
-from specbatch.kernels.layers import add_rms_norm, argmax, Attention, HEAD_DIMS, Rope, silu_mul
-from specbatch.engine.engine import Engine
 from specbatch.engine.batch import SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.kernels import build
+from specbatch.kernels.layers import HEAD_DIMS, Attention, Rope, add_rms_norm, argmax, silu_mul
 from specbatch.kernels.linear import fused, linear
-from tests.tiny import VOCAB, tiny_llama, with_threads as _with_threads
+from specbatch.kernels.panel import PanelLinear
+from tests.tiny import VOCAB, tiny_llama
+from tests.tiny import with_threads as _with_threads
 
 pytestmark = pytest.mark.skipif(not build.available(), reason=f"no panel kernel here: {build.unavailable_reason()}")
 

@@ -9,12 +9,12 @@ import random
 
 import pytest
 import torch
-
-from specbatch.engine.engine import Engine
-from specbatch.engine.batch import SequenceInput
-from specbatch.models.opt import OptForward
 from test_engine import Decoding, random_prompts, verify_steps
 from tiny import greedy_reference, tiny_opt
+
+from specbatch.engine.batch import SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.models.opt import OptForward
 
 SHAPES = {
     "pre-norm": {},

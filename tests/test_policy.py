@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from test_profile import gpu_like, synthetic_profile
 
 from coordinator.policy import FixedK, Goodput, LiveAcceptance, LiveStepTimes, ProfileK, StepTimes, parse_policy
+from coordinator.profile_file import ProfileFile
 from specbatch.protocol.profile import expected_tokens
 from specbatch.protocol.speculation import tally_positions
-from coordinator.profile_file import ProfileFile
-from test_profile import gpu_like, synthetic_profile
 
 HIGH = [0.9, 0.85, 0.8, 0.75, 0.7, 0.65]
 LOW = [0.1, 0.1, 0.1, 0.1, 0.1, 0.1]

@@ -9,10 +9,10 @@ from __future__ import annotations
 import random
 
 import pytest
-
-from specbatch.rpc.client import generate_all, make_request
 from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
 from tiny import VOCAB, greedy_reference
+
+from specbatch.rpc.client import generate_all, make_request
 
 CHUNK = 5
 

@@ -10,15 +10,20 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from tiny import greedy_reference
 
 from specbatch.commands import cli
 from specbatch.rpc.client import connect, generate, make_request
 from specbatch.rpc.reflection import register_v1_descriptor
+from specbatch.stack.launcher import (
+    WIDE_SPINCOUNT,
+    LocalProcesses,
+    StackOptions,
+    default_k_policy,
+    free_port,
+    threads_per_service,
+)
 from specbatch.v1 import generation_pb2 as gpb
-from specbatch.stack.launcher import (WIDE_SPINCOUNT, LocalProcesses, StackOptions, default_k_policy, free_port,
-                                        threads_per_service)
-from tiny import greedy_reference
-
 
 
 @pytest.fixture(scope="module")
@@ -309,8 +314,8 @@ def test_embedded_pair_on_a_gpu_in_bf16_serves_the_gpu_profile(monkeypatch, opti
     """On a GPU the embedded pair in bf16 serves the profile measured for it there (an H200, real
     weights: k = 3 to batch 8, k = 0 from 16); the CPU's profiles would pick wrong k there, and
     other models or dtypes have no measured profile, so they keep fixed:3."""
-    import specbatch.stack.launcher as launcher
     import specbatch.models.loading
+    import specbatch.stack.launcher as launcher
 
     monkeypatch.setattr(specbatch.models.loading, "default_device", lambda: "cuda")
     chosen, path = default_k_policy(StackOptions(**options))
@@ -339,9 +344,13 @@ def test_launcher_and_services_agree_on_native_bf16():
     """The launcher reads the CPU flags without torch; the services ask oneDNN. They must agree,
     or the coordinator would run the other dtype's profile."""
     from specbatch.kernels import build
-    from specbatch.stack.launcher import (bf16_dot_expected, cpu_multiplies_bf16, fp16_dot_expected,
-                                             panel_kernel_expected)
     from specbatch.kernels.linear import onednn_bf16_available
+    from specbatch.stack.launcher import (
+        bf16_dot_expected,
+        cpu_multiplies_bf16,
+        fp16_dot_expected,
+        panel_kernel_expected,
+    )
 
     assert cpu_multiplies_bf16() == onednn_bf16_available()
     assert panel_kernel_expected() == build.available()

@@ -12,8 +12,15 @@ import time
 import pytest
 
 from coordinator.profile_file import ProfileFile
-from specbatch.protocol.profile import (NEAR_BEST, Profile, ProfileError, best_k_of, build_profile, expected_tokens,
-                               load_profile)
+from specbatch.protocol.profile import (
+    NEAR_BEST,
+    Profile,
+    ProfileError,
+    best_k_of,
+    build_profile,
+    expected_tokens,
+    load_profile,
+)
 
 
 def synthetic_profile(step_ms, acceptance, sizes=(1, 2, 4, 8, 16, 32), **about) -> Profile:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import copy
 
-from specbatch.commands import cli
-from specbatch.stack.in_process import start_local_stack
-from specbatch.protocol.profile import load_profile
-from specbatch.commands.profiler import Sweep, measure, powers_of_two
 from test_exactness import prompts_of_lengths
+
+from specbatch.commands import cli
+from specbatch.commands.profiler import Sweep, measure, powers_of_two
+from specbatch.protocol.profile import load_profile
+from specbatch.stack.in_process import start_local_stack
 
 
 def test_profile_command_writes_profile_table_and_heatmap(stack, tokenizer, tmp_path, capsys):

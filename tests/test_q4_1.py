@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from specbatch.kernels.panel import PanelLinear
-from specbatch.engine.engine import Engine
-from specbatch.kernels.linear import linear
-from specbatch.kernels.gguf_blocks import BLOCK, q4_1_blocks
 from test_native import layer_and_rows, needs_bf16_dot, rows_alone_and_beside_others
 from tiny import greedy_mixed_batch, tiny_llama
+
+from specbatch.engine.engine import Engine
+from specbatch.kernels.gguf_blocks import BLOCK, q4_1_blocks
+from specbatch.kernels.linear import linear
+from specbatch.kernels.panel import PanelLinear
 
 
 def q4_1_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
@@ -105,8 +105,9 @@ def test_speculation_on_q4_1_layers_is_its_own_target_only_decoding(target_model
 def test_the_launcher_gives_the_target_q4_1_and_keeps_the_draft(monkeypatch, dot):
     """`specbatch up --q4-1`: the target service gets --q4-1 in float32 with bf16 keys and values, the
     draft its usual form (int8 for the embedded draft), and the profile looked up is the Q4_1 form's."""
-    from specbatch.stack.launcher import StackOptions, services_cpu_form
     from test_processes import _spawned_on_a_cpu_with
+
+    from specbatch.stack.launcher import StackOptions, services_cpu_form
 
     spawned = _spawned_on_a_cpu_with(monkeypatch, dot, {"target_q4_1": True})
     target, draft = spawned["target_service"], spawned["draft_service"]

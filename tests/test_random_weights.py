@@ -8,22 +8,22 @@ import math
 
 import pytest
 import torch
+from tiny import VOCAB, greedy_reference
 from transformers import AutoConfig
 
-from specbatch.commands import cli
-from specbatch.rpc.client import connect, generate, make_request
-from specbatch.engine.engine import Engine
-from specbatch.engine.batch import SequenceInput
-from specbatch.stack.launcher import LocalProcesses, StackOptions, _model_flags, free_port
-from specbatch.service.model_service import model_service_parser
-from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
-from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
 from specbatch.cache import cache_root
-from specbatch.protocol.profile import best_k_of, expected_tokens, load_profile
+from specbatch.commands import cli
 from specbatch.commands.profiler import given_acceptance
+from specbatch.engine.batch import SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
+from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
 from specbatch.models.random_weights import KNOWN_CONFIGS, fit_vocab, random_config, random_model, tokenizer_source
+from specbatch.protocol.profile import best_k_of, expected_tokens, load_profile
+from specbatch.rpc.client import connect, generate, make_request
+from specbatch.service.model_service import model_service_parser
+from specbatch.stack.launcher import LocalProcesses, StackOptions, _model_flags, free_port
 from target_service.verifier import VerifyItem, verify
-from tiny import VOCAB, greedy_reference
 
 
 def tiny_shape(folder, model_type: str = "llama", layers: int = 2, hidden: int = 64, tokenizer=None) -> str:

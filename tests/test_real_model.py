@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specbatch.rpc.client import generate, generate_all, make_request
 from specbatch.models.eagle import reads_target_features
-from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
 from specbatch.models.embedded import EMBEDDED_DRAFT
+from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
+from specbatch.rpc.client import generate, generate_all, make_request
 
 pytestmark = pytest.mark.real_model
 
@@ -119,9 +119,9 @@ def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real, form):
     lengths prefilled together and k 1-4 in one batch. (Differences show only at near-ties, which
     four short chats rarely reach: tests/test_native.py checks the prefill's bits directly, and
     benchmarks/exactness.py --weights bf16-dot runs 64 prompts.)"""
+    from specbatch.engine.exactness import first_mismatch, target_only
     from specbatch.kernels import build
     from specbatch.stack.in_process import start_local_stack
-    from specbatch.engine.exactness import first_mismatch, target_only
 
     if not (build.fp16_dot_available() if form == "fp16_dot" else build.bf16_dot_available()):
         pytest.skip(f"the CPU lacks {'AVX512_FP16' if form == 'fp16_dot' else 'AVX512_BF16'}")

@@ -6,10 +6,10 @@ import time
 
 import grpc
 import pytest
+from tiny import greedy_reference
 
 from specbatch.rpc.client import generate, make_request
 from specbatch.stack.in_process import start_local_stack
-from tiny import greedy_reference
 
 
 def test_kv_budget_waits_or_refuses_without_harming_others(target_model, draft_model, tokenizer):

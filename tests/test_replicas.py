@@ -9,17 +9,17 @@ from concurrent import futures
 
 import grpc
 import pytest
+from test_exactness import prompts_of_lengths
+from tiny import greedy_reference
 
 from coordinator.placement import call_timeout
 from coordinator.replicas import resolve
-from specbatch.rpc.client import generate, generate_all, make_request
+from draft_service.servicer import DraftServicer
 from specbatch.engine.engine import Engine
+from specbatch.rpc.client import generate, generate_all, make_request
 from specbatch.stack.in_process import serve_engine, start_local_stack
 from specbatch.v1 import generation_pb2 as gen_pb
-from draft_service.servicer import DraftServicer
 from target_service.servicer import TargetServicer
-from tiny import greedy_reference
-from test_exactness import prompts_of_lengths
 
 
 def info(stack) -> gen_pb.InfoResponse:

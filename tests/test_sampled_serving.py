@@ -11,12 +11,12 @@ from concurrent import futures
 
 import grpc
 import pytest
+from test_exactness import forget_everything_mid_run, prompts_of_lengths
+from tiny import VOCAB, greedy_reference
 
 from specbatch.rpc.client import generate, generate_all, make_request
 from specbatch.v1 import model_services_pb2 as mpb
 from specbatch.v1 import model_services_pb2_grpc as mpb_grpc
-from test_exactness import forget_everything_mid_run, prompts_of_lengths
-from tiny import VOCAB, greedy_reference
 
 SAMPLED = dict(temperature=1.0, top_p=0.95, top_k=40)
 

@@ -28,12 +28,22 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from coordinator.lookup import PromptLookup
 from draft_service.proposer import Proposal, ProposeItem, proposals
 from specbatch.engine import acceptance
-from specbatch.models.eagle import draft_from_target
-from specbatch.engine.engine import Engine
 from specbatch.engine.batch import SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.engine.sampling import (
+    DRAW_ACCEPT,
+    DRAW_DRAFT,
+    DRAW_TARGET,
+    SamplingParams,
+    SparseDistribution,
+    distributions,
+    params_tensors,
+    sample,
+    target_distribution,
+    uniforms,
+)
+from specbatch.models.eagle import draft_from_target
 from specbatch.models.loading import keep_first_layers
-from specbatch.engine.sampling import (DRAW_ACCEPT, SparseDistribution, DRAW_DRAFT, DRAW_TARGET, SamplingParams, distributions, params_tensors,
-                                sample, target_distribution, uniforms)
 from target_service import verifier
 from target_service.verifier import VerifyItem, verify
 

@@ -11,21 +11,26 @@ from pathlib import Path
 import grpc
 import pytest
 import trustme
+from tiny import VOCAB
 
 from specbatch.commands import cli
 from specbatch.engine.engine import Engine
-from specbatch.stack.launcher import free_port
 from specbatch.rpc.server import Server, wait_until_serving
-from specbatch.rpc.tls import (add_client_tls_flags, add_server_tls_flags, channel_credentials,
-                           channel_credentials_from_args, open_channel, server_credentials,
-                           server_credentials_from_args)
+from specbatch.rpc.tls import (
+    add_client_tls_flags,
+    add_server_tls_flags,
+    channel_credentials,
+    channel_credentials_from_args,
+    open_channel,
+    server_credentials,
+    server_credentials_from_args,
+)
+from specbatch.stack.launcher import free_port
 from specbatch.v1 import generation_pb2 as gpb
 from specbatch.v1 import generation_pb2_grpc as gpb_grpc
 from specbatch.v1 import model_services_pb2 as mpb
 from specbatch.v1 import model_services_pb2_grpc as mpb_grpc
 from target_service.servicer import TargetServicer
-from tiny import VOCAB
-
 
 
 class Pki:
@@ -210,10 +215,11 @@ def test_target_service_refuses_half_tls_flags(pki):
 def test_whole_stack_over_mtls(pki, target_model, draft_model, tokenizer):
     """Coordinator → target and draft over mTLS, client → coordinator over TLS: output exact; a
     coordinator without the client certificate is refused by the services at start."""
+    from tiny import greedy_reference
+
     from coordinator.app import build_coordinator
     from draft_service.servicer import DraftServicer
     from specbatch.rpc.client import connect, generate, make_request
-    from tiny import greedy_reference
 
     mtls = server_credentials(pki.server_cert, pki.server_key, pki.ca)
     target = serve_target(target_model, mtls)

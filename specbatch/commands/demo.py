@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import statistics
 
+from specbatch.commands.prompts import CHAT_PROMPTS
 from specbatch.rpc.client import connect, generate, generate_all, make_request
 from specbatch.stack.launcher import LocalProcesses, kv_bf16, services_cpu_form, services_device, stack_options
-from specbatch.commands.prompts import CHAT_PROMPTS
-
 
 TIMED_RUNS = 3  # each prompt's runs of each mode behind the table
 

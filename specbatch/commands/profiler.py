@@ -27,14 +27,13 @@ from pathlib import Path
 
 from coordinator.backends import DraftClient, TargetClient
 from coordinator.policy import FixedK
-from coordinator.requests import Request, TextStream
 from coordinator.replicas import ReplicaSet
+from coordinator.requests import Request, TextStream
 from coordinator.scheduler import Scheduler
-
-from specbatch.protocol.profile import Profile, build_profile
 from specbatch.commands.prompts import chat_prompts, sharegpt_prompts
-from specbatch.models.random_weights import fit_vocab
 from specbatch.engine.sampling import SamplingParams
+from specbatch.models.random_weights import fit_vocab
+from specbatch.protocol.profile import Profile, build_profile
 
 
 @dataclass
@@ -286,10 +285,17 @@ def run_profile(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from specbatch.stack.launcher import (LocalProcesses, draft_int8_weights, kv_bf16, services_cpu_form, stack_options, weights_flag,
-                           wide_threads)
-    from specbatch.models.loading import ModelSpec, load_tokenizer, parse_dtype, default_device
     from specbatch.models.embedded import EMBEDDED
+    from specbatch.models.loading import ModelSpec, default_device, load_tokenizer, parse_dtype
+    from specbatch.stack.launcher import (
+        LocalProcesses,
+        draft_int8_weights,
+        kv_bf16,
+        services_cpu_form,
+        stack_options,
+        weights_flag,
+        wide_threads,
+    )
 
     remote = bool(args.target)
     if remote and not args.draft:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specbatch.protocol.errors import InvalidRequest
 from specbatch.engine.sampling import MAX_SUPPORT, Distributions, SparseDistribution, sample
+from specbatch.protocol.errors import InvalidRequest
 
 
 def greedy_accept(predicted: list[int], drafts: list[int]) -> tuple[int, int]:

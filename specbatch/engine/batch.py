@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specbatch.engine.captured import CapturedForward, eager_attention, to_device
+from specbatch.engine.captured import CapturedForward
+from specbatch.engine.device import eager_attention, to_device
 from specbatch.engine.kv_pool import tree_mask, write_columns_and_mask
 
 if TYPE_CHECKING:

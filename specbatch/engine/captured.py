@@ -1,7 +1,7 @@
 """Captured steps: an engine's forward at bucketed static shapes, replayed as CUDA graphs.
 
 A decode or verify step of a large model on a GPU is bound by the host launching ~1,100 small
-kernels, not by the GPU (issue 16: 100 ms steps, 3.3 ms of GPU work). A CUDA graph records the
+kernels, not by the GPU (a hundred times its GPU work, for a 7B target). A CUDA graph records the
 kernels of one forward at fixed shapes and addresses once, and replays them with one launch.
 
 ``CapturedForward`` wraps an engine's own forward (anything with ``LlamaForward.__call__``'s
@@ -30,109 +30,21 @@ On CUDA the graphs share one memory pool; they are captured larger first, at sta
 "on") or at a bucket's first use ("lazy"). The KV pool must not move after capture: the engine
 allocates it once at its budget and refuses growth (``KVPool.fix``); should it move anyway, the
 graphs are dropped and captured again. Mode "static" runs the same padded path eagerly without
-capture, on any device: that is how CI on a CPU exercises the padding, bucketing and fallback.
-"""
+capture, on any device: that is how CI on a CPU exercises the padding, bucketing and fallback."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
+from specbatch.engine.buckets import Buckets
+from specbatch.engine.device import eager_attention, to_device
 from specbatch.engine.kv_pool import KVPool, fed_visibility, tree_mask, write_columns_and_mask
 from specbatch.protocol.speculation import MAX_K
 
 log = logging.getLogger(__name__)
-
-# "auto": "on" for CUDA with the engine's own forward, else "off"; "on": CUDA graphs captured at
-# start-up; "lazy": captured at a bucket's first use; "static": the padded static path, eager (no
-# capture; any device); "off": the plain eager forward.
-MODES = ("auto", "on", "lazy", "static", "off")
-SMALLEST_CONTEXT = 64
-
-
-def eager_attention(device: torch.device):
-    """Where a forward runs eagerly on a GPU, its attention off cuDNN: cuDNN builds a plan for
-    every new shape (55-400 ms each, by reports from SGLang and FlashInfer), which captured steps
-    meet only at capture, while eager calls (a prompt of a new length, a context one column
-    longer each step) meet new shapes nearly every time. On the H200 the draft's eager calls made
-    a step at batch 8 cost 40 ms against 5 (2026-11-26). The memory-efficient kernel plans
-    nothing and is 1-13 us slower a call (``benchmarks/sdpa_backends.py``); math where it refuses."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A call's host-built tensor on the engine's device. To a GPU through pinned memory without
-    waiting: a plain copy from pageable memory synchronises the stream, so every forward of a
-    step would wait for the one before it; this way a step synchronises with the host once, when
-    its tokens are read back. (The caching host allocator keeps the pinned block until the copy
-    is done.)"""
-    if tensor.device == device:
-        return tensor
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
-
-
-def _powers(smallest: int, largest: int) -> tuple[int, ...]:
-    """Powers of two from ``smallest``, the last the first one reaching ``largest``, capped at it."""
-    sizes, size = [], smallest
-    while True:
-        sizes.append(min(size, largest))
-        if size >= largest:
-            return tuple(sizes)
-        size *= 2
-
-
-@dataclass(frozen=True)
-class Buckets:
-    """The static shapes a call is padded to: rows, tokens per row, attended columns."""
-
-    batch: tuple[int, ...]
-    width: tuple[int, ...]
-    context: tuple[int, ...]
-
-    @classmethod
-    def for_pool(cls, slots: int, context: int, max_width: int = MAX_K + 1) -> "Buckets":
-        """Batch sizes 1, 2, 4 … up to the pool's slots; widths 1, 2, 4 … up to MAX_K + 1 (verifying
-        MAX_K drafts); attended columns 64, 128 … up to the longest a row reaches (the pool's
-        columns less the scratch column)."""
-        return cls(_powers(1, slots), _powers(1, max_width), _powers(min(SMALLEST_CONTEXT, context - 1), context - 1))
-
-    def bucket_for(self, batch: int, width: int, end: int) -> tuple[int, int, int] | None:
-        """The smallest bucket that fits, or None when one of the sizes is past every bucket."""
-        fits = [next((size for size in sizes if size >= need), None)
-                for sizes, need in ((self.batch, batch), (self.width, width), (self.context, end))]
-        return None if None in fits else tuple(fits)
-
-    def all(self) -> list[tuple[int, int, int]]:
-        """Every bucket, largest first (the order of capture)."""
-        return sorted(((b, w, e) for b in self.batch for w in self.width for e in self.context), reverse=True)
-
-
-def add_cuda_graphs_flag(parser) -> None:
-    """``--cuda-graphs``: the engines' captured steps (the services, bench-engine, the stacks)."""
-    parser.add_argument("--cuda-graphs", choices=MODES, default="auto",
-                        help="steps at bucketed static shapes replayed as CUDA graphs: auto (on for CUDA with the "
-                             "engine's own forward), on (captured at start-up; the KV pool is allocated once at its "
-                             "budget), lazy (captured at first use), static (padded, never captured), off")
-
-
-def resolve_mode(mode: str, device: torch.device, own_forward: bool) -> str:
-    """The mode an engine runs: "auto" is "on" for CUDA with the engine's own forward (the
-    transformers forward builds cache objects and masks on the host), else "off"."""
-    if mode not in MODES:
-        raise ValueError(f"captured steps: unknown mode {mode!r} (one of {', '.join(MODES)})")
-    if mode == "auto":
-        return "on" if device.type == "cuda" and own_forward else "off"
-    return mode
 
 
 class CapturedForward:

@@ -37,14 +37,14 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from specbatch.engine.batch import RaggedBatch, SequenceInput, length_groups
-from specbatch.engine.captured import CapturedForward, resolve_mode
+from specbatch.engine.buckets import resolve_mode
+from specbatch.engine.captured import CapturedForward
 from specbatch.engine.kv_pool import KVPool, SequenceCache
 from specbatch.kernels import build
 from specbatch.kernels.linear import int8_linears_available
 from specbatch.models import llama, opt
 from specbatch.models.eagle import reads_target_features
 from specbatch.models.transformers_forward import TransformersForward
-
 from specbatch.protocol.errors import CapacityExceeded, InvalidRequest, StaleCache, UnknownSequence
 
 # The engine's own forwards, each beside the test of which models it covers.

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specbatch.engine.engine import Engine
 from specbatch.engine.batch import SequenceInput
+from specbatch.engine.engine import Engine
 from specbatch.kernels.linear import differing_by_row_count, linear
 
 # The largest top-2 logit gap (in logits) at which a bf16 rounding difference may flip the greedy

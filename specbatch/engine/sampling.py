@@ -21,7 +21,6 @@ import torch
 # Torch-free, for the coordinator; imported here too, where the services and tests find it.
 from specbatch.protocol.sampling_params import SamplingParams  # noqa: F401
 
-
 # ---- the distributions ---------------------------------------------------------------------------
 
 

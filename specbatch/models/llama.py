@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from specbatch.kernels import build
-from specbatch.kernels.panel import PanelLinear
 from specbatch.kernels import layers as kernel_layers
 from specbatch.kernels.layers import HEAD_DIMS, Attention, DecoderLayers, Rope
-from specbatch.models.eagle import reads_target_features
 from specbatch.kernels.linear import fused, linear
+from specbatch.kernels.panel import PanelLinear
+from specbatch.models.eagle import reads_target_features
 
 # Architectures whose decoder layers are LlamaDecoderLayer as this forward computes them.
 SUPPORTED_MODEL_TYPES = ("llama", "specbatch_eagle")

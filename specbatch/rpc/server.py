@@ -11,8 +11,8 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from specbatch.rpc import reflection
 from specbatch.protocol.errors import EngineError
+from specbatch.rpc import reflection
 from specbatch.rpc.local import LocalServer
 from specbatch.rpc.logs import configure_logging  # noqa: F401  (re-exported: the servers import it from here)
 from specbatch.rpc.tls import CHANNEL_OPTIONS, channel_options_reconnecting_within, open_channel

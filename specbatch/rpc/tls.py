@@ -16,7 +16,6 @@ from pathlib import Path
 
 import grpc
 
-
 # Deliberate message limits, on every channel and server: a step for 256 sequences with k=16 is a
 # few hundred KB; prompts are capped by the context. 64 MiB leaves room for long re-prefills
 # without letting a client send anything unbounded.

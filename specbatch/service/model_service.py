@@ -14,17 +14,17 @@ import time
 import numpy as np
 import torch
 
-from specbatch.engine.captured import add_cuda_graphs_flag
-from specbatch.engine.engine import Engine
 from specbatch.engine.batch import SequenceInput
+from specbatch.engine.buckets import add_cuda_graphs_flag
+from specbatch.engine.engine import Engine
+from specbatch.engine.sampling import SamplingParams, SparseDistribution
+from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
+from specbatch.models.loading import ModelSpec, load_model
 from specbatch.rpc.logs import LOG_FORMATS
 from specbatch.rpc.metrics import DEFAULT_METRICS_PORTS, new_registry, serve_metrics
-from specbatch.models.loading import ModelSpec, load_model
-from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
-from specbatch.engine.sampling import SamplingParams, SparseDistribution
-from specbatch.service.metrics import ServiceMetrics
 from specbatch.rpc.server import Server, configure_logging, engine_errors_to_status
 from specbatch.rpc.tls import add_server_tls_flags, server_credentials_from_args
+from specbatch.service.metrics import ServiceMetrics
 from specbatch.v1 import model_services_pb2 as pb
 
 log = logging.getLogger(__name__)

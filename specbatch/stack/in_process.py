@@ -12,11 +12,10 @@ import grpc
 
 from coordinator.app import Coordinator, build_coordinator
 from draft_service.servicer import DraftServicer
-from target_service.servicer import TargetServicer
-
 from specbatch.engine.engine import Engine
 from specbatch.rpc.server import Server
 from specbatch.v1 import generation_pb2_grpc
+from target_service.servicer import TargetServicer
 
 
 def serve_engine(engine: Engine, add_servicer, name: str, address: str = "127.0.0.1:0",

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from specbatch.kernels.cpu import compiler_accepts
 from specbatch.rpc.metrics import DEFAULT_METRICS_PORTS
-from specbatch.stack.prefork import popen
 from specbatch.rpc.server import DEFAULT_PORTS, wait_until_serving
+from specbatch.stack.prefork import popen
 
 
 def available_cores() -> int:

@@ -34,11 +34,10 @@ from pathlib import Path
 import torch
 
 from draft_service.proposer import ProposeItem, proposals
-from target_service.verifier import VerifyItem, verify
-
-from specbatch.engine.captured import add_cuda_graphs_flag
-from specbatch.engine.engine import Engine
 from specbatch.engine.batch import SequenceInput
+from specbatch.engine.buckets import add_cuda_graphs_flag
+from specbatch.engine.engine import Engine
+from target_service.verifier import VerifyItem, verify
 
 FORMAT = "specbatch-bench-engine"
 VERSION = 1
@@ -278,8 +277,8 @@ def _fitting(sizes: tuple[int, ...], need_per_sequence: int, budget: int) -> tup
 
 
 def run_bench_engine(args) -> int:
-    from specbatch.models.loading import ModelSpec, default_device, load_model
     from specbatch.commands.profiler import describe_hardware
+    from specbatch.models.loading import ModelSpec, default_device, load_model
 
     try:
         grid = Grid(_sizes(args.batch_sizes, "--batch-sizes"), _sizes(args.tokens, "--tokens"), _sizes(args.ks, "--ks"),

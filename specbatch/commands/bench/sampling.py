@@ -22,13 +22,11 @@ import time
 from pathlib import Path
 
 from coordinator.app import build_coordinator
-
+from specbatch.commands.prompts import CHAT_PROMPTS
+from specbatch.models.embedded import EMBEDDED
+from specbatch.models.loading import ModelSpec, load_tokenizer
 from specbatch.rpc.client import connect, generate, generate_all, make_request
 from specbatch.stack.launcher import LocalProcesses, add_stack_flags, free_port, stack_options
-from specbatch.models.loading import ModelSpec, load_tokenizer
-from specbatch.models.embedded import EMBEDDED
-from specbatch.commands.prompts import CHAT_PROMPTS
-
 
 
 def _snapshot(coordinator) -> dict:

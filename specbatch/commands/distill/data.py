@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specbatch.engine.engine import Engine
-from specbatch.engine.batch import SequenceInput
 from specbatch.commands.prompts import sharegpt_exchanges, sharegpt_prompts
+from specbatch.engine.batch import SequenceInput
+from specbatch.engine.engine import Engine
 from specbatch.models.loading import chat_token_ids
 
 if TYPE_CHECKING:
@@ -29,7 +29,14 @@ EVAL_PROMPTS_FROM = 16000  # held out: training never reads this far (the file h
 
 
 def _progress(total: int, description: str):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     progress = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TimeRemainingColumn(), TextColumn("{task.fields[info]}"), transient=False)

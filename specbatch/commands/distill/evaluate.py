@@ -18,8 +18,8 @@ from specbatch.commands.distill.data import (
     chat_prompt_ids,
 )
 from specbatch.commands.prompts import sharegpt_prompts
-from specbatch.engine.engine import Engine
 from specbatch.engine.batch import SequenceInput
+from specbatch.engine.engine import Engine
 
 
 @dataclass

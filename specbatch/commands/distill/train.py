@@ -4,9 +4,8 @@ features, as drafting token 2, 3, ... will. The trained-only export that ships."
 
 from __future__ import annotations
 
-import logging
-
 import json
+import logging
 import math
 import random
 from collections.abc import Sequence

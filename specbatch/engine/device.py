@@ -1,0 +1,35 @@
+"""Device helpers the engine's calls share: host tensors to the device without a synchronising copy,
+and the attention kernels an eager forward may use there."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def eager_attention(device: torch.device):
+    """Where a forward runs eagerly on a GPU, its attention off cuDNN: cuDNN builds a plan for
+    every new shape (55-400 ms each, by reports from SGLang and FlashInfer), which captured steps
+    meet only at capture, while eager calls (a prompt of a new length, a context one column
+    longer each step) meet new shapes nearly every time. On the H200 the draft's eager calls made
+    a step at batch 8 cost 40 ms against 5 (2026-11-26). The memory-efficient kernel plans
+    nothing and is 1-13 us slower a call (``benchmarks/sdpa_backends.py``); math where it refuses."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A call's host-built tensor on the engine's device. To a GPU through pinned memory without
+    waiting: a plain copy from pageable memory synchronises the stream, so every forward of a
+    step would wait for the one before it; this way a step synchronises with the host once, when
+    its tokens are read back. (The caching host allocator keeps the pinned block until the copy
+    is done.)"""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
