@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from specbatch.engine.captured import CapturedForward
 from specbatch.engine.device import eager_attention, to_device
 from specbatch.engine.kv_pool import tree_mask, write_columns_and_mask
-
-if TYPE_CHECKING:
-    from specbatch.engine.engine import Engine
 
 
 @dataclass
@@ -42,7 +38,7 @@ class RaggedBatch:
     Rows are the call's sequences in slot order; results come back in the call's order.
     """
 
-    def __init__(self, engine: "Engine", inputs: list[SequenceInput], decode_steps: int = 0):
+    def __init__(self, engine, inputs: list[SequenceInput], decode_steps: int = 0):
         self.engine = engine
         self.order = sorted(range(len(inputs)), key=lambda i: engine.sequences[inputs[i].seq_id].slot)
         # Row r holds the call's item order[r]; item i sits in row inverse[i]. Usually the call

@@ -1,19 +1,62 @@
-"""What `specbatch bench` reports: each mode's runs summed into a row (tokens/s, latency and TTFT
+"""What `specbatch bench` records and reports: the modes, loads and runs; each mode's runs summed into a row (tokens/s, latency and TTFT
 percentiles, acceptance), the markdown table, what the uniform levels predict for the trace, and
 the plots."""
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from specbatch.commands.bench import pairs as bench_pairs
 from specbatch.commands.bench.traffic import (
     Trace,
 )
 
-if TYPE_CHECKING:  # the records of a run (run.py), which uses this module
-    from specbatch.commands.bench.run import Load, Mode, Run
+
+@dataclass
+class Mode:
+    name: str
+    stub: object
+    k: int | None  # per-request k (fixed modes); None: the coordinator's own policy
+    leaves: int = 0  # fixed modes: the draft's next-best tokens verified beside the first draft
+
+
+@dataclass
+class Load:
+    kind: str  # uniform, trace, poisson
+    value: float  # concurrency, trace peak, or rate: the x axis of the plots
+    label: str
+    trace: Trace | None = None
+    arrivals: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    """One mode's requests at one level (one round): the clients' records and the coordinator's
+    Info totals before and after them."""
+
+    records: list
+    before: object
+    after: object
+    timeline: list[dict]
+
+    @property
+    def wall(self) -> float:
+        ok = [r for r in self.records if not r.error]
+        return (max(r.finished for r in ok) - min(r.sent for r in self.records)) if ok else 0.0
+
+    def grown(self, field_name: str) -> float:
+        return getattr(self.after, field_name) - getattr(self.before, field_name)
+
+    def metric(self, traffic: str) -> float:
+        """What a round compares (bench_pairs): tokens/s under uniform traffic, else mean latency."""
+        ok = [r for r in self.records if not r.error]
+        if not ok:
+            return 0.0
+        if bench_pairs.higher_is_better(traffic):
+            return sum(r.tokens for r in ok) / self.wall if self.wall else 0.0
+        return statistics.fmean(r.latency for r in ok)
 
 
 def percentiles(values: list[float], scale: float = 1.0) -> dict:

@@ -20,15 +20,13 @@ and written with PNG plots and the raw numbers to --out."""
 from __future__ import annotations
 
 import json
-import statistics
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from specbatch.commands.bench import pairs as bench_pairs
-from specbatch.commands.bench.report import markdown, plot, row, trace_headroom
+from specbatch.commands.bench.report import Load, Mode, Run, markdown, plot, row, trace_headroom
 from specbatch.commands.bench.traffic import (
     DEFAULT_TRACE,
     Trace,
@@ -46,21 +44,8 @@ from specbatch.v1 import generation_pb2 as pb
 CONTROL = "k=0 (control)"  # --control: k = 0 once more a round, to measure the bench's own spread
 
 
-@dataclass
-class Mode:
-    name: str
-    stub: object
-    k: int | None  # per-request k (fixed modes); None: the coordinator's own policy
-    leaves: int = 0  # fixed modes: the draft's next-best tokens verified beside the first draft
 
 
-@dataclass
-class Load:
-    kind: str  # uniform, trace, poisson
-    value: float  # concurrency, trace peak, or rate: the x axis of the plots
-    label: str
-    trace: Trace | None = None
-    arrivals: list[float] = field(default_factory=list)
 
 
 class PeriodicSampler:
@@ -114,32 +99,6 @@ class InfoSampler(PeriodicSampler):
         return rows
 
 
-@dataclass
-class Run:
-    """One mode's requests at one level (one round): the clients' records and the coordinator's
-    Info totals before and after them."""
-
-    records: list
-    before: object
-    after: object
-    timeline: list[dict]
-
-    @property
-    def wall(self) -> float:
-        ok = [r for r in self.records if not r.error]
-        return (max(r.finished for r in ok) - min(r.sent for r in self.records)) if ok else 0.0
-
-    def grown(self, field_name: str) -> float:
-        return getattr(self.after, field_name) - getattr(self.before, field_name)
-
-    def metric(self, traffic: str) -> float:
-        """What a round compares (bench_pairs): tokens/s under uniform traffic, else mean latency."""
-        ok = [r for r in self.records if not r.error]
-        if not ok:
-            return 0.0
-        if bench_pairs.higher_is_better(traffic):
-            return sum(r.tokens for r in ok) / self.wall if self.wall else 0.0
-        return statistics.fmean(r.latency for r in ok)
 
 
 def mode_request(mode: Mode, prompt: str, max_new_tokens: int):
