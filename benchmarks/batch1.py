@@ -1,4 +1,4 @@
-"""Batch 1, greedy, held-out ShareGPT prompts: speculative serving against its two baselines (issue 15).
+"""Batch 1, greedy, held-out ShareGPT prompts: speculative serving against its two baselines.
 
 In one run, on the same prompts and token counts:
 1. plain transformers ``generate()`` of the embedded target in float32, in this process (the
@@ -18,7 +18,7 @@ Prints tokens/s of each and the ratios, where each mode's decode step spends its
 coordinator's step totals: RPC time beside the compute the services report), and writes JSON.
 
     .venv/bin/python benchmarks/batch1.py [--prompts 24] [--tokens 96] [--k-policy profile --profile P] [--leaves 0,1,2]
-        [--draft-ahead 1,4] [--prompt-lookup 4,6:policy] [--shared-lookup 200000 --shared-warmup 256]
+        [--prompt-lookup 4,6:policy] [--shared-lookup 200000 --shared-warmup 256] [--weights q4_1]
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ import torch
 from specbatch.commands.prompts import chat_prompts, sharegpt_prompts
 from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
 from specbatch.rpc.client import connect, generate, generate_all, make_request
-from specbatch.stack.launcher import LocalProcesses, StackOptions, draft_int8_weights
+from specbatch.stack.defaults import StackOptions
+from specbatch.stack.processes import LocalProcesses
 from specbatch.v1 import generation_pb2 as pb
 
 
@@ -55,7 +56,7 @@ def transformers_generate(prompts: list[list[int]], tokens: int, threads: int) -
 
 
 STEP_PARTS = ("step_seconds", "draft_seconds", "draft_compute_seconds", "target_seconds", "target_compute_seconds")
-LEAF_COUNTS = ("leaf_chances", "leaf_hits", "ahead_guessed", "ahead_hits", "lookup_chains", "lookup_drafted",
+LEAF_COUNTS = ("leaf_chances", "leaf_hits", "lookup_chains", "lookup_drafted",
                "lookup_accepted", "shared_lookup_chains", "shared_lookup_accepted")
 
 
@@ -82,7 +83,7 @@ def where_step_time_goes(totals: dict, seconds: float) -> dict:
 def served(address: str, prompts: list[list[int]], tokens: int,
            modes: dict[str, dict]) -> dict[str, dict]:
     """Each prompt through the coordinator once per mode (``modes``: name -> the request's fields:
-    k (None for the coordinator's policy), leaves, unsure_below), the modes taking turns prompt by
+    k (None for the coordinator's policy), leaves), the modes taking turns prompt by
     prompt: a machine whose speed drifts during the run (shared hosts do, by 10 % and more) then
     slows every mode alike."""
     stub = connect(address)
@@ -102,7 +103,6 @@ def served(address: str, prompts: list[list[int]], tokens: int,
                    "acceptance": s["accepted"] / s["proposed"] if s["proposed"] else 0.0,
                    "tokens_per_step": s["generated"] / s["request_steps"] if s["request_steps"] else 0.0,
                    "leaf_hit_rate": s["leaf_hits"] / s["leaf_chances"] if s["leaf_chances"] else 0.0,
-                   "ahead_hit_rate": s["ahead_hits"] / s["ahead_guessed"] if s["ahead_guessed"] else 0.0,
                    "lookup_share": s["lookup_chains"] / s["request_steps"] if s["request_steps"] else 0.0,
                    "lookup_kept": s["lookup_accepted"] / s["lookup_chains"] if s["lookup_chains"] else 0.0,
                    "shared_lookup_share": s["shared_lookup_chains"] / s["request_steps"] if s["request_steps"] else 0.0,
@@ -130,22 +130,13 @@ def main() -> int:
     parser.add_argument("--k-policy", default=None, help="the coordinator's policy (default: the launcher's default)")
     parser.add_argument("--profile", default=None)
     parser.add_argument("--threads", type=int, default=2, help="threads of the transformers baseline")
-    parser.add_argument("--threads-per-service", type=int, default=None, help="as specbatch up's flag (default: its rule)")
-    parser.add_argument("--draft-int8-weights", action=argparse.BooleanOptionalAction, default=None,
-                        help="as specbatch up's flag (default: its rule)")
-    parser.add_argument("--q4-1", action="store_true", help="the target's decoder layers in the GGUF's Q4_1 blocks "
-                        "(specbatch up --q4-1)")
+    parser.add_argument("--threads-per-service", type=int, default=None, help="as specbatch up's --threads")
+    parser.add_argument("--weights", default="auto", help="as specbatch up's flag (default: auto)")
     parser.add_argument("--no-baseline", action="store_true", help="skip transformers generate()")
     parser.add_argument("--leaves", default="0", help="comma-separated leaf counts: one speculative mode each, "
                         "every request verifying that many; 'policy': the coordinator's --leaves-most, as many "
                         "as its policy chooses")
     parser.add_argument("--leaves-most", type=int, default=3, help="the coordinator's --leaves (for 'policy')")
-    parser.add_argument("--unsure-below", default="", help="comma-separated probabilities: one more speculative "
-                        "mode each, no leaves asked, the draft proposing one token and k - 1 leaves where its first "
-                        "token is less likely than that")
-    parser.add_argument("--draft-ahead", default="", help="comma-separated guess counts: one more speculative mode "
-                        "each, no leaves, the draft guessing each verdict (that many tokens a position) and "
-                        "drafting the next step while the target verifies")
     parser.add_argument("--prompt-lookup", default="6", help="comma-separated lengths N or N:LEAVES (LEAVES as "
                         "--leaves; default 0): one more speculative mode each, drafts copied from the request's history where its last tokens occurred "
                         "before (at most that many, and twice the step's k at batch 1), the draft asked otherwise")
@@ -155,7 +146,8 @@ def main() -> int:
     parser.add_argument("--shared-warmup", type=int, default=256, help="prompts served into the index first")
     parser.add_argument("--shared-warmup-start", type=int, default=16400,
                         help="ShareGPT conversation the warm-up prompts start at")
-    parser.add_argument("--grpc-only", action="store_true", help="as specbatch up's flag: no local sockets")
+    parser.add_argument("--grpc-only", action="store_true", help="the coordinator calls the services through gRPC, "
+                        "not their local sockets")
     parser.add_argument("--out", default="bench-out/batch1.json")
     args = parser.parse_args()
 
@@ -167,23 +159,14 @@ def main() -> int:
         print(f"transformers generate(), fp32: {baseline:.1f} tok/s", flush=True)
     leaf_counts = [None if n == "policy" else int(n) for n in args.leaves.split(",")]
     # The coordinator looks nothing up unless a mode asks (its requests' own prompt_lookup).
-    options = StackOptions(max_batch_size=8, threads_per_service=args.threads_per_service, prompt_lookup=0,
-                           shared_lookup=args.shared_lookup, local_sockets=not args.grpc_only,
-                           draft_int8_weights=args.draft_int8_weights, target_q4_1=args.q4_1,
+    options = StackOptions(max_batch_size=8, threads=args.threads_per_service, prompt_lookup=0,
+                           shared_lookup=args.shared_lookup, local_sockets=not args.grpc_only, weights=args.weights,
                            leaves=args.leaves_most if None in leaf_counts or ":policy" in args.prompt_lookup else 0)
     if args.k_policy:
         options.k_policy, options.profile = args.k_policy, args.profile
-    unsure = [float(p) for p in args.unsure_below.split(",") if p]
     names = {n: "speculative" + (f", {n} leaves" if n else f", the policy's leaves (<= {args.leaves_most})"
                                  if n is None else "") for n in leaf_counts}
     fields = {n: {"k": None, "leaves": n} for n in leaf_counts}
-    for p in unsure:
-        names[p] = f"speculative, unsure below {p:g}"
-        fields[p] = {"k": None, "leaves": 0, "unsure_below": p}
-    ahead = [int(n) for n in args.draft_ahead.split(",") if n]
-    for n in ahead:
-        names[f"ahead{n}"] = f"speculative, drafting ahead ({n} guesses a position)"
-        fields[f"ahead{n}"] = {"k": None, "leaves": 0, "draft_ahead": n}
     lookups = [n for n in args.prompt_lookup.split(",") if n]
     for n in lookups:  # "N" or "N:LEAVES" (LEAVES a count or "policy", as --leaves)
         most, _, leaves = n.partition(":")
@@ -197,7 +180,7 @@ def main() -> int:
         lookups += [f"{n}shared" for n in lookups]
         for n in fields:
             fields[n].setdefault("shared_lookup", False)
-    leaf_counts += unsure + [f"ahead{n}" for n in ahead] + [f"lookup{n}" for n in lookups]  # the speculative modes
+    leaf_counts += [f"lookup{n}" for n in lookups]  # the speculative modes
     with LocalProcesses(options) as stack:
         if args.shared_lookup:
             timed = set(map(tuple, prompts))
@@ -211,8 +194,8 @@ def main() -> int:
                         **{names[n]: fields[n] for n in leaf_counts}})
     target_only = modes["target-only"]
     policy = stack.options.k_policy
-    print(f"services, target-only (k=0): {target_only['tokens_per_second']:.1f} tok/s; k policy {policy}, draft int8 "
-          f"{draft_int8_weights(stack.options)}: " + ", ".join(f"{names[n]} {modes[names[n]]['tokens_per_second']:.1f}"
+    print(f"services, target-only (k=0): {target_only['tokens_per_second']:.1f} tok/s; k policy {policy}, weights "
+          f"{stack.forms}: " + ", ".join(f"{names[n]} {modes[names[n]]['tokens_per_second']:.1f}"
                                                                for n in leaf_counts), flush=True)
     rows = {
         **({"transformers generate(), fp32": baseline} if baseline else {}),
@@ -229,8 +212,7 @@ def main() -> int:
     for n in leaf_counts:
         mode = modes[names[n]]
         print(f"\n{names[n]}: acceptance {mode['acceptance']:.2f} (kept leaves included), tokens per step "
-              f"{mode['tokens_per_step']:.2f}" + (f", leaf hit rate {mode['leaf_hit_rate']:.2f}" if n != 0 and not str(n).startswith(("ahead", "lookup")) else "")
-              + (f", verdicts guessed right {mode['ahead_hit_rate']:.2f}" if str(n).startswith("ahead") else "")
+              f"{mode['tokens_per_step']:.2f}" + (f", leaf hit rate {mode['leaf_hit_rate']:.2f}" if n != 0 and not str(n).startswith("lookup") else "")
               + (f", steps drafted by lookup {mode['lookup_share']:.2f} keeping {mode['lookup_kept']:.2f} tokens each"
                  if str(n).startswith("lookup") else "")
               + (f", of which from the shared index {mode['shared_lookup_share']:.2f} keeping "
@@ -244,7 +226,7 @@ def main() -> int:
               + " | ".join(f"{modes[names[n]]['ms_per_step'][part]:.2f}" for n in leaf_counts) + " |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"tokens_per_second": rows, "modes": modes,
-                                          "draft_int8_weights": draft_int8_weights(stack.options),
+                                          "weights": {"target": stack.forms.target, "draft": stack.forms.draft},
                                           "k_policy": stack.options.k_policy, "profile": stack.options.profile,
                                           "prompts": len(prompts), "tokens": args.tokens}, indent=1))
     return 0

@@ -29,9 +29,11 @@ from coordinator.backends import DraftClient, TargetClient  # noqa: E402
 from coordinator.policy import FixedK  # noqa: E402
 from specbatch.commands.profiler import batch_by_hand  # noqa: E402
 from specbatch.commands.prompts import chat_prompts, sharegpt_prompts  # noqa: E402
+from specbatch.config.options import DEFAULT_METRICS_PORTS
 from specbatch.models.embedded import EMBEDDED  # noqa: E402
 from specbatch.models.loading import ModelSpec, load_tokenizer
-from specbatch.stack.launcher import DEFAULT_METRICS_PORTS, LocalProcesses, StackOptions  # noqa: E402
+from specbatch.stack.defaults import StackOptions
+from specbatch.stack.processes import LocalProcesses  # noqa: E402
 
 WARMUP_STEPS = 10
 

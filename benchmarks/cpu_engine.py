@@ -124,19 +124,18 @@ def main() -> int:
         engines["fp32-specbatch-onednn"] = Engine(fp32, implementation="specbatch")
     engines["fp32-specbatch"] = Engine(fp32, implementation="specbatch")
     if build.available():
-        engines["fp32-bf16w-specbatch"] = Engine(fp32, bf16_weights=True)
+        engines["fp32-bf16w-specbatch"] = Engine(fp32, weights="bf16")
     if build.bf16_dot_available():
-        engines["fp32-bf16dot-specbatch"] = Engine(fp32, bf16_dot=True, kv_bf16=True)
+        engines["fp32-bf16dot-specbatch"] = Engine(fp32, weights="bf16-dot", kv_bf16=True)
         # the decoder layers in the GGUF's own Q4_1 blocks, the head on bf16 dot products
-        engines["fp32-q4_1-specbatch"] = Engine(fp32, q4_1=True, kv_bf16=True)
+        engines["fp32-q4_1-specbatch"] = Engine(fp32, weights="q4_1", kv_bf16=True)
     if build.fp16_dot_available():
-        engines["fp32-fp16dot-specbatch"] = Engine(fp32, fp16_dot=True, kv_bf16=True)
+        engines["fp32-fp16dot-specbatch"] = Engine(fp32, weights="fp16-dot", kv_bf16=True)
     # The embedded form with its decoder layers called one kernel at a time from Python, as before
     # they ran in one C call (specbatch/kernels/decoder.c): what that call saves.
     for name, engine in list(engines.items()):
         if name.startswith("fp32-") and "dot" in name:
-            engines[f"{name}-python-loop"] = loop = Engine(fp32, bf16_dot="bf16dot" in name, fp16_dot="fp16dot" in name,
-                                                           kv_bf16=True)
+            engines[f"{name}-python-loop"] = loop = Engine(fp32, weights=engine.weights, kv_bf16=True)
             loop.forward.decoder_layers = None
     native_bf16 = onednn_bf16_available()
     if native_bf16:  # without it bf16 multiplies are emulated: slower than fp32, and never picked

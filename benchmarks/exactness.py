@@ -73,13 +73,12 @@ def main() -> int:
     tokenizer = load_tokenizer(ModelSpec())
     prompts = [chat_token_ids(tokenizer, [{"role": "user", "content": text}])
                for text in sharegpt_prompts(args.prompts, args.prompt_start)]
-    form = {None: {}, "bf16": {"bf16_weights": True}, "bf16-dot": {"bf16_dot": True},
-            "fp16-dot": {"fp16_dot": True}, "q4_1": {"q4_1": True}}[args.weights]
+    form = {"weights": args.weights} if args.weights else {}
     both = {"wide_threads": args.wide_threads} if args.wide_threads else {}  # both engines' options
     both.update({"kv_bf16": True} if args.kv_bf16 else {})
     stack = start_local_stack(target, draft, tokenizer, max_batch_size=16, max_new_tokens=args.tokens,
                               target_engine_options={**form, **both},
-                              draft_engine_options={"int8_weights": True, **both} if args.draft_int8 else {**form, **both})
+                              draft_engine_options={"weights": "int8", **both} if args.draft_int8 else {**form, **both})
     try:
         start = time.perf_counter()
         references = [target_only(stack.target_engine, p, args.tokens) for p in prompts]

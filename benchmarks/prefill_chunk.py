@@ -26,7 +26,8 @@ from specbatch.commands.bench.report import summarize
 from specbatch.commands.bench.run import Load, Mode, run_rounds
 from specbatch.commands.prompts import sharegpt_prompts
 from specbatch.rpc.client import connect
-from specbatch.stack.launcher import LocalProcesses, StackOptions, default_k_policy, free_port
+from specbatch.stack.defaults import StackOptions, default_k_policy, free_port
+from specbatch.stack.processes import LocalProcesses
 
 
 def main() -> int:

@@ -32,7 +32,7 @@ import grpc  # noqa: E402
 
 from specbatch.rpc.local import LocalChannel  # noqa: E402
 from specbatch.rpc.server import Server  # noqa: E402
-from specbatch.stack.launcher import free_port  # noqa: E402
+from specbatch.stack.defaults import free_port  # noqa: E402
 from specbatch.v1 import model_services_pb2 as pb  # noqa: E402
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc  # noqa: E402
 

@@ -56,7 +56,7 @@ def main() -> None:
                         help="batch x new tokens x attended columns, comma-separated")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    print(f"| model | batch × tokens × columns | " + " | ".join(name for name, _ in BACKENDS) + " |")
+    print("| model | batch × tokens × columns | " + " | ".join(name for name, _ in BACKENDS) + " |")
     print("|---|---|" + "---|" * len(BACKENDS))
     for model, kv_heads, groups, head_dim in MODELS:
         for shape in args.shapes.split(","):

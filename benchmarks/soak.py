@@ -32,7 +32,8 @@ from soak_report import Outcome, Sampler, memory_drift, process_sample, report, 
 
 from specbatch.rpc.client import make_request
 from specbatch.rpc.tls import open_channel
-from specbatch.stack.launcher import LocalProcesses, StackOptions, free_port
+from specbatch.stack.defaults import StackOptions, free_port
+from specbatch.stack.processes import LocalProcesses
 from specbatch.v1 import generation_pb2 as pb
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
 

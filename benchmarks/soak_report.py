@@ -15,7 +15,7 @@ from rich.table import Table
 from specbatch.commands.bench.report import percentiles
 from specbatch.commands.bench.run import PeriodicSampler
 from specbatch.rpc.tls import open_channel
-from specbatch.stack.launcher import LocalProcesses
+from specbatch.stack.processes import LocalProcesses
 from specbatch.v1 import generation_pb2 as pb
 from specbatch.v1 import model_services_pb2 as mpb
 from specbatch.v1 import model_services_pb2_grpc as mpb_grpc

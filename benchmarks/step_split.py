@@ -118,7 +118,7 @@ def main() -> int:
                       max_cache_bytes=int(args.kv_cache_gb * 2**30), captured_steps=args.cuda_graphs)
 
     print(f"decode steps: {'the full call' if args.no_fast_decode else 'CapturedForward.decode'}\n")
-    print(f"| call | batch | tokens or k | wall ms | graph ms (GPU) | rest ms | forwards |")
+    print("| call | batch | tokens or k | wall ms | graph ms (GPU) | rest ms | forwards |")
     print("|---|---|---|---|---|---|---|")
     traces: list[tuple[str, str]] = []
     models = [("verify", args.target_model)] + ([("propose", args.draft_model)] if args.draft_model else [])

@@ -30,7 +30,8 @@ from rich.console import Console
 from rich.table import Table
 
 from specbatch.rpc.client import connect, generate, make_request
-from specbatch.stack.launcher import LocalProcesses, StackOptions, available_cores, free_port, threads_per_service
+from specbatch.stack.defaults import StackOptions, available_cores, free_port, threads_per_service
+from specbatch.stack.processes import LocalProcesses
 
 # What the busy jobs run: a pure-Python spin, or torch matrix products on torch's default team
 # (another tenant's numerical job).
@@ -56,10 +57,10 @@ def measure(setting: str, args, tiny_folder: str | None) -> dict:
     ports = {"coordinator": free_port(), "target": free_port(), "draft": free_port()}
     if tiny_folder:
         options = StackOptions(target_model=tiny_folder, draft_model=tiny_folder, draft_layers=2, ports=ports,
-                               threads_per_service=threads)
+                               threads=threads)
         request = make_request([1] + [5 + i for i in range(12)], args.new_tokens, ignore_eos=True)
     else:
-        options = StackOptions(ports=ports, threads_per_service=threads)
+        options = StackOptions(ports=ports, threads=threads)
         request = make_request(args.prompt, args.new_tokens, chat=True, ignore_eos=True)
     with LocalProcesses(options) as stack:
         generate(connect(stack.address), request, timeout=1800)  # warm-up: first forwards allocate
@@ -93,7 +94,7 @@ def main(argv=None) -> int:
     cores = available_cores()
     console = Console()
     console.print(f"{cores} cores available; the launcher's rule gives each model service "
-                  f"{threads_per_service(cores)}; {args.busy_jobs} busy job(s) ({args.busy_kind}); "
+                  f"{threads_per_service(StackOptions())}; {args.busy_jobs} busy job(s) ({args.busy_kind}); "
                   f"{args.new_tokens} new tokens")
     rows = []
     with tempfile.TemporaryDirectory(prefix="threads-tiny-") as folder:

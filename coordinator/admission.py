@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from specbatch.models.loading import chat_token_ids
 from specbatch.protocol.errors import InvalidRequest
 from specbatch.protocol.sampling_params import SamplingParams
-from specbatch.protocol.speculation import MAX_K, draft_ahead_problems, leaf_option_problems, prompt_lookup_problems
+from specbatch.protocol.speculation import MAX_K, leaf_option_problems, prompt_lookup_problems
 from specbatch.v1 import generation_pb2 as pb
 
 from .requests import Request, TextStream
@@ -88,11 +88,8 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
     if fixed_k is not None and not 0 <= fixed_k <= MAX_K:
         raise InvalidRequest(f"k must be in [0, {MAX_K}] (got {fixed_k})")
     fixed_leaves = message.leaves if message.HasField("leaves") else None
-    unsure_below = message.unsure_below if message.HasField("unsure_below") else None
-    problems = leaf_option_problems(fixed_leaves, unsure_below)
-    draft_ahead = message.draft_ahead if message.HasField("draft_ahead") else None
     prompt_lookup = message.prompt_lookup if message.HasField("prompt_lookup") else None
-    problems += draft_ahead_problems(draft_ahead) + prompt_lookup_problems(prompt_lookup)
+    problems = leaf_option_problems(fixed_leaves) + prompt_lookup_problems(prompt_lookup)
     if problems:
         raise InvalidRequest("; ".join(problems))
     return Request(
@@ -104,8 +101,6 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
         text=TextStream(tokenizer, stops),
         fixed_k=fixed_k,
         fixed_leaves=fixed_leaves,
-        unsure_below=unsure_below,
-        draft_ahead=draft_ahead,
         prompt_lookup=prompt_lookup,
         shared_lookup=in_shared_lookup(message),
     )

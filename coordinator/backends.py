@@ -193,23 +193,9 @@ class DraftClient(ServiceClient):
     service_name = "specbatch.v1.Draft"
 
     def propose(self, calls: list[Call], ks: list[int], sampling: list[SamplingParams],
-                timeout: float | None = None, leaves: list[list[int]] | None = None,
-                unsure_below: list[float] | None = None) -> pb.ProposeResponse:
-        """``leaves``: per sequence, how many leaves to propose at each of its first drafted positions;
-        ``unsure_below``: per sequence, the draft's first-token probability below which it proposes
-        that token alone with k - 1 more leaves."""
+                timeout: float | None = None, leaves: list[list[int]] | None = None) -> pb.ProposeResponse:
+        """``leaves``: per sequence, how many leaves to propose at each of its first drafted positions."""
         leaves = leaves or [()] * len(calls)
-        unsure_below = unsure_below or [0.0] * len(calls)
-        items = [pb.ProposeItem(sequence=_seq(c), k=k, sampling=_sampling_to_proto(s), leaves=n, unsure_below=u)
-                 for c, k, s, n, u in zip(calls, ks, sampling, leaves, unsure_below)]
+        items = [pb.ProposeItem(sequence=_seq(c), k=k, sampling=_sampling_to_proto(s), leaves=n)
+                 for c, k, s, n in zip(calls, ks, sampling, leaves)]
         return self._call("Propose", pb.ProposeRequest(items=items), timeout)
-
-    @staticmethod
-    def ahead_request(calls: list[Call], chains: list[list[int]], guesses: list[int], ks: list[int]) -> pb.AheadRequest:
-        """Per sequence: the chain the target is verifying, how many tokens to guess at each of its
-        positions, and the drafts to make after each guess (draft_service/ahead.py)."""
-        return pb.AheadRequest(items=[pb.AheadItem(sequence=_seq(c), chain=chain, guesses=n, k=k)
-                                      for c, chain, n, k in zip(calls, chains, guesses, ks)])
-
-    def propose_ahead(self, request: pb.AheadRequest, timeout: float | None = None) -> pb.AheadResponse:
-        return self._call("ProposeAhead", request, timeout)

@@ -41,7 +41,7 @@ class StepTimes:
     """What one step took, for the policies that learn step times (``LiveStepTimes``)."""
 
     batch_size: int  # sequences stepped
-    draft_rows: int  # of those, the ones the draft drafted for (not found by lookup or ahead)
+    draft_rows: int  # of those, the ones the draft drafted for (not found by lookup)
     draft_k: int  # the most tokens asked of the draft (its call runs them all): 0 without a Propose
     verify_k: int  # the most drafts and leaves a sequence of the Verify carried
     draft_ms: float  # the Propose calls, wall (the choices before them are the step's own work)

@@ -118,8 +118,6 @@ class Request:
     text: TextStream
     fixed_k: int | None = None
     fixed_leaves: int | None = None  # its own leaves beside the first draft (else the coordinator's --leaves)
-    unsure_below: float | None = None  # its own --unsure-below (else the coordinator's)
-    draft_ahead: int | None = None  # its own --draft-ahead (else the coordinator's)
     prompt_lookup: int | None = None  # its own --prompt-lookup (else the coordinator's)
     shared_lookup: bool = True  # False: kept out of the coordinator's shared lookup index
     arrival: float = field(default_factory=time.monotonic)
@@ -129,9 +127,6 @@ class Request:
     history: list[int] = field(default_factory=list)
     target_len: int = 0  # tokens of history cached on its target replica
     draft_len: int = 0  # tokens of history cached on its draft replica
-    # Drafts for its next step, made while the target verified the last one (drafting ahead,
-    # coordinator/step.py), where the draft guessed that verdict; None otherwise.
-    ready_drafts: list[int] | None = None
     # Prompt lookup's index of this request's history (coordinator/lookup.py), made on first use.
     lookup: PromptLookup | None = None
     # The replicas its caches live on (replicas.Replica), for its life unless one fails.

@@ -23,8 +23,9 @@ from collections import deque
 
 import grpc
 
+from specbatch.config.speculation import SpeculationConfig
+
 from .backends import Call, lost_state, refusal, unreachable
-from .lookup import SharedLookup
 from .placement import Placement, by_draft_replica, by_target_replica, call_timeout, log_fields
 from .replicas import Replica, ReplicaSet
 from .requests import FINISH_CANCELLED, FeatureLog, Request
@@ -48,21 +49,19 @@ class Draining(Exception):
 
 
 class Scheduler:
-    def __init__(self, target_replicas: ReplicaSet, draft_replicas: ReplicaSet | None, policy, max_batch_size: int,
-                 max_queue: int, max_context: int, draft_feature_size: int = 0, metrics=None, leaves: int = 0,
-                 unsure_below: float = 0.0, draft_ahead: int = 0, prompt_lookup: int = 0, shared_lookup: int = 0,
-                 prefill_chunk: int = 0):
-        """Each replica's client timeout is the longest one call to it may take; a draft slower
-        than that is set aside for a while (steps run target-only) rather than slowing every step.
-        ``prefill_chunk``: the most prompt tokens prefilled between two decode steps, across the
-        requests being prefilled, first come first served (0: every admitted prompt whole, at once)."""
+    def __init__(self, target_replicas: ReplicaSet, draft_replicas: ReplicaSet | None, policy,
+                 speculation: SpeculationConfig, max_batch_size: int, max_queue: int, max_context: int,
+                 draft_feature_size: int = 0, metrics=None, prefill_chunk: int = 0):
+        """``policy``: the k policy (coordinator/policy.py) ``speculation`` names. Each replica's
+        client timeout is the longest one call to it may take; a draft slower than that is set aside
+        for a while (steps run target-only) rather than slowing every step. ``prefill_chunk``: the
+        most prompt tokens prefilled between two decode steps, across the requests being prefilled,
+        first come first served (0: every admitted prompt whole, at once)."""
         self.placement = Placement(target_replicas, draft_replicas, metrics)
         # An EAGLE-style draft reads the target's final hidden states: the target returns them
         # with every verdict, and each request keeps them beside its history (float16 rows).
         self.feature_row_bytes = 2 * draft_feature_size if draft_replicas is not None else 0
-        self.decode = DecodeStep(self.placement, policy, max_context, self.feature_row_bytes, metrics, leaves,
-                                 unsure_below, ahead=draft_ahead, lookup=prompt_lookup,
-                                 shared=SharedLookup(shared_lookup) if shared_lookup else None)
+        self.decode = DecodeStep(self.placement, policy, speculation, max_context, self.feature_row_bytes, metrics)
         self.metrics = metrics  # coordinator metrics (coordinator.metrics.CoordinatorMetrics) or None
         self.max_batch_size, self.max_queue, self.max_context = max_batch_size, max_queue, max_context
         self.prefill_chunk = prefill_chunk

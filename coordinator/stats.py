@@ -27,9 +27,6 @@ class StepStats:
     # Sequences whose chain stopped at a position that had leaves; of those, the ones that kept a leaf.
     leaf_chances: int = 0
     leaf_hits: int = 0
-    # Sequences whose verdict the draft guessed at (drafting ahead); of those, the ones it guessed right.
-    ahead_guessed: int = 0
-    ahead_hits: int = 0
     # (drafted, accepted) of each chain found by prompt lookup (not in ``outcomes``: those are the draft's).
     lookup_outcomes: list[tuple[int, int]] = field(default_factory=list)
     # Of those, the chains found in other requests' texts (shared lookup).
@@ -88,8 +85,6 @@ class StepTotals:
     k_histogram: list[int] = field(default_factory=lambda: [0] * (MAX_K + 1))  # sequence-steps by k
     leaf_chances: int = 0  # chains stopped at a position with leaves
     leaf_hits: int = 0  # and of those, leaves kept
-    ahead_guessed: int = 0  # sequence-steps whose verdict the draft guessed at, drafting ahead
-    ahead_hits: int = 0  # and of those, the ones it guessed right
     lookup_chains: int = 0  # sequence-steps whose drafts came from prompt lookup, not the draft
     lookup_drafted: int = 0  # tokens those chains drafted
     lookup_accepted: int = 0  # and of those, the ones the target kept
@@ -105,8 +100,6 @@ class StepTotals:
         self.shared_lookup_chains += len(step.shared_lookup_outcomes)
         self.shared_lookup_drafted += step.shared_lookup_draft_tokens
         self.shared_lookup_accepted += step.shared_lookup_accepted_tokens
-        self.ahead_guessed += step.ahead_guessed
-        self.ahead_hits += step.ahead_hits
         self.leaf_chances += step.leaf_chances
         self.leaf_hits += step.leaf_hits
         self.sequence_steps += step.batch_size

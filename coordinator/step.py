@@ -6,11 +6,6 @@ A draft that fails or is missing makes its sequences target-only for the step (k
 lossless; a target replica that fails leaves its sequences out of the step (they move and run
 again next step).
 
-Drafting ahead (``ahead`` > 0): while the target verifies, the draft guesses each greedy
-sequence's verdict and drafts the step after it for each guess (draft_service/ahead.py); where the
-verdict matches a guess, the next step uses those drafts and skips its Propose. A failed or
-missing guess costs nothing but that: the step proposes as usual.
-
 Prompt lookup (``lookup`` > 0): where the history's last tokens occurred before in the request,
 the tokens that followed them are the step's drafts and it skips its Propose (coordinator/lookup.py).
 With a shared index (``shared``), where the request's own history has no match, the texts of
@@ -24,6 +19,7 @@ import time
 
 import grpc
 
+from specbatch.config.speculation import SpeculationConfig
 from specbatch.protocol.speculation import MAX_K
 from specbatch.v1 import model_services_pb2 as services_pb
 
@@ -38,39 +34,17 @@ from .stats import StepStats
 log = logging.getLogger(__name__)
 
 
-# Drafting ahead: the most guesses one ProposeAhead call drafts after (each a row of the draft's
-# batch for k forwards). On the 2-core Xeon, guessing on a chain of 2 with k = 2 took 5.7 / 6.4 /
-# 8.0 ms for 3 / 6 / 12 guesses, well inside a ~25 ms batch-1 verify; far more would make the step
-# wait for the draft.
-AHEAD_ROWS = 16
-# The ahead call leaves this long after the Verify: sent at once, the two services and the
-# coordinator all wanted a core as the verify started, and each step waited ~1 ms longer for its
-# verdict (2 cores; docs/engine.md, "Drafting ahead"). The guessing still ends inside the verify.
-AHEAD_DELAY_SECONDS = 0.002
-
-
 class DecodeStep:
-    def __init__(self, placement: Placement, policy, max_context: int, feature_row_bytes: int, metrics=None,
-                 leaves: int = 0, unsure_below: float = 0.0, ahead: int = 0, ahead_rows: int = AHEAD_ROWS,
-                 lookup: int = 0, shared: SharedLookup | None = None):
+    def __init__(self, placement: Placement, policy, speculation: SpeculationConfig, max_context: int,
+                 feature_row_bytes: int, metrics=None):
         self.placement = placement
-        self.policy = policy
+        self.policy = policy  # the k policy speculation.k_policy names (coordinator/policy.py)
+        self.speculation = speculation.resolved()
         self.max_context = max_context
         self.feature_row_bytes = feature_row_bytes  # 0 unless the draft reads target features
         self.metrics = metrics
-        # The most leaves at the first drafted position (the draft's next-best tokens there,
-        # verified beside the chain): where the target rejects the first draft for one of them,
-        # the step keeps it. The draft proposes this many; the policy picks how many are verified.
-        self.leaves = leaves
-        # Where the draft's first token has probability below this, it drafts that token alone and
-        # offers its next-best tokens in the rows the rest of the chain would have taken.
-        self.unsure_below = unsure_below
-        # Drafting ahead: tokens guessed at each chain position (0: off), within ahead_rows guesses a call.
-        self.ahead, self.ahead_rows = ahead, ahead_rows
-        # Prompt lookup: the most tokens a chain copied from the request's history drafts (0: off).
-        self.lookup = lookup
-        # Shared lookup: finished requests' texts, searched where a request's own has no match (None: off).
-        self.shared = shared
+        # Shared lookup: finished requests' texts, searched where a request's own has no match.
+        self.shared = SharedLookup(self.speculation.shared_lookup) if self.speculation.shared_lookup else None
 
     def leaves_for(self, request: Request, k: int, batch_size: int) -> tuple[int, int]:
         """For a request drafting k: how many next-best tokens the draft proposes at the first
@@ -81,7 +55,7 @@ class DecodeStep:
         room = self.max_context - len(request.history) - 1 - k
         if request.fixed_leaves is not None:
             return (leaves := max(min(request.fixed_leaves, room), 0)), leaves
-        most = max(min(self.leaves, room), 0)
+        most = max(min(self.speculation.leaves, room), 0)
         return most, self.policy.leaves_for(batch_size, k, most) if most else 0
 
     def k_for(self, request: Request, batch_size: int) -> int:
@@ -103,7 +77,7 @@ class DecodeStep:
         batch, up to twice the step's k: its lookup spares the step's only draft call, and its runs
         are long. Beside others, up to k: the Propose happens anyway, and the batch's verify rows
         stay what the policy chose (at batch 4, chains of 2k read no faster than k=1 alone)."""
-        most = min(self.lookup if request.prompt_lookup is None else request.prompt_lookup,
+        most = min(self.speculation.prompt_lookup if request.prompt_lookup is None else request.prompt_lookup,
                    (2 if batch_size == 1 else 1) * k, self._room(request))
         if most <= 0:  # k = 0 too: it does not speculate this step
             return None
@@ -126,12 +100,9 @@ class DecodeStep:
         """One draft → verify → accept step over ``batch`` (every request placed on a target)."""
         start = time.perf_counter()
         ks = [self.k_for(r, len(batch)) for r in batch]
-        # Drafts made ahead, where the draft guessed the last verdict (greedy only), else drafts
-        # found by prompt lookup: no Propose for them.
-        ready = [r.ready_drafts[:k] if r.ready_drafts and k else None for r, k in zip(batch, ks)]
-        looked_up = [self.lookup_drafts(r, k, len(batch)) if drafts is None else None
-                     for r, k, drafts in zip(batch, ks, ready)]
-        ready = [drafts if drafts is not None else found[0] if found else None for drafts, found in zip(ready, looked_up)]
+        # Drafts found by prompt lookup: no Propose for them.
+        looked_up = [self.lookup_drafts(r, k, len(batch)) for r, k in zip(batch, ks)]
+        ready = [found[0] if found else None for found in looked_up]
         leaves = [self.leaves_for(r, k, len(batch)) if drafts is None else (0, 0)
                   for r, k, drafts in zip(batch, ks, ready)]
         proposing = time.perf_counter()  # the choices above are the step's own work, not the draft's
@@ -139,12 +110,8 @@ class DecodeStep:
             batch, ks, [[most] if most else [] for most, _ in leaves], ready)
         drafted = time.perf_counter()
         calls = [Call(r.seq_id, r.target_len, r.history[r.target_len :]) for r in batch]
-        verified_leaves = [self._leaves_to_verify(at, tokens, k, *counts)
-                           for at, tokens, k, counts in zip(next_best, proposed, ks, leaves)]
-        guessing = {replica: (idx, self.placement.pool.submit(call))  # beside the verify
-                    for replica, (idx, call) in self._ahead_calls(batch, proposed, ks, draft_cached_len).items()}
+        verified_leaves = [self._leaves_to_verify(at, verified) for at, (_, verified) in zip(next_best, leaves)]
         verdicts, target_compute = self._verify(batch, calls, proposed, proposed_q, verified_leaves)
-        guesses = self._finish_ahead(batch, guessing)
         verified = time.perf_counter()
         outcomes = []  # (drafted, accepted) of each sequence the draft drafted for: what the policy learns from
         lookup_outcomes = []  # the same of each chain found by prompt lookup
@@ -152,11 +119,8 @@ class DecodeStep:
         stepped_ks = []  # the k each stepped sequence drafted
         first_rejections = []  # rank of the target's token among the draft's next-best ones, at each rejected first draft
         leaf_chances = leaf_hits = 0  # first drafts rejected with leaves verified; and of those, leaves kept
-        ahead_guessed = ahead_hits = 0
-        for request, call, tokens, at, (most, _), tried, cached_len, verdict, guessed, found in zip(
-                batch, calls, proposed, next_best, leaves, verified_leaves, draft_cached_len, verdicts, guesses,
-                looked_up):
-            request.ready_drafts = None
+        for request, call, tokens, at, (most, _), tried, cached_len, verdict, found in zip(
+                batch, calls, proposed, next_best, leaves, verified_leaves, draft_cached_len, verdicts, looked_up):
             if verdict is None:  # its target replica failed this step: it runs again once placed
                 continue
             stepped_ks.append(len(tokens))
@@ -173,12 +137,6 @@ class DecodeStep:
             request.target_len = verdict.cached_len
             if request.features is not None:
                 request.features.store(call.keep_len, verdict.features)
-            if guessed is not None:  # the draft kept what it was sent; a verdict it guessed has drafts ready
-                cached_len, by_verdict = guessed
-                ahead_guessed += 1
-                if not leaf:
-                    request.ready_drafts = by_verdict.get((accepted, verdict.next_token))
-                    ahead_hits += request.ready_drafts is not None
             if tokens:
                 # What the draft cached past the history is valid as far as its drafts were accepted
                 # (a plain draft fed itself its first k-1 proposals; an EAGLE-style one keeps none).
@@ -203,72 +161,15 @@ class DecodeStep:
                 1e3 * (drafted - proposing), 1e3 * (verified - drafted), 1e3 * (ended - start)))
         return StepStats(len(stepped_ks), stepped_ks, outcomes, drafted - start, verified - drafted,
                          ended - start, draft_compute, target_compute, leaf_chances, leaf_hits,
-                         ahead_guessed, ahead_hits, lookup_outcomes, shared_lookup_outcomes)
-
-    # ---- draft ahead -------------------------------------------------------------------------------
-
-    def _ahead_calls(self, batch: list[Request], proposed: list[list[int]], ks: list[int],
-                     draft_cached_len: list[int]) -> dict:
-        """One ProposeAhead per draft replica for the greedy sequences that drafted, to run beside
-        the verify: ``{replica: (their indices, the call)}`` (empty: none this step)."""
-        if self.placement.draft_replicas is None:
-            return {}
-        wanted = [self.ahead if r.draft_ahead is None else r.draft_ahead for r in batch]
-        chosen = [i for i, tokens in enumerate(proposed)
-                  if tokens and wanted[i] and batch[i].sampling.greedy and batch[i].draft_replica is not None]
-        positions = sum(len(proposed[i]) + 1 for i in chosen)
-        share = self.ahead_rows // positions if positions else 0  # guesses a position, within ahead_rows
-        chosen = [i for i in chosen if min(wanted[i], share)]
-        if not chosen:
-            return {}
-
-        calls = {}
-        for replica, idx in by_draft_replica(batch, chosen).items():
-            if replica is None:
-                continue
-
-            # Built here, before the Verify, so the thread that sends it needs little Python.
-            # Each sequence's uncached tokens (where a Propose this step cached them all, the last
-            # is fed again: a call feeds one at least) with their target features.
-            sequences = [self._draft_call(batch[i], min(draft_cached_len[i], len(batch[i].history) - 1)) for i in idx]
-            request = replica.client.ahead_request(sequences, [proposed[i] for i in idx],
-                                                   [min(wanted[i], share) for i in idx], [max(ks[i], 1) for i in idx])
-            timeout = call_timeout([batch[i] for i in idx], replica.client.timeout)[0]
-
-            def ahead(client=replica.client, request=request, timeout=timeout):
-                time.sleep(AHEAD_DELAY_SECONDS)  # the Verify first (see AHEAD_DELAY_SECONDS)
-                return client.propose_ahead(request, timeout)
-
-            calls[replica] = (idx, ahead)
-        return calls
-
-    def _finish_ahead(self, batch: list[Request], pending) -> list:
-        """Per request: None, or (the draft's cached length, {(accepted, next token): drafts})."""
-        guesses: list = [None] * len(batch)
-        for replica, (idx, job) in pending.items():
-            try:
-                result = job.result()
-            except grpc.RpcError as error:  # lossless: the next step proposes as usual
-                log.warning("draft-ahead on %s failed: %s", replica.address, error.code().name)
-                if lost_state(error):
-                    for i in idx:
-                        batch[i].draft_len = 0
-                continue
-            for i, proposal in zip(idx, result.proposals):
-                guesses[i] = (proposal.cached_len, {(g.accepted, g.next_token): list(g.tokens)
-                                                    for g in proposal.guesses})
-        return guesses
+                         lookup_outcomes, shared_lookup_outcomes)
 
     @staticmethod
-    def _leaves_to_verify(next_best, tokens: list[int], k: int, most: int, verified: int) -> list[list[int]]:
+    def _leaves_to_verify(next_best, verified: int) -> list[list[int]]:
         """The leaves one request's Verify carries (``next_best``: the Proposal's Leaves): the first
-        ``verified`` of the draft's next-best tokens at the first position, and where the draft was
-        unsure (it proposed one token for k), also those it added past the ``most`` asked for."""
-        if not next_best:
+        ``verified`` of the draft's next-best tokens at the first position."""
+        if not next_best or not verified:
             return []
-        offered = list(next_best[0].tokens)
-        count = verified + (len(offered) - most if len(tokens) < k else 0)
-        return [offered[:count]] if count else []
+        return [list(next_best[0].tokens)[:verified]]
 
     # ---- verify ------------------------------------------------------------------------------------
 
@@ -328,9 +229,9 @@ class DecodeStep:
         proposed_leaves: list = [() for _ in batch]
         cached_len = [0] * len(batch)
         for i, drafts in enumerate(ready):
-            if drafts is not None:  # drafted ahead or looked up; the draft holds what it held
+            if drafts is not None:  # looked up; the draft holds what it held
                 proposed[i], cached_len[i] = drafts, batch[i].draft_len
-                if not batch[i].sampling.greedy:  # looked up (drafts ahead are greedy only): a point mass
+                if not batch[i].sampling.greedy:  # a point mass
                     proposed_q[i] = [services_pb.DraftDistribution(token_ids=[token], probs=[1.0]) for token in drafts]
         speculating = [i for i, k in enumerate(ks) if k > 0 and ready[i] is None and self._can_draft(batch[i])]
         if not speculating or self.placement.draft_replicas is None:
@@ -373,9 +274,7 @@ class DecodeStep:
                 return replica.client.propose([self._draft_call(r) for r in group], [ks[i] for i in idx],
                                               [r.sampling for r in group],
                                               timeout=call_timeout(group, replica.client.timeout)[0],
-                                              leaves=[leaves[i] for i in idx],
-                                              unsure_below=[self.unsure_below if r.unsure_below is None
-                                                            else r.unsure_below for r in group])
+                                              leaves=[leaves[i] for i in idx])
             except grpc.RpcError as error:
                 if attempt or not lost_state(error):
                     raise

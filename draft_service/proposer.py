@@ -20,7 +20,7 @@ from specbatch.engine.sampling import (
 )
 from specbatch.kernels.layers import argmax
 from specbatch.protocol.errors import InvalidRequest
-from specbatch.protocol.speculation import MAX_K, MAX_LEAVES, leaf_option_problems
+from specbatch.protocol.speculation import MAX_K, MAX_LEAVES
 
 # How many of its most likely tokens the draft samples among, for a sampled request: q' is q cut
 # to them. Exact whatever the size (the target is told q'); larger keeps more of q's tail, which
@@ -36,10 +36,6 @@ class ProposeItem:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     # How many leaves to propose at each of the first drafted positions (none past the list).
     leaves: list[int] = field(default_factory=list)
-    # Where the draft's first token has probability below this, it drafts that token alone and
-    # offers k - 1 more leaves beside it instead: the same rows on the target, spent where they
-    # hit more often (a second token after an unlikely first is seldom kept). 0: never.
-    unsure_below: float = 0.0
 
 
 @dataclass
@@ -84,7 +80,7 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
         if len(item.leaves) > item.k or not all(0 <= n <= MAX_LEAVES for n in item.leaves):
             raise InvalidRequest(f"sequence {item.seq.seq_id!r}: leaves at {len(item.leaves)} positions for k = "
                                  f"{item.k}, each 0 to {MAX_LEAVES} (got {item.leaves})")
-        problems = leaf_option_problems(unsure_below=item.unsure_below) + item.sampling.problems()
+        problems = item.sampling.problems()
         if problems:
             raise InvalidRequest(f"sequence {item.seq.seq_id!r}: " + "; ".join(problems))
     extra_tokens = [item.k - 1 for item in items]
@@ -110,10 +106,8 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
 
     everyone = len(sampled) == len(items)  # then no argmax, and no copy of the sampled rows
     # Leaves: per drafted position, the most any row asks for, and the draft's ranked columns there.
-    first_leaves = [min(MAX_LEAVES, (item.leaves[0] if item.leaves else 0) + (item.k - 1 if item.unsure_below else 0))
-                    for item in items]  # at the first position, as many as an unsure row would offer
-    most_leaves = [max(first_leaves)] + [max(item.leaves[step] if step < len(item.leaves) else 0 for item in items)
-                                         for step in range(1, steps + 1)]
+    most_leaves = [max(item.leaves[step] if step < len(item.leaves) else 0 for item in items)
+                   for step in range(steps + 1)]
     ranked = {}
 
     def pick(logits: torch.Tensor, step: int) -> torch.Tensor:
@@ -128,26 +122,20 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
             supports.append((support, probs))
         return columns if to_token is None else to_token[columns]
 
-    first = batch.prefill(1)[:, -1]
-    tokens = pick(first, 0)
-    unsure = [False] * len(items)
-    if any(item.unsure_below and item.k > 1 for item in items):
-        confidence = first.float().softmax(-1).amax(-1).tolist()  # the draft's top probability, before any cut
-        unsure = [item.k > 1 and confidence[i] < item.unsure_below for i, item in enumerate(items)]
+    tokens = pick(batch.prefill(1)[:, -1], 0)
     drafted = [tokens]
-    for step in range(steps if not all(unsure) else 0):  # unsure rows ride along while others draft on
+    for step in range(steps):
         features = batch.last_hidden()[:, -1] if reads_features else None
         tokens = pick(batch.decode(tokens, features), step + 1)
         drafted.append(tokens)
     table = torch.stack(drafted, dim=1).tolist()
     decoded = len(drafted) - 1
     batch.commit([len(item.seq.tokens) + (0 if reads_features else min(item.k - 1, decoded)) for item in items])
-    results = [Proposal(row[: 1 if unsure[i] else item.k]) for i, (row, item) in enumerate(zip(table, items))]
+    results = [Proposal(row[: item.k]) for row, item in zip(table, items)]
     ranked = {step: (columns if to_token is None else to_token[columns]).tolist() for step, columns in ranked.items()}
     for i, item in enumerate(items):
-        counts = [first_leaves[i]] if unsure[i] else item.leaves
         results[i].leaves = [[token for token in ranked[step][i] if token != table[i][step]][:n] if n else []
-                             for step, n in enumerate(counts)]
+                             for step, n in enumerate(item.leaves)]
     if sampled:
         support = torch.stack([s for s, _ in supports], dim=1)  # [S, steps + 1, N], most likely first
         if to_token is not None:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from specbatch.rpc.server import engine_errors_to_status
-from specbatch.service.model_service import CacheServicer, distribution_to_proto, sampling_from_proto, sequence_inputs
+from specbatch.service.servicer import CacheServicer, distribution_to_proto, sampling_from_proto, sequence_inputs
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 
-from .ahead import AheadItem, propose_ahead
 from .proposer import ProposeItem, proposals
 
 
@@ -18,7 +17,7 @@ class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
     @engine_errors_to_status
     def Propose(self, request, context):
         seqs = sequence_inputs((item.sequence for item in request.items), self.engine.feature_size)
-        items = [ProposeItem(seq, item.k, sampling_from_proto(item.sampling), list(item.leaves), item.unsure_below)
+        items = [ProposeItem(seq, item.k, sampling_from_proto(item.sampling), list(item.leaves))
                  for seq, item in zip(seqs, request.items)]
         drafts, seconds = self.observed("Propose", len(items), proposals, self.engine, items)
         return pb.ProposeResponse(
@@ -27,21 +26,6 @@ class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
                             distributions=[distribution_to_proto(d) for d in proposal.distributions],
                             leaves=[pb.Leaves(tokens=at) for at in proposal.leaves])
                 for item, proposal in zip(items, drafts)
-            ],
-            compute_seconds=seconds,
-        )
-
-    @engine_errors_to_status
-    def ProposeAhead(self, request, context):
-        seqs = sequence_inputs((item.sequence for item in request.items), self.engine.feature_size)
-        items = [AheadItem(seq, list(item.chain), item.guesses, item.k) for seq, item in zip(seqs, request.items)]
-        guesses, seconds = self.observed("ProposeAhead", len(items), propose_ahead, self.engine, items)
-        return pb.AheadResponse(
-            proposals=[
-                pb.AheadProposal(seq_id=item.seq.seq_id, cached_len=self.engine.length(item.seq.seq_id),
-                                 guesses=[pb.Guess(accepted=g.accepted, next_token=g.next_token, tokens=g.tokens)
-                                          for g in item_guesses])
-                for item, item_guesses in zip(items, guesses)
             ],
             compute_seconds=seconds,
         )

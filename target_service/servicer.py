@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from specbatch.models.eagle import target_feature_size
 from specbatch.rpc.server import engine_errors_to_status
-from specbatch.service.model_service import (
+from specbatch.service.servicer import (
     CacheServicer,
     distribution_from_proto,
     features_to_bytes,

@@ -14,6 +14,7 @@ from test_exactness import prompts_of_lengths, run_staggered_and_check
 from test_profile import gpu_like, synthetic_profile
 
 from coordinator import app
+from specbatch.config.speculation import SpeculationConfig
 from specbatch.rpc.client import generate, make_request
 from specbatch.stack.in_process import start_local_stack
 from specbatch.v1 import generation_pb2 as pb
@@ -33,8 +34,7 @@ def profile_path(tmp_path):
 
 @pytest.mark.parametrize("policy", ["profile", "goodput"])
 def test_greedy_output_is_exact_while_k_follows_the_batch(target_model, draft_model, tokenizer, profile_path, policy):
-    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=128,
-                              policy=policy, profile=str(profile_path))
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=128, speculation=SpeculationConfig(k_policy=policy, profile=str(profile_path)))
     try:
         client = stack.client()
         lengths = [1 + (i * 7) % 41 for i in range(16)]
@@ -52,8 +52,8 @@ def test_greedy_output_is_exact_while_k_follows_the_batch(target_model, draft_mo
 
 
 def test_info_reports_the_profile_and_takes_up_a_new_one(target_model, draft_model, tokenizer, profile_path):
-    stack = start_local_stack(target_model, draft_model, tokenizer, policy="profile", profile=str(profile_path),
-                              profile_poll_seconds=0.05)
+    stack = start_local_stack(target_model, draft_model, tokenizer,
+                              profile_poll_seconds=0.05, speculation=SpeculationConfig(k_policy="profile", profile=str(profile_path)))
     try:
         client = stack.client()
         info = client.Info(pb.InfoRequest())

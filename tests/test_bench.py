@@ -23,8 +23,8 @@ from specbatch.commands.bench.traffic import (
     poisson_arrivals,
     prompt_order,
     run_closed_loop,
-    run_open_loop,
 )
+from specbatch.config.speculation import SpeculationConfig
 
 
 def test_poisson_arrivals_are_seeded_and_at_the_rate():
@@ -145,7 +145,7 @@ def policy_coordinators(stack, tokenizer, tmp_path, policies: tuple[str, ...]) -
     profile = tmp_path / "profile.json"
     synthetic_profile(gpu_like, [0.9, 0.85, 0.8, 0.75], sizes=(1, 2, 4, 8)).save(profile)
     services = (f"127.0.0.1:{stack.target.port}", f"127.0.0.1:{stack.draft.port}")
-    return {p: build_coordinator(*services, tokenizer, policy=p, profile=str(profile), max_batch_size=8)
+    return {p: build_coordinator(*services, tokenizer, max_batch_size=8, speculation=SpeculationConfig(k_policy=p, profile=str(profile)))
             for p in policies}
 
 
@@ -193,7 +193,7 @@ def test_bench_compares_every_mode_under_every_traffic(stack, tokenizer, tmp_pat
 
 
 def test_bench_needs_a_profile_for_the_policies(capsys):
-    assert cli.main(["bench", "--policies", "goodput"]) == 2
+    assert cli.main(["bench", "--policies", "goodput", "--target-model", "a-model-without-a-shipped-profile"]) == 2
     assert "need --profile" in capsys.readouterr().out
 
 

@@ -10,7 +10,6 @@ SPECBATCH_RENDERER=python forces deploy/render.py.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import fnmatch
 import functools
@@ -25,11 +24,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import kubernetes_validate
 import pytest
 import yaml
+
+from specbatch.config.options import parser_for
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -289,29 +289,14 @@ def test_profile_is_mounted_as_a_file(overlay):
     Profile.from_dict(json.loads(profile["data"]["profile.json"]), "the profile ConfigMap")
 
 
-def _parse_with_real_cli(module: str, args: list[str]) -> argparse.Namespace:
-    """Run the module's own main() up to its argument parsing: an unknown flag exits there."""
-    main = importlib.import_module(f"{module}.__main__").main
-
-    class Parsed(Exception):
-        pass
-
-    real = argparse.ArgumentParser.parse_args
-
-    def capture(self, argv=None, namespace=None):
-        raise Parsed(real(self, argv, namespace))
-
-    with mock.patch.object(argparse.ArgumentParser, "parse_args", capture), pytest.raises(Parsed) as caught:
-        main(args)
-    return caught.value.args[0]
-
-
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_flag_is_one_the_service_accepts(overlay):
+    """The manifests' args are parsed by the program's own parser, derived from the one declaration
+    of every option (specbatch.config.options): an unknown flag or a bad value fails here."""
     for deployment in by_kind(rendered(overlay), "Deployment").values():
         for container in pod(deployment)["containers"]:
             for module, args in service_args(container):
-                parsed = _parse_with_real_cli(module, args)
+                parsed = parser_for(module.removesuffix("_service")).parse_args(args)
                 assert parsed.host == "0.0.0.0"
 
 

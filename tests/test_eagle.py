@@ -10,11 +10,12 @@ import random
 
 import pytest
 import torch
-from tiny import EOS, VOCAB, greedy_mixed_batch, greedy_reference, random_prompts
+from tiny import VOCAB, greedy_mixed_batch, greedy_reference, random_prompts
 
 from draft_service.proposer import ProposeItem, propose
 from specbatch.commands.distill.config import DistillConfig, amp_dtype
 from specbatch.commands.distill.run import distill
+from specbatch.config.speculation import SpeculationConfig
 from specbatch.engine.batch import SequenceInput
 from specbatch.engine.engine import Engine
 from specbatch.models.eagle import draft_from_target, reads_target_features
@@ -169,18 +170,15 @@ def decode_exactly(stack, target_model, seed: int, count: int, k: int) -> list:
     return results
 
 
-@pytest.mark.parametrize("eagle, leaves, unsure_below", [(True, 3, 0.0), (False, 3, 0.0), (True, 0, 0.5),
-                                                         (False, 1, 0.5)])
-def test_greedy_output_with_leaves_matches_generate(target_model, eagle_draft, draft_model, tokenizer, eagle, leaves,
-                                                    unsure_below):
-    """Leaves beside the first drafted token, through the services (asked for, or where the draft
-    is unsure of its first token): kept leaves move their keys and values (and, for an EAGLE
-    draft, their features) into the history; every output is still token-identical to
-    target-only decoding."""
+@pytest.mark.parametrize("eagle, leaves", [(True, 3), (False, 3), (False, 1)])
+def test_greedy_output_with_leaves_matches_generate(target_model, eagle_draft, draft_model, tokenizer, eagle, leaves):
+    """Leaves beside the first drafted token, through the services: kept leaves move their keys
+    and values (and, for an EAGLE draft, their features) into the history; every output is still
+    token-identical to target-only decoding."""
     from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, eagle_draft if eagle else draft_model, tokenizer, max_batch_size=4,
-                              max_new_tokens=64, leaves=leaves, unsure_below=unsure_below)
+                              max_new_tokens=64, speculation=SpeculationConfig(leaves=leaves))
     try:
         decode_exactly(stack, target_model, seed=9, count=8, k=2)
         totals = stack.coordinator.scheduler.totals
@@ -195,7 +193,7 @@ def test_int8_eagle_draft_keeps_the_output_exact(target_model, eagle_draft, toke
     from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=64,
-                              draft_engine_options={"int8_weights": True})
+                              draft_engine_options={"weights": "int8"})
     try:
         results = decode_exactly(stack, target_model, seed=7, count=6, k=3)
         assert sum(r.stats.draft_tokens_accepted for r in results) > 0
@@ -207,7 +205,7 @@ def test_int8_eagle_draft_keeps_the_output_exact(target_model, eagle_draft, toke
         stack.stop()
 
 
-@pytest.mark.parametrize("form", ["bf16_weights", "bf16_dot", "fp16_dot"])
+@pytest.mark.parametrize("form", ["bf16", "bf16-dot", "fp16-dot"])
 def test_bf16_weights_speculate_exactly_against_their_own_target_only_decoding(target_model, eagle_draft, tokenizer,
                                                                              form):
     """Target and draft with their weights kept in bf16 (float32 arithmetic on the panel kernel), or
@@ -220,23 +218,24 @@ def test_bf16_weights_speculate_exactly_against_their_own_target_only_decoding(t
 
     if not build.available():
         pytest.skip(f"no panel kernel here: {build.unavailable_reason()}")
-    if form == "bf16_dot" and not build.bf16_dot_available():
+    if form == "bf16-dot" and not build.bf16_dot_available():
         pytest.skip("the CPU lacks AVX512_BF16")
-    if form == "fp16_dot" and not build.fp16_dot_available():
+    if form == "fp16-dot" and not build.fp16_dot_available():
         pytest.skip("the CPU lacks AVX512_FP16")
     stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=8, max_new_tokens=64,
-                              target_engine_options={form: True}, draft_engine_options={form: True})
+                              target_engine_options={"weights": form}, draft_engine_options={"weights": form})
     try:
         outputs = {k: [r.token_ids for r in greedy_mixed_batch(stack, seed=11, k=k)] for k in (0, 3)}
         assert outputs[3] == outputs[0]
-        assert getattr(stack.target_engines[0].forward.layers[0].down, form)
-        assert getattr(stack.draft_engines[0].forward.fuse, form)
+        attribute = {"bf16": "bf16_weights"}.get(form, form.replace("-", "_"))
+        assert getattr(stack.target_engines[0].forward.layers[0].down, attribute)
+        assert getattr(stack.draft_engines[0].forward.fuse, attribute)
     finally:
         stack.stop()
     with pytest.raises(ValueError, match="bf16|float16"):
-        Engine(copy.deepcopy(target_model).to(torch.bfloat16), **{form: True})
+        Engine(copy.deepcopy(target_model).to(torch.bfloat16), weights=form)
     with pytest.raises(ValueError, match="bf16|float16"):
-        Engine(target_model, implementation="transformers", **{form: True})
+        Engine(target_model, implementation="transformers", weights=form)
 
 
 def test_eagle_draft_rebuilt_after_losing_its_state(eagle_stack, target_model, tokenizer):
@@ -279,7 +278,8 @@ def test_trained_only_export_reassembles_with_the_target(eagle_draft, target_mod
 def test_draft_service_process_serves_the_distilled_folder(distilled, target_model, tokenizer, tmp_path, zygote):
     """``python -m draft_service --model OUT/draft``: the checkpoint loads like any model."""
     from specbatch.rpc.client import connect
-    from specbatch.stack.launcher import LocalProcesses, StackOptions, free_port
+    from specbatch.stack.defaults import StackOptions, free_port
+    from specbatch.stack.processes import LocalProcesses
     from specbatch.v1 import generation_pb2 as gpb
 
     target_model.save_pretrained(tmp_path)
@@ -416,7 +416,7 @@ def test_fused_target_returns_layer_outputs_beside_its_final_state_and_the_same_
     assert torch.allclose(fused[:, -hidden:], plain, atol=1e-2)  # float16 on the way out
     for slot, layer in enumerate([0, 1]):  # hidden_states[i + 1] is layer i's output
         assert torch.allclose(fused[:, slot * hidden : (slot + 1) * hidden], reference.hidden_states[layer + 1][0], atol=1e-2)
-    from specbatch.service.model_service import features_to_bytes
+    from specbatch.service.servicer import features_to_bytes
 
     assert len(features_to_bytes(fused)) == len(prompt) * 2 * 3 * hidden  # float16 on the wire: 3× the bytes
 

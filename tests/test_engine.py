@@ -9,7 +9,7 @@ import pytest
 import torch
 from tiny import VOCAB, greedy_reference, hooked_forwards
 
-from draft_service.proposer import MAX_K, ProposeItem, proposals, propose
+from draft_service.proposer import MAX_K, ProposeItem, propose
 from specbatch.engine.batch import PADDED_ROWS_FREE, PADDED_ROWS_PER_TOKEN, SequenceInput, length_groups
 from specbatch.engine.engine import Engine
 from specbatch.engine.sampling import SamplingParams
@@ -207,28 +207,6 @@ def test_leaves_keep_greedy_output_exact_and_the_cache_right(target_model):
     engine.release(["blocker"])
     decodings = [Decoding(f"t{i}", p, r, 0) for i, (p, r) in enumerate(zip(prompts, refs))]
     assert verify_steps(engine, decodings, random.Random(12), create_first=True, leaves=True)["leaf_hit"] >= 3
-
-
-def test_an_unsure_draft_proposes_one_token_and_leaves_in_the_rows_of_the_rest(draft_model):
-    """Below ``unsure_below`` (the draft's first-token probability), a row proposes that token alone
-    with k - 1 more leaves (its next-best tokens there); other rows of the call draft on as before.
-    A call whose rows are all unsure runs one forward and caches nothing past the history."""
-    prompts = random_prompts([6, 9], seed=21)
-    plain = proposals(Engine(draft_model), [ProposeItem(SequenceInput(f"s{i}", 0, p), 3) for i, p in enumerate(prompts)])
-    engine = Engine(draft_model)
-    mixed = proposals(engine, [ProposeItem(SequenceInput("s0", 0, prompts[0]), 3, leaves=[1], unsure_below=1.0),
-                               ProposeItem(SequenceInput("s1", 0, prompts[1]), 3)])
-    assert mixed[0].tokens == plain[0].tokens[:1] and len(mixed[0].leaves) == 1 and len(mixed[0].leaves[0]) == 3
-    assert plain[0].tokens[0] not in mixed[0].leaves[0]
-    assert mixed[1].tokens == plain[1].tokens and mixed[1].leaves == []
-    alone = Engine(draft_model)
-    (proposal,) = proposals(alone, [ProposeItem(SequenceInput("s0", 0, prompts[0]), 4, unsure_below=1.0)])
-    assert proposal.tokens == plain[0].tokens[:1] and len(proposal.leaves[0]) == 3
-    assert alone.length("s0") == len(prompts[0])  # one forward: nothing drafted was fed back
-    (sure,) = proposals(Engine(draft_model), [ProposeItem(SequenceInput("s0", 0, prompts[0]), 3, unsure_below=1e-9)])
-    assert sure.tokens == plain[0].tokens and sure.leaves == []
-    with pytest.raises(InvalidRequest, match="unsure_below"):
-        proposals(Engine(draft_model), [ProposeItem(SequenceInput("s0", 0, prompts[0]), 3, unsure_below=1.5)])
 
 
 def test_leaves_that_repeat_a_token_are_refused(target_model):
@@ -707,12 +685,12 @@ def test_int8_linears_approximate_the_product_and_are_refused_where_inexact_or_u
     approx = Int8Linear(weight, bias)(x)
     assert approx.shape == exact.shape
     assert 0 < (approx - exact).norm() / exact.norm() < 0.05
-    engine = Engine(target_model, int8_weights=True)
+    engine = Engine(target_model, weights="int8")
     qkv = engine.forward.layers[0].qkv  # the panel kernel's int8 form where the CPU has AVX512_VNNI, else fbgemm's
     assert getattr(qkv, "int8_dot", False) or type(qkv).__name__ == "Int8Linear"
     with pytest.raises(ValueError, match="int8"):
-        Engine(target_model, int8_weights=True, implementation="transformers")
+        Engine(target_model, weights="int8", implementation="transformers")
     import copy
 
     with pytest.raises(ValueError, match="int8"):
-        Engine(copy.deepcopy(target_model).to(torch.bfloat16), int8_weights=True)
+        Engine(copy.deepcopy(target_model).to(torch.bfloat16), weights="int8")

@@ -19,7 +19,7 @@ from tiny import greedy_reference
 
 from specbatch.rpc.client import connect, generate, make_request
 from specbatch.rpc.server import wait_until_serving
-from specbatch.stack.launcher import free_port
+from specbatch.stack.defaults import free_port
 from specbatch.v1 import generation_pb2 as gen_pb
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc

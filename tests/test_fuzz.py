@@ -114,10 +114,6 @@ FIELDS = {
         st.one_of(st.none(), st.integers(0, MAX_LEAVES)),
         st.one_of(int32, st.sampled_from([-1, MAX_LEAVES + 1, INT32_MAX, INT32_MIN])),
     ),
-    "unsure_below": (
-        st.one_of(st.none(), st.floats(0.0, 1.0, width=32)),
-        st.one_of(st.sampled_from(special_floats + [1.0000001, 2.0]), st.floats(width=32)),
-    ),
     "stop": (
         st.one_of(st.just([]), st.lists(valid_stop, max_size=3)),
         st.one_of(st.lists(stop_string, max_size=4), st.lists(stop_string, min_size=15, max_size=20)),
@@ -160,8 +156,6 @@ def build(fields: dict) -> pb.GenerateRequest:
         message.k = fields["k"]
     if fields["leaves"] is not None:
         message.leaves = fields["leaves"]
-    if fields["unsure_below"] is not None:
-        message.unsure_below = fields["unsure_below"]
     kind, value = fields["prompt"]
     if kind == "token_ids":
         message.token_ids.SetInParent()
@@ -214,7 +208,6 @@ def oracle(message: pb.GenerateRequest, tokenizer) -> tuple[list[int] | None, st
         (s.top_k >= 0, "negative top_k"),
         (not message.HasField("k") or 0 <= message.k <= MAX_K, "k out of range"),
         (not message.HasField("leaves") or 0 <= message.leaves <= MAX_LEAVES, "leaves out of range"),
-        (not message.HasField("unsure_below") or 0.0 <= message.unsure_below <= 1.0, "unsure_below out of range"),
         (len(message.stop) <= 16 and all(1 <= len(x) <= 256 for x in message.stop), "bad stop strings"),
         (all(0 <= t < VOCAB for t in message.stop_token_ids), "stop token outside the vocabulary"),
     ]

@@ -77,8 +77,8 @@ def test_rope_writes_keys_and_values_rounded_as_torch_rounds_them(threads):
 
 
 @pytest.mark.parametrize("form", [pytest.param({}, id="float32"),
-                                  pytest.param({"bf16_weights": True}, id="bf16-weights"),
-                                  pytest.param({"bf16_dot": True}, id="bf16-dot", marks=pytest.mark.skipif(
+                                  pytest.param({"weights": "bf16"}, id="bf16-weights"),
+                                  pytest.param({"weights": "bf16-dot"}, id="bf16-dot", marks=pytest.mark.skipif(
                                       not build.bf16_dot_available(), reason="the CPU lacks AVX512_BF16"))])
 def test_the_engine_keeps_bf16_keys_and_values_near_its_float32_ones(form):
     """The pool holds bfloat16, the layers in one call are bitwise the Python loop over it, and the

@@ -13,11 +13,12 @@ from test_engine import FakeClock
 from test_exactness import prompts_of_lengths
 from tiny import greedy_reference
 
+from specbatch.config.options import parser_for
 from specbatch.engine.batch import SequenceInput
 from specbatch.engine.engine import Engine
 from specbatch.rpc.client import generate_all, make_request
 from specbatch.service.metrics import ServiceMetrics
-from specbatch.service.model_service import SequenceLeases, model_service_parser
+from specbatch.service.servicer import SequenceLeases
 from specbatch.stack.in_process import start_local_stack
 
 
@@ -34,7 +35,7 @@ def test_sweep_reclaims_on_the_model_thread_counts_and_logs(target_model, caplog
     engine.reclaim_idle = lambda max_idle: threads.append(threading.current_thread().name) or original(max_idle)
     assert leases.sweep() == []
     clock.now += 31
-    caplog.set_level(logging.WARNING, logger="specbatch.service.model_service")
+    caplog.set_level(logging.WARNING, logger="specbatch.service.servicer")
     assert sorted(leases.sweep()) == ["old", "older"]
     assert list(engine.sequences) == ["new"]
     assert all(name.startswith("model") for name in threads)  # never beside a forward
@@ -43,7 +44,7 @@ def test_sweep_reclaims_on_the_model_thread_counts_and_logs(target_model, caplog
 
 
 def test_lease_flag():
-    parser = model_service_parser("target", 50052, "x")
+    parser = parser_for("target")
     assert parser.parse_args([]).sequence_lease_seconds == 300.0
     assert parser.parse_args(["--sequence-lease-seconds", "0"]).sequence_lease_seconds == 0
 

@@ -22,6 +22,7 @@ from coordinator.lookup import (
     SharedLookup,
     agreed,
 )
+from specbatch.config.speculation import SpeculationConfig
 from specbatch.rpc.client import generate, generate_all, make_request
 
 
@@ -76,7 +77,7 @@ def test_greedy_output_with_prompt_lookup_matches_generate_and_skips_proposes(ta
     from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, eagle_draft if eagle else draft_model, tokenizer, max_batch_size=4,
-                              max_new_tokens=64, prompt_lookup=4)
+                              max_new_tokens=64, speculation=SpeculationConfig(prompt_lookup=4))
     try:
         batch = repetitive_prompts(seed=7, count=6)
         options = [{}] * 4 + [{"prompt_lookup": 0}, {"k": 0}]
@@ -97,8 +98,7 @@ def test_sampled_requests_look_up_too(target_model, draft_model, tokenizer):
     time (their distribution: tests/test_speculative_sampling.py)."""
     from specbatch.stack.in_process import start_local_stack
 
-    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64,
-                              prompt_lookup=4)
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64, speculation=SpeculationConfig(prompt_lookup=4))
     try:
         prompt = repetitive_prompts(seed=9, count=1)[0]
         runs = [generate(stack.client(), make_request(prompt, 30, k=2, ignore_eos=True, temperature=0.3, seed=4))
@@ -121,8 +121,7 @@ def test_a_prompt_lookup_out_of_range_is_refused(target_model, draft_model, toke
     finally:
         stack.stop()
     with pytest.raises(ValueError, match="prompt_lookup"):
-        from coordinator.app import check_draft_options
-        check_draft_options(0, 0.0, 0, 99)
+        SpeculationConfig(prompt_lookup=99).check()
 
 
 def test_a_draft_that_forgets_its_sequences_between_looked_up_steps_costs_no_token(target_model, eagle_draft,
@@ -132,8 +131,7 @@ def test_a_draft_that_forgets_its_sequences_between_looked_up_steps_costs_no_tok
     is still target-only decoding."""
     from specbatch.stack.in_process import start_local_stack
 
-    stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=64,
-                              prompt_lookup=4)
+    stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=64, speculation=SpeculationConfig(prompt_lookup=4))
     try:
         responses = decode_while_the_draft_forgets(stack, target_model, repetitive_prompts(seed=11, count=1)[0])
         totals = stack.coordinator.scheduler.totals
@@ -222,8 +220,7 @@ def test_shared_lookup_drafts_from_finished_requests_and_output_is_unchanged(tar
     from it nor joins it."""
     from specbatch.stack.in_process import start_local_stack
 
-    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64,
-                              prompt_lookup=4, shared_lookup=10_000)
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64, speculation=SpeculationConfig(prompt_lookup=4, shared_lookup=10_000))
     try:
         client, shared = stack.client(), stack.coordinator.scheduler.decode.shared
         prompt = [1, 17, 23, 42, 8, 31]  # no token repeats: the request's own lookup finds nothing at first
@@ -256,8 +253,7 @@ def test_a_seeded_sampled_request_gives_the_same_tokens_whatever_the_shared_inde
                                                                                        draft_model, tokenizer):
     from specbatch.stack.in_process import start_local_stack
 
-    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64,
-                              prompt_lookup=4, shared_lookup=10_000)
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64, speculation=SpeculationConfig(prompt_lookup=4, shared_lookup=10_000))
     try:
         client, totals = stack.client(), stack.coordinator.scheduler.totals
         prompt = [1, 17, 23, 42, 8, 31]
@@ -273,8 +269,6 @@ def test_a_seeded_sampled_request_gives_the_same_tokens_whatever_the_shared_inde
 
 
 def test_a_shared_lookup_size_out_of_range_is_refused():
-    from coordinator.app import check_draft_options
-
     with pytest.raises(ValueError, match="shared_lookup"):
-        check_draft_options(0, 0.0, 0, 4, -1)
-    check_draft_options(0, 0.0, 0, 4, 100_000)
+        SpeculationConfig(shared_lookup=-1).check()
+    SpeculationConfig(shared_lookup=100_000).check()

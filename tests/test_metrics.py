@@ -19,13 +19,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from coordinator import metrics as coordinator_metrics
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.stats import StepStats
+from specbatch.config.options import parser_for
 from specbatch.engine.engine import Engine
 from specbatch.rpc import metrics as metrics_module
 from specbatch.rpc.logs import configure_logging
 from specbatch.rpc.metrics import serve_metrics, start_metrics_server
 from specbatch.rpc.server import Server
 from specbatch.service.metrics import ServiceMetrics
-from specbatch.service.model_service import model_service_parser
 from specbatch.v1 import model_services_pb2 as mpb
 from specbatch.v1 import model_services_pb2_grpc as mpb_grpc
 from target_service.servicer import TargetServicer
@@ -226,13 +226,13 @@ def test_services_and_coordinator_share_a_process_not_a_registry(target_model):
 # ---- flags ----------------------------------------------------------------------------------------
 
 def test_model_service_flags():
-    args = model_service_parser("draft", 50053, "m").parse_args(
+    args = parser_for("draft").parse_args(
         ["--metrics-port=9090", "--metrics-host=0.0.0.0", "--log-format=json"])
     assert (args.metrics_port, args.metrics_host, args.log_format) == (9090, "0.0.0.0", "json")
-    args = model_service_parser("target", 50052, "m").parse_args([])
+    args = parser_for("target").parse_args([])
     assert (args.metrics_port, args.metrics_host, args.log_format) == (None, "127.0.0.1", "text")
     with pytest.raises(SystemExit):
-        model_service_parser("target", 50052, "m").parse_args(["--log-format=xml"])
+        parser_for("target").parse_args(["--log-format=xml"])
 
 
 def test_metrics_port_taken(monkeypatch, caplog):

@@ -211,7 +211,7 @@ def test_dot_product_forms_are_refused_where_the_cpu_lacks_them(monkeypatch, for
     with pytest.raises(ValueError, match=flag):
         linear(weight, weights=weights)
     with pytest.raises(ValueError, match=flag):
-        Engine(tiny_llama(1, seed=0), **{form: True})
+        Engine(tiny_llama(1, seed=0), weights=weights)
 
 
 def _attention_inputs(batch, width, end, head_dim, seed, heads=9, kv_heads=3):
@@ -342,11 +342,11 @@ def test_a_prompt_prefills_to_the_same_bits_alone_or_beside_a_longer_one(other_l
 
 # ---- the decoder's layers in one call (decoder.c) ------------------------------------------------------
 
-FORMS = [pytest.param({}, id="float32"), pytest.param({"bf16_weights": True}, id="bf16-weights"),
-         pytest.param({"bf16_dot": True}, id="bf16-dot", marks=needs_bf16_dot),
-         pytest.param({"fp16_dot": True}, id="fp16-dot", marks=needs_fp16),
-         pytest.param({"int8_weights": True}, id="int8-dot", marks=needs_int8_dot),
-         pytest.param({"q4_1": True}, id="q4_1", marks=needs_bf16_dot)]
+FORMS = [pytest.param({}, id="float32"), pytest.param({"weights": "bf16"}, id="bf16-weights"),
+         pytest.param({"weights": "bf16-dot"}, id="bf16-dot", marks=needs_bf16_dot),
+         pytest.param({"weights": "fp16-dot"}, id="fp16-dot", marks=needs_fp16),
+         pytest.param({"weights": "int8"}, id="int8-dot", marks=needs_int8_dot),
+         pytest.param({"weights": "q4_1"}, id="q4_1", marks=needs_bf16_dot)]
 
 
 def _prompts_then_a_ragged_step(engine: Engine) -> list[torch.Tensor]:
@@ -384,8 +384,8 @@ def test_wide_calls_run_on_more_threads_with_the_same_bits():
     """Engine(wide_threads=2, wide_from_rows=R): a call of at least R rows runs its layers and head
     on 2 threads, smaller ones on the process's count; the kernels' results do not depend on the
     thread count, so the outputs are the narrow engine's bit for bit."""
-    narrow = Engine(tiny_llama(3, seed=7), max_sequences=2, bf16_weights=True)
-    wide = Engine(tiny_llama(3, seed=7), max_sequences=2, bf16_weights=True, wide_threads=2, wide_from_rows=8)
+    narrow = Engine(tiny_llama(3, seed=7), max_sequences=2, weights="bf16")
+    wide = Engine(tiny_llama(3, seed=7), max_sequences=2, weights="bf16", wide_threads=2, wide_from_rows=8)
     layers, threads_seen = wide.forward.decoder_layers, []
 
     def recording(*args):
@@ -420,7 +420,7 @@ def test_projections_off_the_panel_kernel_keep_the_python_loop(monkeypatch):
     """fbgemm's int8 layers (a CPU without AVX512_VNNI) and bf16 on oneDNN are not the kernels'."""
     assert Engine(tiny_llama(1, seed=0).to(torch.bfloat16)).forward.decoder_layers is None
     monkeypatch.setattr(build, "int8_dot_available", lambda: False)
-    assert Engine(tiny_llama(1, seed=0), int8_weights=True).forward.decoder_layers is None
+    assert Engine(tiny_llama(1, seed=0), weights="int8").forward.decoder_layers is None
 
 
 # ---- a layer's small operations (layer_ops.c) ---------------------------------------------------------

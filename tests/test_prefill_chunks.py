@@ -12,6 +12,7 @@ import pytest
 from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
 from tiny import VOCAB, greedy_reference
 
+from specbatch.config.speculation import SpeculationConfig
 from specbatch.rpc.client import generate_all, make_request
 
 CHUNK = 5
@@ -33,7 +34,7 @@ def test_greedy_output_with_chunked_prefill_matches_generate(target_model, draft
     from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, eagle_draft if eagle else draft_model, tokenizer, max_batch_size=4,
-                              max_new_tokens=64, prefill_chunk=CHUNK, leaves=2)
+                              max_new_tokens=64, prefill_chunk=CHUNK, speculation=SpeculationConfig(leaves=2))
     try:
         batch = prompts(6, seed=11)
         requests = [make_request(p, 12 + 3 * i, ignore_eos=True, k=0 if i == 4 else 2) for i, p in enumerate(batch)]
@@ -90,10 +91,11 @@ def test_the_flag_reaches_the_coordinator_and_a_negative_one_is_refused(capsys):
     import argparse
 
     from coordinator.app import main as coordinator_main
-    from specbatch.stack.launcher import LocalProcesses, add_stack_flags, stack_options
+    from specbatch.config.options import UP, add_options
+    from specbatch.stack.defaults import stack_options
+    from specbatch.stack.processes import LocalProcesses
 
-    parser = argparse.ArgumentParser()
-    add_stack_flags(parser)
+    parser = add_options(argparse.ArgumentParser(), UP)
     processes = LocalProcesses(stack_options(parser.parse_args(["--prefill-chunk", "256"])))
     spawned = []
     processes._spawn, processes.draft_address = (lambda name, module, flags: spawned.append(flags)), None

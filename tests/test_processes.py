@@ -13,16 +13,18 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tiny import greedy_reference
 
 from specbatch.commands import cli
+from specbatch.config.options import WIDE_THREADS_ENV, parser_for
 from specbatch.rpc.client import connect, generate, make_request
 from specbatch.rpc.reflection import register_v1_descriptor
-from specbatch.stack.launcher import (
+from specbatch.stack.defaults import (
+    EMBEDDED_GPU_PROFILE,
     WIDE_SPINCOUNT,
-    LocalProcesses,
     StackOptions,
     default_k_policy,
     free_port,
     threads_per_service,
 )
+from specbatch.stack.processes import LocalProcesses
 from specbatch.v1 import generation_pb2 as gpb
 
 
@@ -94,7 +96,7 @@ def test_stop_is_clean(tmp_path_factory, target_model, tokenizer):
     target_model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     ports = {"coordinator": free_port(), "target": free_port(), "draft": free_port()}
-    stack = LocalProcesses(StackOptions(target_model=str(folder), dtype="float32", no_draft=True, ports=ports)).start(timeout=180)
+    stack = LocalProcesses(StackOptions(target_model=str(folder), dtype="float32", draft_model="none", ports=ports)).start(timeout=180)
     children = [p for _, p in stack.processes]
     result = generate(connect(stack.address), make_request([1, 5, 6], 4, ignore_eos=True))
     assert len(result.token_ids) == 4
@@ -112,76 +114,92 @@ def test_stop_is_clean(tmp_path_factory, target_model, tokenizer):
     assert [p.returncode for p in children] == [0, 0]  # SIGTERM → graceful exit, not killed
 
 
-def test_threads_per_service_is_half_the_cores():
-    assert [threads_per_service(cores) for cores in (1, 2, 3, 4, 8, 16)] == [1, 1, 1, 2, 4, 8]
+def _on_a_cpu(monkeypatch, dot=True, kernels=True, native_bf16=True, cores=None) -> None:
+    """The machine as the stack's decisions see it: the engine's kernels built (``kernels``), dot
+    products as ``dot`` says (True: bf16, "fp16": float16 too, False: neither), ``cores`` cores."""
+    from specbatch.kernels import cpu
+
+    monkeypatch.setattr(cpu, "multiplies_bf16", lambda: native_bf16)
+    monkeypatch.setattr(cpu, "kernels_expected", lambda: kernels)
+    monkeypatch.setattr(cpu, "bf16_dot_expected", lambda: kernels and bool(dot))
+    monkeypatch.setattr(cpu, "fp16_dot_expected", lambda: kernels and dot == "fp16")
+    if cores is not None:
+        import specbatch.stack.defaults
+        import specbatch.stack.processes
+
+        for module in (specbatch.stack.defaults, specbatch.stack.processes):
+            monkeypatch.setattr(module, "available_cores", lambda: cores)
 
 
-def spawn_stack(monkeypatch, cores: int, options: StackOptions) -> dict:
-    """The three processes `specbatch up` would start with ``options`` on ``cores`` cores, recorded
-    instead of started: module -> (its command-line flags, its environment)."""
-    import specbatch.stack.launcher as launcher
-
+def _spawned(monkeypatch, options: dict, **machine) -> dict:
+    """The processes `specbatch up` would start with ``options`` on that machine, recorded instead
+    of started: module -> (its command-line flags, its environment)."""
+    _on_a_cpu(monkeypatch, **machine)
+    monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
     spawned = {}
-    monkeypatch.setattr(launcher, "available_cores", lambda: cores)
-    stack = LocalProcesses(options, lambda module, args, env: spawned.setdefault(module, (args, env)))
-    for name, module in (("target", "target_service"), ("draft", "draft_service"), ("coordinator", "coordinator")):
-        stack._spawn(name, module, [])
+    LocalProcesses(StackOptions(**{"k_policy": "fixed:3", "device": "cpu", **options}),
+                   lambda module, args, env: spawned.setdefault(module, (args, env))).start()
     return spawned
 
 
-@pytest.mark.parametrize("chosen, cores, service_threads", [(None, 8, "4"), (None, 2, "1"), (3, 8, "3"), (0, 8, None)])
-def test_launcher_pins_each_services_threads(monkeypatch, chosen, cores, service_threads):
+def _flag(command: list[str], flag: str) -> str | None:
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+@pytest.mark.parametrize("cores, threads", [(1, 1), (2, 1), (3, 1), (4, 2), (8, 4), (16, 8)])
+def test_threads_per_service_is_half_the_cores(monkeypatch, cores, threads):
+    _on_a_cpu(monkeypatch, cores=cores)
+    assert threads_per_service(StackOptions()) == threads
+    assert threads_per_service(StackOptions(threads=3)) == 3
+
+
+@pytest.mark.parametrize("chosen, cores, service_threads, spin", [(None, 8, "4", True), (None, 2, "1", True),
+                                                                  (3, 8, "3", True), (None, 1, "1", False),
+                                                                  (8, 8, "8", False)])
+def test_launcher_pins_each_services_threads(monkeypatch, chosen, cores, service_threads, spin):
     """`specbatch up` gives each model service its threads (flag and OMP_NUM_THREADS), the
-    coordinator one; 0 leaves torch's default and the environment alone."""
+    coordinator one; where a service has fewer threads than cores its calls go wide onto every core
+    (the service decides that), with idle OpenMP threads spinning only briefly between a forward's
+    parallel regions (GOMP_SPINCOUNT)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
-    spawned = spawn_stack(monkeypatch, cores, StackOptions(threads_per_service=chosen))
-    for module in ("target_service", "draft_service"):
-        command, env = spawned[module]
-        if service_threads is None:
-            assert "--threads" not in command and env["OMP_NUM_THREADS"] == "7"
-        else:
-            assert command[command.index("--threads") + 1] == service_threads == env["OMP_NUM_THREADS"]
-    command, env = spawned["coordinator"]
-    assert "--threads" not in command and env["OMP_NUM_THREADS"] == "1"
-
-
-@pytest.mark.parametrize("chosen_threads, chosen_wide, cores, wide", [
-    (None, None, 2, "2"), (None, None, 8, "8"), (None, None, 1, None), (0, None, 8, None), (None, 0, 8, None),
-    (1, 3, 8, "3")])
-def test_launcher_gives_big_calls_the_cores(monkeypatch, chosen_threads, chosen_wide, cores, wide):
-    """Within a step the draft computes, then the target: a service's calls may have every core
-    (--wide-threads, from one row: --wide-from-rows 1), with idle OpenMP threads spinning only
-    briefly (GOMP_SPINCOUNT) between them. Off where the services already take every core, or
-    where asked."""
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    spawned = spawn_stack(monkeypatch, cores, StackOptions(threads_per_service=chosen_threads, wide_threads=chosen_wide))
+    spawned = _spawned(monkeypatch, {"threads": chosen}, cores=cores)
     for module in ("target_service", "draft_service"):
         command, env = spawned[module]
-        if wide is None:
-            assert "--wide-threads" not in command and "GOMP_SPINCOUNT" not in env
-        else:
-            assert command[command.index("--wide-threads") + 1] == wide
-            assert command[command.index("--wide-from-rows") + 1] == "1"
-            assert env["GOMP_SPINCOUNT"] == str(WIDE_SPINCOUNT) and "OMP_WAIT_POLICY" not in env
-    assert "--wide-threads" not in spawned["coordinator"][0]
+        assert _flag(command, "--threads") == service_threads == env["OMP_NUM_THREADS"]
+        assert (env.get("GOMP_SPINCOUNT") == str(WIDE_SPINCOUNT)) is spin
+        assert (env.get(WIDE_THREADS_ENV) == str(cores)) is spin
+    command, env = spawned["coordinator"]
+    assert "--threads" not in command and env["OMP_NUM_THREADS"] == "1"
 
 
 def test_an_omp_wait_policy_in_the_environment_is_kept(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    spawned = spawn_stack(monkeypatch, 2, StackOptions(wide_from_rows=12))
-    command, env = spawned["target_service"]
+    _, env = _spawned(monkeypatch, {}, cores=2)["target_service"]
     assert env["OMP_WAIT_POLICY"] == "PASSIVE" and "GOMP_SPINCOUNT" not in env
-    assert command[command.index("--wide-from-rows") + 1] == "12"
+
+
+@pytest.mark.parametrize("threads, wide_env, wide", [(None, None, 0), (2, "4", 4), (1, "2", 2), (4, "4", 0),
+                                                    (2, None, 0)])
+def test_a_service_goes_wide_where_up_says_the_cores_are_its_while_it_computes(monkeypatch, threads, wide_env, wide):
+    """Within a step the draft computes, then the target: under `specbatch up` a service's calls may
+    take every core; a service on its own (a pod, say) keeps to its threads."""
+    import specbatch.service.main as service
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    if wide_env:
+        monkeypatch.setenv(WIDE_THREADS_ENV, wide_env)
+    else:
+        monkeypatch.delenv(WIDE_THREADS_ENV, raising=False)
+    argv = ["--device", "cpu"] + (["--threads", str(threads)] if threads else [])
+    settings = service.engine_settings("target", parser_for("target").parse_args(argv))
+    assert settings["threads"] == threads and settings["wide_threads"] == wide
 
 
 def test_services_take_a_thread_count():
-    from specbatch.service.model_service import model_service_parser
-
-    assert model_service_parser("target", 50052, "x").parse_args(["--threads", "3"]).threads == 3
-    wide = model_service_parser("target", 50052, "x").parse_args(["--wide-threads", "4", "--wide-from-rows", "16"])
-    assert (wide.wide_threads, wide.wide_from_rows) == (4, 16)
+    assert parser_for("target").parse_args(["--threads", "3"]).threads == 3
     with pytest.raises(SystemExit):  # refused before any model loads
         from target_service.__main__ import main
 
@@ -196,131 +214,83 @@ def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatc
     draft = tmp_path / "draft"
     draft.mkdir()
     (draft / "config.json").write_text(json.dumps({"model_type": "specbatch_eagle", "feature_layers": feature_layers}))
-    spawned = {}
-    monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
-    LocalProcesses(StackOptions(target_model=str(tmp_path / "target"), draft_model=str(draft), k_policy="fixed:3"),
-                   lambda module, args, env: spawned.setdefault(module, args)).start()
-    target = spawned["target_service"]
+    spawned = _spawned(monkeypatch, {"target_model": str(tmp_path / "target"), "draft_model": str(draft)})
+    target = spawned["target_service"][0]
     assert [flag for flag in target if flag == "--feature-layers"] == target_flags[:1]
     if target_flags:
-        assert target[target.index("--feature-layers") + 1] == target_flags[1]
-    assert "--feature-layers" not in spawned["draft_service"]
+        assert _flag(target, "--feature-layers") == target_flags[1]
+    assert "--feature-layers" not in spawned["draft_service"][0]
 
 
-@pytest.mark.parametrize("native_bf16, panel_kernel, bf16_dot, dtype, profile", [
-    (True, True, "fp16", None, "embedded-cpu-fp16dot.json"),
-    (True, True, True, None, "embedded-cpu-bf16dot.json"), (True, True, False, None, "embedded-cpu-bf16w.json"),
-    (False, True, False, None, "embedded-cpu-bf16w.json"),
-    (True, False, False, None, "embedded-cpu.json"), (False, False, False, None, "embedded-cpu-fp32.json"),
-    (True, True, True, "float32", "embedded-cpu-fp32.json"), (False, True, False, "bf16", "embedded-cpu.json")])
-def test_embedded_default_takes_the_profile_of_the_form_the_services_run(monkeypatch, native_bf16, panel_kernel,
-                                                                          bf16_dot, dtype, profile):
+@pytest.mark.parametrize("machine, options, target, draft", [
+    ({"dot": "fp16"}, {}, "fp16-dot", "int8"),
+    ({"dot": True}, {}, "bf16-dot", "int8"),
+    ({"dot": False}, {}, "bf16", "int8"),
+    ({"dot": False, "native_bf16": False}, {}, "bf16", "int8"),
+    ({"kernels": False}, {}, "model", "model"),
+    ({"kernels": False, "native_bf16": False}, {}, "model", "int8"),
+    ({"dot": True}, {"dtype": "float32"}, "model", "int8"),
+    ({"dot": True}, {"dtype": "bf16"}, "model", "model"),
+    ({"dot": "fp16"}, {"weights": "bf16-dot"}, "bf16-dot", "int8"),
+    ({"dot": True}, {"weights": "q4_1"}, "q4_1", "int8"),
+    ({"dot": True}, {"weights": "model"}, "model", "model"),
+    ({"dot": True}, {"target_model": "some/target", "draft_model": "some/draft"}, "model", "model"),
+    ({"dot": True}, {"target_model": "some/target", "draft_model": "some/draft", "weights": "bf16-dot"},
+     "bf16-dot", "bf16-dot"),
+    ({"dot": True}, {"device": "cuda"}, "model", "model")])
+def test_the_machine_decides_the_weight_forms(monkeypatch, machine, options, target, draft):
+    """The embedded pair on a CPU where the kernels build: the target on the fastest row-exact form
+    (float16 products, bf16 dot products, bf16 weights), the draft int8 wherever the target runs
+    float32 arithmetic; another pair or a GPU as loaded unless a form is named."""
+    spawned = _spawned(monkeypatch, options, **machine)
+    assert _flag(spawned["target_service"][0], "--weights") == target
+    assert _flag(spawned["draft_service"][0], "--weights") == draft
+
+
+@pytest.mark.parametrize("form, dot, kv_bf16", [("bf16-dot", True, True), ("fp16-dot", "fp16", True),
+                                                ("q4_1", True, True), ("bf16", False, False), ("model", True, False),
+                                                ("int8", True, True), ("int8", False, False)])
+def test_keys_and_values_are_bf16_beside_sixteen_bit_forms(monkeypatch, form, dot, kv_bf16):
+    """Where the layers' inputs are rounded to 16 bits, keys and values are kept in bf16 too; an int8
+    draft keeps them so where its target runs such a form."""
+    from specbatch.kernels import forms
+
+    _on_a_cpu(monkeypatch, dot=dot)
+    assert forms.kv_bf16(form) is kv_bf16
+
+
+@pytest.mark.parametrize("machine, dtype, profile", [
+    ({"dot": "fp16"}, None, "embedded-cpu-fp16dot.json"),
+    ({"dot": True}, None, "embedded-cpu-bf16dot.json"), ({"dot": False}, None, "embedded-cpu-bf16w.json"),
+    ({"dot": False, "native_bf16": False}, None, "embedded-cpu-bf16w.json"),
+    ({"kernels": False}, None, "embedded-cpu.json"), ({"kernels": False, "native_bf16": False}, None,
+                                                       "embedded-cpu-fp32.json"),
+    ({"dot": True}, "float32", "embedded-cpu-fp32.json"), ({"dot": False, "native_bf16": False}, "bf16",
+                                                             "embedded-cpu.json")])
+def test_embedded_default_takes_the_profile_of_the_form_the_services_run(monkeypatch, machine, dtype, profile):
     """Step times with bf16 weights, in bf16 and in fp32 differ by 1.5-2x and more, so the best k
     does too: `specbatch up` gives the coordinator the shipped profile measured in the form the
     services will run."""
-    import specbatch.stack.launcher as launcher
-
-    monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: native_bf16)
-    monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: panel_kernel)
-    monkeypatch.setattr(launcher, "bf16_dot_expected", lambda: bool(bf16_dot))
-    monkeypatch.setattr(launcher, "fp16_dot_expected", lambda: bf16_dot == "fp16")
-    policy, path = launcher.default_k_policy(StackOptions(dtype=dtype))
+    _on_a_cpu(monkeypatch, **machine)
+    policy, path = default_k_policy(StackOptions(dtype=dtype, device="cpu"))
     assert policy == "goodput" and Path(path).name == profile and Path(path).exists()
-    assert launcher.default_k_policy(StackOptions(dtype=dtype, no_draft=True)) == ("fixed:3", None)
-
-
-@pytest.mark.parametrize("native_bf16, options, int8", [
-    (False, {}, True), (True, {}, False), (True, {"dtype": "float32"}, True), (False, {"dtype": "bf16"}, False),
-    (False, {"draft_model": "some/draft"}, False), (False, {"device": "cuda"}, False),
-    (False, {"draft_int8_weights": False}, False), (True, {"draft_int8_weights": True}, True),
-    (True, {"bf16_weights": True}, True)])
-def test_embedded_draft_runs_int8_where_the_services_run_float32_on_a_cpu(monkeypatch, native_bf16, options, int8):
-    """The embedded draft's float32 forward is bound by reading its weights; the launcher gives it
-    --int8-weights there (bf16 weights for the target included) unless told otherwise, and never
-    elsewhere unasked."""
-    import specbatch.stack.launcher as launcher
-
-    monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: native_bf16)
-    monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: False)
-    assert launcher.draft_int8_weights(StackOptions(**options)) is int8
-
-
-def _spawned_on_a_cpu_with(monkeypatch, dot, options: dict) -> dict:
-    """The flags the launcher gives each service (module -> args) with the engine's kernels built
-    and dot products as ``dot`` says (True: bf16, "fp16": float16 too, False: neither)."""
-    import specbatch.stack.launcher as launcher
-
-    monkeypatch.setattr(launcher, "cpu_multiplies_bf16", lambda: True)
-    monkeypatch.setattr(launcher, "panel_kernel_expected", lambda: True)
-    monkeypatch.setattr(launcher, "bf16_dot_expected", lambda: bool(dot))
-    monkeypatch.setattr(launcher, "fp16_dot_expected", lambda: dot == "fp16")
-    monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
-    spawned = {}
-    LocalProcesses(StackOptions(k_policy="fixed:3", **options),
-                   lambda module, args, env: spawned.setdefault(module, args)).start()
-    return spawned
-
-
-@pytest.mark.parametrize("dot, options, target_flags, draft_flags", [
-    (False, {}, ["--dtype", "float32", "--bf16-weights"], ["--dtype", "float32", "--int8-weights"]),
-    (False, {"draft_int8_weights": False}, ["--dtype", "float32", "--bf16-weights"],
-     ["--dtype", "float32", "--bf16-weights"]),
-    (True, {}, ["--dtype", "float32", "--bf16-dot"], ["--dtype", "float32", "--int8-weights"]),
-    (True, {"draft_int8_weights": False}, ["--dtype", "float32", "--bf16-dot"], ["--dtype", "float32", "--bf16-dot"]),
-    (True, {"bf16_dot": False}, ["--dtype", "float32", "--bf16-weights"], ["--dtype", "float32", "--int8-weights"]),
-    (False, {"bf16_dot": True}, ["--dtype", "float32", "--bf16-dot"], ["--dtype", "float32", "--int8-weights"]),
-    (True, {"dtype": "bf16"}, ["--dtype", "bf16"], ["--dtype", "bf16"]),
-    (True, {"bf16_weights": False}, [], []),
-    ("fp16", {}, ["--dtype", "float32", "--fp16-dot"], ["--dtype", "float32", "--int8-weights"]),
-    ("fp16", {"draft_int8_weights": False}, ["--dtype", "float32", "--fp16-dot"], ["--dtype", "float32", "--fp16-dot"]),
-    ("fp16", {"bf16_dot": True}, ["--dtype", "float32", "--bf16-dot"], ["--dtype", "float32", "--int8-weights"]),
-    ("fp16", {"fp16_dot": False}, ["--dtype", "float32", "--bf16-dot"], ["--dtype", "float32", "--int8-weights"]),
-    (True, {"fp16_dot": True}, ["--dtype", "float32", "--fp16-dot"], ["--dtype", "float32", "--int8-weights"])])
-def test_embedded_services_read_bf16_weights_in_float32_where_the_panel_kernel_builds(monkeypatch, dot, options,
-                                                                                     target_flags, draft_flags):
-    """With the panel kernel, the embedded target and draft run float32 with bf16 weights unless a
-    dtype is asked for, on float16 products where the CPU has AVX512_FP16, else on bf16 dot products
-    where it has AVX512_BF16 (the draft int8 where that is on: it reads a quarter of the bytes)."""
-    spawned = _spawned_on_a_cpu_with(monkeypatch, dot, options)
-    for module, expected in (("target_service", target_flags), ("draft_service", draft_flags)):
-        flags = [flag for flag in spawned[module] if flag in ("--dtype", "float32", "bf16", "--bf16-weights",
-                                                                "--bf16-dot", "--fp16-dot", "--int8-weights")]
-        assert flags == expected, (module, spawned[module])
-
-
-@pytest.mark.parametrize("device, cpu_forms", [(None, False), ("cuda", False), ("cpu", True)])
-def test_embedded_services_on_a_gpu_host_get_no_cpu_forms(monkeypatch, device, cpu_forms):
-    """With no --device the services take the GPU where there is one; the launcher must then give
-    them none of the CPU forms (int8, bf16 dot products, bf16 keys and values), which refuse CUDA,
-    nor the CPU's profile: a stack with no flags on a GPU host used to die at start-up."""
-    import specbatch.models.loading
-
-    monkeypatch.setattr(specbatch.models.loading, "default_device", lambda: "cuda")
-    spawned = _spawned_on_a_cpu_with(monkeypatch, True, {} if device is None else {"device": device})
-    for module in ("target_service", "draft_service"):
-        forms = [flag for flag in spawned[module] if flag in ("--bf16-dot", "--int8-weights", "--kv-bf16", "float32")]
-        assert bool(forms) is cpu_forms, (module, spawned[module])
-    policy, path = default_k_policy(StackOptions(**({} if device is None else {"device": device})))
-    shipped = "embedded-cpu" if cpu_forms else "embedded-cuda-bf16.json"
-    assert Path(path).name.startswith(shipped) and Path(path).exists()
-    assert policy == ("goodput" if cpu_forms else "profile")
+    assert default_k_policy(StackOptions(dtype=dtype, device="cpu", draft_model="none")) == ("fixed:3", None)
 
 
 @pytest.mark.parametrize("options, policy, gpu_profile", [
     ({}, "profile", True), ({"dtype": "bf16"}, "profile", True), ({"dtype": "float32"}, "fixed:3", False),
-    ({"target_model": "some/target"}, "fixed:3", False), ({"no_draft": True}, "fixed:3", False),
+    ({"target_model": "some/target"}, "fixed:3", False), ({"draft_model": "none"}, "fixed:3", False),
     ({"k_policy": "fixed:2"}, "fixed:2", False)])
 def test_embedded_pair_on_a_gpu_in_bf16_serves_the_gpu_profile(monkeypatch, options, policy, gpu_profile):
-    """On a GPU the embedded pair in bf16 serves the profile measured for it there (an H200, real
-    weights: k = 3 to batch 8, k = 0 from 16); the CPU's profiles would pick wrong k there, and
-    other models or dtypes have no measured profile, so they keep fixed:3."""
+    """On a GPU the embedded pair in bf16 serves the profile measured for it there (k = 3 to batch
+    8, k = 0 from 16); the CPU's profiles would pick wrong k there, and other models or dtypes have
+    no measured profile, so they keep fixed:3."""
     import specbatch.models.loading
-    import specbatch.stack.launcher as launcher
 
     monkeypatch.setattr(specbatch.models.loading, "default_device", lambda: "cuda")
     chosen, path = default_k_policy(StackOptions(**options))
     assert chosen == policy
-    assert (path is not None and Path(path) == launcher.EMBEDDED_GPU_PROFILE) is gpu_profile
+    assert (path is not None and Path(path) == EMBEDDED_GPU_PROFILE) is gpu_profile
     if gpu_profile:  # the file loads, and says what was measured: speculate at small batches only
         from specbatch.protocol.profile import load_profile
 
@@ -328,45 +298,57 @@ def test_embedded_pair_on_a_gpu_in_bf16_serves_the_gpu_profile(monkeypatch, opti
         assert profile.best_k_for(1) == 3 and profile.best_k_for(32) == 0
 
 
-@pytest.mark.parametrize("dot, options, kv_bf16", [
-    (True, {}, True), ("fp16", {}, True), (False, {}, False), (True, {"kv_bf16": False}, False),
-    (False, {"kv_bf16": True}, True), (True, {"dtype": "bf16"}, False), (True, {"bf16_dot": False}, False)])
-def test_embedded_services_keep_bf16_keys_and_values_where_their_layers_run_on_dot_products(monkeypatch, dot, options,
-                                                                                          kv_bf16):
-    """Where the layers' inputs are rounded to 16 bits (bf16 or float16 dot products), both services
-    keep their keys and values in bf16 too unless told otherwise; elsewhere only when asked."""
-    spawned = _spawned_on_a_cpu_with(monkeypatch, dot, options)
+def test_embedded_services_on_a_gpu_host_get_no_cpu_forms(monkeypatch):
+    """With no --device the services take the GPU where there is one; the launcher must then give
+    them none of the CPU forms, which refuse CUDA: both run the model as loaded."""
+    import specbatch.models.loading
+
+    monkeypatch.setattr(specbatch.models.loading, "default_device", lambda: "cuda")
+    spawned = _spawned(monkeypatch, {"device": None})
     for module in ("target_service", "draft_service"):
-        assert ("--kv-bf16" in spawned[module]) is kv_bf16, (module, spawned[module])
+        assert _flag(spawned[module][0], "--weights") == "model"
 
 
-def test_launcher_and_services_agree_on_native_bf16():
-    """The launcher reads the CPU flags without torch; the services ask oneDNN. They must agree,
-    or the coordinator would run the other dtype's profile."""
-    from specbatch.kernels import build
+def test_launcher_and_services_agree_on_the_cpu():
+    """The launcher reads the CPU flags without torch; the services ask oneDNN and the built
+    kernels. They must agree, or the coordinator would run another form's profile."""
+    from specbatch.kernels import build, cpu
     from specbatch.kernels.linear import onednn_bf16_available
-    from specbatch.stack.launcher import (
-        bf16_dot_expected,
-        cpu_multiplies_bf16,
-        fp16_dot_expected,
-        panel_kernel_expected,
-    )
 
-    assert cpu_multiplies_bf16() == onednn_bf16_available()
-    assert panel_kernel_expected() == build.available()
-    assert bf16_dot_expected() == build.bf16_dot_available()
-    assert fp16_dot_expected() == build.fp16_dot_available()
+    assert cpu.multiplies_bf16() == onednn_bf16_available()
+    assert cpu.kernels_expected() == build.available()
+    assert cpu.bf16_dot_expected() == build.bf16_dot_available()
+    assert cpu.fp16_dot_expected() == build.fp16_dot_available()
 
 
-@pytest.mark.parametrize("options, leaves", [
-    ({"k_policy": "goodput", "profile": "p.json"}, "3"), ({"k_policy": "fixed:3"}, None),
-    ({"k_policy": "profile", "profile": "p.json"}, None), ({"k_policy": "goodput", "profile": "p.json", "leaves": 0}, None),
-    ({"k_policy": "fixed:2", "leaves": 2}, "2")])
-def test_launcher_gives_goodput_leaves_to_price(monkeypatch, options, leaves):
+@pytest.mark.parametrize("policy, profile, leaves, resolved", [
+    ("goodput", "p.json", None, 3), ("fixed:3", None, None, 0), ("profile", "p.json", None, 0),
+    ("goodput", "p.json", 0, 0), ("fixed:2", None, 2, 2), (None, "p.json", None, 3), (None, None, None, 0)])
+def test_goodput_gets_leaves_to_price(policy, profile, leaves, resolved):
     """Unasked, the coordinator verifies the draft's next-best tokens beside its first only under
-    goodput, which takes a leaf where its row pays; other policies would verify every leaf offered."""
-    monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
-    spawned = {}
-    LocalProcesses(StackOptions(**options), lambda module, args, env: spawned.setdefault(module, args)).start()
-    command = spawned["coordinator"]
-    assert (command[command.index("--leaves") + 1] if "--leaves" in command else None) == leaves
+    goodput, which takes a leaf where its row pays; other policies would verify every leaf offered.
+    No policy asked: goodput over a profile, else fixed:3."""
+    from specbatch.config.speculation import SpeculationConfig
+
+    config = SpeculationConfig(k_policy=policy, profile=profile, leaves=leaves).resolved()
+    assert config.leaves == resolved
+    assert config.k_policy == (policy or ("goodput" if profile else "fixed:3"))
+
+
+def test_up_passes_on_what_it_shares_with_each_program(monkeypatch):
+    """Options `specbatch up` shares with a program reach it by the same flag where they differ
+    from its default; what the launcher decides (ports, threads, weights) it passes itself."""
+    spawned = _spawned(monkeypatch, {"kv_cache_gb": 2.0, "max_batch_size": 8, "prompt_lookup": 0, "leaves": 1,
+                                     "prefill_chunk": 64, "log_level": "DEBUG", "port": 61000})
+    target, draft, coordinator = (spawned[m][0] for m in ("target_service", "draft_service", "coordinator"))
+    for service, port in ((target, "61001"), (draft, "61002")):
+        assert _flag(service, "--kv-cache-gb") == "2.0" and _flag(service, "--port") == port
+        assert _flag(service, "--log-level") == "DEBUG" and "--max-batch-size" not in service
+    for flag, value in (("--max-batch-size", "8"), ("--prompt-lookup", "0"), ("--leaves", "1"),
+                        ("--prefill-chunk", "64"), ("--port", "61000"), ("--target", "127.0.0.1:61001"),
+                        ("--draft", "127.0.0.1:61002")):
+        assert _flag(coordinator, flag) == value, (flag, coordinator)
+    assert "--kv-cache-gb" not in coordinator
+    parser_for("coordinator").parse_args(coordinator)  # every flag is one the coordinator takes
+    for service in (target, draft):
+        parser_for("target").parse_args(service)

@@ -4,15 +4,19 @@ row-exact; the target service's `--q4-1` through the launcher and the services."
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 from test_native import layer_and_rows, needs_bf16_dot, rows_alone_and_beside_others
 from tiny import greedy_mixed_batch, tiny_llama
 
+from specbatch.config.options import UP, add_options
 from specbatch.engine.engine import Engine
 from specbatch.kernels.gguf_blocks import BLOCK, q4_1_blocks
 from specbatch.kernels.linear import linear
 from specbatch.kernels.panel import PanelLinear
+from specbatch.stack.defaults import stack_options
 
 
 def q4_1_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
@@ -69,15 +73,15 @@ def test_q4_1_refuses_what_it_cannot_pack_or_combine():
         linear(torch.randn(16, 40), weights="q4_1")
     with pytest.raises(ValueError, match="one of"):
         PanelLinear(torch.randn(16, 64), q4_1=True, bf16_dot=True)
-    with pytest.raises(ValueError, match=r"one weight form .*\(got bf16_dot, q4_1\)"):
-        Engine(tiny_llama(1, seed=0), q4_1=True, bf16_dot=True)
+    with pytest.raises(ValueError, match="unknown weight form"):
+        Engine(tiny_llama(1, seed=0), weights="q4_1+bf16-dot")
     with pytest.raises(ValueError, match="Q4_1 weights need the engine's own Llama forward"):
-        Engine(tiny_llama(1, seed=0).to(torch.bfloat16), q4_1=True)
+        Engine(tiny_llama(1, seed=0).to(torch.bfloat16), weights="q4_1")
 
 
 @needs_bf16_dot
 def test_the_engine_keeps_the_head_on_bf16_dot_products():
-    engine = Engine(tiny_llama(2, seed=3), q4_1=True)
+    engine = Engine(tiny_llama(2, seed=3), weights="q4_1")
     layer = engine.forward.layers[0]
     assert {layer.qkv.form, layer.o.form, layer.gate_up.form, layer.down.form} == {5}
     assert engine.forward.head.form == 2 and engine.forward.decoder_layers is not None
@@ -91,8 +95,8 @@ def test_speculation_on_q4_1_layers_is_its_own_target_only_decoding(target_model
     from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=64,
-                              target_engine_options={"q4_1": True, "kv_bf16": True},
-                              draft_engine_options={"bf16_dot": True, "kv_bf16": True})
+                              target_engine_options={"weights": "q4_1", "kv_bf16": True},
+                              draft_engine_options={"weights": "bf16-dot", "kv_bf16": True})
     try:
         speculative = greedy_mixed_batch(stack, seed=13, k=3)
         assert sum(r.stats.draft_tokens_accepted for r in speculative) > 0
@@ -103,41 +107,32 @@ def test_speculation_on_q4_1_layers_is_its_own_target_only_decoding(target_model
 
 @pytest.mark.parametrize("dot", [True, "fp16"])
 def test_the_launcher_gives_the_target_q4_1_and_keeps_the_draft(monkeypatch, dot):
-    """`specbatch up --q4-1`: the target service gets --q4-1 in float32 with bf16 keys and values, the
-    draft its usual form (int8 for the embedded draft), and the profile looked up is the Q4_1 form's."""
-    from test_processes import _spawned_on_a_cpu_with
+    """`specbatch up --weights q4_1`: the target service gets q4_1 (float32, bf16 keys and values),
+    the embedded draft its usual int8, and the profile looked up is the Q4_1 form's."""
+    from test_processes import _flag, _spawned
 
-    from specbatch.stack.launcher import StackOptions, services_cpu_form
+    from specbatch.stack.defaults import StackOptions, default_k_policy
 
-    spawned = _spawned_on_a_cpu_with(monkeypatch, dot, {"target_q4_1": True})
-    target, draft = spawned["target_service"], spawned["draft_service"]
-    assert "--q4-1" in target and target[target.index("--dtype") + 1] == "float32" and "--kv-bf16" in target
-    assert not {"--bf16-dot", "--fp16-dot", "--bf16-weights"} & set(target)
-    assert "--int8-weights" in draft and "--q4-1" not in draft and "--kv-bf16" in draft
-    assert services_cpu_form(StackOptions(target_q4_1=True)) == "float32+q4_1"
+    spawned = _spawned(monkeypatch, {"weights": "q4_1"}, dot=dot)
+    assert _flag(spawned["target_service"][0], "--weights") == "q4_1"
+    assert _flag(spawned["draft_service"][0], "--weights") == "int8"
+    policy, path = default_k_policy(StackOptions(weights="q4_1", device="cpu"))
+    assert policy == "goodput" and path.endswith("embedded-cpu-q4_1.json")
 
 
 @pytest.mark.parametrize("flags, message", [(["--dtype", "bfloat16"], "drop --dtype bfloat16"),
                                             (["--device", "cuda"], "for the CPU")])
 def test_the_launcher_refuses_q4_1_where_it_cannot_run(flags, message):
     """Refused before any service starts, with the reason, instead of two services exiting."""
-    import argparse
-
-    from specbatch.stack.launcher import add_stack_flags, stack_options
-
-    parser = argparse.ArgumentParser()
-    add_stack_flags(parser)
+    parser = add_options(argparse.ArgumentParser(), UP)
     with pytest.raises(SystemExit, match=message):
-        stack_options(parser.parse_args(["--q4-1", *flags]))
+        stack_options(parser.parse_args(["--weights", "q4_1", *flags]))
 
 
 def test_the_launcher_refuses_q4_1_without_avx512_bf16(monkeypatch):
-    import argparse
+    from specbatch.kernels import cpu
 
-    import specbatch.stack.launcher as launcher
-
-    monkeypatch.setattr(launcher, "bf16_dot_expected", lambda: False)
-    parser = argparse.ArgumentParser()
-    launcher.add_stack_flags(parser)
+    monkeypatch.setattr(cpu, "bf16_dot_expected", lambda: False)
+    parser = add_options(argparse.ArgumentParser(), UP)
     with pytest.raises(SystemExit, match="AVX512_BF16"):
-        launcher.stack_options(parser.parse_args(["--q4-1"]))
+        stack_options(parser.parse_args(["--weights", "q4_1", "--device", "cpu"]))

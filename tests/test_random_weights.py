@@ -14,6 +14,7 @@ from transformers import AutoConfig
 from specbatch.cache import cache_root
 from specbatch.commands import cli
 from specbatch.commands.profiler import given_acceptance
+from specbatch.config.options import parser_for
 from specbatch.engine.batch import SequenceInput
 from specbatch.engine.engine import Engine
 from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
@@ -21,8 +22,8 @@ from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
 from specbatch.models.random_weights import KNOWN_CONFIGS, fit_vocab, random_config, random_model, tokenizer_source
 from specbatch.protocol.profile import best_k_of, expected_tokens, load_profile
 from specbatch.rpc.client import connect, generate, make_request
-from specbatch.service.model_service import model_service_parser
-from specbatch.stack.launcher import LocalProcesses, StackOptions, _model_flags, free_port
+from specbatch.stack.defaults import StackOptions, free_port
+from specbatch.stack.processes import LocalProcesses
 from target_service.verifier import VerifyItem, verify
 
 
@@ -119,11 +120,11 @@ def test_tokenizer_for_random_weights(tmp_path, tokenizer):
 
 
 def test_flags_reach_the_services():
-    args = model_service_parser("target", 50052, EMBEDDED).parse_args(["--model", "opt-6.7b", "--random-weights"])
+    args = parser_for("target").parse_args(["--model", "opt-6.7b", "--random-weights"])
     assert args.random_weights and args.model == "opt-6.7b"
-    options = StackOptions(random_weights=True, kv_cache_gb=40.0)
-    flags = _model_flags("opt-125m", None, None, options)
-    assert flags[-1] == "--random-weights" and flags[flags.index("--kv-cache-gb") + 1] == "40.0"
+    stack = LocalProcesses(StackOptions(random_weights=True, kv_cache_gb=40.0, target_model="opt-125m"))
+    flags = stack._service_flags("target", "opt-125m", None, "model")
+    assert "--random-weights" in flags and flags[flags.index("--kv-cache-gb") + 1] == "40.0"
     assert ModelSpec("opt-125m", random_weights=True).describe() == "opt-125m [random weights]"
 
 

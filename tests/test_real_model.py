@@ -110,7 +110,7 @@ def test_bf16_output_leaves_target_only_decoding_only_at_near_ties(real, bf16_st
     assert all(m.near_tie for m in mismatches), mismatches
 
 
-@pytest.mark.parametrize("form", ["bf16_dot", "fp16_dot", "q4_1"])
+@pytest.mark.parametrize("form", ["bf16-dot", "fp16-dot", "q4_1"])
 def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real, form):
     """The embedded services' default where the CPU has AVX512_BF16 (AVX512_FP16): float32 with the
     linear layers on bf16 dot products (float16 products), the draft int8; and `--q4-1`'s target, its
@@ -123,11 +123,11 @@ def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real, form):
     from specbatch.kernels import build
     from specbatch.stack.in_process import start_local_stack
 
-    if not (build.fp16_dot_available() if form == "fp16_dot" else build.bf16_dot_available()):
-        pytest.skip(f"the CPU lacks {'AVX512_FP16' if form == 'fp16_dot' else 'AVX512_BF16'}")
+    if not (build.fp16_dot_available() if form == "fp16-dot" else build.bf16_dot_available()):
+        pytest.skip(f"the CPU lacks {'AVX512_FP16' if form == 'fp16-dot' else 'AVX512_BF16'}")
     target, draft, tokenizer = real
-    stack = start_local_stack(target, draft, tokenizer, max_batch_size=4, target_engine_options={form: True},
-                              draft_engine_options={"int8_weights": True})
+    stack = start_local_stack(target, draft, tokenizer, max_batch_size=4, target_engine_options={"weights": form},
+                              draft_engine_options={"weights": "int8"})
     try:
         prompts = [chat_ids(tokenizer, c) for c in CHATS]
         assert len({len(p) for p in prompts}) > 1

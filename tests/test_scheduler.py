@@ -15,6 +15,7 @@ from coordinator.replicas import Replica, ReplicaSet
 from coordinator.requests import Request, TextStream
 from coordinator.scheduler import Draining, QueueFull, Scheduler
 from coordinator.stats import StepStats, StepTotals
+from specbatch.config.speculation import SpeculationConfig
 from specbatch.protocol.sampling_params import SamplingParams
 
 VOCAB = 1000
@@ -73,7 +74,7 @@ class FakeDraft(FakeClient):
             raise Unreachable()
         return SimpleNamespace(sequences=[SimpleNamespace(cached_len=c.keep_len + len(c.tokens)) for c in calls])
 
-    def propose(self, calls, ks, sampling, timeout=None, leaves=None, unsure_below=None):
+    def propose(self, calls, ks, sampling, timeout=None, leaves=None):
         if self.down:
             raise Unreachable()
         proposals = []
@@ -111,8 +112,8 @@ def scheduler_of():
     made = []
 
     def make(targets, drafts=None, k=3, max_batch_size=8, max_queue=8, prefill_chunk=0):
-        scheduler = Scheduler(targets, drafts, FixedK(k), max_batch_size, max_queue, max_context=512,
-                              prefill_chunk=prefill_chunk)
+        scheduler = Scheduler(targets, drafts, FixedK(k), SpeculationConfig(k_policy=f"fixed:{k}", prompt_lookup=0),
+                              max_batch_size, max_queue, max_context=512, prefill_chunk=prefill_chunk)
         made.append((scheduler, targets, drafts))
         return scheduler
 

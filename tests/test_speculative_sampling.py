@@ -109,7 +109,7 @@ def subset_draft(target):
 
 
 def speculate(target, draft, groups, length, support_size=32, seed_base=0, leaves=(),
-              unsure_below=0.0, copied=False) -> tuple[list[list[int]], list[float]]:
+              copied=False) -> tuple[list[list[int]], list[float]]:
     """Sample ``length`` new tokens after PROMPT for every sequence of ``groups`` ([(params without
     seed, k, sequences)]): prefill through the target, then propose/verify steps, as the
     scheduler does, with ``leaves`` (counts per drafted position) asked of the draft. Sequence i
@@ -137,7 +137,7 @@ def speculate(target, draft, groups, length, support_size=32, seed_base=0, leave
         if eagle:  # the draft reads, with token j, the target's feature at j - 1
             fed = torch.cat([torch.zeros(1, features[i].shape[1]), features[i]])[start : len(history[i])]
         return ProposeItem(SequenceInput(ids[i], start, history[i][start:], fed), k[i], specs[i][0],
-                           list(leaves[: k[i]]), unsure_below)
+                           list(leaves[: k[i]]))
 
     while True:
         # As the scheduler's k_for: draft no more than the sequence can still use.
@@ -213,7 +213,7 @@ def position_pvalues(target, samples: list[list[int]], params: SamplingParams) -
     return [chi2_pvalue(tokens[:, j], probs[:, j]) for j in range(tokens.shape[1])]
 
 
-def check(target, draft, ks, support_size=32, per_group=1000, seed_base=0, leaves=(), unsure_below=0.0, copied=False):
+def check(target, draft, ks, support_size=32, per_group=1000, seed_base=0, leaves=(), copied=False):
     """Samples with and without cuts (mixed in one batch) at each k; returns
     {(cut, k): (p-value per position, mean acceptance)}.
     Each run checks k + 2 positions: the prefill's token, a whole step of k drafts and the bonus
@@ -222,7 +222,7 @@ def check(target, draft, ks, support_size=32, per_group=1000, seed_base=0, leave
     for k in ks:
         groups = [(PLAIN, k, per_group), (CUT, k, per_group)]
         samples, acceptance = speculate(target, draft, groups, k + 2, support_size, seed_base + 10 * k * per_group,
-                                        leaves, unsure_below, copied)
+                                        leaves, copied)
         for g, (params, _, _) in enumerate(groups):
             group = slice(g * per_group, (g + 1) * per_group)
             results[("cut" if params is CUT else "plain", k)] = (
@@ -300,12 +300,11 @@ def test_resampling_from_p_after_a_rejection_fails_the_test(target, partial_draf
     assert not passes(results[("plain", 2)][0]), results
 
 
-@pytest.mark.parametrize("leaves, unsure_below", [((3,), 0.0), ((2, 1, 1), 0.0), ((), 0.5)])
-def test_leaves_keep_tokens_distributed_as_p(target, flat_draft, leaves, unsure_below):
-    """Leaves beside the chain (asked for, or where the draft is unsure of its first token): where
-    the residual's draw is a leaf, the token after it comes from p at that leaf in the same step;
-    every position still follows p."""
-    results = check(target, flat_draft, (2,), seed_base=5_000_000, leaves=leaves, unsure_below=unsure_below)
+@pytest.mark.parametrize("leaves", [(3,), (2, 1, 1)])
+def test_leaves_keep_tokens_distributed_as_p(target, flat_draft, leaves):
+    """Leaves beside the chain: where the residual's draw is a leaf, the token after it comes from
+    p at that leaf in the same step; every position still follows p."""
+    results = check(target, flat_draft, (2,), seed_base=5_000_000, leaves=leaves)
     for config, (pvalues, acceptance) in results.items():
         assert passes(pvalues), (config, pvalues)
     # The leaves were hit: kept drafts and leaves together exceed the chain's rate.

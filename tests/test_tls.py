@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import signal
 import subprocess
 import sys
@@ -14,18 +13,17 @@ import trustme
 from tiny import VOCAB
 
 from specbatch.commands import cli
+from specbatch.config.options import parser_for
 from specbatch.engine.engine import Engine
 from specbatch.rpc.server import Server, wait_until_serving
 from specbatch.rpc.tls import (
-    add_client_tls_flags,
-    add_server_tls_flags,
     channel_credentials,
     channel_credentials_from_args,
     open_channel,
     server_credentials,
     server_credentials_from_args,
 )
-from specbatch.stack.launcher import free_port
+from specbatch.stack.defaults import free_port
 from specbatch.v1 import generation_pb2 as gpb
 from specbatch.v1 import generation_pb2_grpc as gpb_grpc
 from specbatch.v1 import model_services_pb2 as mpb
@@ -118,14 +116,13 @@ def test_mtls_requires_a_client_certificate_from_the_ca(pki, mtls_server):
 # ---- flags ----------------------------------------------------------------------------------------
 
 
-def parse(add_flags, from_args, argv: list[str]):
-    parser = argparse.ArgumentParser()
-    add_flags(parser)
+def parse(program, from_args, argv: list[str]):
+    parser = parser_for(program)
     return from_args(parser.parse_args(argv), parser)
 
 
 def test_server_flags(pki, capsys):
-    server = (add_server_tls_flags, server_credentials_from_args)
+    server = ("target", server_credentials_from_args)
     assert parse(*server, []) is None
     assert isinstance(parse(*server, ["--tls-cert", pki.server_cert, "--tls-key", pki.server_key]),
                       grpc.ServerCredentials)
@@ -142,7 +139,7 @@ def test_server_flags(pki, capsys):
 
 
 def test_client_flags(pki, capsys):
-    client = (add_client_tls_flags, channel_credentials_from_args)
+    client = ("coordinator", channel_credentials_from_args)
     assert parse(*client, []) is None
     assert isinstance(parse(*client, ["--service-tls-ca", pki.ca]), grpc.ChannelCredentials)
     assert isinstance(parse(*client, ["--service-tls-ca", pki.ca, "--service-tls-cert", pki.client_cert,
@@ -268,5 +265,5 @@ def test_server_name_when_dialling_by_ip(tmp_path, target_model, capsys):
     finally:
         server.stop(grace=0)
     with pytest.raises(SystemExit):
-        parse(add_client_tls_flags, channel_credentials_from_args, ["--service-tls-server-name", "x"])
+        parse("coordinator", channel_credentials_from_args, ["--service-tls-server-name", "x"])
     assert "needs --service-tls-ca" in capsys.readouterr().err

@@ -10,13 +10,14 @@ import threading
 
 from google.protobuf.json_format import MessageToDict
 
-from specbatch.rpc.server import DEFAULT_PORTS
+from specbatch.config.options import DEFAULT_PORTS, UP, add_options
 
 DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORTS['coordinator']}"
 
 
 def cmd_up(args) -> int:
-    from specbatch.stack.launcher import LocalProcesses, stack_options
+    from specbatch.stack.defaults import stack_options
+    from specbatch.stack.processes import LocalProcesses
 
     processes = LocalProcesses(stack_options(args))
     stop = threading.Event()
@@ -125,13 +126,11 @@ def cmd_distill(args) -> int:
 
 
 def main(argv=None) -> int:
-    from specbatch.stack.launcher import add_stack_flags
-
     parser = argparse.ArgumentParser(prog="specbatch", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run target, draft and coordinator locally in the foreground")
-    add_stack_flags(up)
+    add_options(up, UP)
     up.set_defaults(fn=cmd_up)
 
     gen = sub.add_parser("generate", help="stream one generation from a running coordinator")
@@ -147,21 +146,21 @@ def main(argv=None) -> int:
     gen.set_defaults(fn=cmd_generate)
 
     demo = sub.add_parser("demo", help="start everything, stream a few chat answers, report, stop")
-    add_stack_flags(demo)
+    add_options(demo, UP)
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.set_defaults(fn=cmd_demo)
 
     from specbatch.commands.bench.run import add_bench_flags
 
     bench = sub.add_parser("bench", help="k=0, fixed k and the k policies under uniform, trace and Poisson traffic")
-    add_stack_flags(bench)
+    add_options(bench, UP)
     add_bench_flags(bench)
     bench.set_defaults(fn=cmd_bench)
 
     from specbatch.commands.profiler import add_profile_flags
 
     profile = sub.add_parser("profile", help="measure step time and acceptance over batch size x k; write the profile")
-    add_stack_flags(profile)
+    add_options(profile, UP)
     add_profile_flags(profile)
     profile.set_defaults(fn=cmd_profile)
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import statistics
 
 from specbatch.commands.prompts import CHAT_PROMPTS
+from specbatch.kernels import forms
 from specbatch.rpc.client import connect, generate, generate_all, make_request
-from specbatch.stack.launcher import LocalProcesses, kv_bf16, services_cpu_form, services_device, stack_options
+from specbatch.stack.defaults import services_device, stack_options
+from specbatch.stack.processes import LocalProcesses
 
 TIMED_RUNS = 3  # each prompt's runs of each mode behind the table
 
@@ -51,13 +53,13 @@ def run_demo(args) -> int:
             print(f"| {prompt[:40]} | {speeds[0]:.1f} | {speeds[None]:.1f} | {speedup:.2f}x | {'yes' if same else 'no'} |",
                   flush=True)
         print(f"(tok/s: the median of {TIMED_RUNS} runs of each, the modes taking turns)", flush=True)
-        form = services_cpu_form(processes.options) if services_device(processes.options) == "cpu" else ""
-        if form.startswith("float32+"):  # the engine's own kernels: a row's bits never depend on the batch
-            kv = ", keys and values in bf16" if kv_bf16(processes.options) else ""
-            print(f"(the services run {form}{kv}, row-exact: the two must be the same tokens)\n", flush=True)
+        form = processes.forms.target if services_device(processes.options) == "cpu" else "model"
+        if form in forms.SIXTEEN_BIT_FORMS | {"bf16"}:  # the engine's own kernels: a row's bits never depend on the batch
+            kv = ", keys and values in bf16" if forms.kv_bf16(form) else ""
+            print(f"(the target runs {form}{kv}, row-exact: the two must be the same tokens)\n", flush=True)
         else:
             print("(where a multiply's results depend on its row count, as bf16's on oneDNN do, the two may part "
-                  "where the target's two best tokens nearly tie: docs/engine.md)\n", flush=True)
+                  "where the target's two best tokens nearly tie: docs/exactness.md)\n", flush=True)
         print(f"the same {len(prompts)} prompts at once, batched by the coordinator:", flush=True)
         results = generate_all(stub, [make_request(p, args.max_new_tokens, chat=True) for p in prompts])
         for prompt, result in zip(prompts, results):

@@ -31,6 +31,7 @@ from coordinator.replicas import ReplicaSet
 from coordinator.requests import Request, TextStream
 from coordinator.scheduler import Scheduler
 from specbatch.commands.prompts import chat_prompts, sharegpt_prompts
+from specbatch.config.speculation import SpeculationConfig
 from specbatch.engine.sampling import SamplingParams
 from specbatch.models.random_weights import fit_vocab
 from specbatch.protocol.profile import Profile, build_profile
@@ -129,8 +130,9 @@ def batch_by_hand(target: TargetClient, draft: DraftClient, prompts: list[list[i
     loop thread: the exact serving code path, one step at a time (its policy is FixedK(0): set
     ``scheduler.policy`` to choose k). On exit the requests' sequences are released on both services."""
     scheduler = Scheduler(ReplicaSet.of("target", target), ReplicaSet.of("draft", draft), FixedK(0),
+                          SpeculationConfig(k_policy="fixed:0", prompt_lookup=prompt_lookup),
                           max_batch_size=len(prompts), max_queue=len(prompts), max_context=max_context,
-                          draft_feature_size=draft_feature_size, prompt_lookup=prompt_lookup)
+                          draft_feature_size=draft_feature_size)
     batch = [Request(id=f"{name}-{i}", prompt=prompt, max_new_tokens=max_context - len(prompt),
                      sampling=SamplingParams(), stop_token_ids=frozenset(), text=TextStream(tokenizer, []),
                      seq_id=uuid.uuid4().hex)
@@ -152,15 +154,11 @@ def batch_by_hand(target: TargetClient, draft: DraftClient, prompts: list[list[i
 
 def describe_hardware(device: str | None) -> dict:
     """What the numbers were measured on, as far as this machine can tell."""
-    info = {"machine": platform.machine(), "cpu_count": os.cpu_count(), "cpu": platform.processor()}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["cpu"] = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import torch
+
+    from specbatch.kernels import cpu
+
+    info = {"machine": platform.machine(), "cpu_count": os.cpu_count(), "cpu": cpu.model_name()}
 
     info["device"] = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if info["device"] == "cpu":  # the widest vector unit torch uses, and bf16 support: they set the dtype and speed
@@ -285,23 +283,17 @@ def run_profile(args) -> int:
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from specbatch.kernels import forms
     from specbatch.models.embedded import EMBEDDED
-    from specbatch.models.loading import ModelSpec, default_device, load_tokenizer, parse_dtype
-    from specbatch.stack.launcher import (
-        LocalProcesses,
-        draft_int8_weights,
-        kv_bf16,
-        services_cpu_form,
-        stack_options,
-        weights_flag,
-        wide_threads,
-    )
+    from specbatch.models.loading import ModelSpec, default_device, load_tokenizer, parse_dtype, split_gguf
+    from specbatch.stack.defaults import no_draft, services_dtype, stack_options, weight_forms
+    from specbatch.stack.processes import LocalProcesses
 
     remote = bool(args.target)
     if remote and not args.draft:
         print("--target needs --draft: the profile measures both", file=sys.stderr)
         return 2
-    if args.no_draft:
+    if no_draft(args):
         print("a profile needs a draft service", file=sys.stderr)
         return 2
     sizes = ([int(b) for b in args.batch_sizes.split(",")] if args.batch_sizes else powers_of_two(args.max_batch_size))
@@ -321,18 +313,16 @@ def run_profile(args) -> int:
     options.coordinator = False
     context = nullcontext() if remote else LocalProcesses(options)
     tokenizer_name = args.tokenizer or args.target_model or EMBEDDED
-    tokenizer = load_tokenizer(ModelSpec(tokenizer_name, None if args.tokenizer else args.target_gguf_file,
-                                         random_weights=args.random_weights and not args.tokenizer))
+    tokenizer = load_tokenizer(ModelSpec(*split_gguf(tokenizer_name), random_weights=args.random_weights and not args.tokenizer))
     prompts = chat_prompts(tokenizer, sharegpt_prompts(2 * sizes[-1] + 8, args.prompt_start), args.max_prompt_tokens)
     device = args.device or default_device()
     dtype = args.dtype if remote else str(parse_dtype(args.dtype, device)).removeprefix("torch.")
-    if not remote and weights_flag(options):  # the launcher runs both in float32 then
-        dtype = "float32"
+    if not remote and device == "cpu":
+        dtype = services_dtype(options)
     if not remote:
         print("starting the target and draft services …", file=sys.stderr, flush=True)
     with context as processes:
-        # The services' threads for their calls of many rows (step times past ~12 rows depend on it).
-        wide = {} if remote else {"wide_threads": wide_threads(options, processes.threads)}
+        threads = {} if remote else {"threads": processes.threads}
         target = TargetClient(args.target or processes.target_address, timeout=600)
         draft = DraftClient(args.draft or processes.draft_address, timeout=600)
         names = (target.cache_stats().model, draft.cache_stats().model)
@@ -345,12 +335,11 @@ def run_profile(args) -> int:
                                                                                description=text))
         target.close()
         draft.close()
-    # The linear layers' form the launcher gave both services (the draft's, where not int8; q4_1: the
-    # target's decoder layers).
-    form = {} if remote else {flag: services_cpu_form(options) == f"float32+{name}" for flag, name in
-                              (("bf16_weights", "bf16-weights"), ("bf16_dot", "bf16-dot"), ("fp16_dot", "fp16-dot"),
-                               ("q4_1", "q4_1"))}
-    kv = {} if remote else {"kv_bf16": kv_bf16(options)}
+    # The weight forms the launcher gave the services, and their keys and values.
+    pair = None if remote else weight_forms(options)
+    engines = {"target": {}, "draft": {}} if remote else {
+        role: {"weights": form, "kv_bf16": forms.kv_bf16(form), **threads}
+        for role, form in (("target", pair.target), ("draft", pair.draft))}
     hardware = describe_hardware(None if remote else device)
     if remote:
         hardware = {"description": args.hardware or "unknown (remote services; pass --hardware)",
@@ -370,10 +359,8 @@ def run_profile(args) -> int:
         sizes, args.max_k, acceptance, times,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         hardware=hardware,
-        target={"model": names[0], "dtype": dtype or "unknown", **form, **kv, **wide},
-        draft={"model": names[1], "dtype": dtype or "unknown", **kv, **wide,
-               **({} if remote else {"int8_weights": draft_int8_weights(options),
-                                     **{flag: on and not draft_int8_weights(options) for flag, on in form.items()}})},
+        target={"model": names[0], "dtype": dtype or "unknown", **engines["target"]},
+        draft={"model": names[1], "dtype": dtype or "unknown", **engines["draft"]},
         workload=workload,
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

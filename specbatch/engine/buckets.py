@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
+from specbatch.config.options import CUDA_GRAPH_MODES
 from specbatch.protocol.speculation import MAX_K
 
 # "auto": "on" for CUDA with the engine's own forward, else "off"; "on": CUDA graphs captured at
 # start-up; "lazy": captured at a bucket's first use; "static": the padded static path, eager (no
 # capture; any device); "off": the plain eager forward.
-MODES = ("auto", "on", "lazy", "static", "off")
+MODES = CUDA_GRAPH_MODES
 
 
 SMALLEST_CONTEXT = 64
@@ -52,14 +53,6 @@ class Buckets:
     def all(self) -> list[tuple[int, int, int]]:
         """Every bucket, largest first (the order of capture)."""
         return sorted(((b, w, e) for b in self.batch for w in self.width for e in self.context), reverse=True)
-
-
-def add_cuda_graphs_flag(parser) -> None:
-    """``--cuda-graphs``: the engines' captured steps (the services, bench-engine, the stacks)."""
-    parser.add_argument("--cuda-graphs", choices=MODES, default="auto",
-                        help="steps at bucketed static shapes replayed as CUDA graphs: auto (on for CUDA with the "
-                             "engine's own forward), on (captured at start-up; the KV pool is allocated once at its "
-                             "budget), lazy (captured at first use), static (padded, never captured), off")
 
 
 def resolve_mode(mode: str, device: torch.device, own_forward: bool) -> str:

@@ -57,17 +57,16 @@ def own_forward(model):
     return next((forward for supports, forward in OWN_FORWARDS if supports(model)), None)
 
 
-# The own forward's weight forms, one at most (the Engine's flags): the ``weights`` its forward
-# takes, the form as messages name it, whether this CPU runs it, and what it needs.
+# The own forward's weight forms (``Engine.weights``; specbatch.kernels.forms says which the machine
+# picks): how messages name each, whether this CPU runs it, and what it needs.
 WEIGHT_FORMS = {
-    "int8_weights": ("int8", "int8 weights", lambda: int8_linears_available(), "an x86 CPU (fbgemm)"),
-    "bf16_weights": ("bf16", "bf16 weights", lambda: build.available(), "a CPU where the panel kernel builds"),
-    "bf16_dot": ("bf16-dot", "bf16 dot products", lambda: build.bf16_dot_available(),
+    "int8": ("int8 weights", lambda: int8_linears_available(), "an x86 CPU (fbgemm)"),
+    "bf16": ("bf16 weights", lambda: build.available(), "a CPU where the panel kernel builds"),
+    "bf16-dot": ("bf16 dot products", lambda: build.bf16_dot_available(),
                  "a CPU with AVX512_BF16 where the panel kernel builds"),
-    "fp16_dot": ("fp16-dot", "float16 products", lambda: build.fp16_dot_available(),
+    "fp16-dot": ("float16 products", lambda: build.fp16_dot_available(),
                  "a CPU with AVX512_FP16 where the panel kernel builds"),
-    "q4_1": ("q4_1", "Q4_1 weights", lambda: build.bf16_dot_available(),
-             "a CPU with AVX512_BF16 where the panel kernel builds"),
+    "q4_1": ("Q4_1 weights", lambda: build.bf16_dot_available(), "a CPU with AVX512_BF16 where the panel kernel builds"),
 }
 
 
@@ -93,31 +92,13 @@ class Engine:
     # OWN_FORWARDS), "transformers" (the model's own forward, any model), or "auto": the own one
     # where it covers the model, else transformers. After start-up it names the one in use.
     implementation: str = "auto"
-    # The own forward's linear layers in int8 (specbatch.kernels.linear.Int8Linear; CPU, float32): a
-    # draft's choice where reading its weights bounds its forward. Never a target's: the results
-    # move ~2 % and depend on the other rows of a call, so the output would no longer be exact.
-    int8_weights: bool = False
-    # The own forward's float32 linear layers with their weights rounded to bfloat16, on the
-    # engine's panel kernel (CPU): a step reads half the bytes and stays row-exact, so a target may
-    # run it (its output is then exactly its own target-only decoding with these weights).
-    bf16_weights: bool = False
-    # As bf16_weights, with each linear layer's input rounded to bfloat16 too and the products of
-    # pairs summed in float32 by AVX512_BF16's dot-product instruction (build.bf16_dot_available):
-    # half the arithmetic again, so a verify step's extra rows cost less; still row-exact. The
-    # rest of the forward (norms, attention, residuals) stays float32.
-    bf16_dot: bool = False
-    # As bf16_dot, in float16 on AVX512_FP16 (build.fp16_dot_available): each linear layer's
-    # weight and input rows (each scaled by a power of two) rounded to float16, products summed in
-    # float16 in runs of 32 and the runs in float32. There a 512-bit float16 multiply-add with an
-    # embedded broadcast reaches ~2.5x bf16 dot products' arithmetic, so a verify step's extra rows
-    # cost well under half as much; the rounding is finer than bf16's. Row-exact.
-    fp16_dot: bool = False
-    # The own Llama forward's decoder layers in GGUF's Q4_1 blocks (specbatch.kernels.gguf_blocks; 5 bits a weight
-    # with its scales, under a third of bf16's bytes), each layer's input rounded to bfloat16 and
-    # the products summed in float32 on AVX512_BF16 (native.panel_q4_1.c); the head on bf16 dot
-    # products. For the embedded target the blocks are the GGUF file's own, recovered exactly from
-    # its float32 weights; another model's weights would be quantized. Row-exact.
-    q4_1: bool = False
+    # The own forward's weight form on the CPU kernels (None: the model's weights as loaded):
+    # "bf16" (weights rounded to bfloat16, float32 arithmetic), "bf16-dot" (inputs rounded too,
+    # pairs summed on AVX512_BF16), "fp16-dot" (float16 weights and inputs, AVX512_FP16), "q4_1"
+    # (the GGUF's own 4-bit blocks; Llama only) and "int8" (a draft's: the results move ~2 % and
+    # depend on the other rows of a call, so never a target's). All but int8 are row-exact: a
+    # target running one speculates exactly against its own target-only decoding.
+    weights: str | None = None
     # Keys and values kept in bfloat16 (rounded to nearest as they are written; attention widens
     # them back and computes in float32): the own Llama forward in float32 on the engine's CPU
     # kernels (build.available). From batch 8 on a step reads its cached keys and values from
@@ -125,13 +106,10 @@ class Engine:
     # and the pool's memory. The model's numbers move (as a bf16 model's own cache rounds them);
     # speculation stays exact against target-only decoding with the same setting.
     kv_bf16: bool = False
-    # Calls of at least ``wide_from_rows`` rows (sequences × tokens fed) run on ``wide_threads``
+    # Calls of at least ``wide_from_rows`` rows (sequences x tokens fed) run on ``wide_threads``
     # threads where the layers run in one C call (llama.LlamaForward), the rest on the process's
-    # thread count; 0: every call on it. On a 2-core AVX-512 EPYC with bf16 dot products a second
-    # thread loses at a step's few rows (1 row 13.8 -> 17.1 ms) and gains from 12 rows on, where the
-    # multiplies are bound by arithmetic (12 rows 1.14x, 32 rows 1.24-1.53x, 64 rows 1.46x;
-    # docs/engine.md, "Wide calls"). The kernels' results do not depend on the thread count, so
-    # neither does the output.
+    # thread count; 0: every call on it. The kernels' results do not depend on the thread count,
+    # so neither does the output.
     wide_threads: int = 0
     wide_from_rows: int = 12
     clock: Callable[[], float] = time.monotonic  # for sequence leases (``reclaim_idle``); tests pass their own
@@ -140,22 +118,19 @@ class Engine:
     # capture: any device), "off". After start-up it names the mode in use.
     captured_steps: str = "auto"
 
-    def _weight_form(self, own) -> str | None:
-        """The own forward's ``weights`` for the one weight form asked (None: as the model has
-        them), refused where the forward, the device, the dtype or the CPU cannot run it."""
-        asked = [flag for flag in WEIGHT_FORMS if getattr(self, flag)]
-        if len(asked) > 1:
-            raise ValueError(f"ask for one weight form of {', '.join(WEIGHT_FORMS)} (got {', '.join(asked)})")
-        if not asked:
-            return None
-        weights, described, available, where = WEIGHT_FORMS[asked[0]]
-        llama_only = weights == "q4_1"  # the GGUF's blocks are the Llama layers'
+    def _check_weights(self, own) -> None:
+        """Refuse a weight form the forward, the device, the dtype or the CPU cannot run."""
+        if self.weights is None:
+            return
+        if self.weights not in WEIGHT_FORMS:
+            raise ValueError(f"unknown weight form {self.weights!r}: one of {', '.join(WEIGHT_FORMS)}")
+        described, available, where = WEIGHT_FORMS[self.weights]
+        llama_only = self.weights == "q4_1"  # the GGUF's blocks are the Llama layers'
         if (own is None or (llama_only and own is not llama.LlamaForward) or self.device.type != "cpu"
                 or self.dtype != torch.float32 or not available()):
-            reason = "" if weights == "int8" else f" ({build.unavailable_reason() or 'it does'})"
+            reason = "" if self.weights == "int8" else f" ({build.unavailable_reason() or 'it does'})"
             raise ValueError(f"{described} need the engine's own {'Llama ' if llama_only else ''}forward, in float32 "
                              f"on {where}{reason}")
-        return weights
 
     def __post_init__(self):
         self.model.eval()
@@ -175,9 +150,9 @@ class Engine:
         if self.implementation == "specbatch" and own is None:
             raise ValueError(f"the engine's own forward does not cover {type(self.model).__name__}: "
                              "use implementation 'transformers' or 'auto'")
-        weights = self._weight_form(own)
+        self._check_weights(own)
         # The forward of one ragged batch (see RaggedBatch); LlamaForward.__call__ is the contract.
-        self.forward = own(self.model, weights=weights) if own else TransformersForward(self.model)
+        self.forward = own(self.model, weights=self.weights) if own else TransformersForward(self.model)
         # The own Llama forward on the CPU kernels: a row's result never depends on the other rows of
         # a call, so a call may run as several forwards (by_length) with the same results.
         self.rows_independent = bool(getattr(self.forward, "native_attention", False))
@@ -254,21 +229,6 @@ class Engine:
         cache = self.check_rollback(seq_id, length)
         cache.length, cache.last_used = length, self.clock()
         return length
-
-    def fork(self, new_id: str, source_kv: torch.Tensor, length: int) -> None:
-        """A new sequence ``new_id`` holding a copy of ``source_kv``'s first ``length`` columns
-        (one row of a batch's cache, ``[layers, 2, kv_heads, columns, head_dim]``: columns a call
-        wrote past a sequence's cache count too). Drafting ahead forks a sequence once per guess
-        and releases the forks within the same call, so no state outlives it."""
-        if new_id in self.sequences:
-            raise InvalidRequest(f"sequence id {new_id!r} is taken")
-        if len(self.sequences) >= self.max_sequences:
-            raise CapacityExceeded(f"{len(self.sequences)} sequences cached; the limit is {self.max_sequences}")
-        self.pool.ensure(len(self.sequences) + 1, length + 1, self.max_context + 1)
-        cache = self._new_cache()
-        cache.kv[:, :, :, :length] = source_kv[:, :, :, :length]
-        cache.length, cache.last_used = length, self.clock()
-        self.sequences[new_id] = cache
 
     def reclaim_idle(self, max_idle: float) -> list[str]:
         """Release the sequences no call has touched for more than ``max_idle`` seconds (their

@@ -18,6 +18,14 @@ from specbatch.cache import cache_root
 from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT, EMBEDDED_GGUF, SHIPPED_DRAFT, TRAINED_WEIGHTS
 
 
+def split_gguf(model: str) -> tuple[str, str | None]:
+    """``FOLDER_OR_HUB_ID/NAME.gguf`` -> (FOLDER_OR_HUB_ID, NAME.gguf); anything else -> (it, None)."""
+    if model.endswith(".gguf") and "/" in model:
+        folder, _, name = model.rpartition("/")
+        return folder, name
+    return model, None
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Where a model comes from. ``name`` is a hub id, a local folder, or ``EMBEDDED``."""
@@ -29,6 +37,13 @@ class ModelSpec:
     # Only the shape of ``name`` (a config folder or a known name): random weights, no download
     # (specbatch/models/random_weights.py).
     random_weights: bool = False
+
+    @classmethod
+    def parse(cls, model: str, num_layers: int | None = None, trust_remote_code: bool = False,
+              random_weights: bool = False) -> "ModelSpec":
+        """A model as the flags name it: a hub id or folder, or a .gguf file inside one."""
+        name, gguf_file = split_gguf(model)
+        return cls(name, gguf_file, num_layers, trust_remote_code, random_weights)
 
     def describe(self) -> str:
         text = self.name + (f" ({self.gguf_file})" if self.gguf_file else "")

@@ -8,27 +8,14 @@ from __future__ import annotations
 MAX_K = 16
 # The most leaves (the draft's next-best tokens, verified beside the chain) per drafted position.
 MAX_LEAVES = 8
-# Drafting ahead: the most tokens the draft guesses as the target's at one position (AheadItem.guesses).
-MAX_GUESSES = 8
 
 
-def leaf_option_problems(leaves: int | None = None, unsure_below: float | None = None) -> list[str]:
-    """What is out of range in a leaf count (0 to MAX_LEAVES) or an unsure-below probability (0 to
-    1): the coordinator's flags, a request's own values and the draft's items are checked alike."""
-    problems = []
-    if leaves is not None and not 0 <= leaves <= MAX_LEAVES:
-        problems.append(f"leaves must be in [0, {MAX_LEAVES}] (got {leaves})")
-    if unsure_below is not None and not 0.0 <= unsure_below <= 1.0:  # NaN fails too
-        problems.append(f"unsure_below must be in [0, 1] (got {unsure_below})")
-    return problems
-
-
-def draft_ahead_problems(guesses: int | None) -> list[str]:
-    """What is out of range in a draft-ahead guess count (0 to MAX_GUESSES): the coordinator's flag
-    and a request's own value are checked alike."""
-    if guesses is None or 0 <= guesses <= MAX_GUESSES:
+def leaf_option_problems(leaves: int | None = None) -> list[str]:
+    """What is out of range in a leaf count (0 to MAX_LEAVES): the coordinator's flag, a request's
+    own value and the draft's items are checked alike."""
+    if leaves is None or 0 <= leaves <= MAX_LEAVES:
         return []
-    return [f"draft_ahead must be in [0, {MAX_GUESSES}] (got {guesses})"]
+    return [f"leaves must be in [0, {MAX_LEAVES}] (got {leaves})"]
 
 
 def prompt_lookup_problems(most: int | None) -> list[str]:

@@ -24,8 +24,7 @@ def connect(address: str, credentials: grpc.ChannelCredentials | None = None) ->
 def make_request(prompt: str | list[int] | list[dict], max_new_tokens: int = 64, *, chat: bool = False,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  k: int | None = None, stop: list[str] = (), ignore_eos: bool = False,
-                 leaves: int | None = None, unsure_below: float | None = None,
-                 draft_ahead: int | None = None, prompt_lookup: int | None = None,
+                 leaves: int | None = None, prompt_lookup: int | None = None,
                  shared_lookup: bool | None = None) -> pb.GenerateRequest:
     request = pb.GenerateRequest(max_new_tokens=max_new_tokens, stop=list(stop), ignore_eos=ignore_eos,
                                  sampling=pb.SamplingParameters(temperature=temperature, top_p=top_p, top_k=top_k))
@@ -35,10 +34,6 @@ def make_request(prompt: str | list[int] | list[dict], max_new_tokens: int = 64,
         request.k = k
     if leaves is not None:
         request.leaves = leaves
-    if unsure_below is not None:
-        request.unsure_below = unsure_below
-    if draft_ahead is not None:
-        request.draft_ahead = draft_ahead
     if prompt_lookup is not None:
         request.prompt_lookup = prompt_lookup
     if shared_lookup is not None:

@@ -18,11 +18,12 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 
+from specbatch.config.options import DEFAULT_METRICS_PORTS
+
 log = logging.getLogger(__name__)
 
 # The HTTP port of /metrics, one per role so that all three fit on one host side by side; a
 # Kubernetes pod has its own network namespace, and deploy/ uses 9090 for each. 0 turns it off.
-DEFAULT_METRICS_PORTS = {"coordinator": 9090, "target": 9091, "draft": 9092}
 
 # Buckets shared by the coordinator's and the services' metrics; batch sizes double up to the
 # services' default --max-sequences (256) and beyond.

@@ -19,7 +19,6 @@ from specbatch.rpc.tls import CHANNEL_OPTIONS, channel_options_reconnecting_with
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
 
 
 def status_of(error: EngineError) -> grpc.StatusCode:

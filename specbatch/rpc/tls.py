@@ -74,14 +74,6 @@ def open_channel(address: str, credentials: grpc.ChannelCredentials | None = Non
 # ---- flags -----------------------------------------------------------------------------------------
 
 
-def add_server_tls_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("TLS (default: plaintext)")
-    group.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this certificate (chain), PEM")
-    group.add_argument("--tls-key", metavar="PEM", help="the certificate's private key, PEM")
-    group.add_argument("--tls-client-ca", metavar="PEM",
-                       help="mTLS: require client certificates signed by this CA (needs --tls-cert/--tls-key)")
-
-
 def _check_readable(parser: argparse.ArgumentParser, flag: str, path: str | None) -> None:
     if path is None:
         return
@@ -106,18 +98,6 @@ def server_credentials_from_args(args, parser: argparse.ArgumentParser) -> grpc.
         return server_credentials(cert, key, client_ca)
     except Exception as error:  # noqa: BLE001 - grpc raises plain errors on malformed PEM
         parser.error(f"TLS files not usable: {error}")
-
-
-def add_client_tls_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("TLS to the draft and target services (default: plaintext)")
-    group.add_argument("--service-tls-ca", metavar="PEM",
-                       help="call the services over TLS, trusting this CA (PEM) for their certificates")
-    group.add_argument("--service-tls-cert", metavar="PEM",
-                       help="client certificate for services that require one (mTLS); needs --service-tls-key")
-    group.add_argument("--service-tls-key", metavar="PEM", help="the client certificate's private key")
-    group.add_argument("--service-tls-server-name", metavar="NAME",
-                       help="the name the services' certificates carry, when it is not the host dialled "
-                            "(dns: discovery dials each replica by IP); pass to open_channel(server_name=)")
 
 
 def channel_credentials_from_args(args, parser: argparse.ArgumentParser) -> grpc.ChannelCredentials | None:

@@ -33,7 +33,7 @@ import threading
 import traceback
 
 # What the services and the coordinator import before they do anything (python -m of each).
-PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", "specbatch.service.model_service",
+PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", "specbatch.service.main",
            "target_service.servicer", "draft_service.servicer", "coordinator.app")
 POLL_SECONDS = 0.05  # how often the zygote looks for exited children between commands
 

@@ -53,7 +53,7 @@ class SamplingParameters(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "stop", "stop_token_ids", "sampling", "k", "ignore_eos", "request_id", "leaves", "unsure_below", "draft_ahead", "prompt_lookup", "shared_lookup")
+    __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "stop", "stop_token_ids", "sampling", "k", "ignore_eos", "request_id", "leaves", "prompt_lookup", "shared_lookup")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -65,8 +65,6 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
-    UNSURE_BELOW_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     SHARED_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     text: str
@@ -80,11 +78,9 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     request_id: str
     leaves: int
-    unsure_below: float
-    draft_ahead: int
     prompt_lookup: int
     shared_lookup: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., k: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ..., leaves: _Optional[int] = ..., unsure_below: _Optional[float] = ..., draft_ahead: _Optional[int] = ..., prompt_lookup: _Optional[int] = ..., shared_lookup: _Optional[bool] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., k: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ..., leaves: _Optional[int] = ..., prompt_lookup: _Optional[int] = ..., shared_lookup: _Optional[bool] = ...) -> None: ...
 
 class RequestStats(_message.Message):
     __slots__ = ("prompt_tokens", "generated_tokens", "draft_tokens_proposed", "draft_tokens_accepted", "steps", "queue_seconds", "first_token_seconds", "total_seconds")
@@ -173,7 +169,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, service: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., sequences: _Optional[int] = ..., failures: _Optional[int] = ...) -> None: ...
 
 class StepTotals(_message.Message):
-    __slots__ = ("steps", "sequence_steps", "step_seconds", "draft_seconds", "target_seconds", "draft_compute_seconds", "target_compute_seconds", "prefill_seconds", "reached_by_position", "accepted_by_position", "k_histogram", "leaf_chances", "leaf_hits", "ahead_guessed", "ahead_hits", "lookup_chains", "lookup_drafted", "lookup_accepted", "shared_lookup_chains", "shared_lookup_drafted", "shared_lookup_accepted")
+    __slots__ = ("steps", "sequence_steps", "step_seconds", "draft_seconds", "target_seconds", "draft_compute_seconds", "target_compute_seconds", "prefill_seconds", "reached_by_position", "accepted_by_position", "k_histogram", "leaf_chances", "leaf_hits", "lookup_chains", "lookup_drafted", "lookup_accepted", "shared_lookup_chains", "shared_lookup_drafted", "shared_lookup_accepted")
     STEPS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCE_STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -187,8 +183,6 @@ class StepTotals(_message.Message):
     K_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
     LEAF_CHANCES_FIELD_NUMBER: _ClassVar[int]
     LEAF_HITS_FIELD_NUMBER: _ClassVar[int]
-    AHEAD_GUESSED_FIELD_NUMBER: _ClassVar[int]
-    AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_CHAINS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -208,12 +202,10 @@ class StepTotals(_message.Message):
     k_histogram: _containers.RepeatedScalarFieldContainer[int]
     leaf_chances: int
     leaf_hits: int
-    ahead_guessed: int
-    ahead_hits: int
     lookup_chains: int
     lookup_drafted: int
     lookup_accepted: int
     shared_lookup_chains: int
     shared_lookup_drafted: int
     shared_lookup_accepted: int
-    def __init__(self, steps: _Optional[int] = ..., sequence_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ..., target_compute_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., reached_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., k_histogram: _Optional[_Iterable[int]] = ..., leaf_chances: _Optional[int] = ..., leaf_hits: _Optional[int] = ..., ahead_guessed: _Optional[int] = ..., ahead_hits: _Optional[int] = ..., lookup_chains: _Optional[int] = ..., lookup_drafted: _Optional[int] = ..., lookup_accepted: _Optional[int] = ..., shared_lookup_chains: _Optional[int] = ..., shared_lookup_drafted: _Optional[int] = ..., shared_lookup_accepted: _Optional[int] = ...) -> None: ...
+    def __init__(self, steps: _Optional[int] = ..., sequence_steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ..., target_compute_seconds: _Optional[float] = ..., prefill_seconds: _Optional[float] = ..., reached_by_position: _Optional[_Iterable[int]] = ..., accepted_by_position: _Optional[_Iterable[int]] = ..., k_histogram: _Optional[_Iterable[int]] = ..., leaf_chances: _Optional[int] = ..., leaf_hits: _Optional[int] = ..., lookup_chains: _Optional[int] = ..., lookup_drafted: _Optional[int] = ..., lookup_accepted: _Optional[int] = ..., shared_lookup_chains: _Optional[int] = ..., shared_lookup_drafted: _Optional[int] = ..., shared_lookup_accepted: _Optional[int] = ...) -> None: ...

@@ -113,18 +113,16 @@ class Leaves(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeItem(_message.Message):
-    __slots__ = ("sequence", "k", "sampling", "leaves", "unsure_below")
+    __slots__ = ("sequence", "k", "sampling", "leaves")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
-    UNSURE_BELOW_FIELD_NUMBER: _ClassVar[int]
     sequence: SequenceInput
     k: int
     sampling: Sampling
     leaves: _containers.RepeatedScalarFieldContainer[int]
-    unsure_below: float
-    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., leaves: _Optional[_Iterable[int]] = ..., unsure_below: _Optional[float] = ...) -> None: ...
+    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., k: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., leaves: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("items",)
@@ -153,52 +151,6 @@ class ProposeResponse(_message.Message):
     proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
     compute_seconds: float
     def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
-
-class AheadItem(_message.Message):
-    __slots__ = ("sequence", "chain", "guesses", "k")
-    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
-    CHAIN_FIELD_NUMBER: _ClassVar[int]
-    GUESSES_FIELD_NUMBER: _ClassVar[int]
-    K_FIELD_NUMBER: _ClassVar[int]
-    sequence: SequenceInput
-    chain: _containers.RepeatedScalarFieldContainer[int]
-    guesses: int
-    k: int
-    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., chain: _Optional[_Iterable[int]] = ..., guesses: _Optional[int] = ..., k: _Optional[int] = ...) -> None: ...
-
-class AheadRequest(_message.Message):
-    __slots__ = ("items",)
-    ITEMS_FIELD_NUMBER: _ClassVar[int]
-    items: _containers.RepeatedCompositeFieldContainer[AheadItem]
-    def __init__(self, items: _Optional[_Iterable[_Union[AheadItem, _Mapping]]] = ...) -> None: ...
-
-class Guess(_message.Message):
-    __slots__ = ("accepted", "next_token", "tokens")
-    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-    NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    accepted: int
-    next_token: int
-    tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class AheadProposal(_message.Message):
-    __slots__ = ("seq_id", "cached_len", "guesses")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
-    GUESSES_FIELD_NUMBER: _ClassVar[int]
-    seq_id: str
-    cached_len: int
-    guesses: _containers.RepeatedCompositeFieldContainer[Guess]
-    def __init__(self, seq_id: _Optional[str] = ..., cached_len: _Optional[int] = ..., guesses: _Optional[_Iterable[_Union[Guess, _Mapping]]] = ...) -> None: ...
-
-class AheadResponse(_message.Message):
-    __slots__ = ("proposals", "compute_seconds")
-    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
-    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    proposals: _containers.RepeatedCompositeFieldContainer[AheadProposal]
-    compute_seconds: float
-    def __init__(self, proposals: _Optional[_Iterable[_Union[AheadProposal, _Mapping]]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
     __slots__ = ("sequence", "draft_tokens", "sampling", "draft_distributions", "leaves")

@@ -44,11 +44,6 @@ class DraftStub:
                 request_serializer=specbatch_dot_v1_dot_model__services__pb2.ProposeRequest.SerializeToString,
                 response_deserializer=specbatch_dot_v1_dot_model__services__pb2.ProposeResponse.FromString,
                 _registered_method=True)
-        self.ProposeAhead = channel.unary_unary(
-                '/specbatch.v1.Draft/ProposeAhead',
-                request_serializer=specbatch_dot_v1_dot_model__services__pb2.AheadRequest.SerializeToString,
-                response_deserializer=specbatch_dot_v1_dot_model__services__pb2.AheadResponse.FromString,
-                _registered_method=True)
         self.Rollback = channel.unary_unary(
                 '/specbatch.v1.Draft/Rollback',
                 request_serializer=specbatch_dot_v1_dot_model__services__pb2.RollbackRequest.SerializeToString,
@@ -76,12 +71,6 @@ class DraftServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Propose(self, request, context):
-        """Missing associated documentation comment in .proto file."""
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def ProposeAhead(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -117,11 +106,6 @@ def add_DraftServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=specbatch_dot_v1_dot_model__services__pb2.ProposeRequest.FromString,
                     response_serializer=specbatch_dot_v1_dot_model__services__pb2.ProposeResponse.SerializeToString,
-            ),
-            'ProposeAhead': grpc.unary_unary_rpc_method_handler(
-                    servicer.ProposeAhead,
-                    request_deserializer=specbatch_dot_v1_dot_model__services__pb2.AheadRequest.FromString,
-                    response_serializer=specbatch_dot_v1_dot_model__services__pb2.AheadResponse.SerializeToString,
             ),
             'Rollback': grpc.unary_unary_rpc_method_handler(
                     servicer.Rollback,
@@ -193,33 +177,6 @@ class Draft:
             '/specbatch.v1.Draft/Propose',
             specbatch_dot_v1_dot_model__services__pb2.ProposeRequest.SerializeToString,
             specbatch_dot_v1_dot_model__services__pb2.ProposeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def ProposeAhead(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/specbatch.v1.Draft/ProposeAhead',
-            specbatch_dot_v1_dot_model__services__pb2.AheadRequest.SerializeToString,
-            specbatch_dot_v1_dot_model__services__pb2.AheadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 
 from draft_service.proposer import ProposeItem, proposals
+from specbatch.config.options import add_option
 from specbatch.engine.batch import SequenceInput
-from specbatch.engine.buckets import add_cuda_graphs_flag
 from specbatch.engine.engine import Engine
 from target_service.verifier import VerifyItem, verify
 
@@ -259,7 +259,7 @@ def add_bench_engine_flags(parser) -> None:
     # (batch 64 × 520 tokens of OPT-6.7B is 16.3 GiB).
     parser.add_argument("--kv-cache-gb", type=float, default=32.0,
                         help="KV budget of each model in GiB (default 32); batch sizes that do not fit are skipped")
-    add_cuda_graphs_flag(parser)
+    add_option(parser, "cuda_graphs")
     parser.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)))
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="tokens fed per sequence in a verify step")
     parser.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)), help="drafted tokens per sequence in a propose call")

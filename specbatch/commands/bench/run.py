@@ -38,7 +38,8 @@ from specbatch.commands.bench.traffic import (
 )
 from specbatch.commands.prompts import CHAT_PROMPTS
 from specbatch.rpc.client import connect, generate, make_request
-from specbatch.stack.launcher import LocalProcesses, free_port, stack_options
+from specbatch.stack.defaults import free_port, stack_options
+from specbatch.stack.processes import LocalProcesses
 from specbatch.v1 import generation_pb2 as pb
 
 CONTROL = "k=0 (control)"  # --control: k = 0 once more a round, to measure the bench's own spread
@@ -228,9 +229,6 @@ def run_bench(args) -> int:
     if unknown_profiles or any("=" not in entry for entry in args.policy_profile):
         print(f"--policy-profile takes POLICY=PATH for a policy in --policies (got {args.policy_profile})")
         return 2
-    if not args.address and policies and not args.profile:
-        print("the profile and goodput policies need --profile PATH (made by `specbatch profile`)")
-        return 2
     trace = Trace.load(args.trace).scaled(args.trace_speed) if "trace" in kinds else None
     loads: list[Load] = []
     for kind in kinds:
@@ -249,10 +247,14 @@ def run_bench(args) -> int:
 
         prompts = sharegpt_prompts(args.prompt_count, args.prompt_start)
     context = nullcontext() if args.address else LocalProcesses(stack_options(args))
+    profile = args.profile or (None if args.address else context.options.profile)  # the stack's shipped one
+    if not args.address and any(not p.startswith("fixed:") for p in policies) and not profile:
+        print("the profile and goodput policies need --profile PATH (made by `specbatch profile`)")
+        return 2
     with context as processes:
         main_stub = connect(args.address or processes.address)
         addresses = {p: given.get(p) or processes.add_coordinator(policy, free_port(), profile)
-                     for p, (policy, profile) in coordinator_policies(policies, args.policy_profile, args.profile).items()}
+                     for p, (policy, profile) in coordinator_policies(policies, args.policy_profile, profile).items()}
         modes = [Mode("k=0 (target only)", main_stub, 0)] + [Mode(fixed_name(k, leaves), main_stub, k, leaves)
                                                              for k, leaves in fixed if k]
         fixed_names = [m.name for m in modes]

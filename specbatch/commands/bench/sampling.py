@@ -23,10 +23,13 @@ from pathlib import Path
 
 from coordinator.app import build_coordinator
 from specbatch.commands.prompts import CHAT_PROMPTS
+from specbatch.config.options import UP, add_options
+from specbatch.config.speculation import SpeculationConfig
 from specbatch.models.embedded import EMBEDDED
 from specbatch.models.loading import ModelSpec, load_tokenizer
 from specbatch.rpc.client import connect, generate, generate_all, make_request
-from specbatch.stack.launcher import LocalProcesses, add_stack_flags, free_port, stack_options
+from specbatch.stack.defaults import free_port, stack_options
+from specbatch.stack.processes import LocalProcesses
 
 
 def _snapshot(coordinator) -> dict:
@@ -68,7 +71,7 @@ def _row(coordinator, stub, requests, concurrency: int) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specbatch.commands.bench.sampling", description=__doc__.split("\n")[0])
-    add_stack_flags(parser)
+    add_options(parser, UP)
     parser.add_argument("--temperatures", default="0.7,1.0", help="comma-separated; 0 adds a greedy reference")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -86,10 +89,10 @@ def main(argv=None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     rows = []
     with LocalProcesses(options) as services:
-        tokenizer = load_tokenizer(ModelSpec(args.target_model or EMBEDDED, args.target_gguf_file))
+        tokenizer = load_tokenizer(ModelSpec.parse(args.target_model or EMBEDDED))
         coordinator = build_coordinator(services.target_address, services.draft_address, tokenizer,
-                                        policy=f"fixed:{args.k}", max_batch_size=args.max_batch_size,
-                                        eos_token_ids=frozenset())
+                                        speculation=SpeculationConfig(k_policy=f"fixed:{args.k}", prompt_lookup=0),
+                                        max_batch_size=args.max_batch_size, eos_token_ids=frozenset())
         try:
             stub = connect(f"127.0.0.1:{coordinator.port}")
             info = f"target {args.target_model or EMBEDDED} | draft {coordinator_draft(args)} | k={args.k} vs k=0"
@@ -127,7 +130,7 @@ def main(argv=None) -> int:
 
 
 def coordinator_draft(args) -> str:
-    if args.no_draft:
+    if args.draft_model == "none":
         return "none"
     if args.draft_model:
         return args.draft_model

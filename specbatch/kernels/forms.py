@@ -1,0 +1,88 @@
+"""Which weight form each model service runs: the machine decides (``--weights auto``), an operator
+may name one. Torch-free: ``specbatch up`` decides before it starts the services (it picks the
+shipped profile measured on that form), and each service decides the same way for itself.
+
+The forms, all on the engine's CPU kernels and all row-exact (a row's result never depends on the
+other rows of a call, so a target running one speculates exactly against its own target-only
+decoding):
+
+- ``fp16-dot``: weights and inputs rounded to float16, summed on AVX512_FP16;
+- ``bf16-dot``: weights and inputs rounded to bfloat16, pairs summed in float32 on AVX512_BF16;
+- ``bf16``: weights rounded to bfloat16, float32 arithmetic (any CPU with AVX2);
+- ``q4_1``: the embedded GGUF's own 4-bit blocks, inputs rounded to bfloat16 (AVX512_BF16);
+- ``int8``: a draft's layers in int8 (its proposals move a little; the output does not);
+- ``model``: the model as loaded, in ``--dtype`` (a GPU, another model, or no kernels here).
+
+Why each default is what it is: docs/decisions/weights-auto.md and int8-draft.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specbatch.kernels import cpu
+
+# The forms whose layers round their inputs to 16 bits or fewer: keys and values are kept in bf16
+# beside them (docs/decisions/kv-bf16.md).
+SIXTEEN_BIT_FORMS = frozenset({"bf16-dot", "fp16-dot", "q4_1"})
+CPU_FORMS = frozenset({"bf16", "int8"}) | SIXTEEN_BIT_FORMS
+
+
+@dataclass(frozen=True)
+class Forms:
+    """The weight forms of a target and its draft."""
+
+    target: str
+    draft: str
+
+
+def machine_target_form() -> str:
+    """The fastest row-exact form this CPU runs: float16 products, bf16 dot products, bf16 weights,
+    or the model as loaded where the kernels do not build."""
+    if cpu.fp16_dot_expected():
+        return "fp16-dot"
+    if cpu.bf16_dot_expected():
+        return "bf16-dot"
+    return "bf16" if cpu.kernels_expected() else "model"
+
+
+def decide(weights: str, embedded: bool, device: str, dtype: str | None) -> Forms:
+    """The forms for ``--weights`` (auto or a form) of a pair. The embedded pair on a CPU takes the
+    machine's form where the kernels build (another form where one is named), with the draft in
+    int8 wherever the target runs float32 arithmetic; any other pair (another model, a GPU) runs
+    as loaded unless a form is named, and then both take it where they can."""
+    embedded_cpu = embedded and device == "cpu"
+    if weights == "auto":
+        weights = machine_target_form() if embedded_cpu and dtype in (None, "auto") else "model"
+    if not embedded_cpu:
+        return Forms(weights, weights if weights not in ("q4_1", "int8") else "model")
+    float32 = weights != "model" or dtype in ("float32", "fp32") or (dtype in (None, "auto") and not cpu.multiplies_bf16())
+    return Forms(weights, "int8" if float32 else "model")
+
+
+# What each CPU form needs of the machine, torch-free: the check and how a refusal names it.
+NEEDS = {"bf16": ("kernels_expected", "the engine's kernels (an x86 CPU with AVX2 and a C compiler)"),
+         "bf16-dot": ("bf16_dot_expected", "a CPU with AVX512_BF16"),
+         "q4_1": ("bf16_dot_expected", "a CPU with AVX512_BF16"),
+         "fp16-dot": ("fp16_dot_expected", "a CPU with AVX512_FP16"),
+         "int8": (None, "a CPU")}
+
+
+def problem(form: str, device: str, dtype: str | None) -> str | None:
+    """Why ``form`` cannot run on this machine, device and dtype (None: it can)."""
+    if form not in CPU_FORMS:
+        return None
+    check, needs = NEEDS[form]
+    if device != "cpu":
+        return f"--weights {form} is for the CPU (not {device})"
+    if dtype not in (None, "auto", "float32", "fp32"):
+        return f"--weights {form} computes in float32: drop --dtype {dtype}"
+    if check is not None and not getattr(cpu, check)():
+        return f"--weights {form} needs {needs}, which this machine lacks"
+    return None
+
+
+def kv_bf16(form: str) -> bool:
+    """Whether a service keeps its keys and values in bf16: beside the forms that round their
+    inputs to 16 bits, and beside an int8 draft where its target would run one of them."""
+    return form in SIXTEEN_BIT_FORMS or (form == "int8" and machine_target_form() in SIXTEEN_BIT_FORMS)

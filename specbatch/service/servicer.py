@@ -1,0 +1,179 @@
+"""What the draft and target services' servicers share: Prefill, Rollback, Release and CacheStats
+over an Engine, the messages' conversions, and the leases that reclaim abandoned sequences.
+
+The servicers are thin shells: they convert messages, hold a lock (one forward at a time on one
+model) and call the engine, which runs and is tested without gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+import torch
+
+from specbatch.engine.batch import SequenceInput
+from specbatch.engine.engine import Engine
+from specbatch.engine.sampling import SamplingParams, SparseDistribution
+from specbatch.rpc.server import Server, engine_errors_to_status
+from specbatch.service.metrics import ServiceMetrics
+from specbatch.v1 import model_services_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+def features_to_bytes(features: torch.Tensor | None) -> bytes:
+    """Features cross the wire as float16 little-endian rows (half the bytes of float32)."""
+    if features is None:
+        return b""
+    return features.detach().to("cpu", torch.float16).numpy().astype("<f2", copy=False).tobytes()
+
+
+def features_from_bytes(data: bytes, width: int) -> torch.Tensor | None:
+    """The inverse of ``features_to_bytes``; malformed sizes are left for the engine to refuse."""
+    if not data or not width:
+        return None
+    values = np.frombuffer(data, dtype="<f2")
+    if values.size % width:
+        return torch.from_numpy(values.astype(np.float32))  # wrong shape: the engine says so
+    return torch.from_numpy(values.astype(np.float32).reshape(-1, width))
+
+
+def sampling_from_proto(message: pb.Sampling) -> SamplingParams:
+    return SamplingParams(message.temperature, message.top_p or 1.0, message.top_k, message.seed)
+
+
+def distribution_to_proto(dist: SparseDistribution) -> pb.DraftDistribution:
+    # float32 travels as float32: the target reads exactly the numbers the draft sampled with.
+    return pb.DraftDistribution(token_ids=dist.token_ids.tolist(), probs=dist.probs.tolist())
+
+
+def distribution_from_proto(message: pb.DraftDistribution) -> SparseDistribution:
+    return SparseDistribution(np.array(message.token_ids, dtype=np.int64), np.array(message.probs, dtype=np.float32))
+
+
+def sequence_inputs(messages, feature_size: int = 0) -> list[SequenceInput]:
+    return [SequenceInput(m.seq_id, m.keep_len, list(m.tokens), features_from_bytes(m.features, feature_size))
+            for m in messages]
+
+
+class CacheServicer:
+    """Prefill, Rollback, Release and CacheStats: the same on the draft and the target."""
+
+    add_to_server = None  # the generated add_…Servicer_to_server, set by each service
+    service_name = ""
+    local_socket = ""  # the LocalServer's path, where one serves the same calls (CacheStats names it)
+
+    def __init__(self, engine: Engine, model_name: str, metrics: ServiceMetrics | None = None):
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics  # None: no metrics (tests that drive a servicer directly)
+
+    @classmethod
+    def serve_on(cls, server: Server, engine: Engine, model_name: str,
+                 metrics: ServiceMetrics | None = None) -> "CacheServicer":
+        servicer = cls(engine, model_name, metrics)
+        server.add(cls.add_to_server, servicer, cls.service_name)
+        return servicer
+
+    def timed(self, fn, *args, **kwargs):
+        """Run an engine call through ``Engine.run``; returns (result, compute seconds)."""
+
+        def measured():
+            start = time.perf_counter()
+            result = fn(*args, **kwargs)
+            return result, time.perf_counter() - start
+
+        return self.engine.run(measured)
+
+    def observed(self, method: str, batch_size: int, fn, *args):
+        """``timed``, and the call's batch size and compute time recorded under ``method``."""
+        result, seconds = self.timed(fn, *args)
+        if self.metrics is not None:
+            self.metrics.observe_call(method, batch_size, seconds)
+        return result, seconds
+
+    @engine_errors_to_status
+    def Prefill(self, request, context):
+        inputs = sequence_inputs(request.sequences, self.engine.feature_size)
+        lengths, _ = self.observed("Prefill", len(inputs), self.engine.prefill, inputs)
+        return pb.PrefillResponse(
+            sequences=[pb.SequenceLength(seq_id=i.seq_id, cached_len=n) for i, n in zip(inputs, lengths)]
+        )
+
+    @engine_errors_to_status
+    def Rollback(self, request, context):
+        def rollback():
+            for item in request.sequences:  # check all first: a bad item changes nothing
+                self.engine.check_rollback(item.seq_id, item.cached_len)
+            for item in request.sequences:
+                self.engine.rollback(item.seq_id, item.cached_len)
+
+        self.timed(rollback)
+        return pb.RollbackResponse()
+
+    @engine_errors_to_status
+    def Release(self, request, context):
+        released, _ = self.timed(self.engine.release, list(request.seq_ids))
+        return pb.ReleaseResponse(released=released)
+
+    def CacheStats(self, request, context):
+        with self.engine.lock:
+            return pb.CacheStatsResponse(
+                model=self.model_name,
+                sequences=len(self.engine.sequences),
+                cached_tokens=self.engine.cached_tokens(),
+                max_sequences=self.engine.max_sequences,
+                max_context=self.engine.max_context,
+                vocab_size=self.engine.vocab_size,
+                feature_size=self.feature_size(),
+                sequences_created=self.engine.sequences_created,
+                local_socket=self.local_socket,
+            )
+
+    def feature_size(self) -> int:
+        return self.engine.feature_size
+
+
+# A coordinator touches each of its sequences at every step (milliseconds to seconds apart) and
+# releases them when done. One that dies, or stops with requests still running, leaves them here:
+# after this long untouched they are reclaimed, so a lost coordinator costs memory for a while,
+# never the sequence budget for good.
+DEFAULT_SEQUENCE_LEASE_SECONDS = 300.0
+
+
+class SequenceLeases:
+    """Reclaims the sequences of an engine that no call touched for ``lease_seconds``: sweeps
+    every quarter lease (at most every 30 s), on the engine's model thread, so a sweep never
+    lands inside a forward. Each reclaim is logged and counted."""
+
+    def __init__(self, engine: Engine, lease_seconds: float, metrics: ServiceMetrics | None = None):
+        self.engine, self.lease_seconds, self.metrics = engine, lease_seconds, metrics
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="sequence-leases", daemon=True)
+
+    def sweep(self) -> list[str]:
+        reclaimed = self.engine.run(self.engine.reclaim_idle, self.lease_seconds)
+        if reclaimed:
+            log.warning("reclaimed %d sequences untouched for over %.0f s (their coordinator is gone): %s",
+                        len(reclaimed), self.lease_seconds, ", ".join(reclaimed[:8]) + (" …" if len(reclaimed) > 8 else ""))
+            if self.metrics is not None:
+                self.metrics.sequences_reclaimed.inc(len(reclaimed))
+        return reclaimed
+
+    def _run(self) -> None:
+        interval = min(30.0, self.lease_seconds / 4)
+        while not self.stopped.wait(interval):
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001 - a failed sweep is retried at the next one
+                log.exception("sequence lease sweep failed")
+
+    def start(self) -> "SequenceLeases":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
