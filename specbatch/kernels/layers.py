@@ -139,9 +139,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)``, the same indices (the first of equal largest values; a row's first NaN where
-    it has one), on the kernel for float32 CPU tensors: PyTorch's runs ~85 us a row over a 49152-token
-    vocabulary, the kernel a few. Anything else (another dtype or device, no kernel) goes to
-    PyTorch."""
+    it has one), on the kernel for float32 CPU tensors, a small fraction of PyTorch's cost over a
+    large vocabulary. Anything else (another dtype or device, no kernel) goes to PyTorch."""
     library = build._library() if x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] else None
     if library is None:
         return x.argmax(-1)

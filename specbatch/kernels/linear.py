@@ -2,14 +2,13 @@
 
 On a CPU with native bf16 (AVX512_BF16 or AMX), a bf16 weight reordered once into oneDNN's
 blocked layout (``torch.ops.mkldnn._reorder_linear_weight``) multiplies a few rows at nearly the
-cost of one: on SmolLM2's MLP shape 26 µs at 1 row and 28 µs at 5, where fp32 ``F.linear`` (MKL)
-takes 76 µs and 200 µs (docs/engine.md). That flatness is what makes verifying k drafts cost
-about one token's forward, which speculation needs. A float32 weight is reordered for oneDNN too
-(on a CPU without native bf16 the engine runs fp32): flatter than MKL's small-row sgemm, though
-not flat. On x86 CPUs with AVX2, float32 weights go to the engine's own kernel instead
-(``specbatch.kernels.build``: flat up to five or six rows, and faster than oneDNN at every row count
-measured there); oneDNN is the fallback where it cannot be built. On GPUs the weight is used as it
-is with ``F.linear``.
+cost of one, where fp32 ``F.linear`` (MKL) grows with every row (docs/cpu-kernels.md). That
+flatness is what makes verifying k drafts cost about one token's forward, which speculation needs.
+A float32 weight is reordered for oneDNN too (on a CPU without native bf16 the engine runs fp32):
+flatter than MKL's small-row sgemm, though not flat. On x86 CPUs with AVX2, float32 weights go to
+the engine's own kernel instead (``specbatch.kernels.build``: flat up to five or six rows, and
+faster than oneDNN); oneDNN is the fallback where it cannot be built. On GPUs the weight is used
+as it is with ``F.linear``.
 """
 
 from __future__ import annotations
@@ -46,13 +45,10 @@ def _onednn_fp32_rows_agree(out_features: int, in_features: int, threads: int) -
     """``onednn_fp32_rows_agree`` at ``threads`` threads (the current count: part of the cache key).
 
     fp32 speculation is exact (greedy output equals target-only decoding) only if verifying k+1
-    tokens computes each the same as one token a call. MKL's ``F.linear`` does not: on an
-    AVX2-only EPYC 66-93 % of its outputs differ in the last bits at 2-64 rows from the same rows
-    one at a time (a matrix-vector kernel for one row, another for more), for SmolLM2's shapes
-    and tiny ones alike. oneDNN's there differ in none, up to 64 rows; on an AVX-512 EPYC they
-    agree for a 96x64 weight and differ in 82-94 % for SmolLM2's 576x1536 (its bf16 kernels
-    differ there too), so each shape is checked (about a millisecond a shape; the output head's
-    one-row calls ~80 ms)."""
+    tokens computes each the same as one token a call. MKL's ``F.linear`` does not: it takes a
+    matrix-vector kernel for one row and another for more, so most outputs differ in the last bits
+    from the same rows one at a time. Whether oneDNN's agree depends on the CPU and the shape
+    (docs/exactness.md), so each shape is checked, once."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(out_features, in_features, generator=generator) * 0.05
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -76,10 +72,8 @@ def onednn_prepacks(weight: torch.Tensor) -> bool:
     """Whether a CPU weight is reordered once for oneDNN: in bf16 where the CPU multiplies bf16
     natively; in float32 wherever oneDNN is built in and its results do not depend on the row
     count (``onednn_fp32_rows_agree``): that makes fp32 speculation bitwise exact, which MKL's
-    ``F.linear`` is not, and it is faster at the few rows of a verify step: on an AVX2-only
-    EPYC, one MLP weight read from memory took 234 / 251 / 331 µs at 1 / 2 / 4 rows against
-    316 / 479 / 526 µs (docs/engine.md). oneDNN's fixed cost per call (~25-60 µs there) makes
-    small weights slower (tiny test models); exactness is worth it."""
+    ``F.linear`` is not, and it grows less with the few rows of a verify step. oneDNN's fixed cost
+    per call makes small weights slower (tiny test models); exactness is worth it."""
     if weight.device.type != "cpu":
         return False
     if weight.dtype == torch.bfloat16:
@@ -114,11 +108,11 @@ class Int8Linear:
     """``x @ weight.T (+ bias)`` with the weight in int8 (one scale per output row) and each call's
     input quantized to 8 bits on the fly: fbgemm's dynamic quantized linear, for a draft on a CPU.
 
-    A draft's forward is bound by reading its weights: the shipped EAGLE draft's 36 MB of float32
-    cost 2.7 ms a forward on an AVX2-only EPYC, and 1.1 ms in int8 (docs/engine.md). Its results
-    are not the float32 ones (about 2 % relative error a multiply), and, the input's scale being
-    one per call, a row's result depends on the other rows of the call: fine for a draft, whose
-    tokens the target accepts or rejects, so the output stays the target's; never for a target.
+    A draft's forward is bound by reading its weights, so int8's quarter of float32's bytes makes
+    it much cheaper (docs/decisions/int8-draft.md). Its results are not the float32 ones (about
+    2 % relative error a multiply), and, the input's scale being one per call, a row's result
+    depends on the other rows of the call: fine for a draft, whose tokens the target accepts or
+    rejects, so the output stays the target's; never for a target.
     One scale for the whole input also means an input with a few huge features (a model's raw
     hidden states) keeps no resolution for the rest: layers reading normalized inputs suit it.
     """
@@ -131,7 +125,7 @@ class Int8Linear:
             warnings.simplefilter("ignore", UserWarning)
             qweight = torch.quantize_per_channel(weight, scales.double(), torch.zeros(len(scales), dtype=torch.long),
                                                  0, torch.qint8)
-        with quantized_engine("fbgemm"):  # fbgemm's kernels: 1.1 ms against x86's 1.4 for the draft above
+        with quantized_engine("fbgemm"):  # fbgemm's kernels: faster than the x86 engine's for a draft
             self.packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,8 @@
 /* Attention for the few query rows of a decode or verify step, float32, on x86 with AVX2+FMA.
  *
  * Why: PyTorch's CPU scaled_dot_product_attention sets up a tiled flash kernel on every call,
- * which at one to six query rows over a few hundred cached columns is most of its time: on
- * SmolLM2's shape (9 query heads over 3 key/value heads, head_dim 64) ~50 us a layer at one row
- * and ~100 at three, 1.5 and 3 ms of a 30-layer step, growing with every row a verify step adds.
- * The arithmetic is a few microseconds; this does only that.
+ * which at one to six query rows over a few hundred cached columns is most of its time, and grows
+ * with every row a verify step adds. The arithmetic is a few microseconds; this does only that.
  *
  * For each query row (batch b, head h, row i): scores s_c = scale * q . k_c over the columns c its
  * mask lets it see, in increasing c; p_c = exp(s_c - max s); out = sum_c p_c v_c / sum_c p_c, both
@@ -18,10 +16,9 @@
  * so it gets bitwise the same output: what float32 speculation needs to stay exact.
  *
  * Built for AVX-512, head_dim 16-128 take the 512-bit kernels (row_scores_512 and rows_pv_512,
- * below, through attend_grouped): 512-bit vectors and 16 columns' scores summed at once. SmolLM2's 30 layers, 1 thread, Xeon, the AVX2 form -> it (ms): 1 sequence
- * x 5 rows 1.55 -> 1.25; 8 x 4 11.4 -> 9.3; 32 x 1 at 300 columns 49.0 -> 42.0. From batch 8 on,
- * reading the float32 keys and values from memory is most of it (8 x 1 at 129 columns: 47 MB a
- * step, 4.2 ms either form; 1.8 ms where they sit in cache).
+ * below, through attend_grouped): 512-bit vectors and 16 columns' scores summed at once, faster
+ * than the AVX2 form at every shape. From batch 8 on, reading the float32 keys and values from
+ * memory is most of it (8 x 1 at 129 columns: 47 MB a step), whichever form.
  *
  * Keys and values may be kept in bfloat16 (`kv_bf16`: the engine's --kv-bf16; layer_ops.c's
  * rope_write rounds them when it writes them): every load widens a bfloat16 to the float32 with
@@ -345,8 +342,7 @@ static attend_row_fn row_kernel(int64_t D, int kv_bf16) {
 /* Query rows a sequence must have in a call for its bfloat16 keys and values to be widened once per
  * key/value head rather than at every use: a prefill's hundreds of rows read each column hundreds
  * of times, while at a step's few rows (3 query heads a key/value head, 1-5 rows) writing and
- * re-reading the float32 copy cost more than the widening it saved (32 x 1 rows at 300 columns,
- * 2 threads: 0.34 -> 0.49 ms a layer). */
+ * re-reading the float32 copy cost more than the widening it saved. */
 #define WIDEN_FROM_ROWS 16
 
 /* rows [end, D] of bfloat16 (D contiguous) widened to float32 [end, D]: each by its bits. */
@@ -389,9 +385,8 @@ static void read_widened(int64_t pair, const void **k, const void **v, int64_t e
 #ifdef __AVX512F__
 /* attend (below) on the 512-bit kernels: each (sequence, key/value head, query row) is one unit,
  * its query heads' weights first, one head at a time, then their sums side by side (rows_pv_512):
- * the heads of a key/value head see the same columns at a row. A 256-token prefill's attention, a
- * layer, 2 threads, on the 2-core EPYC: 0.81 -> 0.67 ms; 8 x 4 rows 0.112 -> 0.093; 32 x 1 at 300
- * columns 0.24 -> 0.20 (bitwise the same). */
+ * the heads of a key/value head see the same columns at a row, so each value loaded serves them
+ * all (faster at prefill, verify and decode shapes alike, and bitwise the same). */
 static int attend_grouped(const grouped_kernels *kernels, const float *q, int64_t q_b, int64_t q_h, int64_t q_w,
                           const void *keys, const void *values, int64_t kv_b, int64_t kv_h, int kv_bf16, int widen,
                           const uint8_t *mask, float *out, int64_t B, int64_t H, int64_t KVH, int64_t W, int64_t end,
@@ -450,9 +445,8 @@ static int attend_grouped(const grouped_kernels *kernels, const float *q, int64_
  * their key/value heads. By row rather than by (batch, key/value head), as it was: a prefill at
  * batch 1 has three key/value heads for two threads, so one thread did twice the other's work.
  * Each row is computed alike whichever thread runs it, so results do not change (bitwise, tests).
- * With the widening below, SmolLM2's shape, bf16 keys and values, a 256-token prefill's attention
- * a layer on the 2-core EPYC: 1 thread 2.47 -> 2.20 ms, 2 threads 1.67 -> 1.16; decode and verify
- * shapes (1 x 1 to 32 x 1 rows at 129-300 columns) unchanged. */
+ * The widening below speeds a prefill over bf16 keys and values and leaves decode and verify
+ * shapes as they were. */
 int attend(const float *q, int64_t q_b, int64_t q_h, int64_t q_w, const void *keys, const void *values,
            int64_t kv_b, int64_t kv_h, int kv_bf16, const uint8_t *mask, float *out, int64_t B, int64_t H,
            int64_t KVH, int64_t W, int64_t end, int64_t D, float scale, int threads) {

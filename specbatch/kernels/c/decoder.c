@@ -3,9 +3,9 @@
  *
  * Why: a layer is nine kernel calls (two RMS norms with their residual adds, four multiplies, the
  * rotary embedding with the KV write, attention, the SiLU-gated multiply). From Python each costs
- * its checks, its output tensor and a ctypes call, ~10-20 us, so SmolLM2's 30 layers spent ~3 ms of
- * a ~16 ms one-token step between kernels on a 2-core EPYC, in every mode: target-only decoding,
- * each verify and each drafted token alike (docs/engine.md, "The layers in one call").
+ * its checks, its output tensor and a ctypes call; over SmolLM2's 30 layers those fixed costs are a
+ * large share of a one-token step, in every mode: target-only decoding, each verify and each
+ * drafted token alike (docs/cpu-kernels.md).
  *
  * Exactness: each kernel is called with the arguments Python passes it, on buffers of the same
  * shapes and layout, so every output is bitwise what the Python loop computes (tests/test_native.py

@@ -3,9 +3,9 @@
  * KV pool, and SiLU-gated multiply.
  *
  * Why: at the few rows of a step each of these is microseconds of arithmetic, but as PyTorch
- * operators they are ~25 calls a layer, each with its dispatch, allocation and checks; measured in
- * a step (between multiplies that stream megabytes of weights) an RMS norm of one 576-float row
- * took ~50 us. Three calls a layer do the same work here.
+ * operators they are ~25 calls a layer, each with its dispatch, allocation and checks, and in a
+ * step (between multiplies that stream megabytes of weights out of the cache) even an RMS norm of
+ * one row costs many times its arithmetic. Three calls a layer do the same work here.
  *
  * Exactness: every output row depends only on its own input row (and, for the rotary embedding,
  * its position), computed in a fixed order whatever the number of rows or threads: a token
@@ -147,8 +147,8 @@ int rope_write(float *qkv, int64_t B, int64_t W, int64_t H, int64_t KVH, int64_t
 
 /* out[r] = the index of the largest of x [rows, n] row r, the first where several are equal, and a
  * row's first NaN where it holds one: torch.argmax's rule. Why: PyTorch's CPU argmax over a
- * 49152-token vocabulary runs ~85 us a row here (a verify step of 5 tokens: 0.42 ms, of 32 rows
- * 2.7 ms); a max pass and a find pass, 8 floats at a time, take a few us. The greedy verdict of
+ * 49152-token vocabulary is slow for float32 rows, and a verify step pays it once a row; a max
+ * pass and a find pass, 8 floats at a time, cost a small fraction of it. The greedy verdict of
  * every step reads it, target-only decoding's too. */
 void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out) {
     for (int64_t r = 0; r < rows; r++) {

@@ -5,9 +5,9 @@
  *
  * Why: panel_sgemm_bf16w (panel_sgemm.c) halves the bytes a step reads, but each weight still
  * costs a widening and two float32 multiply-adds per row, so past four rows it is bound by
- * arithmetic (SmolLM2's weights, 1 thread, AVX-512 EPYC: 1 row 16 ms, 6 rows 22, 32 rows 86).
- * One vdpbf16ps multiplies and sums 32 bf16 pairs into 16 float32 sums: 1 row 12.4 ms, 6 rows
- * 14.3, 32 rows 45 (docs/engine.md, "bf16 on the panel kernel").
+ * arithmetic. One vdpbf16ps multiplies and sums 32 bf16 pairs into 16 float32 sums, so a verify
+ * row costs far less and the step stays bound by the weights' stream to more rows
+ * (docs/cpu-kernels.md).
  *
  * Layout: W [N, K] is packed once into panels of 16 output features by pairs of input features,
  * [ceil(N/16)][ceil(K/2)][16][2] (zero-padded), so one pair of k for a panel is one 64-byte line,
@@ -15,15 +15,12 @@
  * into [M][ceil(K/2)] pairs first; a row's pair is broadcast against the panel's line.
  *
  * Blocks: R rows by one panel (R sums in registers). Up to 12 rows are one block; more rows go in
- * blocks of at most 8, sized evenly. Measured on SmolLM2's weights: blocks over 2-8 panels were
- * slower at every row count (1 row over 8 panels: 16.9 ms against 13.6). Why one block up to 12:
- * up to ~8 rows a step waits on memory and the multiply-adds hide under the weights' stream; a
- * second block of rows re-reads the panels from L2 after the stream has passed, so its arithmetic
- * no longer overlaps anything: 9 rows cost 1.45x 8 rows in two blocks (5 + 4), 1.09x in one
- * (30 layers' multiplies, 1 thread, AVX-512 EPYC: 8 rows 10.0 ms; 9 rows 14.7 -> 10.9, 10 rows
- * 14.7 -> 11.9, 11 rows 15.0 -> 12.8, 12 rows 15.6 -> 14.4). From 13 rows on the arithmetic
- * bounds the step anyway, and blocks of 13-16 were no faster than two of at most 8 (16: 20.0 ms
- * in one block against 17.6 in two).
+ * blocks of at most 8, sized evenly. A block spans one panel: blocks over 2-8 panels were slower
+ * at every row count. Why one block up to 12: up to ~8 rows a step waits on memory and the
+ * multiply-adds hide under the weights' stream; a second block of rows re-reads the panels from L2
+ * after the stream has passed, so its arithmetic no longer overlaps anything. From 13 rows on the
+ * arithmetic bounds the step anyway, and taller blocks were no faster than two of at most 8
+ * (docs/decisions/twelve-row-block.md).
  *
  * Exactness: every output is the sum over pairs q = 0, 1, ..., ceil(K/2)-1 of one vdpbf16ps term
  * each, in that order, whatever the rows of the call, their block, or the thread that runs the
@@ -41,10 +38,10 @@
 #define DOT_SPLIT_ROWS 8  /* above that, blocks of at most this many */
 #define DOT_PANEL_GROUP 4   /* panels a thread takes at a time */
 /* Two prefetches a line: far ahead into L2, near ahead into L1. One step at one row reads all the
- * weights once (270 MB for SmolLM2), more than a core's L2/L3 share keeps, so it waits on memory;
- * on a 2-core Xeon (AVX512_BF16, KVM) the hardware prefetchers alone left one row at 21.2 ms and 4 rows
- * at 25.6 (prefetch 1 KB ahead into L1 only); with these 17.2 and 19.5 (2-16 KB / 0.5-2 KB
- * measured alike). The summation order is untouched: results are bitwise the same. */
+ * weights once (270 MB for SmolLM2), more than a core's L2/L3 share keeps, so it waits on memory,
+ * and the hardware prefetchers alone (or an L1 prefetch alone) left it well short of the stream
+ * these two keep up; the distances are not critical (2-16 KB and 0.5-2 KB did alike). The
+ * summation order is untouched: results are bitwise the same. */
 #define DOT_PREFETCH_L2 8192 /* bytes ahead in a panel (into the next panels past its end) */
 #define DOT_PREFETCH_L1 1024
 

@@ -3,15 +3,15 @@
  * a decode or verify step. Compiled only where the CPU has AVX512_FP16 (the library is built with
  * -mavx512fp16 there; specbatch.native.fp16_dot_available()).
  *
- * Why: on the 2-core Xeon (AVX512_FP16 and AVX512_BF16, no AMX exposed) vdpbf16ps reaches 46 G
- * pairs a second, while a 512-bit vfmadd231ph with an embedded broadcast reaches ~115 G float16
- * multiply-adds a second (8 rows, panel in L1). One row reads the weights at the memory's speed
- * either way (both keep 2 bytes a weight); each further row of a verify step costs arithmetic, and
- * this cuts it by more than half (docs/engine.md, "float16 products").
+ * Why: where a CPU has both AVX512_FP16 and AVX512_BF16, a 512-bit vfmadd231ph with an embedded
+ * broadcast does well over twice as many multiply-adds a cycle as vdpbf16ps does bf16 products.
+ * One row reads the weights at the memory's speed either way (both keep 2 bytes a weight); each
+ * further row of a verify step costs arithmetic, and this cuts it by more than half
+ * (docs/cpu-kernels.md, docs/decisions/weights-auto.md).
  *
  * Precision: float16 keeps 11 significant bits (bfloat16 8), so the rounded inputs and weights are
  * 8x closer to their float32 values. A float16 sum of up to FP16_RUN products rounds at each add;
- * with runs of 32 the result's error against a float64 reference is ~2.5x below panel_dpbf16's
+ * with runs of 32 the result's error against a float64 reference is under half panel_dpbf16's
  * (relative RMS 7-8e-4 against 1.8-2.1e-3 on random weights).
  * Range: each row is scaled by a power of two (exact) so that its largest |x| lies in [64, 128), and
  * the weight by one (the caller's, `weight_unscale`) so that its largest |w| lies in [1, 2): a run's
@@ -22,10 +22,8 @@
  * padded), so one k of a panel is one 64-byte line, one 32-lane vector. Each row's x[k] enters its
  * multiply-add as an embedded broadcast from memory ({1to32}): a load, no shuffle. (The first form,
  * two 16-lane vectors a k and a vpbroadcastw a row, kept the shuffle port as busy as the multiply-
- * adds and was bound at ~1.5 256-bit multiply-adds a cycle: 12 rows 0.48 ns a k and row, against
- * 0.28 now.) Blocks: up to 24 rows by one panel, 24 sums in registers beside the panel's vector. On
- * SmolLM2's decoder layers and head, 1 thread, Xeon, the two forms in one run (ms): 1 row 19.6 ->
- * 18.9, 5 rows 21.9 -> 20.8, 12 rows 27.5 -> 23.9, 16 rows 37.2 -> 26.0, 32 rows 65.9 -> 43.4.
+ * adds and was bound by it, the more so the more rows.) Blocks: up to 24 rows by one panel, 24 sums
+ * in registers beside the panel's vector.
  * Past 24 rows a call takes further blocks and goes run by run: the blocks after the first read
  * the run's 2 KB of the panel from L1, so the weights stream from memory once.
  *

@@ -4,7 +4,7 @@
  * where the CPU has AVX512_BF16 (specbatch.native.bf16_dot_available()).
  *
  * Why: a step at the few rows of a decode or verify reads every weight once and waits on memory
- * (panel_dpbf16.c: SmolLM2's layers are 212 MB of bf16 a step, ~10 ms on one EPYC core). The
+ * (panel_dpbf16.c: SmolLM2's layers are 212 MB of bf16 a step). The
  * embedded model's layers are Q4_1 in its GGUF file: 5 bits a weight here (nibbles, and each
  * block's d and m), under a third of bf16's bytes. The weights are the file's own values, not a
  * bf16 rounding of them; only the input is rounded, as with bf16 dot products.
@@ -22,13 +22,11 @@
  * j % 2 of the pair) of pairs 4g, 4g+1, 4g+2 and 4g+3 of the block, so a shift by 0, 4, 8 or 12
  * and a mask give the operand of one vdpbf16ps (specbatch.native.PanelLinear packs them so).
  *
- * Measured (SmolLM2's 30 decoder layers, 1 thread, the 2-core AVX-512 EPYC; bf16 dot products on
- * the same weights beside it): 1 row 4.0 ms (11.2), 2 rows 4.8 (10.8), 4 rows 7.0-7.2 (10.3), 6
- * rows 9.3 (9.7), 8 rows 11.8 (12.6), 12 rows 16.4 (17.0). One row reads 66 MB instead of 212;
- * from two rows on each row adds its 16 vdpbf16ps per 512 weights, ~1.1 ms, where bf16 dot
- * products hide theirs under the weights' stream up to ~8 rows. No software prefetch: the lines
- * panel_dpbf16.c prefetches (2 a line, into L2 and L1) left one row at 6.5 ms here, prefetching
- * into L1 alone 5.0. Up to 4 blocks' chains of vdpbf16ps side by side at few rows: ~3 %.
+ * Cost: one row reads 66 MB instead of 212, so a one-row step is far cheaper than bf16 dot products
+ * on the same weights; from two rows on each row adds its 16 vdpbf16ps per 512 weights plus the
+ * unpacking, where bf16 dot products hide theirs under the weights' stream up to ~8 rows, so the
+ * two come close from about six rows on (docs/decisions/q4-1-opt-in.md). No software prefetch:
+ * panel_dpbf16.c's prefetches made one row slower here, not faster.
  *
  * Blocks of rows: as panel_dpbf16.c, up to 12 rows in one block (the nibbles are unpacked once for
  * the block's rows), more in blocks of at most 8.
@@ -88,9 +86,9 @@ void panel_blocks(int64_t M, int64_t N, int64_t max_rows, int64_t split_rows, in
 
 /* Rows x[0..R) (bf16 pairs, Kp apart; their block sums, `blocks` apart) against one panel, F blocks
  * at a time: a block's 16 terms are one chain of dependent vdpbf16ps, so with few rows the chains of
- * F blocks run side by side (the instruction's latency, not the weights' stream, bounded one row:
- * 6.0 ms for SmolLM2's 30 layers with one block at a time). Each block's part still starts from
- * zero and joins sum in block order, so F changes no result. */
+ * F blocks run side by side (with one block at a time the instruction's latency, not the weights'
+ * stream, bounded one row). Each block's part still starts from zero and joins sum in block order,
+ * so F changes no result. */
 #define Q4_ROWS(R, F)                                                                                   \
     static void q4_rows_##R(const uint32_t *x, const float *xsum, int64_t Kp, int64_t blocks,           \
                             const uint8_t *panel, float *y, int64_t N, int64_t valid, const float *bias) { \

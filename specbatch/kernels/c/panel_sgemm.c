@@ -1,11 +1,10 @@
 /* y = x @ W^T (+ bias) in float32 for the few rows of a decode or verify step, on x86 with AVX2+FMA.
  *
  * Why: a step of a small model at batch 1 is bound by reading its weights from memory, and the
- * rows beside the first (the drafts a verify step checks) should ride along for free. oneDNN's
- * float32 kernels on an AVX2-only EPYC read SmolLM2's 540 MB of weights in ~50 ms for one row but
- * take ~70 ms for five; MKL's take 2.6x at two rows. This kernel reads the weights once for up to
- * six rows, in the order they lie in memory, and keeps every row's sums in registers: ~36 ms for
- * one to five rows there (docs/engine.md, "A float32 kernel of our own").
+ * rows beside the first (the drafts a verify step checks) should ride along for free. oneDNN's and
+ * MKL's float32 kernels grow markedly from one row to a few. This kernel reads the weights once for
+ * up to six rows, in the order they lie in memory, and keeps every row's sums in registers, so one
+ * to five rows cost about what one does (docs/cpu-kernels.md).
  *
  * Layout: W [N, K] is packed once into panels of 16 output features, [ceil(N/16)][K][16] (the last
  * panel zero-padded), so a panel streams contiguously while the k loop broadcasts one input value
@@ -40,12 +39,11 @@
 
 /* Panels per register block, by rows (the row counts 1 to MAX_ROWS; BLOCKS names them per weight
  * type): 2 * R * P sums in flight, at least 8, and 2 to 4 panels streaming from memory at once
- * where the registers allow (one stream alone, with its prefetch 1 KB ahead, reads slower:
- * SmolLM2's 121 weights at 4 rows took 40 ms in 4x1 blocks, 33 ms in 4x2, whose 16 sums leave
- * one to spill on an AVX2-only EPYC; 5x2 and 6x2 spill more and lose). Built for AVX-512 (32
- * vector registers, the 16 the code names and 16 more for the compiler), bf16 weights take wider
- * blocks: widening a panel's bf16 costs two instructions and a register, which wider blocks share
- * among more rows (4 rows: 20.2 ms -> 15.5 for SmolLM2's weights, 1 thread, AVX-512 EPYC). */
+ * where the registers allow (one stream alone, with its prefetch 1 KB ahead, reads slower; 4x2
+ * beat 4x1 though its 16 sums leave one to spill on AVX2, while 5x2 and 6x2 spill more and lose).
+ * Built for AVX-512 (32 vector registers, the 16 the code names and 16 more for the compiler),
+ * bf16 weights take wider blocks: widening a panel's bf16 costs two instructions and a register,
+ * which wider blocks share among more rows. */
 #define F32_PANELS 2, 2, 2, 1, 1
 #ifdef __AVX512F__
 #define BF16_PANELS 4, 2, 4, 2, 2
