@@ -94,8 +94,9 @@ class RaggedBatch:
         """Whether the call runs over the pool's slots from 0 to its last (``rows`` of them), the
         slots between its own as padding rows: where the engine replays captured steps, which
         take only calls over the pool's slots from 0, and such a call fits one. On a GPU a few
-        padding rows cost next to nothing, while a gathered call runs eagerly: a Propose for the
-        rows that did not find their drafts by lookup cost ~15 ms a forward instead of ~2."""
+        padding rows cost next to nothing, while a gathered call runs eagerly, several times slower
+        (a Propose for the rows that did not find their drafts by lookup, say:
+        docs/decisions/captured-steps.md)."""
         fits = getattr(self.engine.forward, "fits", None)
         return fits is not None and fits(rows, width, longest)
 

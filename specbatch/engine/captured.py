@@ -1,8 +1,8 @@
 """Captured steps: an engine's forward at bucketed static shapes, replayed as CUDA graphs.
 
 A decode or verify step of a large model on a GPU is bound by the host launching ~1,100 small
-kernels, not by the GPU (a hundred times its GPU work, for a 7B target). A CUDA graph records the
-kernels of one forward at fixed shapes and addresses once, and replays them with one launch.
+kernels, not by the GPU's own work (docs/gpu.md). A CUDA graph records the kernels of one forward
+at fixed shapes and addresses once, and replays them with one launch.
 
 ``CapturedForward`` wraps an engine's own forward (anything with ``LlamaForward.__call__``'s
 contract). A call that fits a bucket of ``Buckets`` (batch size × tokens per row × attended
@@ -198,8 +198,8 @@ class CapturedForward:
 
     def _declined(self, reason: str, count: bool) -> None:
         """An eager call, counted by why: a silent fallback costs a GPU step several times its
-        captured time (a step decoding 8 rows: ~20 ms eager against ~5 replayed), so the first
-        of each kind is logged and the services export the counts."""
+        captured time (docs/decisions/captured-steps.md), so the first of each kind is logged and
+        the services export the counts."""
         if not count:
             return None
         if reason not in self.eager_reasons:
@@ -291,7 +291,7 @@ class CapturedForward:
                rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """One real token per row: a draft's decode step, with a few device copies where
         ``__call__`` builds a 4D mask on the host, copies it over and refills five buffers (on a
-        GPU that host work, not the graph, bounded a drafted token: ``benchmarks/step_split.py``).
+        GPU that host work, not the graph, bounded a drafted token: docs/gpu.md).
 
         ``tokens`` and ``positions`` (each token's position, which is also its write column):
         ``[batch]`` on the device; ``end``: the largest position plus one, from the host (reading

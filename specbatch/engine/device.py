@@ -10,11 +10,11 @@ import torch
 
 def eager_attention(device: torch.device):
     """Where a forward runs eagerly on a GPU, its attention off cuDNN: cuDNN builds a plan for
-    every new shape (55-400 ms each, by reports from SGLang and FlashInfer), which captured steps
-    meet only at capture, while eager calls (a prompt of a new length, a context one column
-    longer each step) meet new shapes nearly every time. On the H200 the draft's eager calls made
-    a step at batch 8 cost 40 ms against 5 (2026-11-26). The memory-efficient kernel plans
-    nothing and is 1-13 us slower a call (``benchmarks/sdpa_backends.py``); math where it refuses."""
+    every new shape (costly, as SGLang and FlashInfer report too), which captured steps meet only
+    at capture, while eager calls (a prompt of a new length, a context one column longer each
+    step) meet new shapes nearly every time, so a draft's eager steps cost several times their
+    captured ones. The memory-efficient kernel plans nothing and is barely slower a call
+    (docs/gpu.md); math where it refuses."""
     if device.type != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

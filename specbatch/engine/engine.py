@@ -84,7 +84,7 @@ class Engine:
     lock: threading.RLock = field(default_factory=threading.RLock)
     # Forwards always run on this one thread: each thread that calls into torch gets its own
     # OpenMP team, and teams left behind by gRPC's worker threads spin and steal the cores
-    # (measured: 1.5-1.7x slower steps on 2 cores when calls hop between threads).
+    # (steps run markedly slower when calls hop between threads: docs/decisions/threads.md).
     model_thread: futures.ThreadPoolExecutor = field(
         default_factory=lambda: futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model"))
     # Which forward runs the model: "specbatch" (the engine's own, weights prepacked:
@@ -104,7 +104,8 @@ class Engine:
     # kernels (build.available). From batch 8 on a step reads its cached keys and values from
     # memory, and they outweigh the weights at 32 sequences of 300 tokens; this halves those bytes
     # and the pool's memory. The model's numbers move (as a bf16 model's own cache rounds them);
-    # speculation stays exact against target-only decoding with the same setting.
+    # speculation stays exact against target-only decoding with the same setting
+    # (docs/decisions/kv-bf16.md).
     kv_bf16: bool = False
     # Calls of at least ``wide_from_rows`` rows (sequences x tokens fed) run on ``wide_threads``
     # threads where the layers run in one C call (llama.LlamaForward), the rest on the process's
@@ -355,8 +356,8 @@ class Engine:
         in a draft's Propose, a draft that fell behind) first prefill all but their last tokens,
         in a forward of their own, so the call itself stays captured; it returns the call's
         inputs with those rows cut to what is left (as many tokens as the call's other rows
-        feed). One such row made every forward of a Propose eager: on the H200 a Propose at
-        batch 8 then cost ~30 ms instead of ~3. Elsewhere (and where no row is that wide) the
+        feed). One such row made every forward of a Propose eager, several times slower
+        (docs/decisions/captured-steps.md). Elsewhere (and where no row is that wide) the
         inputs come back as they are. The whole call is validated first, so a call refused
         changes nothing."""
         widest = getattr(self.forward, "widest", None)
@@ -375,7 +376,8 @@ class Engine:
     def prefill(self, inputs: list[SequenceInput]) -> list[int]:
         """Add or extend sequences: cache all their tokens. Returns each one's cached length.
         Sequences of very different lengths run in forwards of similar ones (``by_length``): 32
-        ShareGPT prompts (31-219 tokens, 60 on average) were two thirds padding in one."""
+        ShareGPT prompts (31-219 tokens, 60 on average) were two thirds padding in one
+        (docs/decisions/prefill-by-length.md)."""
 
         def run(group) -> list[int]:
             items = [inputs[i] for i in group]

@@ -24,7 +24,7 @@ from specbatch.kernels.linear import differing_by_row_count, linear
 # The largest top-2 logit gap (in logits) at which a bf16 rounding difference may flip the greedy
 # choice. A bf16 logit of magnitude 16-32 is rounded to a step of 0.125, and the difference in
 # the hidden state before the head is itself a few bf16 steps: measured mismatches sit below it
-# (docs/engine.md has the distribution).
+# (docs/exactness.md has the distribution).
 NEAR_TIE = 0.5
 
 
