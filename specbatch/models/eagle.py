@@ -1,7 +1,7 @@
 """The EAGLE-style draft: a one-layer decoder that reads the target's own final hidden states.
 
 A draft that sees only tokens must rebuild, in a few layers, what the target's 30 layers know; a
-small one agrees with the target's greedy choice rarely (docs/draft.md). This draft gets the
+small one agrees with the target's greedy choice rarely (docs/decisions/eagle-draft.md). This draft gets the
 target's knowledge for free: at position i it reads the token ``x_i`` *and* the target's final
 hidden state ``f_{i-1}`` (the vector the target's output head turned into ``x_i``'s distribution),
 and predicts ``f_i``, which the target's own head (restricted to a frequent-token subset, for

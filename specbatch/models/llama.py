@@ -1,7 +1,7 @@
 """The engine's own forward for Llama-family models (and the EAGLE-style draft), over its KV pool.
 
 transformers' forward spends most of a one-token CPU step outside the matrix multiplies: cache
-objects, mask builders, attention dispatch and a scatter per layer (docs/engine.md measures it).
+objects, mask builders, attention dispatch and a scatter per layer (docs/cpu-kernels.md).
 This forward does the same arithmetic as ``LlamaForCausalLM`` in as few operations as it can:
 fused QKV and gate/up projections with weights prepared once (``specbatch.kernels.linear``), new
 keys/values written straight into the pool with one indexed copy, and one SDPA call per layer
@@ -126,8 +126,8 @@ class LlamaForward:
         self.embed = base.embed_tokens.weight
         # The EAGLE draft's fusing layer stays in the model's dtype under ``int8``: it reads the
         # target's raw hidden states, whose few huge features leave an input scaled to 8 bits for
-        # one call no resolution for the rest (int8 there: greedy tokens a step 1.93 -> 1.53 at
-        # k = 5; int8 everywhere else: 1.91 -> 1.88, docs/engine.md).
+        # one call no resolution for the rest: int8 there cost many accepted tokens a step, int8
+        # everywhere else next to none (docs/decisions/int8-draft.md).
         self.fuse = (linear(base.fc.weight, None, None if weights == "int8" else weights)
                      if reads_target_features(model) else None)
         self.rotary = base.rotary_emb
@@ -136,34 +136,32 @@ class LlamaForward:
         # Under "q4_1" the head keeps bf16 dot products: the embedded GGUF holds it in Q8_0 (256
         # levels a block), which 4-bit blocks would coarsen; its bf16 rounding is the bf16-dot form's.
         self.head = linear(model.get_output_embeddings().weight, None, "bf16-dot" if weights == "q4_1" else weights)
-        # PyTorch's CPU SDPA in bf16 is slow with one query row per head: batch 8, 9 heads over
-        # 3 KV heads, 1 token, 129 columns takes 435 µs, against 84 µs with the 3 query heads of
-        # each KV head folded into one head of 3 query rows. In fp32 folding is slower (54 vs 91).
+        # PyTorch's CPU SDPA in bf16 is slow with one query row per head: folding the query heads
+        # of each KV head into one head of as many query rows makes it several times faster. In
+        # fp32 folding is slower.
         fold = self.embed.device.type == "cpu" and self.embed.dtype != torch.float32
         # Query heads folded into each key/value head's SDPA call (1: none).
         self.folded_groups = self.layers[0].q_size // self.layers[0].kv_size if fold else 1
         # In float32 on a CPU, attention runs on the engine's own kernel (specbatch.kernels.build): SDPA
-        # spends most of a step's few query rows setting up its tiled kernel (~50 us a layer at one
-        # row, ~100 at three on SmolLM2's shape, on an AVX2 EPYC), and a row's result must not
-        # depend on the other rows (float32 speculation is bitwise exact). At every width, prompts
-        # included: SDPA's result for a prompt's rows depends on the call's width (a prompt
-        # prefilled beside a longer one, or past 16 tokens a row where steps used the kernel, moved
-        # SmolLM2's logits by up to 0.15 on an AVX-512 EPYC: 8 of 64 mixed-batch outputs left
-        # target-only decoding at near-ties), and the kernel is no slower there (a 256-token
-        # prefill 333 ms against SDPA's 342; 4 x 128 tokens 601 against 624).
+        # spends most of a step's few query rows setting up its tiled kernel, and a row's result
+        # must not depend on the other rows (float32 speculation is bitwise exact). At every width,
+        # prompts included: SDPA's result for a prompt's rows depends on the call's width (a prompt
+        # prefilled beside a longer one moved logits enough to leave target-only decoding at
+        # near-ties: docs/exactness.md), and the kernel is no slower at a prompt's width.
         self.native_attention = (self.embed.device.type == "cpu" and self.embed.dtype == torch.float32
                                  and self.layers[0].head_dim in HEAD_DIMS and build.available())
         # And the small operations between the multiplies (norms, rotary embedding with the KV
-        # write, SiLU): ~25 PyTorch operators a layer, ~2-5 us of arithmetic each at a step's few
-        # rows but tens of us each in dispatch and set-up. At every width, so that a token's keys
-        # and values come out of the same arithmetic however it was fed. Rotary angles come from a
-        # table of every position, which needs frequencies fixed up front (not "dynamic" RoPE).
+        # write, SiLU): ~25 PyTorch operators a layer, a few microseconds of arithmetic each at a
+        # step's few rows but several times that in dispatch and set-up. At every width, so that a
+        # token's keys and values come out of the same arithmetic however it was fed. Rotary angles
+        # come from a table of every position, which needs frequencies fixed up front (not
+        # "dynamic" RoPE).
         self.native_layer_ops = (self.native_attention
                                  and getattr(self.rotary, "rope_type", "default") not in ("dynamic", "longrope"))
         self._angles: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, signed sin) [positions, head_dim]
         # And the whole layer loop in one C call where every projection is on the panel kernel: the
         # same kernels in the same order, bitwise the loop below, without its ~9 Python calls a layer
-        # (~3 ms of SmolLM2's ~16 ms one-token step on a 2-core EPYC). None: the loop runs in Python.
+        # (a large share of a one-token step: docs/cpu-kernels.md). None: the loop runs in Python.
         self.decoder_layers = self._native_decoder_layers() if self.native_layer_ops else None
         # Calls of at least wide_from_rows rows run the layers in one call, and the output head, on
         # wide_threads threads (0: the process's count; specbatch.engine.engine.Engine sets them).

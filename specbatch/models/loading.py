@@ -62,7 +62,7 @@ def _embedded_gguf_folder() -> Path:
 def embedded_model_folder() -> Path:
     """A converted (safetensors) copy of the embedded GGUF model, made once and cached.
 
-    Dequantising the GGUF takes ~16 s; loading the converted copy takes well under a second.
+    Dequantising the GGUF is slow; loading the converted copy is many times faster.
     Several processes may race to make it, so each writes a private folder and renames it in.
     """
     folder = cache_root() / "models" / EMBEDDED
@@ -155,8 +155,8 @@ def default_device() -> str:
 
 def parse_dtype(name: str | None, device: str) -> torch.dtype:
     """``auto``: bfloat16 on GPUs and on CPUs that multiply bf16 natively (AVX512_BF16 or AMX),
-    where the engine's prepacked bf16 weights make a step ~2.5x cheaper than float32 and verifying
-    several tokens nearly as cheap as one (docs/engine.md); float32 on other CPUs."""
+    where the engine's prepacked bf16 weights make a step much cheaper than float32 and verifying
+    several tokens nearly as cheap as one (docs/decisions/weights-auto.md); float32 on other CPUs."""
     if not name or name == "auto":
         from specbatch.kernels.linear import onednn_bf16_available
 

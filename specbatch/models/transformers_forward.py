@@ -23,7 +23,7 @@ class _BatchLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         # One indexed copy per tensor ([batch, width] positions); a scatter_ with an expanded
-        # index cost ~120 µs a layer on the CPU.
+        # index cost far more a layer on the CPU.
         self.keys_buffer[self.rows, :, self.write_columns] = key_states.transpose(1, 2)
         self.values_buffer[self.rows, :, self.write_columns] = value_states.transpose(1, 2)
         return self.keys_buffer[:, :, : self.end], self.values_buffer[:, :, : self.end]
