@@ -2,7 +2,7 @@
 batch size. ``specbatch profile`` writes it (specbatch/commands/profiler.py); the coordinator reads it
 (``--profile``) for the ``profile`` and ``goodput`` k policies (coordinator/policy.py).
 
-The document is versioned JSON (docs/profile.md describes every field):
+The document is versioned JSON (docs/speculation.md shows how the policies read it):
 
     format, version          "specbatch-profile", 1
     created                  ISO 8601 UTC time of the measurement
@@ -35,12 +35,10 @@ VERSION = 1
 CELL_TIMES = ("draft_ms", "target_ms", "step_ms")
 # best_k takes the smallest k whose ms_per_token is within this fraction of the batch size's lowest:
 # as fast as the profile can tell, with less work thrown away when drafts miss. A profile's close
-# cells are inside its own resolution: three measurements of the embedded bf16-dot profile on one
-# machine put batch 1's k = 4 at -3.8 %, +1.3 % and +2.9 % against k = 3, and the served benchmark
-# (prompt lookup on) read k = 3 ahead of k = 4 in four runs of four (by 0.3-4.3 %); with the rule
-# the profile policy read 1.000 of fixed k = 3 at concurrency 1 (docs/profile.md 6k). Cells 5 %
-# apart or more keep the faster k. (goodput keeps its own argmax over the table and live
-# acceptance: the same rule there drafted k = 2 on most batch-1 steps and read 0.974 of k = 3.)
+# cells are inside its own resolution: repeated profiles of one machine put neighbouring k's a few
+# percent either side of each other, and served runs do not follow such orderings. Cells 5 % apart
+# or more keep the faster k (docs/decisions/k-policy-default.md). goodput keeps its own argmax over
+# the table and live acceptance: the same rule there drafted too few tokens.
 NEAR_BEST = 0.05
 
 

@@ -1,11 +1,10 @@
 """The model services' calls over a Unix socket: a fast path for a coordinator on the same host.
 
 The same protobuf messages, servicer methods and status codes as gRPC; only the transport
-differs. Why: a service sleeps 3-15 ms between its calls, and gRPC's Python server hands each
-call across threads that were asleep. On the 2-core EPYC an empty call after a 12 ms gap costs
-0.94 ms to reach the handler and 0.33 ms back (``benchmarks/rpc_gap.py``); over a Unix socket,
-read by a thread blocked in ``recv``, 0.12 and 0.05 ms (``benchmarks/rpc_gap.py``). A
-speculative step makes two such calls.
+differs. Why: a service idles between its calls while the other service computes, and gRPC's
+Python server hands each call across threads that were asleep, so an empty call after such a gap
+takes far longer to reach its handler and come back than over a Unix socket read by a thread
+blocked in ``recv`` (docs/decisions/local-sockets.md). A speculative step makes two such calls.
 
 A service started with ``--local-socket-dir DIR`` listens on a socket of its own in DIR (named
 with a fresh id, so a restarted service's socket is a new path and a coordinator elsewhere never

@@ -72,8 +72,8 @@ def threads_per_service(options: StackOptions) -> int:
     return options.threads or max(1, available_cores() // 2)
 
 
-# libgomp's spin count for the model services where their calls go wide: ~0.2 ms of spinning
-# bridges the gaps between a forward's parallel regions, then the thread sleeps, so that it does
+# libgomp's spin count for the model services where their calls go wide: a short spin bridges the
+# gaps between a forward's parallel regions, then the thread sleeps, so that it does
 # not spin on the core the other service computes on next (docs/decisions/wide-calls.md).
 WIDE_SPINCOUNT = 10000
 

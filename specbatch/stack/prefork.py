@@ -1,8 +1,8 @@
 """Service processes forked from a process that has already imported them (a zygote).
 
-Starting ``python -m target_service`` spends 7-8 s importing torch, transformers and the engine
-before it loads a model; on a 2-core machine three services starting together take ~12 s of wall
-time that way, and the test suite starts ~35 of them. A ``Zygote`` imports those modules once and
+Starting ``python -m target_service`` spends seconds importing torch, transformers and the engine
+before it loads a model; three services starting together on a small host contend for its cores
+while they do, and the test suite starts dozens of them. A ``Zygote`` imports those modules once and
 then forks one child per service, which runs the module as ``python -m`` would (``runpy``, its own
 ``sys.argv`` and environment) without importing anything again.
 
@@ -84,7 +84,7 @@ class Zygote:
         with self._lock:
             if self.process is None:
                 self._launch()
-                self._reply("ready", timeout=300)  # the imports: 7-8 s on 2 cores
+                self._reply("ready", timeout=300)  # the imports take seconds
             request = {"module": module, "args": list(args), "env": dict(os.environ if env is None else env)}
             self.process.stdin.write(json.dumps(request).encode() + b"\n")
             self.process.stdin.flush()
