@@ -25,7 +25,7 @@ from specbatch.protocol.speculation import MAX_K, MAX_LEAVES
 # How many of its most likely tokens the draft samples among, for a sampled request: q' is q cut
 # to them. Exact whatever the size (the target is told q'); larger keeps more of q's tail, which
 # only matters where the target would also have drawn from it. 32 tokens cost about 200 bytes per
-# drafted position on the wire (docs/sampling.md).
+# drafted position on the wire (docs/speculation.md).
 SUPPORT_SIZE = 32
 
 
