@@ -60,7 +60,7 @@ def stack(target_model, draft_model, tokenizer):
 @pytest.fixture(scope="session")
 def zygote():
     """Service processes forked from one that has imported them (``specbatch.stack.prefork``): a service
-    starts in well under a second instead of 7-8 s of imports. Tests of the plain ``python -m``
+    starts without the seconds its imports would take. Tests of the plain ``python -m``
     start keep ``prefork.popen``."""
     import os
 

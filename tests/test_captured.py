@@ -378,8 +378,8 @@ def test_served_with_captured_steps_only_prompts_run_eagerly(target_model, draft
     draft), every decode and verify call of both services takes the static path; only calls with
     a row wider than every bucket (a prompt, at most once a request and service) run eagerly, and
     the outputs stay the target's own. On a GPU any other eager call costs a step several times
-    over: on the H200 a Propose over the rows lookup left to the draft ran eagerly every step, and
-    an EAGLE draft's Propose (which takes a new request's prompt with the target's features) ran
+    over: a Propose over the rows lookup left to the draft once ran eagerly every step, and an
+    EAGLE draft's Propose (which takes a new request's prompt with the target's features) ran
     eagerly whole, decodes included, until the prompt's head was caught up apart."""
     from test_exactness import prompts_of_lengths, run_staggered_and_check
 

@@ -646,9 +646,8 @@ def test_fp32_linears_give_each_row_what_it_gets_alone(threads):
     """fp32 speculation is exact only if a row's result does not depend on how many rows share the
     multiply, which MKL's F.linear does not keep (one row takes another kernel). A float32
     PackedLinear runs on oneDNN-reordered weights only for shapes where oneDNN's kernels keep it
-    on this CPU and thread count (checked per shape: on an AVX-512 EPYC a 96x64 weight keeps it
-    and 576x1536 does not): bitwise the same row by row there, and always the same product as
-    F.linear."""
+    on this CPU and thread count (checked per shape: a small weight may keep it where a large one
+    does not): bitwise the same row by row there, and always the same product as F.linear."""
     from specbatch.engine.exactness import differing_by_row_count
     from specbatch.kernels.linear import PackedLinear, onednn_fp32_rows_agree
 

@@ -64,7 +64,7 @@ def test_concurrent_chats_match_generate(real, real_stack, k):
     for prompt, result in zip(prompts, results):
         assert result.token_ids == reference(target, prompt, 20)
     # The shipped draft is the trained one: its first drafted token is the target's choice far more
-    # often than an untrained draft's (about 0.01); docs/draft.md has the measured rates.
+    # often than an untrained draft's (about 0.01); docs/decisions/eagle-draft.md has the rates.
     proposed = sum(r.stats.draft_tokens_proposed for r in results)
     accepted = sum(r.stats.draft_tokens_accepted for r in results)
     if k == 1:
@@ -91,7 +91,7 @@ def bf16_stack():
 
 
 def test_bf16_output_leaves_target_only_decoding_only_at_near_ties(real, bf16_stack):
-    """bf16 rounds differently over more rows (benchmarks/exactness.py measures it), so verifying
+    """bf16 rounds differently over more rows (docs/exactness.md), so verifying
     k+1 tokens may flip a greedy choice where the target's two best logits (nearly) tie: the
     reference is target-only decoding in bf16 through the same engine, and every output that
     leaves it must do so at a near-tie. The mismatches are counted and reported."""
@@ -118,7 +118,7 @@ def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real, form):
     output equal target-only decoding on the same engine token for token, with prompts of different
     lengths prefilled together and k 1-4 in one batch. (Differences show only at near-ties, which
     four short chats rarely reach: tests/test_native.py checks the prefill's bits directly, and
-    benchmarks/exactness.py --weights bf16-dot runs 64 prompts.)"""
+    docs/exactness.md reports many more prompts.)"""
     from specbatch.engine.exactness import first_mismatch, target_only
     from specbatch.kernels import build
     from specbatch.stack.in_process import start_local_stack
