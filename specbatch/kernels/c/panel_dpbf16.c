@@ -6,8 +6,8 @@
  * Why: panel_sgemm_bf16w (panel_sgemm.c) halves the bytes a step reads, but each weight still
  * costs a widening and two float32 multiply-adds per row, so past four rows it is bound by
  * arithmetic. One vdpbf16ps multiplies and sums 32 bf16 pairs into 16 float32 sums, so a verify
- * row costs far less and the step stays bound by the weights' stream to more rows
- * (docs/cpu-kernels.md).
+ * row costs a fraction of that arithmetic and the step stays bound by the weights' stream to more
+ * rows (docs/cpu-kernels.md).
  *
  * Layout: W [N, K] is packed once into panels of 16 output features by pairs of input features,
  * [ceil(N/16)][ceil(K/2)][16][2] (zero-padded), so one pair of k for a panel is one 64-byte line,
