@@ -9,9 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specbatch.commands.bench import pairs as bench_pairs
-from specbatch.commands.bench.traffic import (
-    Trace,
-)
+from specbatch.commands.bench.traffic import Trace
 
 
 @dataclass
@@ -165,7 +163,9 @@ def trace_headroom(rows: list[dict], trace: Trace, tokens_per_request: int, fixe
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], out: Path, trace: Trace | None) -> list[Path]:
+def plot(rows: list[dict], out: Path, trace: Trace | None, prefix: str = "") -> list[Path]:
+    """The uniform and Poisson levels' tok/s and mean and p99 latency per mode, and the trace's
+    timeline: PNGs ``out/<prefix><traffic>.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,7 +193,7 @@ def plot(rows: list[dict], out: Path, trace: Trace | None) -> list[Path]:
         axes[0].legend(fontsize=8)
         fig.suptitle(f"{kind} traffic")
         fig.tight_layout()
-        path = out / f"{kind}.png"
+        path = out / f"{prefix}{kind}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
@@ -223,7 +223,7 @@ def plot(rows: list[dict], out: Path, trace: Trace | None) -> list[Path]:
         axes[1].set_xlabel("seconds")
         fig.suptitle(f"time-varying trace {trace.name}")
         fig.tight_layout()
-        path = out / "trace.png"
+        path = out / f"{prefix}trace.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
