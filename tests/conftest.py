@@ -13,6 +13,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "real_model: uses the embedded SmolLM2-135M-Instruct (slower)")
 
 
+@pytest.fixture(autouse=True, scope="session")
+def results_elsewhere(tmp_path_factory):
+    """What the commands under test write as results (``specbatch.commands.results.write``) goes
+    to a folder of the session's own, never into the checkout's benchmarks/results."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECBATCH_RESULTS", str(tmp_path_factory.mktemp("results")))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def root_logging():
     """Restore the root logger after every test. A main() run in process (the coordinator's, a

@@ -86,6 +86,7 @@ def test_command_writes_json_with_every_cell_and_markdown(shapes, tmp_path, caps
     assert code == 0
     report = json.loads((out / "bench-engine.json").read_text())
     assert report["format"] == "specbatch-bench-engine" and report["bandwidth_gbs"] == 20
+    assert report["kind"] == "bench-engine" and {"machine", "date", "commit"} <= set(report)  # a stamped result
     assert {(c["batch_size"], c["tokens"]) for c in report["verify"]} == {(b, t) for b in (1, 2) for t in (1, 3)}
     assert {(c["batch_size"], c["k"]) for c in report["draft"]} == {(b, k) for b in (1, 2) for k in (1, 2)}
     assert report["target"]["random_weights"] and report["target"]["dtype"] == "float32"

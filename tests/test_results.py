@@ -119,3 +119,14 @@ def test_any_result_renders_without_crashing(tmp_path, result):
     page = (tmp_path / "docs" / "m.md").read_text()
     assert "## x" in page and "## broken" in page and "```json" in page
 
+
+def test_a_profile_is_summarised_as_a_result():
+    from test_profile import gpu_like, synthetic_profile
+
+    from specbatch.commands.profiler import summary
+
+    profile = synthetic_profile(gpu_like, [0.8, 0.7, 0.6])
+    result = json.loads(json.dumps(summary(profile, "p.json")))
+    assert result["batch_sizes"] == [1, 2, 4, 8, 16, 32] and len(result["acceptance_by_position"]) == 3
+    assert result["best_k"] == {str(b): k for b, k in profile.best_k.items()}
+    assert "| 1 | " in results.render({**result, "kind": "profile", "_name": "profile"}, None)

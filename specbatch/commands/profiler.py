@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
-import platform
 import statistics
 import sys
 import uuid
@@ -30,6 +29,7 @@ from coordinator.policy import FixedK
 from coordinator.replicas import ReplicaSet
 from coordinator.requests import Request, TextStream
 from coordinator.scheduler import Scheduler
+from specbatch.commands import results
 from specbatch.commands.prompts import chat_prompts, sharegpt_prompts
 from specbatch.config.speculation import SpeculationConfig
 from specbatch.engine.sampling import SamplingParams
@@ -153,25 +153,31 @@ def batch_by_hand(target: TargetClient, draft: DraftClient, prompts: list[list[i
 
 
 def describe_hardware(device: str | None) -> dict:
-    """What the numbers were measured on, as far as this machine can tell."""
+    """What the numbers were measured on: the reading every result carries
+    (``specbatch.commands.results.hardware``), and what sets a CPU's dtype and speed beside it."""
     import torch
 
-    from specbatch.kernels import cpu
-
-    info = {"machine": platform.machine(), "cpu_count": os.cpu_count(), "cpu": cpu.model_name()}
-
-    info["device"] = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if info["device"] == "cpu":  # the widest vector unit torch uses, and bf16 support: they set the dtype and speed
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    info = {**results.hardware(device), "device": device}
+    if device == "cpu":  # the widest vector unit torch uses, and bf16 support: they set the dtype and speed
         from specbatch.kernels.linear import onednn_bf16_available
 
         info["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
         info["native_bf16"] = onednn_bf16_available()
     if os.environ.get("OMP_NUM_THREADS"):  # CPU step times depend on it (local services inherit it)
         info["omp_num_threads"] = os.environ["OMP_NUM_THREADS"]
-    if info["device"].startswith("cuda") and torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name(torch.device(info["device"]))
-    info["torch"] = torch.__version__
     return info
+
+
+def summary(profile: Profile, path: str) -> dict:
+    """The profile as a result (``specbatch.commands.results``): its batch sizes, the best k of
+    each with its time per token beside k = 0's, and the acceptance by draft position."""
+    return {"profile": path, "target": profile.target, "draft": profile.draft, "batch_sizes": profile.batch_sizes,
+            "max_k": profile.max_k, "best_k": dict(profile.best_k),
+            "ms_per_token": {b: {"k0": profile.cells[b, 0].ms_per_token,
+                                 "best": profile.cells[b, profile.best_k[b]].ms_per_token}
+                             for b in profile.batch_sizes if b in profile.best_k},
+            "acceptance_by_position": list(profile.acceptance_by_position), "workload": profile.workload}
 
 
 # ---- output ---------------------------------------------------------------------------------------
@@ -255,6 +261,7 @@ def add_profile_flags(parser) -> None:
     given.add_argument("--acceptance-from", metavar="PROFILE", help="take --acceptance from an existing profile")
     parser.add_argument("--out", default="profile.json", help="the profile to write")
     parser.add_argument("--heatmap", help="PNG heat map to write (default: --out with .png)")
+    results.add_output_flags(parser, "profile", out=False)
 
 
 def given_acceptance(numbers: str | None, profile_path: str | None, max_k: int) -> list[float] | None:
@@ -372,4 +379,8 @@ def run_profile(args) -> int:
         print(f"(acceptance given by {workload['acceptance']['source']}; measured: "
               f"{', '.join(f'{a:.2f}' for a in workload['acceptance']['measured'])})")
     print(f"\nwrote {args.out} and {image}")
+    if remote:  # this machine's stamp would misname the services' hardware
+        print("remote services: no result written beside the profile", file=sys.stderr)
+    else:
+        results.write("profile", summary(profile, args.out), variant=args.variant, device=device)
     return 0

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from draft_service.proposer import ProposeItem, proposals
+from specbatch.commands import results
 from specbatch.config.options import add_option
 from specbatch.engine.batch import SequenceInput
 from specbatch.engine.engine import Engine
@@ -268,7 +269,9 @@ def add_bench_engine_flags(parser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured calls before them")
     parser.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth for the limits (default: the GPU's "
                         f"data sheet by name; {CPU_BANDWIDTH_GBS:g} on CPU)")
-    parser.add_argument("--out", help="folder to write bench-engine.json and bench-engine.md to")
+    parser.add_argument("--out", help="a folder to write bench-engine.json and bench-engine.md to (default: only the "
+                        "result, benchmarks/results/<machine>/bench-engine.json)")
+    results.add_output_flags(parser, "bench-engine", out=False)
 
 
 def _fitting(sizes: tuple[int, ...], need_per_sequence: int, budget: int) -> tuple[tuple[int, ...], list[int]]:
@@ -359,10 +362,13 @@ def run_bench_engine(args) -> int:
     }
     text = markdown(report)
     print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "bench-engine.json").write_text(json.dumps(report, indent=1) + "\n")
-        (out / "bench-engine.md").write_text(text + "\n")
-        print(f"\nwrote {out / 'bench-engine.json'} and {out / 'bench-engine.md'}", file=sys.stderr)
+    if not args.out:
+        results.write("bench-engine", report, variant=args.variant, device=str(target.device))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results.write("bench-engine", report, out=out / "bench-engine.json", variant=args.variant,
+                  device=str(target.device))
+    (out / "bench-engine.md").write_text(text + "\n")
+    print(f"wrote {out / 'bench-engine.md'}", file=sys.stderr)
     return 0

@@ -15,16 +15,18 @@ runs k = 0 twice a round to show the smallest difference the run can resolve.
 Per run: TTFT, TPOT and end-to-end latency (mean, p50, p99) as the clients saw them, output
 tokens/s, acceptance, the k the coordinator used (from its Info totals: sequence-steps by k), and
 the step split into draft, target and the rest (coordinator work plus RPC). Printed as markdown,
-and written with PNG plots and the raw numbers to --out."""
+and written as a stamped result (``specbatch.commands.results``: benchmarks/results/<machine>/bench.json,
+rendered into the machine's page with its plots), or with ``--out`` into that folder with the
+markdown and the PNG plots."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
+from specbatch.commands import results
 from specbatch.commands.bench import pairs as bench_pairs
 from specbatch.commands.bench.report import Load, Mode, Run, markdown, plot, row, trace_headroom
 from specbatch.commands.bench.traffic import (
@@ -43,10 +45,6 @@ from specbatch.stack.processes import LocalProcesses
 from specbatch.v1 import generation_pb2 as pb
 
 CONTROL = "k=0 (control)"  # --control: k = 0 once more a round, to measure the bench's own spread
-
-
-
-
 
 
 class PeriodicSampler:
@@ -98,8 +96,6 @@ class InfoSampler(PeriodicSampler):
             rows.append({"t": t1, "running": running, "waiting": waiting,
                          "mean_k": sum(k * c for k, c in enumerate(steps)) / n if n else None})
         return rows
-
-
 
 
 def mode_request(mode: Mode, prompt: str, max_new_tokens: int):
@@ -178,7 +174,9 @@ def add_bench_flags(parser) -> None:
     parser.add_argument("--prompt-count", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--out", default="bench-out", help="folder for results.md, results.json and the plots")
+    parser.add_argument("--out", help="a folder for results.md, results.json and the plots (default: only the "
+                        "result, benchmarks/results/<machine>/bench.json)")
+    results.add_output_flags(parser, "bench", out=False)
 
 
 def coordinator_policies(policies: list[str], policy_profiles: list[str], profile: str | None) -> dict:
@@ -252,6 +250,8 @@ def run_bench(args) -> int:
         print("the profile and goodput policies need --profile PATH (made by `specbatch profile`)")
         return 2
     with context as processes:
+        # The policy the stack serves unless told otherwise: the results' headline compares it with k = 0.
+        default_policy = None if args.address else processes.options.k_policy
         main_stub = connect(args.address or processes.address)
         addresses = {p: given.get(p) or processes.add_coordinator(policy, free_port(), profile)
                      for p, (policy, profile) in coordinator_policies(policies, args.policy_profile, profile).items()}
@@ -291,11 +291,16 @@ def run_bench(args) -> int:
         table += ("\n\nRound by round against the best fixed k (tokens/s under uniform traffic, else mean latency; "
                   "above 1: better):\n\n" + bench_pairs.markdown(comparisons))
     print("\n" + table)
+    payload = {"args": {k: v for k, v in vars(args).items() if k != "fn"}, "default_policy": default_policy,
+               "rows": rows, "comparisons": comparisons,
+               "trace": {"name": trace.name, "segments": trace.segments} if trace else None}
+    if not args.out:
+        results.write("bench", payload, variant=args.variant, device=args.device)
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(table + "\n")
-    (out / "results.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "fn"},
-                                                  "rows": rows, "comparisons": comparisons}, indent=1, default=str))
+    written = results.write("bench", payload, out=out / "results.json", variant=args.variant, device=args.device)
     images = plot(rows, out, trace)
-    print(f"\nwrote {out / 'results.md'}, {out / 'results.json'}" + "".join(f", {p}" for p in images))
+    print(f"\nwrote {out / 'results.md'}, {written}" + "".join(f", {p}" for p in images))
     return 0

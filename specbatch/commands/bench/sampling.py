@@ -3,6 +3,9 @@
     python -m specbatch.commands.bench.sampling [--temperatures 0.7,1.0] [--concurrency 1,8] [--k 3]
                                        [--draft-layers N | --draft-model DIR] [--out FILE.json]
 
+The rows are written as a result (``specbatch.commands.results``): benchmarks/results/<machine>/sampling.json
+unless ``--out`` names the file.
+
 Starts the target and draft services as processes (as ``specbatch up`` does) and runs the
 coordinator in this process, so that its service clients' byte counters (serialised message
 sizes, coordinator/backends.py) can be read. For each temperature and concurrency level, the same
@@ -17,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import time
-from pathlib import Path
 
 from coordinator.app import build_coordinator
+from specbatch.commands import results
 from specbatch.commands.prompts import CHAT_PROMPTS
 from specbatch.config.options import UP, add_options
 from specbatch.config.speculation import SpeculationConfig
@@ -79,7 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--k", type=int, default=3, help="speculation length compared with k=0")
     parser.add_argument("--requests", type=int, default=8, help="requests per row (at least the concurrency)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--out", help="also write the rows as JSON here")
+    results.add_output_flags(parser, "sampling")
     args = parser.parse_args(argv)
 
     options = stack_options(args)
@@ -124,8 +126,9 @@ def main(argv=None) -> int:
                               f"{row['draft_reply_bytes_per_drafted_token'] or 0:.0f} |", flush=True)
         finally:
             coordinator.stop(grace=1)
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+    results.write("sampling", {"k": args.k, "top_p": args.top_p, "top_k": args.top_k,
+                               "max_new_tokens": args.max_new_tokens, "draft": coordinator_draft(args), "rows": rows},
+                  out=args.out, variant=args.variant, device=args.device)
     return 0
 
 
