@@ -1,38 +1,40 @@
-"""Greedy exactness of the embedded models through the three services, in bf16 or fp32 (issue 15).
+"""Greedy exactness of the embedded models through the three services, in the form specbatch up
+serves them here (or another: ``--weights``, ``--dtype``).
 
 Decodes held-out ShareGPT prompts target-only (k=0, one token per call, through the target
 service's own engine) and speculatively through the services, at batch 1 and in mixed batches
 (k 1-5 per request, up to 16 sequences a step), with leaves beside the first draft as well
 (``--runs leaves``: 3 at batch 1, 0-3 a request in mixed batches), and counts every output that leaves the
 reference, with the reference's top-2 logit gap where it does: each must be a near-tie
-(``specbatch.engine.exactness.NEAR_TIE``); in fp32 there should be none. Also measures how often the
-engine's linear layers, in the same dtype, round differently with more rows.
+(``specbatch.engine.exactness.NEAR_TIE``); in float32 there should be none. Also measures how often the
+engine's linear layers, in the same form, round differently with more rows. Writes the result to
+benchmarks/results/<machine>/exactness.json (or ``--out``).
 
-    .venv/bin/python benchmarks/exactness.py [--prompts 64] [--tokens 64] [--runs chain,leaves] [--out bench-out/exactness.json]
-    # the embedded services' default where the CPU has AVX512_BF16: float32, linear layers on bf16
-    # dot products (the target's and the draft's), or with --draft-int8 the draft in int8 as served
-    .venv/bin/python benchmarks/exactness.py --dtype float32 --weights bf16-dot [--draft-int8]
-    # as specbatch up serves on 2 cores: one thread a call, every core for calls of 12 rows and more
-    .venv/bin/python benchmarks/exactness.py --dtype float32 --weights bf16-dot --draft-int8 --threads 1 --wide-threads 2
-    # with both services' keys and values in bf16 (--kv-bf16)
-    .venv/bin/python benchmarks/exactness.py --dtype float32 --weights bf16-dot --draft-int8 --threads 1 --wide-threads 2 --kv-bf16
+    .venv/bin/python benchmarks/exactness.py [--prompts 64] [--tokens 64] [--runs chain,leaves]
+    # the weight forms as specbatch up decides them (--weights auto), or one named, e.g.
+    .venv/bin/python benchmarks/exactness.py --weights q4_1
+    # the models as loaded, in bf16 (on a GPU: --device cuda)
+    .venv/bin/python benchmarks/exactness.py --weights model --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
+from specbatch.commands import results
 from specbatch.commands.prompts import sharegpt_prompts
+from specbatch.config.options import WEIGHT_FORMS
 from specbatch.engine.exactness import NEAR_TIE, first_mismatch, row_dependence, target_only
+from specbatch.kernels import forms
 from specbatch.kernels.linear import linear
-from specbatch.models.embedded import EMBEDDED_DRAFT
+from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
 from specbatch.models.loading import ModelSpec, chat_token_ids, load_model, load_tokenizer
 from specbatch.rpc.client import generate, generate_all, make_request
+from specbatch.service.main import engine_settings
 from specbatch.stack.in_process import start_local_stack
 
 
@@ -52,33 +54,32 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompt-start", type=int, default=16000, help="ShareGPT conversation to start from (held out)")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto", help="as specbatch up's --dtype")
+    parser.add_argument("--weights", default="auto", choices=WEIGHT_FORMS,
+                        help="as specbatch up's --weights: the target's form, the draft's decided beside it")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads of the engines")
     parser.add_argument("--runs", default="chain,leaves", help="chain (k = 1, 3, 5 and mixed), leaves (with leaves)")
-    parser.add_argument("--weights", choices=("bf16", "bf16-dot", "fp16-dot", "q4_1"), default=None,
-                        help="both engines' linear layers (float32 only): bf16 weights, bf16 dot products, float16 "
-                             "products, or the decoder layers in the GGUF's Q4_1 blocks (head on bf16 dot products)")
-    parser.add_argument("--draft-int8", action="store_true", help="the draft's linear layers in int8, as served")
-    parser.add_argument("--kv-bf16", action="store_true", help="both engines keep their keys and values in bf16")
-    parser.add_argument("--wide-threads", type=int, default=0,
-                        help="both engines' calls of 12 rows and more on this many threads, the rest on --threads "
-                             "(as specbatch up serves: --threads 1 --wide-threads 2); 0: every call on --threads")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: the engines there (captured steps as served)")
-    parser.add_argument("--out", default="bench-out/exactness.json")
+    results.add_output_flags(parser, "exactness")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    target = load_model(ModelSpec(), args.device, args.dtype)
-    draft = load_model(ModelSpec(EMBEDDED_DRAFT), args.device, args.dtype)
+    # Each engine as its service builds it under specbatch up: the pair of forms the launcher
+    # decides, keys and values in bf16 beside a 16-bit form.
+    pair = forms.decide(args.weights, True, args.device, args.dtype)
+    models, options = {}, {}
+    for kind, name in (("target", EMBEDDED), ("draft", EMBEDDED_DRAFT)):
+        settings = engine_settings(kind, SimpleNamespace(model=name, num_layers=None, trust_remote_code=False,
+                                                         random_weights=False, device=args.device, dtype=args.dtype,
+                                                         weights=getattr(pair, kind), threads=args.threads))
+        models[kind] = load_model(settings["spec"], args.device, settings["dtype"])
+        options[kind] = {"weights": settings["weights"], "kv_bf16": settings["kv_bf16"] and args.device == "cpu"}
+    target = models["target"]
     tokenizer = load_tokenizer(ModelSpec())
     prompts = [chat_token_ids(tokenizer, [{"role": "user", "content": text}])
                for text in sharegpt_prompts(args.prompts, args.prompt_start)]
-    form = {"weights": args.weights} if args.weights else {}
-    both = {"wide_threads": args.wide_threads} if args.wide_threads else {}  # both engines' options
-    both.update({"kv_bf16": True} if args.kv_bf16 else {})
-    stack = start_local_stack(target, draft, tokenizer, max_batch_size=16, max_new_tokens=args.tokens,
-                              target_engine_options={**form, **both},
-                              draft_engine_options={"weights": "int8", **both} if args.draft_int8 else {**form, **both})
+    stack = start_local_stack(target, models["draft"], tokenizer, max_batch_size=16, max_new_tokens=args.tokens,
+                              target_engine_options=options["target"], draft_engine_options=options["draft"])
     try:
         start = time.perf_counter()
         references = [target_only(stack.target_engine, p, args.tokens) for p in prompts]
@@ -103,9 +104,9 @@ def main() -> int:
         stack.stop()
     dependence = row_dependence([(960, 576), (3072, 576), (576, 1536), (576, 576), (49152, 576)],
                                 [1, 2, 4, 6, 8, 16, 32, 64], dtype=target.dtype,
-                                layer=lambda weight: linear(weight, weights=args.weights))
-    dtype = (str(target.dtype).removeprefix("torch.") + (f" ({args.weights} linear layers)" if args.weights else "")
-             + (" (bf16 keys and values)" if args.kv_bf16 else ""))
+                                layer=lambda weight: linear(weight, weights=options["target"]["weights"]))
+    dtype = (str(target.dtype).removeprefix("torch.") + f" (target {pair.target}, draft {pair.draft} linear layers"
+             + (", bf16 keys and values)" if options["target"]["kv_bf16"] else ")"))
 
     print(f"\n## {dtype} greedy exactness ({len(prompts)} held-out ShareGPT prompts, {args.tokens} tokens each; "
           f"near-tie bound {NEAR_TIE} logits)\n")
@@ -124,11 +125,11 @@ def main() -> int:
     print("|---|" + "---|" * len(ms))
     for shape, by_m in dependence.items():
         print(f"| {shape} | " + " | ".join(f"{by_m[m]:.1e}" if by_m[m] else "0" for m in ms) + " |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"near_tie": NEAR_TIE, "runs": rows, "row_dependence": dependence,
-                                          "reference_gaps_below_bound": small, "reference_exact_ties": ties,
-                                          "reference_positions": len(gaps)},
-                                         indent=1))
+    results.write("exactness", {"dtype": dtype, "weights": {"target": pair.target, "draft": pair.draft},
+                                "prompts": len(prompts), "tokens": args.tokens, "near_tie": NEAR_TIE, "runs": rows,
+                                "row_dependence": dependence, "reference_gaps_below_bound": small,
+                                "reference_exact_ties": ties, "reference_positions": len(gaps)},
+                  out=args.out, variant=args.variant, device=args.device)
     return 0 if all(row["all_near_ties"] for row in rows) else 1
 
 

@@ -1,35 +1,37 @@
 """Keys and values in bfloat16 against float32: the target's verify step at large batches and long
 contexts, where attention reads the cache from memory (docs/engine.md, "Keys and values in bfloat16").
 
-Times ``target_service.verifier.verify`` on the embedded SmolLM2-135M in the form the embedded
-target service runs here (its linear layers on the engine's bf16 or float16 dot products, the layers
-in one C call, one thread and ``--wide-threads`` threads for calls of 12 rows and more), once with
-a float32 KV pool and once with ``kv_bf16``; the two engines take turns at every cell, so the
-machine's drift lands on both alike. Prints each cell's milliseconds and the ratio float32 / bf16.
+Times ``target_service.verifier.verify`` on the embedded SmolLM2-135M in the form and with the
+threads the embedded target service runs here under specbatch up (``--weights auto``: its linear
+layers on the engine's float16 or bf16 dot products or bf16 weights; ``--threads``, else half the
+cores, its calls wide onto every core), once with a float32 KV pool and once with ``kv_bf16``; the
+two engines take turns at every cell, so the machine's drift lands on both alike. Prints each
+cell's milliseconds and the ratio float32 / bf16, and writes them to
+benchmarks/results/<machine>/kv-cache.json (or ``--out``).
 
 With ``--quality N``, first how far the rounding moves the model: N held-out ShareGPT prompts
 decoded greedily (target-only, ``--tokens`` each) with either pool, the outputs that differ, where,
 and the float32 pool's top-2 logit gap there (``specbatch.engine.exactness.NEAR_TIE`` is the bound the
 exactness runs hold mismatches to).
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/kv_cache.py [--contexts 128,300,600] [--batches 1,8,32] [--quality 64]
+    .venv/bin/python benchmarks/kv_cache.py [--contexts 128,300,600] [--batches 1,8,32] [--quality 64]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 
 import torch
 
+from specbatch.commands import results
 from specbatch.commands.bench.engine import Bench, Grid
 from specbatch.commands.prompts import sharegpt_prompts
 from specbatch.engine.engine import Engine
 from specbatch.engine.exactness import NEAR_TIE, first_mismatch, target_only
-from specbatch.kernels import build
+from specbatch.kernels import build, forms
 from specbatch.models.loading import ModelSpec, chat_token_ids, load_model, load_tokenizer
+from specbatch.stack.defaults import StackOptions, available_cores, threads_per_service
 
 
 def ints(text: str) -> tuple[int, ...]:
@@ -59,23 +61,24 @@ def main() -> int:
     parser.add_argument("--contexts", type=ints, default=(128, 300, 600))
     parser.add_argument("--batches", type=ints, default=(1, 8, 32))
     parser.add_argument("--new", type=ints, default=(1, 2), help="tokens fed per sequence (1: target-only decoding)")
-    parser.add_argument("--wide-threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, help="as specbatch up's --threads (default: half the cores)")
     parser.add_argument("--turns", type=int, default=5, help="turns of the two engines per cell (2 calls each)")
     parser.add_argument("--quality", type=int, default=0, metavar="N", help="prompts decoded with either pool first")
     parser.add_argument("--tokens", type=int, default=64, help="tokens decoded per prompt for --quality")
     parser.add_argument("--prompt-start", type=int, default=16000, help="ShareGPT conversation to start from (held out)")
-    parser.add_argument("--out", default="bench-out/kv_cache.json")
+    results.add_output_flags(parser, "kv-cache")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    if not build.available():
+    form = forms.machine_target_form()
+    if form == "model":
         raise SystemExit(f"the engine's CPU kernels are unavailable: {build.unavailable_reason()}")
-    form = ({"fp16_dot": True} if build.fp16_dot_available() else {"bf16_dot": True}
-            if build.bf16_dot_available() else {"bf16_weights": True})
+    # Threads as specbatch up gives the target service: half the cores, each call wide onto all of them.
+    threads, cores = threads_per_service(StackOptions(threads=args.threads)), available_cores()
+    torch.set_num_threads(threads)
     model = load_model(ModelSpec(), "cpu", torch.float32)
-    engines = {kv: Engine(model, kv_bf16=kv == "bf16", wide_threads=args.wide_threads, wide_from_rows=12,
-                          max_sequences=max(args.batches), **form)
+    engines = {kv: Engine(model, weights=form, kv_bf16=kv == "bf16", wide_threads=cores if cores > threads else 0,
+                          wide_from_rows=1, max_sequences=max(args.batches))
                for kv in ("float32", "bf16")}
-    print(f"SmolLM2-135M, linear layers {next(iter(form))}, 1 thread ({args.wide_threads} from 12 rows a call), "
+    print(f"SmolLM2-135M, linear layers {form}, {threads} threads (calls on {max(cores, threads)}), "
           f"median of {args.turns} turns of 2 calls a cell", flush=True)
     quality = compare_outputs(engines, args) if args.quality else None
     rows = []
@@ -99,8 +102,8 @@ def main() -> int:
     for row in rows:
         print(f"| {row['context']} | {row['batch']} × {row['new']} | {row['float32_ms']:.1f} | {row['bf16_ms']:.1f} "
               f"| {row['ratio']:.2f} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"quality": quality, "verify": rows}, indent=1))
+    results.write("kv-cache", {"weights": form, "threads": threads, "turns": args.turns, "quality": quality,
+                               "verify": rows}, out=args.out, variant=args.variant, device="cpu")
     return 0
 
 
