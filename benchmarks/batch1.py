@@ -15,7 +15,8 @@ In one run, on the same prompts and token counts:
    target-only into the index, as a server would have served other users; during the run only the
    shared twins read or add to it, so no mode drafts from an answer to the prompt it is serving.
 Prints tokens/s of each and the ratios, where each mode's decode step spends its time (the
-coordinator's step totals: RPC time beside the compute the services report), and writes JSON.
+coordinator's step totals: RPC time beside the compute the services report), and writes them as a
+result (benchmarks/results/<machine>/batch1.json, or ``--out``).
 
     .venv/bin/python benchmarks/batch1.py [--prompts 24] [--tokens 96] [--k-policy profile --profile P] [--leaves 0,1,2]
         [--prompt-lookup 4,6:policy] [--shared-lookup 200000 --shared-warmup 256] [--weights q4_1]
@@ -25,12 +26,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import time
-from pathlib import Path
 
 import torch
 
+from specbatch.commands import results
 from specbatch.commands.prompts import chat_prompts, sharegpt_prompts
 from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
 from specbatch.rpc.client import connect, generate, generate_all, make_request
@@ -148,7 +148,7 @@ def main() -> int:
                         help="ShareGPT conversation the warm-up prompts start at")
     parser.add_argument("--grpc-only", action="store_true", help="the coordinator calls the services through gRPC, "
                         "not their local sockets")
-    parser.add_argument("--out", default="bench-out/batch1.json")
+    results.add_output_flags(parser, "batch1")
     args = parser.parse_args()
 
     tokenizer = load_tokenizer(ModelSpec())
@@ -224,11 +224,11 @@ def main() -> int:
     for part in target_only["ms_per_step"]:
         print(f"| {part} | {target_only['ms_per_step'][part]:.2f} | "
               + " | ".join(f"{modes[names[n]]['ms_per_step'][part]:.2f}" for n in leaf_counts) + " |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"tokens_per_second": rows, "modes": modes,
-                                          "weights": {"target": stack.forms.target, "draft": stack.forms.draft},
-                                          "k_policy": stack.options.k_policy, "profile": stack.options.profile,
-                                          "prompts": len(prompts), "tokens": args.tokens}, indent=1))
+    results.write("batch1", {"tokens_per_second": rows, "modes": modes,
+                             "weights": {"target": stack.forms.target, "draft": stack.forms.draft},
+                             "k_policy": stack.options.k_policy, "profile": stack.options.profile,
+                             "prompts": len(prompts), "tokens": args.tokens},
+                  out=args.out, variant=args.variant, device=stack.options.device)
     return 0
 
 

@@ -11,7 +11,8 @@ handler is the transport: the wake-ups between the processes.
     .venv/bin/python benchmarks/call_overhead.py [--ks 0,1,2,3,5] [--steps 150] [--grpc-only]
         [--device cuda --dtype bfloat16]
 
-docs/engine.md, "Where the rest of a call goes".
+Writes the rows to benchmarks/results/<machine>/call-overhead.json (or ``--out``; ``--variant`` names
+apart runs over gRPC or at other batch sizes).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coordinator.backends import DraftClient, TargetClient  # noqa: E402
 from coordinator.policy import FixedK  # noqa: E402
+from specbatch.commands import results  # noqa: E402
 from specbatch.commands.profiler import batch_by_hand  # noqa: E402
 from specbatch.commands.prompts import chat_prompts, sharegpt_prompts  # noqa: E402
 from specbatch.config.options import DEFAULT_METRICS_PORTS
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--grpc-only", action="store_true", help="the calls through gRPC, not the local sockets")
     parser.add_argument("--device", help="the services' device (default: as specbatch up picks)")
     parser.add_argument("--dtype", help="the services' dtype (default: as specbatch up picks)")
+    results.add_output_flags(parser, "call-overhead")
     args = parser.parse_args()
     tokenizer = load_tokenizer(ModelSpec(EMBEDDED))
     prompts = chat_prompts(tokenizer, sharegpt_prompts(args.batch, 0), 200)
@@ -79,6 +82,7 @@ def main() -> None:
     print("| k | step ms | Propose wall / compute | Verify wall / compute | coordinator | Propose handler − compute "
           "| Verify handler − compute |")
     print("|---|---|---|---|---|---|---|")
+    rows = []
     with LocalProcesses(options) as processes:
         target = TargetClient(processes.target_address, timeout=600)
         draft = DraftClient(processes.draft_address, timeout=600)
@@ -106,6 +110,13 @@ def main() -> None:
             print(f"| {k} | {step:.2f} | " + (f"{propose:.2f} / {propose_compute:.2f}" if k else "–")
                   + f" | {verify:.2f} / {verify_compute:.2f} | {own:.2f} | "
                   + " | ".join("–" if e is None else f"{e:.2f}" for e in extra) + " |", flush=True)
+            rows.append({"k": k, "step_ms": step, "propose_ms": propose if k else None,
+                         "propose_compute_ms": propose_compute if k else None, "verify_ms": verify,
+                         "verify_compute_ms": verify_compute, "coordinator_ms": own,
+                         "propose_handler_beyond_compute_ms": extra[0], "verify_handler_beyond_compute_ms": extra[1]})
+    results.write("call-overhead", {"batch": args.batch, "transport": "gRPC" if args.grpc_only else "local sockets",
+                                    "steps": args.steps, "prompt_lookup": args.prompt_lookup, "rows": rows},
+                  out=args.out, variant=args.variant, device=args.device)
 
 
 if __name__ == "__main__":

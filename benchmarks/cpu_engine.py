@@ -1,8 +1,8 @@
-"""The target's verify step on this CPU: the engine's dtypes and linear layers side by side (issue 15).
+"""The target's verify step on this CPU: the engine's dtypes and linear layers side by side.
 
 Times ``target_service.verifier.verify`` (what the target service runs per step) on the embedded
 SmolLM2-135M at context 128, median of repeats, for batch × new tokens per sequence, with:
-- ``fp32-transformers``: the engine before issue 15 (float32, transformers' forward);
+- ``fp32-transformers``: float32 through transformers' forward (the engine before its own);
 - ``fp32-specbatch-mkl``: float32 through the engine's own forward (specbatch.models.llama), its linear
   layers on ``F.linear`` (MKL), as before oneDNN took float32 too;
 - ``fp32-specbatch-onednn``: the same with oneDNN-reordered float32 weights (the fallback where
@@ -19,27 +19,26 @@ SmolLM2-135M at context 128, median of repeats, for batch × new tokens per sequ
   layers' weights in the GGUF's own Q4_1 blocks (``specbatch.kernels.gguf_blocks``; the head stays bf16);
 - ``bf16-specbatch`` (only on CPUs with native bf16, where ``--dtype auto`` picks it): bf16 with
   oneDNN-prepacked weights;
-Then the ratios the issue sets as targets, for the engine the embedded services run here,
+Then the ratios set as the engine's targets, for the engine the embedded services run here,
 and where its steps' time goes (batch 1 × 1, 8 × 1, 8 × 4: the matrix multiplies at 32 rows are
 what limit the batch-8 ratio).
 
     .venv/bin/python benchmarks/cpu_engine.py [--threads 2] [--repeats 20]
 
-(``benchmarks/compile_static.py`` compares the eager forward with torch.compile.)
+Writes the result to benchmarks/results/<machine>/cpu-engine.json (or ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
-from pathlib import Path
 from unittest import mock
 
 import torch
 
+from specbatch.commands import results
 from specbatch.commands.bench.engine import Bench, Grid
 from specbatch.engine.batch import SequenceInput
 from specbatch.engine.engine import Engine
@@ -110,7 +109,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", default="bench-out/cpu_engine.json")
+    results.add_output_flags(parser, "cpu-engine")
     parser.add_argument("--engines", default="", help="comma-separated engine names to time (default: all); the "
                         "embedded form's name with '-python-loop' is that form with its layers called from Python")
     args = parser.parse_args()
@@ -141,7 +140,7 @@ def main() -> int:
     if native_bf16:  # without it bf16 multiplies are emulated: slower than fp32, and never picked
         bf16 = load_model(ModelSpec(), "cpu", torch.bfloat16)
         engines["bf16-specbatch"] = Engine(bf16)
-    # what the embedded services run here (specbatch.stack.launcher: services_cpu_form)
+    # what the embedded services run here (specbatch.kernels.forms.machine_target_form)
     best = next(name for name in ("fp32-fp16dot-specbatch", "fp32-bf16dot-specbatch", "fp32-bf16w-specbatch",
                                   "bf16-specbatch", "fp32-specbatch") if name in engines)
     if args.engines:
@@ -203,9 +202,9 @@ def main() -> int:
     print("|---|" + "---|" * len(splits))
     for part in next(iter(splits.values())):
         print(f"| {part} | " + " | ".join(f"{split[part]:.1f}" for split in splits.values()) + " |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"ms": table, "ratios": ratios, "split_ms": splits, "threads": args.threads},
-                                         indent=1))
+    results.write("cpu-engine", {"embedded_form": best, "context": CONTEXT, "ms": table, "ratios": ratios,
+                                 "split_ms": splits, "threads": args.threads},
+                  out=args.out, variant=args.variant, device="cpu")
     return 0
 
 

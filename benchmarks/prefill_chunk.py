@@ -11,16 +11,17 @@ TTFT and p99 TPOT: above 1 is better).
 
     .venv/bin/python benchmarks/prefill_chunk.py [--chunks 0,128,256] [--policies fixed:0,goodput]
         [--concurrency 8,32] [--requests 32] [--rounds 3] [--max-new-tokens 48]
+
+Writes the rows and comparisons to benchmarks/results/<machine>/prefill-chunk.json (or ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 from types import SimpleNamespace
 
+from specbatch.commands import results
 from specbatch.commands.bench import pairs as bench_pairs
 from specbatch.commands.bench.report import summarize
 from specbatch.commands.bench.run import Load, Mode, run_rounds
@@ -41,7 +42,7 @@ def main() -> int:
     parser.add_argument("--prompt-count", type=int, default=256)
     parser.add_argument("--prompt-start", type=int, default=16000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="bench-out/prefill_chunk.json")
+    results.add_output_flags(parser, "prefill-chunk")
     args = parser.parse_args()
     chunks = [int(c) for c in args.chunks.split(",")]
     policies = [p for p in args.policies.split(",") if p]
@@ -96,10 +97,8 @@ def main() -> int:
     for c in comparisons:
         print(f"| {c['load']} | {c['mode']} | {c['metric']} | {c['ratio']:.3f} | {c['low']:.3f} – {c['high']:.3f} "
               f"| {c['rounds']} |")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": rows, "comparisons": comparisons}, indent=1, default=str))
-    print(f"\nwrote {out}")
+    results.write("prefill-chunk", {"args": vars(args), "rows": rows, "comparisons": comparisons},
+                  out=args.out, variant=args.variant)
     return 0
 
 

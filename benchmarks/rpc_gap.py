@@ -11,6 +11,8 @@ Beside it, a pipe round trip between two processes after the same gap: what waki
 process costs on this machine without gRPC's threads.
 
     .venv/bin/python benchmarks/rpc_gap.py [--gaps 0.5,2,5,12,40] [--calls 150]
+
+Writes the rows to benchmarks/results/<machine>/rpc-gap.json (or ``--out``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
+from specbatch.commands import results  # noqa: E402
 from specbatch.rpc.local import LocalChannel  # noqa: E402
 from specbatch.rpc.server import Server  # noqa: E402
 from specbatch.stack.defaults import free_port  # noqa: E402
@@ -88,6 +91,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=150)
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # the server process
     parser.add_argument("--socket-dir", help=argparse.SUPPRESS)
+    results.add_output_flags(parser, "rpc-gap")
     args = parser.parse_args()
     if args.serve:
         serve(args.serve, args.socket_dir)
@@ -117,6 +121,7 @@ def main() -> None:
         print("| gap between calls | " + " | ".join(f"{name}: to the handler | {name}: back to the client"
                                                   for name in calls) + " | pipe round trip |")
         print("|---|" + "---|---|" * len(calls) + "---|")
+        rows = []
         for gap in gaps:
             times = {name: ([], []) for name in calls}
             for _ in range(args.calls):
@@ -131,12 +136,16 @@ def main() -> None:
                                                         f"{statistics.median(back) * 1e3:.3f} ms"
                                                         for there, back in times.values())
                   + f" | {pipes[gap] * 1e6:.0f} µs |", flush=True)
+            rows.append({"gap_ms": gap * 1e3, **{f"{name}: {way} ms": statistics.median(times[name][i]) * 1e3
+                                                  for name in calls for i, way in enumerate(("to the handler", "back"))},
+                         "pipe round trip ms": pipes[gap] * 1e3})
         local.close()
         channel.close()
     finally:
         server.kill()
         server.wait()
         shutil.rmtree(socket_dir, ignore_errors=True)
+    results.write("rpc-gap", {"calls": args.calls, "rows": rows}, out=args.out, variant=args.variant, device="cpu")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A bounded soak test of the whole stack as processes on loopback (not part of CI).
 
-Starts target, draft and coordinator (specbatch.stack.launcher), warms up, then keeps N concurrent
+Starts target, draft and coordinator (specbatch.stack.processes), warms up, then keeps N concurrent
 client streams busy with short requests for a fixed time, stepping N through 64, 128 and 256 (or
 a fixed --concurrency). The coordinator gets a small queue (--max-queue), so the highest levels do
 overflow it: clients then wait as long as the ``retry-after-ms`` trailer of RESOURCE_EXHAUSTED says
@@ -13,12 +13,13 @@ files after warm-up and at the end, with the RSS drift. After the run the stack 
 request running or waiting, no sequence left in either service's cache.
 
     .venv/bin/python benchmarks/soak.py                    # 2 minutes, the embedded models
-    .venv/bin/python benchmarks/soak.py --tiny --seconds 20 # a random tiny model: a quick check"""
+    .venv/bin/python benchmarks/soak.py --tiny --seconds 20 # a random tiny model: a quick check
+
+Writes the report to benchmarks/results/<machine>/soak.json (with --tiny soak-tiny.json), or ``--out``."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -30,6 +31,7 @@ import grpc
 from rich.console import Console
 from soak_report import Outcome, Sampler, memory_drift, process_sample, report, summary, wait_idle
 
+from specbatch.commands import results
 from specbatch.rpc.client import make_request
 from specbatch.rpc.tls import open_channel
 from specbatch.stack.defaults import StackOptions, free_port
@@ -204,7 +206,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device")
     parser.add_argument("--request-timeout", type=float, default=300.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="bench-out/soak.json", help="the JSON report")
+    results.add_output_flags(parser, "soak")
     args = parser.parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=170)
     levels = [args.concurrency] if args.concurrency else [int(c) for c in args.levels.split(",")]
@@ -258,11 +260,9 @@ def main(argv=None) -> int:
         "processes": memory_drift(start, end, sampler.samples), "left_after": left,
         "rss_samples": sampler.samples,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
     report(result, console)
-    console.print(f"JSON: {out}")
+    results.write("soak", result, out=args.out, variant=args.variant or ("tiny" if args.tiny else None),
+                  device=args.device)
     return 1 if total["errors"] or any(left.values()) else 0
 
 

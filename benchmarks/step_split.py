@@ -16,12 +16,14 @@ bound by the kernels inside the graph (their count and size, not their launches)
     python3 benchmarks/step_split.py --random-weights --target-model smollm2-135m \\
         --draft-model smollm2-135m-instruct-draft [--batch-sizes 1,8,32 --tokens 1,4 --ks 1,4]
 
-On a CPU (no graphs: ``--cuda-graphs static``) only the wall time is reported.
+On a CPU (no graphs: ``--cuda-graphs static``) only the wall time is reported. Writes the cells to
+benchmarks/results/<machine>/step-split.json (or ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -29,6 +31,7 @@ import time
 import torch
 
 from draft_service.proposer import ProposeItem, proposals
+from specbatch.commands import results
 from specbatch.commands.bench.engine import Bench, Grid, _sizes
 from specbatch.engine.captured import CapturedForward
 from specbatch.engine.engine import Engine
@@ -106,6 +109,7 @@ def main() -> int:
                         help="draft decode steps through CapturedForward.__call__, as before its decode() (to compare)")
     parser.add_argument("--trace", action="store_true",
                         help="also torch.profiler's table of the smallest cell of each call (host ops, kernels outside graphs)")
+    results.add_output_flags(parser, "step-split")
     args = parser.parse_args()
     grid = Grid(_sizes(args.batch_sizes, "--batch-sizes"), _sizes(args.tokens, "--tokens"), _sizes(args.ks, "--ks"),
                 args.context, args.repeats, args.warmup)
@@ -121,6 +125,7 @@ def main() -> int:
     print("| call | batch | tokens or k | wall ms | graph ms (GPU) | rest ms | forwards |")
     print("|---|---|---|---|---|---|---|")
     traces: list[tuple[str, str]] = []
+    rows = []
     models = [("verify", args.target_model)] + ([("propose", args.draft_model)] if args.draft_model else [])
     for kind, name in models:
         engine = engine_for(name)
@@ -131,12 +136,16 @@ def main() -> int:
         try:
             for b in grid.batch_sizes:
                 for n in (grid.tokens if kind == "verify" else grid.ks):
+                    # The call over this cell's items, bound now (the loop moves on; the engine is
+                    # deleted below).
                     if kind == "verify":
                         items = [VerifyItem(bench._next(i), bench.tokens[i][: n - 1]) for i in range(b)]
-                        cell = split(bench, events, lambda: verify(engine, items), grid.repeats, grid.warmup)
+                        call = functools.partial(verify, bench.engine, items)
                     else:
                         items = [ProposeItem(bench._next(i), n) for i in range(b)]
-                        cell = split(bench, events, lambda: proposals(engine, items), grid.repeats, grid.warmup)
+                        call = functools.partial(proposals, bench.engine, items)
+                    cell = split(bench, events, call, grid.repeats, grid.warmup)
+                    rows.append({"call": f"{kind} {name}", "batch": b, "tokens or k": n, **cell})
                     print(f"| {kind} {name} | {b} | {n} | {cell['wall_ms']:.2f} | {cell['graph_ms']:.2f} | "
                           f"{cell['rest_ms']:.2f} | {cell['replays']:g} |", flush=True)
                     if args.trace and (b, n) == (grid.batch_sizes[0], (grid.tokens if kind == "verify" else grid.ks)[-1]):
@@ -148,6 +157,9 @@ def main() -> int:
             torch.cuda.empty_cache()
     for title, table in traces:
         print(f"\n### torch.profiler, 10 calls: {title}\n\n{table}")
+    results.write("step-split", {"random_weights": args.random_weights, "cuda_graphs": args.cuda_graphs,
+                                 "fast_decode": not args.no_fast_decode, "context": grid.context, "rows": rows},
+                  out=args.out, variant=args.variant, device=device)
     return 0
 
 

@@ -1,8 +1,8 @@
 """One request's time through `specbatch up`, quiet and with CPU-bound jobs beside the stack, per
 thread setting of the model services (docs/operations.md#threads).
 
-For each setting of --threads (0 = torch's default, what `specbatch up` did before issue 12;
-"auto" = the launcher's rule, half the cores each) it starts the three services as processes,
+For each setting of --threads (0 = torch's default; "auto" = the launcher's rule, half the cores
+each) it starts the three services as processes,
 sends one warm-up request, then times --repeats requests quiet, starts --busy-jobs CPU-bound
 processes, times --repeats more, and stops everything. Greedy requests: the tokens must be the
 same in every row.
@@ -12,7 +12,8 @@ same in every row.
     .venv/bin/python benchmarks/threads.py --tiny                  # a random tiny model: a quick check
 
 Timings mean something only on a machine with nothing else running: the busy jobs are the only
-load it should see.
+load it should see. Writes the rows to benchmarks/results/<machine>/threads.json (or ``--out``;
+with ``--tiny``, threads-tiny.json unless ``--variant`` names another).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from specbatch.commands import results
 from specbatch.rpc.client import connect, generate, make_request
 from specbatch.stack.defaults import StackOptions, available_cores, free_port, threads_per_service
 from specbatch.stack.processes import LocalProcesses
@@ -88,6 +90,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="timed requests per case; the median is shown")
     parser.add_argument("--prompt", default="Why is the sky blue?")
     parser.add_argument("--tiny", action="store_true", help="a random tiny model instead of the embedded ones")
+    results.add_output_flags(parser, "threads")
     args = parser.parse_args(argv)
     # Setting 0 must see torch's own default, not a thread count this shell happens to export.
     os.environ.pop("OMP_NUM_THREADS", None)
@@ -114,6 +117,10 @@ def main(argv=None) -> int:
         table.add_row(row["setting"], threads, f"{row['quiet']:.2f}", f"{row['busy']:.2f}",
                       f"{row['busy'] / row['quiet']:.2f}", str(row["same"] and row["tokens"] == rows[0]["tokens"]))
     console.print(table)
+    results.write("threads", {"cores": cores, "busy_jobs": args.busy_jobs, "busy_kind": args.busy_kind,
+                              "new_tokens": args.new_tokens, "repeats": args.repeats, "tiny": args.tiny,
+                              "rows": [{k: v for k, v in row.items() if k != "tokens"} for row in rows]},
+                  out=args.out, variant=args.variant or ("tiny" if args.tiny else None))
     return 0 if all(row["same"] and row["tokens"] == rows[0]["tokens"] for row in rows) else 1
 
 
