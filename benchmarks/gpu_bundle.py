@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Pack what benchmarks/gpu.sh needs on a GPU machine that reaches no package index (this
-workplace's lent GPUs: PyTorch and most of the stack are there, PyPI is not), into one folder
-that travels with the checkout (well under 64 MiB):
+"""Pack what benchmarks/gpu.sh needs on a GPU machine that reaches no package index (PyTorch and
+most of the stack are there, PyPI is not) into one folder that travels with the checkout (well
+under 64 MiB):
 
   whl/    wheels of the packages whose versions the code depends on (the generated gRPC code
           needs grpcio >= 1.85.1 and protobuf >= 6.31; transformers as here; gguf, which
-          transformers needs to read the embedded GGUF and the GPU image lacks);
+          transformers needs to read the embedded GGUF and such an image may lack);
   cache/  a SPECBATCH_CACHE holding the embedded model's config and tokenizer, without its
           weights: random-weight shapes take their prompts' tokenizer from it, so the 98 MB
           GGUF need not travel;
@@ -14,22 +14,20 @@ that travels with the checkout (well under 64 MiB):
           placeholders, so conversation numbers stay the same.
 
     .venv/bin/python benchmarks/gpu_bundle.py --out .gpu        # here, with PyPI
-    BUNDLE=.gpu benchmarks/gpu.sh                               # there (carry .gpu)
+    BUNDLE=.gpu benchmarks/gpu.sh                               # there (with .gpu beside the checkout's files)
 
-The embedded target's weights (the 94 MiB GGUF) are over one call's limit. Without them, gpu.sh
-times the embedded pair's shapes with random weights and profiles them with the acceptance this
-repo's CPU profile measured for the real pair. With ``--gguf-parts``, the GGUF is also cut into
-parts of 40 MiB, one folder each (``.gpu-gguf/part-1``, ``part-2``, ``part-3``; a last part of
-at most 4 MiB would ride in the bundle), to carry in calls of their own on the same warm machine
-(which keeps what earlier calls wrote outside the checkout while it is held); gpu.sh then puts
-the file together, checks its digest, and adds the real-weight runs:
+The embedded target's weights (the 94 MiB GGUF) are over what one transfer of 64 MiB takes beside
+the tree. Without them, gpu.sh times the embedded pair's shapes with random weights and profiles
+them with the acceptance this repo's CPU profile measured for the real pair. With ``--gguf-parts``,
+the GGUF is also cut into parts of 40 MiB, one folder each (``.gpu-gguf/part-1``, ``part-2``,
+``part-3``; a last part of at most 4 MiB rides in the bundle), each copied over on its own
+before the run, to the same machine; gpu.sh then puts the file together, checks its digest, and
+adds the real-weight runs. Where a transfer replaces the folder the part before it came in, keep
+each part outside the checkout as it arrives (gpu.sh looks in ``$PARTS``, default
+/tmp/specbatch-gguf-parts):
 
-    run 1: carry [".gpu-gguf/part-1"], command: S=/tmp/specbatch-gguf-parts; mkdir -p $S && cp .gpu-gguf/part-1/gguf $S/part-1
-    run 2, 3: carry [".gpu-gguf/part-2"], then part-3: (the same for each)   # straight after each other:
-    run 4: carry [".gpu"], command: BUNDLE=.gpu LEASE=1 benchmarks/gpu.sh   # a machine idle 30 s goes back
-
-Each part is stashed outside the checkout: carrying part-2 replaced the folder that held part-1
-(H200, 2026-11-26); gpu.sh takes a missing part from the stash.
+    S=/tmp/specbatch-gguf-parts; mkdir -p $S && cp .gpu-gguf/part-1/gguf $S/part-1   # after each part's copy
+    BUNDLE=.gpu benchmarks/gpu.sh                                                    # then the run
 """
 
 from __future__ import annotations
@@ -94,9 +92,8 @@ def slim_sharegpt(site: Path) -> None:
     (package / "conversations.json").write_text("[" + ",\n".join(json.dumps(c) for c in kept) + "]")
 
 
-# A part beside the working tree (~18 MiB, 2026-11-26) stays under a call's 64 MiB: 46 MiB parts
-# did until the tree passed 18 MiB. The last part rides in the bundle (~34 MiB) only where it is
-# short; else it is carried on its own too.
+# A part beside the working tree stays under a transfer's 64 MiB while the tree is under ~24 MiB.
+# The last part rides in the bundle only where it is short; else it is copied on its own too.
 PART_BYTES = 40 * 2**20
 TAIL_IN_BUNDLE = 4 * 2**20
 
@@ -104,7 +101,7 @@ TAIL_IN_BUNDLE = 4 * 2**20
 def split_gguf(folder: Path, bundle: Path) -> list[Path]:
     """The embedded GGUF in parts of ``PART_BYTES``, ``folder/part-i/gguf``; a last part of at most
     ``TAIL_IN_BUNDLE`` rides in the bundle (``bundle/gguf/part-N``), beside the list of parts and
-    the file's digest. Returns the parts to carry on their own."""
+    the file's digest. Returns the parts to copy over on their own."""
     import hashlib
 
     from specbatch.models.embedded import EMBEDDED_GGUF
@@ -132,7 +129,7 @@ def mib(folder: Path) -> float:
 
 
 def ignore_in_git(*paths: str) -> None:
-    """Keep the bundle out of git (and so off the working tree a call sends, unless carried)."""
+    """Keep the bundle out of git (and so out of a copy of the tracked tree, unless asked for)."""
     exclude = Path(subprocess.run(["git", "rev-parse", "--git-path", "info/exclude"], capture_output=True,
                                   text=True, check=True).stdout.strip())
     exclude.parent.mkdir(parents=True, exist_ok=True)
@@ -155,7 +152,7 @@ def main() -> int:
     slim_sharegpt(out / "site")
     print(f"{out}: {mib(out):.1f} MiB")
     for part in separate:
-        print(f"{part}: {mib(part):.1f} MiB (carry it in a call of its own)")
+        print(f"{part}: {mib(part):.1f} MiB (copy it over on its own)")
     return 0
 
 
