@@ -108,6 +108,11 @@ class FeatureLog:
         return first + bytes(self.data[max(start - 1, 0) * self.row_bytes : (end - 1) * self.row_bytes])
 
 
+def log_fields(request: "Request") -> dict:
+    """The ``extra`` of a log record about one request (structured logs carry both its names)."""
+    return {"extra": {"request_id": request.id, "seq_id": request.seq_id}}
+
+
 @dataclass
 class Request:
     id: str  # the client's name for it (or one made up), echoed in every response

@@ -4,10 +4,10 @@ One thread owns the running batch. Between steps it retires finished, cancelled 
 requests, admits waiting ones and prefills what they hold: whole prompts, or with a prefill chunk
 (``prefill_chunk``) at most that many prompt tokens between two decode steps, so that a burst of
 prompts, or one long one, does not hold every running sequence's next token for the whole of it.
-Each step (coordinator/step.py) then drafts k tokens for every sequence that speculates, verifies
+Each step (coordinator/step.py) then proposes drafts for every sequence that speculates, verifies
 all sequences, appends what was accepted to each request's authoritative history and streams it
-out. Where each request's caches
-live, and moving them off a failed replica, is coordinator/placement.py.
+out. Where each request's caches live, calling the services, and moving requests off a failed
+replica, is coordinator/services.py.
 
 Failures cost time, never requests: a sequence on a replica that fails moves to another healthy
 replica (or waits for one) and is re-prefilled from its history; with no healthy draft, steps run
@@ -25,10 +25,10 @@ import grpc
 
 from specbatch.config.speculation import SpeculationConfig
 
-from .backends import Call, lost_state, refusal, unreachable
-from .placement import Placement, by_draft_replica, by_target_replica, call_timeout, log_fields
+from .backends import refusal
 from .replicas import Replica, ReplicaSet
-from .requests import FINISH_CANCELLED, FeatureLog, Request
+from .requests import FINISH_CANCELLED, FeatureLog, Request, log_fields
+from .services import Services
 from .stats import StepStats, StepTotals
 from .step import DecodeStep
 
@@ -57,11 +57,11 @@ class Scheduler:
         for a while (steps run target-only) rather than slowing every step. ``prefill_chunk``: the
         most prompt tokens prefilled between two decode steps, across the requests being prefilled,
         first come first served (0: every admitted prompt whole, at once)."""
-        self.placement = Placement(target_replicas, draft_replicas, metrics)
         # An EAGLE-style draft reads the target's final hidden states: the target returns them
         # with every verdict, and each request keeps them beside its history (float16 rows).
         self.feature_row_bytes = 2 * draft_feature_size if draft_replicas is not None else 0
-        self.decode = DecodeStep(self.placement, policy, speculation, max_context, self.feature_row_bytes, metrics)
+        self.services = Services(target_replicas, draft_replicas, bool(self.feature_row_bytes), metrics)
+        self.decode = DecodeStep(self.services, policy, speculation, max_context)
         self.metrics = metrics  # coordinator metrics (coordinator.metrics.CoordinatorMetrics) or None
         self.max_batch_size, self.max_queue, self.max_context = max_batch_size, max_queue, max_context
         self.prefill_chunk = prefill_chunk
@@ -84,6 +84,11 @@ class Scheduler:
     @policy.setter
     def policy(self, policy) -> None:
         self.decode.policy = policy
+
+    @property
+    def placement(self) -> Services:
+        """The services by the name ``specbatch bench`` reads their replica sets under."""
+        return self.services
 
     # ---- called from servicer threads ------------------------------------------------------------
 
@@ -138,9 +143,9 @@ class Scheduler:
                         "leases", len(held))
         else:
             self.running, self.prefilling = [], []
-            self.placement.release([r for r in held if r.target_replica or r.draft_replica],
+            self.services.release([r for r in held if r.target_replica or r.draft_replica],
                                    timeout=RELEASE_ON_STOP_SECONDS)
-        self.placement.close()
+        self.services.close()
 
     # ---- the loop --------------------------------------------------------------------------------
 
@@ -152,7 +157,7 @@ class Scheduler:
                 if self.running:
                     if not self.step():  # no healthy target replica: the batch waits for one
                         self.stopping.wait(0.05)
-                elif (self.prefilling or self.waiting) and not self.placement.target_replicas.healthy():
+                elif (self.prefilling or self.waiting) and not self.services.target_replicas.healthy():
                     self.stopping.wait(0.05)  # nowhere to prefill: admitted and queued requests wait for one
                 elif not self.prefilling:
                     with self.wakeup:
@@ -183,7 +188,7 @@ class Scheduler:
             self._observe_end(request)
         self.running = [r for r in self.running if r.finish is None]
         self.prefilling = [r for r in self.prefilling if r.finish is None]
-        self.placement.release(done)
+        self.services.release(done)
 
     def _observe_end(self, request: Request) -> None:
         if request.failure is not None:
@@ -206,7 +211,7 @@ class Scheduler:
         """Move waiting requests into the batch as far as there is room, then prefill (a chunk of)
         what the admitted hold; those that cannot be prefilled now wait at the head of the queue."""
         with self.wakeup:
-            if not self.placement.target_replicas.healthy():
+            if not self.services.target_replicas.healthy():
                 return  # nowhere to prefill: requests wait in the queue
             room = self.max_batch_size - len(self.running) - len(self.prefilling)
             if self.admit_one_at_a_time:
@@ -225,7 +230,7 @@ class Scheduler:
                 request.close(FINISH_CANCELLED)
             else:  # its deadline passed while it waited: it ends as retire() ends a running one
                 request.fail(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed while it waited")
-        self.placement.release([r for r in dropped if r.target_replica or r.draft_replica])
+        self.services.release([r for r in dropped if r.target_replica or r.draft_replica])
         for request in admitted:
             request.admitted = request.admitted or time.monotonic()
         self.prefilling.extend(admitted)
@@ -252,68 +257,38 @@ class Scheduler:
         prompt (``_chunks``); those whose whole prompt is now on the target join the running batch
         with their first token."""
         start = time.perf_counter()
-        unplaced = [r for r in self.prefilling if not self.placement.place(r)]
+        unplaced = [r for r in self.prefilling if not self.services.place(r)]
         if unplaced:  # every target replica went down just now (a move restarts a prompt at 0)
             self.prefilling = [r for r in self.prefilling if r not in unplaced]
             self._requeue(unplaced)
         chunks = self._chunks(self.prefilling)
         if not chunks:
             return
-        requests = [request for request, _ in chunks]
-        calls = [Call(r.seq_id, r.target_len, r.history[r.target_len : r.target_len + fed]) for r, fed in chunks]
-        # The draft caches the prompt while the target prefills its last chunk (a draft that reads
-        # target features needs the target's first: its first Propose does it).
-        # Groups are fixed before any reply is handled (handling one can detach requests).
-        groups = {("target", replica): idx for replica, idx in by_target_replica(requests).items()}
-        finishing = [i for i, call in enumerate(calls) if call.keep_len + len(call.tokens) == len(requests[i].history)]
-        if self.placement.draft_replicas is not None and not self.feature_row_bytes:
-            groups.update({("draft", replica): idx
-                           for replica, idx in by_draft_replica(requests, finishing).items() if replica is not None})
-
-        def prefill(which: str, replica: Replica, idx: list[int]):
-            group = [requests[i] for i in idx]
-            timeout = call_timeout(group, replica.client.timeout)[0]
-            if which == "draft":
-                return replica.client.prefill([Call(r.seq_id, 0, r.history) for r in group], timeout)
-            return replica.client.verify([calls[i] for i in idx], [[] for _ in group], [r.sampling for r in group],
-                                         create=any(r.target_len == 0 for r in group),
-                                         return_features=bool(self.feature_row_bytes), timeout=timeout)
-
-        results = self.placement.fan_out({key: (lambda key=key, idx=idx: prefill(*key, idx))
-                                          for key, idx in groups.items()})
-        entered = []
-        for (which, replica), result in results.items():
-            group = [requests[i] for i in groups[which, replica]]
-            if which == "target":
-                if isinstance(result, grpc.RpcError):
-                    self._prefill_refused(replica, group, result)
-                    continue
-                for i, verdict in zip(groups[which, replica], result.verdicts):
-                    request, call = requests[i], calls[i]
-                    request.target_len = verdict.cached_len
-                    if self.feature_row_bytes:
-                        if call.keep_len == 0:
-                            request.features = FeatureLog(self.feature_row_bytes)
-                        request.features.store(call.keep_len, verdict.features)
-                    if request.target_len == len(request.history):
-                        # Its prompt is all there: the verdict's token is its first. (A chunk's
-                        # before it decided a prompt token: seeded draws go by position, so
-                        # dropping those changes no later one.)
-                        request.take([verdict.next_token])
-                        entered.append(request)
-            elif isinstance(result, grpc.RpcError):
-                log.warning("draft prefill on %s failed (%s): rebuilt at its first Propose", replica.address,
-                            result.code())
-                if unreachable(result):
-                    self.placement.replica_failed(self.placement.draft_replicas, replica, group, result)
-            else:
-                for request, seq in zip(group, result.sequences):
-                    request.draft_len = seq.cached_len
+        prefilled = self.services.prefill(chunks)
+        entered = [request for (request, _), verdict in zip(chunks, prefilled.verdicts)
+                   if verdict is not None and self._prefilled(request, verdict)]
+        for replica, group, error in prefilled.failed:
+            self._prefill_refused(replica, group, error)
         if entered:
             self.admit_one_at_a_time = False
             self.prefilling = [r for r in self.prefilling if r not in entered]
             self.running.extend(entered)
         self.totals.prefill_seconds += time.perf_counter() - start
+
+    def _prefilled(self, request: Request, verdict) -> bool:
+        """Take the target's verdict on a chunk of the request's prompt: True when its whole prompt
+        is there, and the verdict's token is its first."""
+        if self.feature_row_bytes:
+            if request.target_len == 0:
+                request.features = FeatureLog(self.feature_row_bytes)
+            request.features.store(request.target_len, verdict.features)
+        request.target_len = verdict.cached_len
+        if request.target_len < len(request.history):
+            return False
+        # (A chunk's before it decided a prompt token: seeded draws go by position, so dropping
+        # those changes no later one.)
+        request.take([verdict.next_token])
+        return True
 
     def _requeue(self, requests: list[Request]) -> None:
         """Back to the head of the queue, in order: retried next round."""
@@ -321,12 +296,8 @@ class Scheduler:
             self.waiting.extendleft(reversed(requests))
 
     def _prefill_refused(self, replica: Replica, group: list[Request], error: grpc.RpcError) -> None:
-        if lost_state(error):  # the target restarted between two chunks: its prompts start again there
-            for request in group:
-                request.target_len = 0
-            log.warning("prefill on %s lost its sequences (%s): %d prompts start again", replica.address,
-                        error.code(), len(group))
-            return
+        """A target call of the prefill failed (its replica unreachable, which the services have
+        marked down, or a refusal): the prompts wait, or the one refused alone fails."""
         self.prefilling = [r for r in self.prefilling if r not in group]
         alone = len(group) == 1
         others_here = any(r.target_replica is replica for r in self.running + self.prefilling)
@@ -335,9 +306,7 @@ class Scheduler:
             self._retire_now(group)
             self.admit_one_at_a_time = False
             return
-        if unreachable(error):
-            self.placement.replica_failed(self.placement.target_replicas, replica, group, error)
-        elif refusal(error) and not alone:
+        if refusal(error) and not alone:
             # Out of room while others run (wait for them), or one of several is refused:
             # admit one at a time until the refused one is found.
             self.admit_one_at_a_time = True
@@ -349,15 +318,15 @@ class Scheduler:
     def _retire_now(self, requests: list[Request]) -> None:
         for request in requests:
             self._observe_end(request)
-        self.placement.release(requests)
+        self.services.release(requests)
 
     # ---- a decode step -----------------------------------------------------------------------------
 
     def step(self) -> StepStats | None:
-        """One draft → verify → accept step over every request that has a target replica: what
+        """One propose → verify → accept step over every request that has a target replica: what
         it did, as the totals and the metrics count it. None when no request has a target
         replica (every one is down)."""
-        batch = [r for r in self.running if r.finish is None and self.placement.place(r)]
+        batch = [r for r in self.running if r.finish is None and self.services.place(r)]
         if not batch:
             return None
         stats = self.decode.run(batch)

@@ -68,7 +68,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def Info(self, message, context):
         target, draft, tokenizer = self.names
         scheduler = self.scheduler
-        placement = scheduler.placement
+        services = scheduler.services
         return pb.InfoResponse(
             target_model=target,
             draft_model=draft,
@@ -86,6 +86,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             waiting=scheduler.load()[1],
             replicas=[pb.ReplicaStatus(service=r.service, address=r.address, healthy=r.healthy,
                                        sequences=len(r.assigned), failures=r.failures)
-                      for replicas in filter(None, (placement.target_replicas, placement.draft_replicas))
+                      for replicas in filter(None, (services.target_replicas, services.draft_replicas))
                       for r in replicas.all()],
         )

@@ -222,7 +222,7 @@ def test_shared_lookup_drafts_from_finished_requests_and_output_is_unchanged(tar
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64, speculation=SpeculationConfig(prompt_lookup=4, shared_lookup=10_000))
     try:
-        client, shared = stack.client(), stack.coordinator.scheduler.decode.shared
+        client, shared = stack.client(), stack.coordinator.scheduler.decode.shared.index
         prompt = [1, 17, 23, 42, 8, 31]  # no token repeats: the request's own lookup finds nothing at first
         reference = greedy_reference(target_model, prompt, 24)
         out = generate(client, make_request(prompt, 24, k=2, ignore_eos=True, shared_lookup=False)).token_ids

@@ -12,8 +12,8 @@ import pytest
 from test_exactness import prompts_of_lengths
 from tiny import greedy_reference
 
-from coordinator.placement import call_timeout
 from coordinator.replicas import resolve
+from coordinator.services import call_timeout
 from draft_service.servicer import DraftServicer
 from specbatch.engine.engine import Engine
 from specbatch.rpc.client import generate, generate_all, make_request

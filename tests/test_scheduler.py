@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from coordinator.placement import Placement, by_draft_replica, by_target_replica
 from coordinator.policy import FixedK
 from coordinator.replicas import Replica, ReplicaSet
 from coordinator.requests import Request, TextStream
 from coordinator.scheduler import Draining, QueueFull, Scheduler
+from coordinator.services import Services, by_replica
 from coordinator.stats import StepStats, StepTotals
 from specbatch.config.speculation import SpeculationConfig
 from specbatch.protocol.sampling_params import SamplingParams
@@ -119,7 +119,7 @@ def scheduler_of():
 
     yield make
     for scheduler, targets, drafts in made:
-        scheduler.placement.close()
+        scheduler.services.close()
         for replicas in filter(None, (targets, drafts)):
             replicas.close()
 
@@ -343,16 +343,16 @@ def test_k_is_bounded_by_what_the_request_can_still_use(scheduler_of):
 
 def test_placement_groups_requests_by_replica():
     targets = replica_set("target", FakeTarget("t1"), FakeTarget("t2"))
-    placement = Placement(targets, None)
+    services = Services(targets, None)
     try:
         requests = [make_request() for _ in range(4)]
         for request in requests:
-            assert placement.place(request)
-        groups = by_target_replica(requests)
+            assert services.place(request)
+        groups = by_replica(requests, "target")
         assert sorted(len(idx) for idx in groups.values()) == [2, 2]  # balanced by load
-        assert by_draft_replica(requests, [0, 2]) == {None: [0, 2]}
+        assert by_replica(requests, "draft", [0, 2]) == {None: [0, 2]}
     finally:
-        placement.close()
+        services.close()
         targets.close()
 
 
