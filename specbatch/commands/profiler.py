@@ -20,19 +20,15 @@ import datetime
 import os
 import statistics
 import sys
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.backends import DraftClient, TargetClient
+from coordinator.by_hand import greedy_request, stepped_by_hand
 from coordinator.policy import FixedK
-from coordinator.replicas import ReplicaSet
-from coordinator.requests import Request, TextStream
-from coordinator.scheduler import Scheduler
 from specbatch.commands import results
 from specbatch.commands.prompts import chat_prompts, sharegpt_prompts
 from specbatch.config.speculation import SpeculationConfig
-from specbatch.engine.sampling import SamplingParams
 from specbatch.models.random_weights import fit_vocab
 from specbatch.protocol.profile import Profile, build_profile
 
@@ -125,31 +121,15 @@ def measure(target: TargetClient, draft: DraftClient, tokenizer, prompts: list[l
 @contextlib.contextmanager
 def batch_by_hand(target: TargetClient, draft: DraftClient, prompts: list[list[int]], tokenizer, max_context: int,
                   draft_feature_size: int, prompt_lookup: int = 0, name: str = "by-hand"):
-    """A scheduler over the two services with one greedy request a prompt admitted (prefilled at
-    once, as the coordinator admits a burst), for its steps to be called by hand instead of by its
-    loop thread: the exact serving code path, one step at a time (its policy is FixedK(0): set
-    ``scheduler.policy`` to choose k). On exit the requests' sequences are released on both services."""
-    scheduler = Scheduler(ReplicaSet.of("target", target), ReplicaSet.of("draft", draft), FixedK(0),
-                          SpeculationConfig(k_policy="fixed:0", prompt_lookup=prompt_lookup),
-                          max_batch_size=len(prompts), max_queue=len(prompts), max_context=max_context,
-                          draft_feature_size=draft_feature_size)
-    batch = [Request(id=f"{name}-{i}", prompt=prompt, max_new_tokens=max_context - len(prompt),
-                     sampling=SamplingParams(), stop_token_ids=frozenset(), text=TextStream(tokenizer, []),
-                     seq_id=uuid.uuid4().hex)
+    """A scheduler over the two services with one greedy request a prompt admitted, for its steps
+    to be called by hand (coordinator/by_hand.py): the exact serving code path, one step at a time
+    (its policy is FixedK(0): set ``scheduler.policy`` to choose k). Yields the scheduler and the
+    requests; on exit their sequences are released on both services."""
+    batch = [greedy_request(f"{name}-{i}", prompt, max_context - len(prompt), tokenizer)
              for i, prompt in enumerate(prompts)]
-    try:
-        for request in batch:
-            scheduler.submit(request)
-        scheduler.admit()
-        if len(scheduler.running) != len(batch):
-            raise RuntimeError(f"the services admitted {len(scheduler.running)} of {len(batch)} sequences "
-                               "(KV cache budget or --max-sequences too small?)")
+    with stepped_by_hand(target, draft, batch, FixedK(0), SpeculationConfig(k_policy="fixed:0", prompt_lookup=prompt_lookup),
+                         max_context, draft_feature_size) as scheduler:
         yield scheduler, batch
-    finally:
-        for request in batch:
-            request.cancel()
-        scheduler.retire()  # releases the sequences on both services
-        scheduler.placement.close()
 
 
 def describe_hardware(device: str | None) -> dict:
