@@ -1,10 +1,10 @@
 """How many more tokens a step would keep if the draft also offered its next-best tokens (a measurement
 for a tree of drafts; nothing in the services uses it yet).
 
-Greedy speculative decoding at batch 1 through the services' own code
-(``specbatch.commands.distill.evaluate.greedy_speculative_steps``: the draft service's proposer and the
-target service's verifier on engines of their own), embedded target and shipped draft, held-out
-ShareGPT prompts. At each step the draft's top-W tokens at every drafted position
+Greedy speculative decoding at batch 1 through the serving code
+(``specbatch.commands.distill.evaluate.speculative_steps``: the coordinator's decode step over the
+draft and target services' servicers, on engines in this process), embedded target and shipped
+draft, held-out ShareGPT prompts. At each step the draft's top-W tokens at every drafted position
 are recorded; where the target rejects the draft at position j, a tree that had also offered the
 draft's 2nd … W-th choice at j as leaves would have kept the target's token there if it is among
 them, plus the token after it (the target's logits at the leaf): one more token that step.
@@ -23,7 +23,7 @@ import collections
 import torch
 
 from specbatch.commands.distill.data import EVAL_PROMPTS_FROM, chat_prompt_ids
-from specbatch.commands.distill.evaluate import find_eos_token_ids, greedy_speculative_steps
+from specbatch.commands.distill.evaluate import find_eos_token_ids, speculative_steps
 from specbatch.commands.prompts import sharegpt_prompts
 from specbatch.engine.engine import Engine
 from specbatch.models.eagle import fuse_target_features
@@ -83,15 +83,17 @@ def main() -> int:
 
     steps = tokens = rejections = 0
     hits = collections.Counter()  # (position rejected, W) -> steps where a leaf would have kept the target's token
-    for step in greedy_speculative_steps(target_engine, draft_engine, prompts, k, args.tokens, eos):
-        top = [logits.topk(MAX_W, -1).indices[0] for logits in draft_logits]  # this step's k draft forwards
+    for step in speculative_steps(target_engine, draft_engine, prompts, k, args.tokens, eos):
+        # The step's Propose ran the last forwards, one per drafted position (a draft prefill of
+        # the prompt may come before them).
+        top = [logits.topk(MAX_W, -1).indices[0] for logits in draft_logits[len(draft_logits) - step.drafted :]]
         top = [(column if to_token is None else to_token[column]).tolist() for column in top]
         draft_logits.clear()
-        accepted = step.verdict.accepted
-        if accepted < k:
+        accepted = step.accepted
+        if accepted < step.drafted and step.next_token is not None:
             rejections += 1
             for w in range(2, MAX_W + 1):
-                hits[accepted, w] += step.verdict.next_token in top[accepted][1:w]
+                hits[accepted, w] += step.next_token in top[accepted][1:w]
         steps += 1
         tokens += accepted + 1
 

@@ -1,10 +1,11 @@
 """Several drafts side by side, in one run, on the same prompts of two sources.
 
 For each draft and each prompt set: greedy speculative decoding at batch 1 and a fixed k through
-the services' own code (``specbatch.distill.speculate``: the target service's verifier and the
-draft service's proposer on engines), reporting acceptance per drafted position (each given the
-ones before it), tokens per target forward, and the draft's cost per drafted token over one
-one-token target forward, both timed through the Engine in the dtype the services use.
+the serving code (``specbatch.commands.distill.evaluate.speculate``: the coordinator's decode step
+over the target and draft services' servicers, on engines in this process), reporting acceptance
+per drafted position (each given the ones before it), tokens per target forward, and the draft's
+cost per drafted token over one one-token target forward, both timed through the Engine in the
+dtype the services use.
 
 Prompt sets: ShareGPT first turns from conversation 16000 (held out: ``specbatch distill`` never
 reads past it) and MT-Bench first turns (``specbatch.commands.prompts.mt_bench_prompts``: another public set

@@ -1,14 +1,20 @@
 """The evaluate phase of `specbatch distill` (and benchmarks/draft_eval.py): greedy speculative decoding
-on held-out prompts with the services' code in process: acceptance per drafted position, tokens per
-target forward, and the draft's cost per token beside the target's one-token forward."""
+on held-out prompts with the coordinator's decode step and the services' code in process: acceptance
+per drafted position, tokens per target forward, and the draft's cost per token beside the target's
+one-token forward."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from coordinator.by_hand import greedy_request, stepped_by_hand
+from coordinator.in_process import InProcessDraft, InProcessTarget
+from coordinator.policy import FixedK
+from draft_service.servicer import DraftServicer
 from specbatch.commands.distill.config import DistillConfig
 
 # The data phase (answers, corpus, shards, the head's token subset) is distill_data's.
@@ -18,8 +24,12 @@ from specbatch.commands.distill.data import (
     chat_prompt_ids,
 )
 from specbatch.commands.prompts import sharegpt_prompts
+from specbatch.config.speculation import SpeculationConfig
 from specbatch.engine.batch import SequenceInput
 from specbatch.engine.engine import Engine
+from specbatch.protocol.speculation import tally_positions
+from target_service.servicer import TargetServicer
+from target_service.verifier import VerifyItem, verify
 
 
 @dataclass
@@ -46,81 +56,74 @@ def evaluate(target, draft, tokenizer, cfg: DistillConfig, eos: set[int]) -> Eva
 
 @dataclass
 class SpeculativeStep:
-    """One step of ``greedy_speculative_steps``."""
+    """One decode step of one prompt (``speculative_steps``), as the coordinator's step ran it."""
 
-    drafts: list[int]  # what the draft proposed
-    verdict: object  # target_service.verifier.Verdict: accepted count, next token, features
-    propose_seconds: float  # the draft's call, wall time
-    read_prompt: bool  # that call also read the prompt: a prefill, timed by neither side
+    drafted: int  # tokens the draft proposed (fewer than k where the answer has less room left)
+    accepted: int  # of them, the ones the target kept
+    next_token: int | None  # the target's token after them; None where an accepted draft ended the answer
+    propose_seconds: float  # what the draft computed for the step's Propose
+    read_prompt: bool  # that Propose also read the prompt: a prefill, timed by neither side
 
 
-@torch.inference_mode()
-def greedy_speculative_steps(target_engine: Engine, draft_engine: Engine, prompts: list[list[int]], k: int,
-                             new_tokens: int, eos: set[int], prompt_done=None):
-    """Greedy speculative decoding at batch 1, one prompt after another, through the target
-    service's verifier and the draft service's proposer on the given engines: yields every step.
+def speculative_steps(target_engine: Engine, draft_engine: Engine, prompts: list[list[int]], k: int,
+                      new_tokens: int, eos: set[int], prompt_done=None) -> Iterator[SpeculativeStep]:
+    """Greedy speculative decoding at batch 1 and a fixed k, one prompt after another, through the
+    coordinator's own scheduler and decode step (stepped by hand: coordinator/by_hand.py), its
+    calls made on the target and draft services' servicers over the given engines, in process:
+    yields every step. No prompt lookup, no leaves: every draft is the draft model's.
     ``prompt_done()``, if given, is called after each prompt."""
-    from draft_service.proposer import ProposeItem, propose
-    from target_service.verifier import VerifyItem, verify
-
+    target = InProcessTarget(TargetServicer(target_engine, "target"))
+    draft = InProcessDraft(DraftServicer(draft_engine, "draft"))
+    target_stats, draft_stats = target.cache_stats(), draft.cache_stats()
+    max_context = min(target_stats.max_context, draft_stats.max_context)
+    speculation = SpeculationConfig(k_policy=f"fixed:{k}", leaves=0, prompt_lookup=0, shared_lookup=0)
     for n, prompt in enumerate(prompts):
-        seq = f"eval-{n}"
-        (verdict,) = verify(target_engine, [VerifyItem(SequenceInput(seq, 0, prompt))], create=True, return_features=True)
-        history, features = prompt + [verdict.next_token], [verdict.features]
-        target_len, draft_len = verdict.cached_len, 0
-        while len(history) - len(prompt) < new_tokens and history[-1] not in eos:
-            feats = torch.cat(features)
-            fed = torch.cat([torch.zeros(1, feats.shape[1]), feats])[draft_len : len(history)]
-            started = time.perf_counter()
-            (drafts,) = propose(draft_engine, [ProposeItem(SequenceInput(seq, draft_len, history[draft_len:], fed), k)])
-            seconds = time.perf_counter() - started
-            (verdict,) = verify(target_engine, [VerifyItem(SequenceInput(seq, target_len, history[target_len:]), drafts)],
-                                return_features=True)
-            yield SpeculativeStep(drafts, verdict, seconds, read_prompt=draft_len == 0)
-            draft_len = len(history)  # the draft keeps only what it read with true features
-            history += drafts[: verdict.accepted] + [verdict.next_token]
-            features.append(verdict.features)
-            target_len = verdict.cached_len
-        target_engine.release([seq])
-        draft_engine.release([seq])
+        request = greedy_request(f"eval-{n}", prompt, new_tokens, stop_token_ids=eos)
+        with stepped_by_hand(target, draft, [request], FixedK(k), speculation, max_context,
+                             draft_stats.feature_size) as scheduler:
+            while request.finish is None:
+                before, read_prompt = len(request.history), request.draft_len == 0
+                stats = scheduler.step()
+                if stats is None or not stats.batch_size:
+                    raise RuntimeError(f"prompt {n}: the step left its request out (a service refused it?)")
+                drafted, accepted = stats.outcomes[0] if stats.outcomes else (0, 0)
+                after = request.history[before + accepted :]
+                yield SpeculativeStep(drafted, accepted, after[0] if after else None, stats.draft_compute_seconds,
+                                      read_prompt)
         if prompt_done:
             prompt_done()
 
 
-@torch.inference_mode()
 def speculate(target, draft, prompts: list[list[int]], k: int, new_tokens: int, eos: set[int],
               description: str = "speculate") -> Evaluation:
-    """Greedy speculative decoding at batch 1 (``greedy_speculative_steps``), each model on the
-    device it is on: acceptance per drafted position, tokens per target forward, and the draft's
-    time per drafted token (steady state: the call that reads the prompt is not timed) beside one
+    """Greedy speculative decoding at batch 1 (``speculative_steps``), each model on the device it
+    is on: acceptance per drafted position, tokens per target forward, and the draft's time per
+    drafted token (steady state: a Propose that reads the prompt is not timed) beside one
     one-token target forward."""
     target_engine, draft_engine = Engine(target, max_sequences=2), Engine(draft, max_sequences=2)
-    reached = [0] * (k + 1)  # reached[j]: steps where positions 1..j were all accepted
-    steps = tokens = 0
+    outcomes = []  # (drafted, accepted) of every step
     draft_seconds = draft_tokens = 0.0
     progress, task = _progress(len(prompts), description)
     with progress:
-        for step in greedy_speculative_steps(target_engine, draft_engine, prompts, k, new_tokens, eos,
-                                             lambda: progress.advance(task)):
+        for step in speculative_steps(target_engine, draft_engine, prompts, k, new_tokens, eos,
+                                      lambda: progress.advance(task)):
             if not step.read_prompt:
                 draft_seconds += step.propose_seconds
-                draft_tokens += k
-            for j in range(step.verdict.accepted + 1):
-                reached[j] += 1
-            steps += 1
-            tokens += step.verdict.accepted + 1
-    by_position = [reached[j] / reached[j - 1] if reached[j - 1] else 0.0 for j in range(1, k + 1)]
-    accepted = sum(reached[1:])
+                draft_tokens += step.drafted
+            outcomes.append((step.drafted, step.accepted))
+    reached, kept = tally_positions(outcomes, k)
+    by_position = [a / r if r else 0.0 for r, a in zip(reached, kept)]
+    steps = len(outcomes)
+    drafted, accepted = sum(d for d, _ in outcomes), sum(a for _, a in outcomes)
     target_ms = _target_forward_ms(target_engine)
     draft_ms = 1000 * draft_seconds / max(draft_tokens, 1)
-    return Evaluation(len(prompts), k, steps, tokens, accepted / max(steps * k, 1), by_position,
-                      tokens / max(steps, 1), draft_ms, target_ms, draft_ms / target_ms)
+    return Evaluation(len(prompts), k, steps, accepted + steps, accepted / max(drafted, 1), by_position,
+                      (accepted + steps) / max(steps, 1), draft_ms, target_ms, draft_ms / target_ms)
 
 
+@torch.inference_mode()
 def _target_forward_ms(engine: Engine, context: int = 128, repeats: int = 20) -> float:
     """Median time of a one-new-token target forward at batch 1 (with ``context`` cached)."""
-    from target_service.verifier import VerifyItem, verify
-
     context = min(context, engine.max_context - 2)
     tokens = [(10 + i) % engine.vocab_size for i in range(context)]
     verify(engine, [VerifyItem(SequenceInput("timing", 0, tokens))], create=True)
