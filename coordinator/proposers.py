@@ -26,8 +26,8 @@ def lookup_budget(chain: Chain, batch_size: int, prompt_lookup: int) -> int:
     """The most tokens a lookup drafts for a chain, within the request's --prompt-lookup (else the
     coordinator's ``prompt_lookup``). Alone in the batch, up to twice the step's k: its lookup
     spares the step's only draft call, and its runs are long. Beside others, up to k: the Propose
-    happens anyway, and the batch's verify rows stay what the policy chose (at batch 4, chains of
-    2k read no faster than k=1 alone)."""
+    happens anyway, so a longer chain saves no call, and the batch's verify rows stay what the
+    policy chose (docs/decisions/prompt-lookup.md)."""
     setting = prompt_lookup if chain.request.prompt_lookup is None else chain.request.prompt_lookup
     return min(setting, (2 if batch_size == 1 else 1) * chain.k, chain.room)
 

@@ -33,7 +33,7 @@ class DecodeStep:
         # Where a request's own history has no match, finished requests' texts (if kept).
         self.shared = (SharedLookupProposer(self.speculation.shared_lookup, self.speculation.prompt_lookup)
                        if self.speculation.shared_lookup else None)
-        self.lookups = [PromptLookupProposer(self.speculation.prompt_lookup), *filter(None, [self.shared])]
+        self.lookups = [PromptLookupProposer(self.speculation.prompt_lookup)] + ([self.shared] if self.shared else [])
         self.draft = DraftProposer(services)
 
     def run(self, batch: list[Request]) -> StepStats:
