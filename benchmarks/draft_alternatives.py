@@ -22,6 +22,7 @@ import collections
 
 import torch
 
+from specbatch.commands import results
 from specbatch.commands.distill.data import EVAL_PROMPTS_FROM, chat_prompt_ids
 from specbatch.commands.distill.evaluate import find_eos_token_ids, speculative_steps
 from specbatch.commands.prompts import sharegpt_prompts
@@ -63,6 +64,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=24)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=1)
+    results.add_output_flags(parser, "draft_alternatives")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     k = args.k
@@ -99,14 +101,23 @@ def main() -> int:
 
     print(f"\ngreedy, batch 1, k={k}, {args.prompts} held-out prompts x {args.tokens} tokens, {str(dtype).removeprefix('torch.')}: "
           f"{steps} steps, {tokens / steps:.3f} tokens per step (chain)\n")
-    print("| leaves | verify rows added | tokens per step | gain | rejections a leaf would catch |")
-    print("|---|---|---|---|---|")
+    rows = []
     for w in range(2, MAX_W + 1):
         every = sum(hits[p, w] for p in range(k))
-        print(f"| top-{w} at every drafted position | {k * (w - 1)} | {(tokens + every) / steps:.3f} | "
-              f"+{every / steps:.3f} | {every / max(rejections, 1):.1%} |")
-        print(f"| top-{w} at the first position | {w - 1} | {(tokens + hits[0, w]) / steps:.3f} | "
-              f"+{hits[0, w] / steps:.3f} | {hits[0, w] / max(rejections, 1):.1%} |")
+        rows.append({"leaves": f"top-{w} at every drafted position", "verify_rows_added": k * (w - 1),
+                     "tokens_per_step": round((tokens + every) / steps, 3), "gain": round(every / steps, 3),
+                     "rejections_caught": round(every / max(rejections, 1), 3)})
+        rows.append({"leaves": f"top-{w} at the first position", "verify_rows_added": w - 1,
+                     "tokens_per_step": round((tokens + hits[0, w]) / steps, 3), "gain": round(hits[0, w] / steps, 3),
+                     "rejections_caught": round(hits[0, w] / max(rejections, 1), 3)})
+    print("| leaves | verify rows added | tokens per step | gain | rejections a leaf would catch |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['leaves']} | {row['verify_rows_added']} | {row['tokens_per_step']:.3f} | +{row['gain']:.3f} | "
+              f"{row['rejections_caught']:.1%} |")
+    results.write("draft_alternatives", {"k": k, "prompts": args.prompts, "tokens": args.tokens, "steps": steps,
+                                         "tokens_per_step": round(tokens / steps, 3), "rows": rows},
+                  args.out, args.variant, "cpu")
     return 0
 
 

@@ -13,7 +13,7 @@ of chat questions, never trained on, kept with their license in specbatch/comman
 
     .venv/bin/python benchmarks/draft_eval.py \\
         --draft shipped=smollm2-135m-instruct-draft --draft new=runs/smollm2/draft \\
-        --json draft_eval.json
+        [--out draft_eval.json]
 
 A draft is the embedded default's name, a model folder (``specbatch distill``'s ``OUT/draft``), or
 a folder in the shipped trained-only form (``config.json`` + ``trained.safetensors``), to which
@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from specbatch.commands import results
 from specbatch.commands.distill.data import EVAL_PROMPTS_FROM, chat_prompt_ids
 from specbatch.commands.distill.evaluate import find_eos_token_ids, speculate
 from specbatch.commands.prompts import mt_bench_prompts, sharegpt_prompts
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--device", default=None, help="default: cuda if available")
     parser.add_argument("--dtype", default="auto", help="the services' --dtype (default: theirs, 'auto')")
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    results.add_output_flags(parser, "draft_eval")
     args = parser.parse_args(argv)
 
     device = args.device or default_device()
@@ -110,10 +110,9 @@ def main(argv=None) -> int:
     table = markdown(rows, args.k)
     print(f"\ngreedy, batch 1, k={args.k}, {args.new_tokens} new tokens, {device} {str(dtype).removeprefix('torch.')}\n")
     print(table)
-    if args.json:
-        settings = {name: getattr(args, name) for name in ("target", "prompts", "k", "new_tokens", "max_prompt_tokens")}
-        args.json.write_text(json.dumps({"settings": {**settings, "device": device, "dtype": str(dtype)},
-                                         "results": rows, "markdown": table}, indent=2))
+    settings = {name: getattr(args, name) for name in ("target", "prompts", "k", "new_tokens", "max_prompt_tokens")}
+    results.write("draft_eval", {"settings": {**settings, "device": device, "dtype": str(dtype)}, "results": rows,
+                                 "markdown": table}, args.out, args.variant, device)
     return 0
 
 

@@ -85,11 +85,6 @@ class Scheduler:
     def policy(self, policy) -> None:
         self.decode.policy = policy
 
-    @property
-    def placement(self) -> Services:
-        """The services by the name ``specbatch bench`` reads their replica sets under."""
-        return self.services
-
     # ---- called from servicer threads ------------------------------------------------------------
 
     def submit(self, request: Request) -> None:

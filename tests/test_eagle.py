@@ -495,7 +495,7 @@ def test_draft_eval_script_compares_drafts_in_one_run(distilled, eagle_draft, ta
     spec.loader.exec_module(script)
     drafts = {"folder": distilled[0] / "draft", "trained-only": tmp_path / "trained-only", "fused": tmp_path / "fused" / "draft"}
     argv = ["--target", str(tmp_path / "target"), "--sources", "sharegpt", "--prompts", "2", "--k", "3",
-            "--new-tokens", "8", "--device", "cpu", "--json", str(tmp_path / "eval.json")]
+            "--new-tokens", "8", "--device", "cpu", "--out", str(tmp_path / "eval.json")]
     assert script.main(argv + [arg for label, folder in drafts.items() for arg in ("--draft", f"{label}={folder}")]) == 0
     results = json.loads((tmp_path / "eval.json").read_text())["results"]
     assert [r["draft"] for r in results] == list(drafts)

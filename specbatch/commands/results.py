@@ -206,7 +206,7 @@ def _profile(result: dict, images: Path) -> str:
 
 
 def _bench_engine(result: dict, images: Path) -> str:
-    from specbatch.commands.bench.engine import markdown
+    from specbatch.commands.bench.engine_report import markdown
 
     return markdown(result)
 

@@ -188,7 +188,7 @@ def _run_child(request: dict, reply_fd: int, zygote: int) -> None:
             code = exit_.code or 0
         else:
             print(exit_.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001: whatever it was, the child reports it and exits 1
+    except BaseException:  # noqa: BLE001 - whatever it was, the child reports it and exits 1
         traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):

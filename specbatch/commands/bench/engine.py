@@ -18,8 +18,7 @@ plus the keys and values of every cached and new token of every row) over ``--ba
 A draft call of k tokens runs k forwards, so its limit per token is the mean of theirs.
 
 Prompt token ids are a seeded pseudo-random draw below each model's vocabulary: step times do
-not depend on the text, and random-weights shapes have no tokenizer of their own.
-"""
+not depend on the text, and random-weights shapes have no tokenizer of their own."""
 
 from __future__ import annotations
 
@@ -35,21 +34,34 @@ import torch
 
 from draft_service.proposer import ProposeItem, proposals
 from specbatch.commands import results
+from specbatch.commands.bench.engine_report import markdown
 from specbatch.config.options import add_option
 from specbatch.engine.batch import SequenceInput
 from specbatch.engine.engine import Engine
 from target_service.verifier import VerifyItem, verify
 
 FORMAT = "specbatch-bench-engine"
+
+
 VERSION = 1
+
+
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
 DEFAULT_TOKENS = (1, 2, 4, 8)
+
+
 DEFAULT_KS = (1, 2, 3, 4, 5, 6)
+
+
 # Peak memory bandwidth in GB/s by device name, from the vendors' data sheets; the first match
 # wins, so the more specific names come first.
 GPU_BANDWIDTH_GBS = (("H200", 4800.0), ("H100 NVL", 3900.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
                      ("A100-SXM4-80GB", 2039.0), ("A100 80GB PCIe", 1935.0), ("A100", 1555.0),
                      ("L40S", 864.0), ("L4", 300.0), ("A10", 600.0), ("V100", 900.0))
+
+
 # No data sheet to read on a CPU: a rough figure for a few DDR5 channels. Pass --bandwidth-gbs.
 CPU_BANDWIDTH_GBS = 50.0
 
@@ -190,50 +202,6 @@ def bench_engine(target: Engine, draft: Engine | None, grid: Grid, bandwidth_gbs
 def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 3)
 
-
-# ---- output ---------------------------------------------------------------------------------------
-
-def _ms(value: float) -> str:
-    return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"  # tiny limits keep two digits
-
-
-def _with_limit(ms: float, limit: float | None) -> str:
-    return _ms(ms) + (f" ({_ms(limit)})" if limit is not None else "")
-
-
-def _table(title: str, rows: list[dict], column: str, header: str, columns: list[int], batch_sizes: list[int],
-           value: str, limit: str) -> list[str]:
-    """One markdown table: a row per batch size, a column per value of ``column``."""
-    cells = {(c["batch_size"], c[column]): c for c in rows}
-    lines = [title, "", f"| batch \\ {header} | " + " | ".join(str(x) for x in columns) + " |",
-             "|---" * (len(columns) + 1) + "|"]
-    for b in batch_sizes:
-        lines.append(f"| {b} | " + " | ".join(_with_limit(cells[b, x][value], cells[b, x][limit]) for x in columns) + " |")
-    return lines
-
-
-def markdown(report: dict) -> str:
-    grid = report["grid"]
-    target = report["target"]
-    lines = _table(f"ms per verify step (bandwidth limit), context {grid['context']}, target {target['model']} "
-                   f"({target['dtype']}):", report["verify"], "tokens", "tokens per sequence", grid["tokens"], grid["batch_sizes"],
-                   "ms", "limit_ms")
-    if report["draft"]:
-        lines += [""] + _table(f"ms per drafted token (bandwidth limit), draft {report['draft_model']['model']}:",
-                               report["draft"], "k", "k", grid["ks"], grid["batch_sizes"], "ms_per_token",
-                               "limit_ms_per_token")
-    lines += ["", f"bandwidth: {report['bandwidth_gbs']} GB/s ({report['bandwidth_source']}); median of "
-              f"{grid['repeats']} calls after {grid['warmup']} warm-up calls"]
-    for role, about in (("target", target), ("draft", report.get("draft_model"))):
-        if about and about.get("captured_steps"):
-            capture = about.get("capture")
-            lines.append(f"captured steps of the {role}: {about['captured_steps']}" + (
-                f" ({capture['graphs']} CUDA graphs captured in {capture['seconds']} s, +{capture['allocated_mib']} MiB "
-                f"allocated, +{capture['reserved_mib']} MiB reserved)" if capture else ""))
-    return "\n".join(lines)
-
-
-# ---- the command ------------------------------------------------------------------------------------
 
 def _sizes(text: str, flag: str) -> tuple[int, ...]:
     try:

@@ -36,7 +36,7 @@ from specbatch.stack.processes import LocalProcesses
 
 def _snapshot(coordinator) -> dict:
     scheduler = coordinator.scheduler
-    services = {"target": scheduler.placement.target_replicas, "draft": scheduler.placement.draft_replicas}
+    services = {"target": scheduler.services.target_replicas, "draft": scheduler.services.draft_replicas}
     return {"totals": copy.deepcopy(scheduler.totals),
             **{f"{name}_{way}": sum(getattr(r.client.traffic, f"{way}_bytes") for r in replicas.all()) if replicas else 0
                for name, replicas in services.items() for way in ("sent", "received")},
