@@ -149,8 +149,7 @@ def main() -> int:
     # Each engine holds the largest batch at CONTEXT tokens; every timed verify keeps exactly
     # CONTEXT (the bench-engine command's timing). The engines take turns, a warm-up call and two
     # timed ones each, so the machine's drift lands on all of them alike (measured one after
-    # another, the same engine's 5-token step read 1.32x one token in one run and 1.04x taking
-    # turns); a cell is the median of the turns' medians.
+    # another, drift alone moved a ratio by a quarter); a cell is the median of the turns' medians.
     grid = Grid(batch_sizes=(max(b for b, _ in SHAPES),), context=CONTEXT, repeats=2, warmup=1)
     benches = {name: Bench(engine, grid) for name, engine in engines.items()}
     table = {name: {} for name in engines}

@@ -94,8 +94,7 @@ else
 fi
 # BENCH_FLAGS: the bench's modes and levels instead of the above (e.g. "--fixed-k 3 --policies
 # profile,goodput:live --concurrency 8 --requests 32 --rounds 1 --max-new-tokens 64), within
-# BENCH_LIMIT seconds (default 150: the services' start takes ~45 s of it on an H200, and at c = 1
-# each mode ~7 s per 32 requests of 64 tokens).
+# BENCH_LIMIT seconds (default 150, the services' start included).
 if [[ -n ${BENCH_FLAGS:-} ]]; then
     read -ra BENCH <<< "$BENCH_FLAGS"
 fi

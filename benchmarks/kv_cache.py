@@ -1,5 +1,5 @@
 """Keys and values in bfloat16 against float32: the target's verify step at large batches and long
-contexts, where attention reads the cache from memory (docs/engine.md, "Keys and values in bfloat16").
+contexts, where attention reads the cache from memory (docs/decisions/kv-bf16.md).
 
 Times ``target_service.verifier.verify`` on the embedded SmolLM2-135M in the form and with the
 threads the embedded target service runs here under specbatch up (``--weights auto``: its linear

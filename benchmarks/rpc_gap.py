@@ -1,8 +1,8 @@
 """What one gRPC round trip costs between two processes, by the idle gap before it, beside the same
 call over the services' local socket (specbatch/rpc/local.py).
 
-A model service at batch 1 sleeps 3-15 ms between its calls (the other service or the target's
-forward runs meanwhile). This measures an empty unary call (a Verify whose handler only stamps the
+A model service at batch 1 sleeps between its calls (the other service or the target's forward
+runs meanwhile). This measures an empty unary call (a Verify whose handler only stamps the
 time) from a client process to a server process started as the services are (a sync gRPC server,
 a thread pool), calls ``gap`` ms apart: the time to reach the handler and the reply's way back;
 over the local socket also with the stamp taken on a model thread, as the services' calls run

@@ -1,9 +1,8 @@
 #!/usr/bin/env python3
 """One layer's attention as the own forward calls it (``specbatch.models.llama.LlamaForward._sdpa``: the
 query heads of a key/value head folded into one head, a boolean mask over the pool's columns),
-timed under each of PyTorch's SDPA backends. On an H100 a captured SmolLM2 step spends ~13 µs a
-layer in cuDNN's attention, 0.39 ms of a 1.8 ms graph (docs/gpu.md): is another backend cheaper
-at these shapes?
+timed under each of PyTorch's SDPA backends: attention is a visible share of a captured small
+model's step on a GPU (docs/gpu.md), so is another backend cheaper at these shapes?
 
     python3 benchmarks/sdpa_backends.py [--device cuda] [--dtype bfloat16]
 

@@ -109,7 +109,7 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
 def in_shared_lookup(message: pb.GenerateRequest) -> bool:
     """Whether a request drafts from (and joins) the coordinator's shared lookup index: as it says,
     else yes, but for a sampled request with a seed of its own. Its tokens follow from prompt,
-    parameters, seed, k and the draft's proposals (docs/sampling.md); drafts taken from other
+    parameters, seed, k and the draft's proposals (docs/exactness.md); drafts taken from other
     requests' texts would make them follow from other traffic too."""
     if message.HasField("shared_lookup"):
         return message.shared_lookup

@@ -8,11 +8,9 @@ greedy requests keep the longest agreeing prefix; sampled requests treat each co
 drawn from a point mass (q(x) = 1), which rejection sampling turns into exactly the target's
 distribution (specbatch.engine.acceptance).
 
-Why it pays on a CPU at batch 1: such a step makes no Propose (the draft and its RPC are about
-5 ms of a ~36 ms step on the 2-core Xeon), and the runs it finds are long. On 24 held-out ShareGPT
-prompts (the embedded target's greedy answers, 96 tokens each) a 2-to-4-token match exists at
-17 % of steps and its 4-token continuation keeps 2.05 tokens on average, against 0.72 for the
-EAGLE draft's chain of 2 (docs/engine.md, "Prompt lookup").
+Why it pays at batch 1: such a step makes no Propose (the draft's compute and its call), and
+where a request repeats itself the runs it finds are long, so they keep more tokens than the
+draft's chain (docs/decisions/prompt-lookup.md).
 
 The index is incremental: each token the history gains adds its n-grams once, so a lookup costs
 a few dictionary reads however long the request runs.
@@ -25,11 +23,8 @@ openings and formats to different prompts. Other texts match less surely than a 
 so the continuation is voted on: the longest suffix of the history (3 to 8 tokens) is found in
 the most recent texts that hold it, and their next tokens are followed while they agree (the
 first token chosen by at least half of them, the chain while the product of the shares stays at
-or above a quarter). Measured offline on 640 held-out ShareGPT prompts' greedy answers from the
-embedded target (96 tokens each, every earlier request in the index, duplicate prompts left out),
-the rule fired at 27 % of the positions where a request's own history had no match and kept 1.32
-tokens there; first tokens backed by fewer than half kept 0.28 (docs/engine.md, "Shared
-lookup"). The target verifies what is drafted, so output is unchanged; what other requests'
+or above a quarter): first tokens backed by fewer than half of the matches keep too little to
+pay for the step (docs/decisions/shared-lookup-off.md). The target verifies what is drafted, so output is unchanged; what other requests'
 texts can change is the step's time, which is why a request may keep out (``shared_lookup =
 false``: it neither drafts from the index nor adds to it).
 """
@@ -80,7 +75,7 @@ class PromptLookup:
 SHARED_SHORTEST = 3
 SHARED_LONGEST = 8
 # The most recent occurrences of a 3-gram that a lookup weighs (the index keeps no more): bounds a
-# lookup's work at a common phrase (0.1-0.3 ms of Python at 128).
+# lookup's work at a common phrase.
 SHARED_OCCURRENCES = 128
 # The first drafted token needs at least this share of the matches' next tokens; the chain goes on
 # while the product of the shares is at least CHAIN_SUPPORT.

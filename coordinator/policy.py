@@ -135,9 +135,8 @@ class LiveStepTimes:
     """Step times as steps take them now: the profile's, corrected by what steps took since.
 
     A profile is measured once, and the parts of a step drift from it (the engine changes, a
-    neighbour takes the cores, another machine): on the EPYC the shipped profile put a batch-4
-    step drafting 2 tokens at 33.3 ms where served ones took 22.7, so ``goodput`` drafted less
-    than pays (docs/profile.md §6q). The Propose and the Verify each keep the last ``window``
+    neighbour takes the cores, another machine), so ``goodput`` over a stale profile drafts more
+    or less than pays (docs/decisions/goodput-live.md). The Propose and the Verify each keep the last ``window``
     ratios measured / profiled per (profiled batch size nearest the step's, k), and a k measured
     ``trusted`` times or more is priced by their median: single steps on a busy machine stray by
     half their time (a prefill beside them, the other service's threads), and a mean of the few
@@ -146,8 +145,8 @@ class LiveStepTimes:
     them, scaled as the measured difference scales it, for a k next to a trusted one (further,
     or with one trusted k, at the nearest one's ratio; with none, the profile's time). So where
     verifying a row costs less than profiled, the k above those measured gets cheaper too, and
-    ``Goodput``'s probes of neighbouring ks walk the measurements there one k at a time. What lies outside the two calls (the coordinator's work) is the
-    median of its own window, per size. It answers the questions ``Profile`` answers that
+    ``Goodput``'s probes of neighbouring ks walk the measurements there one k at a time. What
+    lies outside the two calls (the coordinator's work) is the median of its own window, per size. It answers the questions ``Profile`` answers that
     ``Goodput`` asks."""
 
     def __init__(self, profile, window: int = 32, trusted: int = 8):
@@ -303,10 +302,9 @@ class Goodput:
                 # a probe (0 where drafting never pays)
                 choice = self._best(batch_size, profile.acceptance_by_position)
             elif self.live_times and self.timed_steps % self.probe_every == self.probe_every - 1:
-                # a neighbour of the best k, for the live step times (the less measured one), where
-                # it is priced near the best: at batch 8 on the EPYC a k = 1 step costs 1.8x a k = 0
-                # one and its draft catches up on every token since its last call, for 1.6x the
-                # tokens, and probing it read 0.92 of k = 0 served (docs/profile.md 6t)
+                # a neighbour of the best k, for the live step times (the less measured one), and
+                # only where it is priced near the best: a probe of a far costlier k loses served
+                # throughput for what it teaches (docs/decisions/goodput-live.md)
                 most, rates = min(profile.max_k, self.max_k), self.acceptance.rates
                 floor = self.probe_within * self.goodput(batch_size, choice[0], rates, choice[1])
                 neighbours = [k for k in (choice[0] + 1, choice[0] - 1)

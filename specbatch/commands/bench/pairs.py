@@ -1,7 +1,7 @@
 """How sure ``specbatch bench``'s ratios are: modes compared round by round.
 
 Within a round the modes run one after another on the same prompts, so the machine's drift over
-minutes (on the 2-core VM: ~15 % between runs of the same mode) moves them together; summing
+minutes (several percent between runs of the same mode) moves them together; summing
 rounds first, as a results row does, lets that drift into the ratio. Here each round gives one
 ratio of a mode to a reference (tokens/s for uniform traffic; mean latency for the trace and
 Poisson arrivals, where the arrivals set the throughput), and the rounds' log ratios give a

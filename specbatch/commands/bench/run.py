@@ -7,8 +7,8 @@ arrivals at several rates. Every mode runs the same schedule with the same promp
 another within each traffic level, so slow drift of a shared machine spreads over all modes. With
 ``--rounds N`` each level runs N times, the modes taking turns in an order rotated each round and
 each round on its own prompts (seed + round); a row then sums the rounds (tokens over the rounds'
-wall time, latencies over all their requests): six requests a level spread by ±5 % on two cores,
-more than the 2 % the policy targets ask to resolve. So each policy is also compared with the best
+wall time, latencies over all their requests): a few requests a level spread by more than the
+few percent between policies. So each policy is also compared with the best
 fixed k round by round, with a 95 % interval over the rounds (bench_pairs.py), and ``--control``
 runs k = 0 twice a round to show the smallest difference the run can resolve.
 
@@ -133,8 +133,7 @@ def run_rounds(load: Load, modes: list[Mode], prompts: list[str], args) -> dict[
     for round_ in range(args.rounds):
         for mode in modes[round_ % len(modes):] + modes[: round_ % len(modes)]:
             # Its coordinator's path warmed just before (untimed): a policy's coordinator sits idle
-            # while the others run, and started cold it read identical decisions 3.4 % slower
-            # (profile.md 6j).
+            # while the others run, and a cold one serves identical decisions measurably slower.
             generate(mode.stub, make_request("warm up", 4, chat=True, k=mode.k))
             runs[mode.name].append(run_one(load, mode, prompts, args, round_))
     return runs
@@ -276,8 +275,8 @@ def run_bench(args) -> int:
                 comparisons += [{"load": load.label, **c} for c in bench_pairs.compare(
                     load.kind, per_round, fixed_names, policies, (CONTROL, fixed_names[0]) if args.control else None)]
                 # `fixed:K` policies run fixed decisions through a coordinator of their own, as the
-                # other policies run: the same-path reference (profile.md 6j: started cold, a second
-                # coordinator read ~3 % under the stack's with the same decisions; warmed, 0.988-1.002).
+                # other policies run: the same-path reference, so that a policy is compared with
+                # fixed decisions served the same way.
                 same_path = [p for p in policies if p.startswith("fixed:")]
                 adaptive = [p for p in policies if p not in same_path]
                 if same_path and adaptive:

@@ -36,8 +36,8 @@ class DistillConfig:
     # Mixed precision of the draft's training forward: "auto" is bf16 on CUDA and none on a CPU.
     # bf16 autocast keeps float32 master weights and optimizer state; the teacher distribution and
     # the loss stay float32. On CUDA it is the usual, safe choice (EAGLE's own recipe trains in
-    # bf16). On a CPU with AVX512-BF16 it made a SmolLM2 draft's step 1.7x faster (docs/draft.md),
-    # but whether it costs agreement is unmeasured there, so a CPU keeps float32 unless asked.
+    # bf16). On a CPU it is faster where bf16 is native, but whether it costs agreement is
+    # unmeasured there, so a CPU keeps float32 unless asked (docs/draft.md).
     amp: str = "auto"  # auto | bf16 | none
     # EAGLE-3's fusion: the target also returns these decoder layers' outputs (0-based, comma
     # separated, e.g. "2,15" for SmolLM2's 30 layers) beside its final hidden state; "" = EAGLE-1.
