@@ -30,6 +30,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
+from specbatch.config.options import K_POLICIES
 from specbatch.protocol.profile import expected_tokens
 from specbatch.protocol.speculation import tally_positions
 
@@ -348,7 +349,6 @@ class Goodput:
         return "goodput:live" if self.live_times else "goodput"
 
 
-KNOWN = "fixed:K, profile, goodput, goodput:live"
 
 
 def parse_policy(text: str, max_k: int, profile_file: ProfileFile | None = None, max_leaves: int = 0):
@@ -367,4 +367,4 @@ def parse_policy(text: str, max_k: int, profile_file: ProfileFile | None = None,
         if kind == "profile":
             return ProfileK(profile_file)
         return Goodput(profile_file, max_k, max_leaves=max_leaves, live_times=arg == "live")
-    raise ValueError(f"unknown k policy {text!r}; known: {KNOWN}")
+    raise ValueError(f"unknown k policy {text!r}; known: {K_POLICIES}")

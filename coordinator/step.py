@@ -17,7 +17,7 @@ from specbatch.config.speculation import SpeculationConfig
 from .accept import Tally, accept
 from .chain import DRAFT, Chain, room
 from .policy import StepTimes
-from .proposers import DraftProposer, PromptLookupProposer, SharedLookupProposer
+from .proposers import DraftProposer, PromptLookupProposer, Proposer, SharedLookupProposer
 from .requests import Request
 from .stats import StepStats
 
@@ -33,7 +33,8 @@ class DecodeStep:
         # Where a request's own history has no match, finished requests' texts (if kept).
         self.shared = (SharedLookupProposer(self.speculation.shared_lookup, self.speculation.prompt_lookup)
                        if self.speculation.shared_lookup else None)
-        self.lookups = [PromptLookupProposer(self.speculation.prompt_lookup)] + ([self.shared] if self.shared else [])
+        self.lookups: list[Proposer] = ([PromptLookupProposer(self.speculation.prompt_lookup)]
+                                        + ([self.shared] if self.shared else []))
         self.draft = DraftProposer(services)
 
     def run(self, batch: list[Request]) -> StepStats:

@@ -22,7 +22,6 @@ from specbatch.protocol.speculation import MAX_K, MAX_LEAVES
 TARGET, DRAFT, COORDINATOR, UP = "target", "draft", "coordinator", "up"
 SERVICES = frozenset({TARGET, DRAFT})
 EVERY = frozenset({TARGET, DRAFT, COORDINATOR, UP})
-PROGRAMS = (TARGET, DRAFT, COORDINATOR, UP)
 
 DEFAULT_PORTS = {COORDINATOR: 50051, TARGET: 50052, DRAFT: 50053}
 DEFAULT_METRICS_PORTS = {COORDINATOR: 9090, TARGET: 9091, DRAFT: 9092}
@@ -193,27 +192,30 @@ def options_of(program: str) -> list[Option]:
     return [option for option in OPTIONS if program in option.programs]
 
 
+def _add(container, option: Option, program: str) -> None:
+    """``option`` as ``program`` takes it, on a parser or one of its groups."""
+    default = option.default_for(program)
+    if option.type is None:
+        container.add_argument(option.flag, action="store_true", help=option.help)
+        return
+    shown = "" if default in (None, "") or option.choices else f" (default {default})"
+    container.add_argument(option.flag, type=option.type, default=default, metavar=option.metavar,
+                           choices=option.choices, help=option.help + shown)
+
+
 def add_options(parser: argparse.ArgumentParser, program: str) -> argparse.ArgumentParser:
     """Add ``program``'s options to ``parser``, in their groups."""
     groups: dict[str, argparse._ArgumentGroup] = {}
     for option in options_of(program):
-        group = groups.get(option.group) or groups.setdefault(option.group, parser.add_argument_group(option.group))
-        default = option.default_for(program)
-        if option.type is None:
-            group.add_argument(option.flag, action="store_true", help=option.help)
-            continue
-        shown = "" if default in (None, "") or option.choices else f" (default {default})"
-        group.add_argument(option.flag, type=option.type, default=default, metavar=option.metavar,
-                           choices=option.choices, help=option.help + shown)
+        if option.group not in groups:
+            groups[option.group] = parser.add_argument_group(option.group)
+        _add(groups[option.group], option, program)
     return parser
 
 
 def add_option(parser, dest: str, program: str = UP) -> None:
     """One declared option on a parser of a tool's own (bench-engine's --cuda-graphs, say)."""
-    option = BY_DEST[dest]
-    default = option.default_for(program)
-    parser.add_argument(option.flag, type=option.type, default=default, metavar=option.metavar,
-                        choices=option.choices, help=option.help)
+    _add(parser, BY_DEST[dest], program)
 
 
 def parser_for(program: str, **kwargs) -> argparse.ArgumentParser:
@@ -221,10 +223,6 @@ def parser_for(program: str, **kwargs) -> argparse.ArgumentParser:
     prog = {TARGET: "python -m target_service", DRAFT: "python -m draft_service",
             COORDINATOR: "python -m coordinator"}.get(program, program)
     return add_options(argparse.ArgumentParser(prog=prog, **kwargs), program)
-
-
-def defaults(program: str) -> dict:
-    return {option.dest: option.default_for(program) for option in options_of(program)}
 
 
 def pass_on(values: Mapping, program: str, skip: tuple[str, ...] = ()) -> list[str]:

@@ -8,7 +8,6 @@ from dataclasses import dataclass, replace
 from specbatch.config.options import BY_DEST
 from specbatch.protocol.speculation import leaf_option_problems, prompt_lookup_problems, shared_lookup_problems
 
-KNOWN_POLICIES = "fixed:K, profile, goodput, goodput:live"
 # Leaves the goodput policies may verify beside the first draft where none are asked for: they
 # price each leaf's row against its live hit rate and take leaves only where they pay
 # (docs/decisions/leaves.md). The other policies verify every leaf offered, so none by default.
