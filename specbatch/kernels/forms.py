@@ -36,6 +36,12 @@ class Forms:
     draft: str
 
 
+def dtype_for(form: str, dtype: str | None) -> str | None:
+    """The dtype a service with this weight form loads its model in: float32 beside a CPU form
+    (their arithmetic is float32), else ``--dtype`` as given."""
+    return "float32" if form in CPU_FORMS else dtype
+
+
 def machine_target_form() -> str:
     """The fastest row-exact form this CPU runs: float16 products, bf16 dot products, bf16 weights,
     or the model as loaded where the kernels do not build."""

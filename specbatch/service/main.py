@@ -38,7 +38,7 @@ def engine_settings(kind: str, args) -> dict:
         raise ValueError("--weights int8 is a draft's: a target's results would depend on the other rows of a call")
     wide = int(os.environ.get(WIDE_THREADS_ENV) or 0)
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or None
-    return {"spec": spec, "device": device, "dtype": "float32" if form in forms.CPU_FORMS else args.dtype,
+    return {"spec": spec, "device": device, "dtype": forms.dtype_for(form, args.dtype),
             "weights": None if form == "model" else form, "kv_bf16": forms.kv_bf16(form), "threads": threads,
             "wide_threads": wide if threads and wide > threads else 0}
 

@@ -105,11 +105,10 @@ def weight_forms(options: StackOptions) -> Forms:
 def services_dtype(options: StackOptions) -> str:
     """The dtype the model services compute in on a CPU: float32 beside a kernel form, else --dtype
     (auto: bfloat16 where the CPU multiplies it natively)."""
-    if weight_forms(options).target in forms.CPU_FORMS:
-        return "float32"
+    dtype = forms.dtype_for(weight_forms(options).target, options.dtype)
     names = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
-    if options.dtype and options.dtype != "auto":
-        return names.get(options.dtype, options.dtype)
+    if dtype and dtype != "auto":
+        return names.get(dtype, dtype)
     from specbatch.kernels import cpu
 
     return "bfloat16" if cpu.multiplies_bf16() else "float32"
