@@ -53,6 +53,19 @@ def propose(engine: Engine, items: list[ProposeItem]) -> list[list[int]]:
     return [proposal.tokens for proposal in proposals(engine, items)]
 
 
+def check(items: list[ProposeItem]) -> None:
+    """Refuse a call with an item that is wrong whatever the draft holds: k, leaves, sampling."""
+    for item in items:
+        if not 1 <= item.k <= MAX_K:
+            raise InvalidRequest(f"sequence {item.seq.seq_id!r}: k must be in [1, {MAX_K}] (got {item.k})")
+        if len(item.leaves) > item.k or not all(0 <= n <= MAX_LEAVES for n in item.leaves):
+            raise InvalidRequest(f"sequence {item.seq.seq_id!r}: leaves at {len(item.leaves)} positions for k = "
+                                 f"{item.k}, each 0 to {MAX_LEAVES} (got {list(item.leaves)[:MAX_K + 1]})")
+        problems = item.sampling.problems()
+        if problems:
+            raise InvalidRequest(f"sequence {item.seq.seq_id!r}: " + "; ".join(problems))
+
+
 def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPPORT_SIZE) -> list[Proposal]:
     """k-token proposals, one forward per drafted position for the whole batch.
 
@@ -74,15 +87,7 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
     """
     if not 1 <= support_size <= MAX_SUPPORT:
         raise ValueError(f"support_size must be in [1, {MAX_SUPPORT}] (got {support_size})")
-    for item in items:
-        if not 1 <= item.k <= MAX_K:
-            raise InvalidRequest(f"sequence {item.seq.seq_id!r}: k must be in [1, {MAX_K}] (got {item.k})")
-        if len(item.leaves) > item.k or not all(0 <= n <= MAX_LEAVES for n in item.leaves):
-            raise InvalidRequest(f"sequence {item.seq.seq_id!r}: leaves at {len(item.leaves)} positions for k = "
-                                 f"{item.k}, each 0 to {MAX_LEAVES} (got {item.leaves})")
-        problems = item.sampling.problems()
-        if problems:
-            raise InvalidRequest(f"sequence {item.seq.seq_id!r}: " + "; ".join(problems))
+    check(items)
     extra_tokens = [item.k - 1 for item in items]
     caught_up = engine.catch_up([item.seq for item in items], extra_tokens)  # captured steps: wide rows first
     items = [item if seq is item.seq else replace(item, seq=seq) for item, seq in zip(items, caught_up)]

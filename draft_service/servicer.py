@@ -7,7 +7,7 @@ from specbatch.service.servicer import CacheServicer, distribution_to_proto, sam
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 
-from .proposer import ProposeItem, proposals
+from .proposer import ProposeItem, check, proposals
 
 
 class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
@@ -16,9 +16,10 @@ class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
 
     @engine_errors_to_status
     def Propose(self, request, context):
-        seqs = sequence_inputs((item.sequence for item in request.items), self.engine.feature_size)
+        seqs = sequence_inputs(self.engine, (item.sequence for item in request.items))
         items = [ProposeItem(seq, item.k, sampling_from_proto(item.sampling), list(item.leaves))
                  for seq, item in zip(seqs, request.items)]
+        check(items)  # before the call waits for the model
         drafts, seconds = self.observed("Propose", len(items), proposals, self.engine, items)
         return pb.ProposeResponse(
             proposals=[

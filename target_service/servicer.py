@@ -14,7 +14,7 @@ from specbatch.service.servicer import (
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 
-from .verifier import VerifyItem, verify
+from .verifier import VerifyItem, check, verify
 
 
 class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
@@ -23,11 +23,12 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
 
     @engine_errors_to_status
     def Verify(self, request, context):
-        seqs = sequence_inputs(item.sequence for item in request.items)
+        seqs = sequence_inputs(self.engine, (item.sequence for item in request.items))
         items = [VerifyItem(seq, list(item.draft_tokens), sampling_from_proto(item.sampling),
                             [distribution_from_proto(d) for d in item.draft_distributions],
                             [list(at.tokens) for at in item.leaves])
                  for seq, item in zip(seqs, request.items)]
+        check(items)  # before the call waits for the model
         verdicts, seconds = self.observed("Verify", len(items), verify, self.engine, items, request.create,
                                           request.return_features)
         return pb.VerifyResponse(

@@ -21,6 +21,7 @@ from specbatch.engine.sampling import (
 )
 from specbatch.kernels.layers import argmax
 from specbatch.protocol.errors import InvalidRequest
+from specbatch.protocol.speculation import MAX_K, MAX_LEAVES
 
 
 @dataclass
@@ -35,11 +36,18 @@ class VerifyItem:
     leaves: list[list[int]] = field(default_factory=list)
 
     def problems(self) -> list[str]:
+        """What is wrong with this item whatever the target holds. Drafts and leaves are bounded
+        as the draft service bounds what it proposes: a tree of thousands of leaves would hold
+        the model for seconds."""
         problems = self.sampling.problems()
+        if len(self.drafts) > MAX_K:
+            problems.append(f"{len(self.drafts)} drafts: at most {MAX_K}")
         if len(self.leaves) > len(self.drafts):
             problems.append(f"leaves at {len(self.leaves)} positions for {len(self.drafts)} drafts")
         for j, (draft, at) in enumerate(zip(self.drafts, self.leaves)):
-            if len(set(at)) != len(at) or draft in at:
+            if len(at) > MAX_LEAVES:
+                problems.append(f"{len(at)} leaves at position {j}: at most {MAX_LEAVES}")
+            elif len(set(at)) != len(at) or draft in at:
                 problems.append(f"the leaves at position {j} repeat a token or the draft's own")
         return problems
 
@@ -70,6 +78,14 @@ class Verdict:
     features: torch.Tensor | None = None
 
 
+def check(items: list[VerifyItem]) -> None:
+    """Refuse a call with an item that is wrong whatever the target holds (``VerifyItem.problems``)."""
+    for item in items:
+        problems = item.problems()
+        if problems:
+            raise InvalidRequest(f"sequence {item.seq.seq_id!r}: " + "; ".join(problems))
+
+
 def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
            return_features: bool = False) -> list[Verdict]:
     """One forward of (uncached tokens + drafts + leaves) for every sequence, then the acceptance
@@ -81,10 +97,7 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
     of many lengths, a prompt beside a step's chains) run as forwards of similar ones
     (``Engine.by_length``), with the same results.
     """
-    for item in items:
-        problems = item.problems()
-        if problems:
-            raise InvalidRequest(f"sequence {item.seq.seq_id!r}: " + "; ".join(problems))
+    check(items)
     sampled = [i for i, item in enumerate(items) if not item.sampling.greedy]
     # Checked before anything runs, so a malformed q' changes no state.
     drafts_q = sampled_drafts([items[i].seq.seq_id for i in sampled], [items[i].drafts for i in sampled],

@@ -209,11 +209,14 @@ def test_target_service_refusals(stack, target_stub, target_model):
         sequences=[mpb.SequenceLength(seq_id="ghost", cached_len=0)]), timeout=10), "ghost")
     expect(STALE, lambda: verify(item(seq("x", 9, [5]))), "keep_len=9")
     expect(STALE, lambda: t.Prefill(mpb.PrefillRequest(sequences=[seq("x", 5, [5])]), timeout=10), "keep_len=5")
-    expect(STALE, lambda: verify(item(seq("new", 3, [5])), create=True), "keep_len must be 0")
+    expect(NOT_FOUND, lambda: verify(item(seq("new", 3, [5])), create=True), "keep_len 0")
     expect(INVALID, lambda: verify(item(seq("x", 4, [VOCAB]))), "outside")
     expect(INVALID, lambda: verify(item(seq("x", 4, [prompt[-1]]), [5, -1])), "outside")
     expect(INVALID, lambda: t.Prefill(mpb.PrefillRequest(sequences=[seq("y", 0, [1, 1000])]), timeout=10), "outside")
-    expect(INVALID, lambda: verify(item(seq("x", 4, [prompt[-1]]), [5] * (CONTEXT - 4))), "context")
+    expect(INVALID, lambda: verify(item(seq("x", 4, [prompt[-1]]), [5] * (CONTEXT - 4))), "at most 16")
+    expect(INVALID, lambda: verify(item(seq("x", 4, [prompt[-1]] * (CONTEXT - 8)), [5] * 8)), "context")
+    expect(INVALID, lambda: t.Prefill(mpb.PrefillRequest(sequences=[seq("y", 0, [1] * (CONTEXT + 1))]), timeout=10),
+           "context")
     leaves = lambda drafts, *at: mpb.VerifyItem(sequence=seq("x", 4, [prompt[-1]]), draft_tokens=drafts,  # noqa: E731
                                                 leaves=[mpb.Leaves(tokens=tokens) for tokens in at])
     expect(INVALID, lambda: verify(leaves([5, 6], [7, 7])), "repeat")
@@ -261,7 +264,7 @@ def test_draft_service_refusals(stack, draft_stub, draft_model):
     expect(NOT_FOUND, lambda: d.Rollback(mpb.RollbackRequest(
         sequences=[mpb.SequenceLength(seq_id="ghost", cached_len=0)]), timeout=10), "ghost")
     expect(STALE, lambda: propose(item(seq("x", 6, [5]), 2)), "keep_len=6")
-    expect(STALE, lambda: propose(item(seq("ghost", 3, [5]), 2)), "keep_len must be 0")
+    expect(NOT_FOUND, lambda: propose(item(seq("ghost", 3, [5]), 2)), "keep_len 0")
     expect(STALE, lambda: d.Prefill(mpb.PrefillRequest(sequences=[seq("x", 8, [5])]), timeout=10))
     expect(INVALID, lambda: propose(item(seq("x", 5, [VOCAB + 3]), 2)), "outside")
     expect(INVALID, lambda: propose(item(seq("x", 5, [prompt[-1]]), 0)), "k must be")

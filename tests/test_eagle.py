@@ -137,6 +137,38 @@ def test_feature_shape_is_checked(eagle_draft):
     assert not engine.sequences
 
 
+@pytest.mark.parametrize("weights", [None, "int8"])
+def test_malformed_features_are_refused_and_change_nothing(target_model, eagle_draft, tokenizer, weights):
+    """Features that are not whole float16 values, or not finite, get INVALID_ARGUMENT from the
+    draft service, and the refused call leaves no sequence behind (int8 too, whose activations
+    are quantized from them)."""
+    import grpc
+    import numpy as np
+
+    from specbatch.stack.in_process import start_local_stack
+    from specbatch.v1 import model_services_pb2 as mpb
+    from specbatch.v1 import model_services_pb2_grpc as mpb_grpc
+
+    stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=4, max_new_tokens=16,
+                              draft_engine_options={"weights": weights} if weights else None)
+    try:
+        width = stack.draft_engine.feature_size
+        nan = np.full((2, width), np.nan, dtype="<f2").tobytes()
+        with grpc.insecure_channel(f"127.0.0.1:{stack.draft.port}") as channel:
+            draft = mpb_grpc.DraftStub(channel)
+            for features in (b"\x01\x02\x03", nan, np.full((2, width), np.inf, dtype="<f2").tobytes()):
+                sequence = mpb.SequenceInput(seq_id="odd", tokens=[1, 2], features=features)
+                for call in (lambda: draft.Prefill(mpb.PrefillRequest(sequences=[sequence]), timeout=10),
+                             lambda: draft.Propose(mpb.ProposeRequest(items=[mpb.ProposeItem(sequence=sequence, k=2)]),
+                                                   timeout=10)):
+                    with pytest.raises(grpc.RpcError) as refused:
+                        call()
+                    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+                    assert not stack.draft_engine.sequences
+    finally:
+        stack.stop()
+
+
 @pytest.fixture
 def eagle_stack(target_model, eagle_draft, tokenizer):
     from specbatch.stack.in_process import start_local_stack

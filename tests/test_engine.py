@@ -287,8 +287,9 @@ def test_rollback_beyond_cached_is_refused(target_model):
         engine.validate([SequenceInput("a", len(prompt) + 1, [5])], [0], create=False)
     with pytest.raises(StaleCache):
         verify(engine, [VerifyItem(SequenceInput("a", len(prompt) + 3, [5]))])
-    # A sequence that is not cached at all cannot be asked to keep anything, even with create.
-    with pytest.raises(StaleCache):
+    # A sequence that is not cached at all cannot be asked to keep anything, even with create:
+    # it is unknown here (as without create), and its caller re-sends it whole.
+    with pytest.raises(UnknownSequence, match="keep_len 0"):
         engine.prefill([SequenceInput("fresh", 4, [5, 6])])
     assert_unchanged(engine, before)
     # keep_len equal to the cached length is fine.
@@ -463,7 +464,9 @@ def test_refused_calls_leave_other_sequences_untouched(target_model):
                                                            ProposeItem(SequenceInput("b", lb, [b.history[-1]]), 1)])),
         # past the context (64 here): prompt, drafts, or the draft's k
         (InvalidRequest, "context", lambda: engine.prefill([SequenceInput("c", 0, [1] * 65)])),
-        (InvalidRequest, "context", lambda: verify(engine, [ok(b), ok(a, [5] * (64 - len(a.history) + 1))])),
+        (InvalidRequest, "context", lambda: verify(engine, [ok(b), VerifyItem(SequenceInput("a", la, [5] * (64 - la)), [5])])),
+        (InvalidRequest, "at most 16", lambda: verify(engine, [ok(b), ok(a, [5] * 17)])),
+        (InvalidRequest, "at most 8", lambda: verify(engine, [VerifyItem(ok(a).seq, [5, 6], leaves=[list(range(7, 16))])])),
         (InvalidRequest, "context", lambda: propose(engine, [ProposeItem(SequenceInput("c", 0, [1] * 60), 6)])),
         # stale keep_len, empty calls and inputs, bad sampling
         (StaleCache, "keep_len", lambda: verify(engine, [ok(a), VerifyItem(SequenceInput("b", lb + 1, [5]))])),
@@ -538,7 +541,7 @@ def test_release_is_idempotent_and_frees(target_model):
         engine.rollback("a", 0)
     with pytest.raises(UnknownSequence):
         verify(engine, [VerifyItem(SequenceInput("a", 0, prompts[0]))])
-    with pytest.raises(StaleCache):  # released state is gone: it cannot be kept
+    with pytest.raises(UnknownSequence):  # released state is gone: it cannot be kept
         verify(engine, [VerifyItem(SequenceInput("a", 7, [5]))], create=True)
     # The freed slot takes a new sequence; a released id can be rebuilt from scratch.
     engine.prefill([SequenceInput("c", 0, prompts[0][:3])])

@@ -45,7 +45,7 @@ from specbatch.kernels.linear import int8_linears_available
 from specbatch.models import llama, opt
 from specbatch.models.eagle import reads_target_features
 from specbatch.models.transformers_forward import TransformersForward
-from specbatch.protocol.errors import CapacityExceeded, InvalidRequest, StaleCache, UnknownSequence
+from specbatch.protocol.errors import MAX_SEQ_ID_LENGTH, CapacityExceeded, InvalidRequest, StaleCache, UnknownSequence
 
 # The engine's own forwards, each beside the test of which models it covers.
 OWN_FORWARDS = ((llama.supports, llama.LlamaForward), (opt.supports, opt.OptForward))
@@ -185,7 +185,14 @@ class Engine:
 
         def locked():
             with self.lock:
-                return fn(*args, **kwargs)
+                before = set(self.sequences)
+                try:
+                    return fn(*args, **kwargs)
+                except BaseException:
+                    # A failed call leaves no sequence behind: one it created would hold a slot
+                    # that nobody owns (its caller saw only the failure).
+                    self.release([seq_id for seq_id in self.sequences if seq_id not in before])
+                    raise
 
         return self.model_thread.submit(locked).result()
 
@@ -257,15 +264,34 @@ class Engine:
 
     # ---- batched calls --------------------------------------------------------------------------
 
-    def validate(self, inputs: list[SequenceInput], extra_tokens: list[int], create: bool) -> None:
-        """Check a whole call before touching any state, so a bad call changes nothing."""
+    def check_bounds(self, inputs: list[SequenceInput]) -> None:
+        """What a call may ask of this engine whatever it holds: checked before the call waits for
+        the model (the servicers call it first), so an oversized call is refused at once, and
+        again in ``validate``. Per sequence, not per token: it stays cheap for any call."""
         if not inputs:
             raise InvalidRequest("a call needs at least one sequence")
+        if len(inputs) > self.max_sequences:  # (as a call that would create too many: a capacity refusal)
+            raise CapacityExceeded(f"{len(inputs)} sequences in one call; the limit is {self.max_sequences}")
+        for item in inputs:
+            if not item.seq_id:
+                raise InvalidRequest("sequence id must not be empty")
+            if len(item.seq_id) > MAX_SEQ_ID_LENGTH:
+                raise InvalidRequest(f"a sequence id of {len(item.seq_id)} characters: the limit is {MAX_SEQ_ID_LENGTH}")
+            if not 0 <= item.keep_len or item.keep_len + len(item.tokens) > self.max_context:
+                raise InvalidRequest(f"sequence {item.seq_id!r} would reach {item.keep_len + len(item.tokens)} tokens, "
+                                     f"over the model's context of {self.max_context}")
+            if not item.tokens:
+                raise InvalidRequest(f"sequence {item.seq_id!r}: no new tokens to feed")
+            if self.feature_size and (item.features is None or tuple(item.features.shape) != (len(item.tokens), self.feature_size)):
+                raise InvalidRequest(f"sequence {item.seq_id!r}: this draft reads one target feature of size "
+                                     f"{self.feature_size} per token; got {None if item.features is None else tuple(item.features.shape)}")
+
+    def validate(self, inputs: list[SequenceInput], extra_tokens: list[int], create: bool) -> None:
+        """Check a whole call before touching any state, so a bad call changes nothing."""
+        self.check_bounds(inputs)
         seen: set[str] = set()
         new = 0
         for item, extra in zip(inputs, extra_tokens):
-            if not item.seq_id:
-                raise InvalidRequest("sequence id must not be empty")
             if item.seq_id in seen:
                 raise InvalidRequest(f"sequence id {item.seq_id!r} appears twice in one call")
             seen.add(item.seq_id)
@@ -273,18 +299,13 @@ class Engine:
             if cache is None:
                 if not create:
                     raise UnknownSequence(f"unknown sequence id {item.seq_id!r}")
-                if item.keep_len:
-                    raise StaleCache(f"sequence {item.seq_id!r} is not cached here; keep_len must be 0")
+                if item.keep_len:  # the caller believes it is cached: it is lost here (a restart, a lease)
+                    raise UnknownSequence(f"unknown sequence id {item.seq_id!r}: send it with keep_len 0 to create it")
                 new += 1
             elif item.keep_len > cache.length:
                 raise StaleCache(
                     f"sequence {item.seq_id!r} holds {cache.length} tokens here, fewer than keep_len={item.keep_len}"
                 )
-            if not item.tokens:
-                raise InvalidRequest(f"sequence {item.seq_id!r}: no new tokens to feed")
-            if self.feature_size and (item.features is None or tuple(item.features.shape) != (len(item.tokens), self.feature_size)):
-                raise InvalidRequest(f"sequence {item.seq_id!r}: this draft reads one target feature of size "
-                                     f"{self.feature_size} per token; got {None if item.features is None else tuple(item.features.shape)}")
             if item.parents is not None and (len(item.parents) != len(item.tokens) or item.parents[:1] != [-1] or any(
                     not -1 <= parent < j for j, parent in enumerate(item.parents))):
                 raise InvalidRequest(f"sequence {item.seq_id!r}: a tree needs one parent per token, the first -1, "

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import socket
 import struct
@@ -39,6 +40,9 @@ from specbatch.rpc.tls import MAX_MESSAGE_BYTES
 log = logging.getLogger(__name__)
 
 REQUEST = struct.Struct("<IHd")
+# The most connections served at once. A coordinator holds one per thread calling at a time;
+# past this a new connection is closed at once, and its client goes back to gRPC.
+MAX_CONNECTIONS = 64
 REPLY = struct.Struct("<IB")
 CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -106,7 +110,7 @@ class LocalContext:
 
 
 class LocalServer:
-    """Serves servicers' methods on a Unix socket in ``directory``: a thread per connection.
+    """Serves servicers' methods on a Unix socket in ``directory``: a thread per connection, at most ``MAX_CONNECTIONS``.
     ``observe(method, code name, seconds)`` ("Verify", "OK", …): each call, as the gRPC server's
     metrics interceptor sees its own."""
 
@@ -117,6 +121,7 @@ class LocalServer:
         self.listener: socket.socket | None = None
         self.idle: set[socket.socket] = set()  # connections waiting for their next call
         self.lock = threading.Lock()
+        self.connections = threading.BoundedSemaphore(MAX_CONNECTIONS)  # one a connection's thread
 
     def add(self, servicer, service_full_name: str) -> None:
         service = descriptor_pool.Default().FindServiceByName(service_full_name)
@@ -159,6 +164,9 @@ class LocalServer:
                 conn, _ = listener.accept()
             except OSError:
                 return  # stopped
+            if not self.connections.acquire(blocking=False):
+                conn.close()
+                continue
             threading.Thread(target=self._serve, args=(conn,), name="local-rpc-call", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
@@ -183,7 +191,8 @@ class LocalServer:
                 name, body = _read(conn, name_size), _read(conn, size)
                 if name is None or body is None:
                     return
-                status, reply = self._call(name.decode(), body, seconds_left)
+                # (a name that is not UTF-8 names no method: UNIMPLEMENTED, as gRPC answers it)
+                status, reply = self._call(name.decode(errors="replace"), body, seconds_left)
                 conn.sendall(REPLY.pack(len(reply), status) + reply)
         except OSError:
             return  # the client went away, or the server stopped
@@ -191,10 +200,11 @@ class LocalServer:
             with self.lock:
                 self.idle.discard(conn)
             conn.close()
+            self.connections.release()
 
     def _call(self, name: str, body: bytes, seconds_left: float) -> tuple[int, bytes]:
         started = time.perf_counter()
-        status, reply = self._handle(name, body, seconds_left)
+        status, reply = self._handle(name, body, seconds_left if math.isfinite(seconds_left) else 0.0)
         if self.observe is not None:
             self.observe(name.rsplit("/", 1)[-1], CODES.get(status, grpc.StatusCode.UNKNOWN).name,
                          time.perf_counter() - started)
@@ -204,19 +214,24 @@ class LocalServer:
         context = LocalContext(seconds_left)
         try:
             handler, request_class = self.handlers[name]
-        except KeyError:
-            context.code, context.message = grpc.StatusCode.UNIMPLEMENTED, f"no method {name}"
+        except KeyError:  # gRPC's answer to a method it does not serve
+            context.code, context.message = grpc.StatusCode.UNIMPLEMENTED, f"no method {name!r}"
+            return context.code.value[0], context.message.encode()
+        try:
+            request = request_class.FromString(body)
+        except Exception as error:  # noqa: BLE001 - as gRPC's MalformedRequests (specbatch.rpc.server)
+            context.code, context.message = grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {error}"
+            return context.code.value[0], context.message.encode()
+        try:
+            reply = handler(request, context)
+        except _Aborted:
+            pass
+        except Exception as error:  # as gRPC's server: the call fails, the service goes on
+            log.exception("local call %s failed", name)
+            context.code, context.message = grpc.StatusCode.UNKNOWN, f"{type(error).__name__}: {error}"
         else:
-            try:
-                reply = handler(request_class.FromString(body), context)
-            except _Aborted:
-                pass
-            except Exception as error:  # as gRPC's server: the call fails, the service goes on
-                log.exception("local call %s failed", name)
-                context.code, context.message = grpc.StatusCode.UNKNOWN, f"{type(error).__name__}: {error}"
-            else:
-                if context.code == grpc.StatusCode.OK:
-                    return 0, reply.SerializeToString()
+            if context.code == grpc.StatusCode.OK:
+                return 0, reply.SerializeToString()
         return context.code.value[0], context.message.encode()
 
 

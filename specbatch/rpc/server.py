@@ -20,7 +20,6 @@ from specbatch.rpc.tls import CHANNEL_OPTIONS, channel_options_reconnecting_with
 log = logging.getLogger(__name__)
 
 
-
 def status_of(error: EngineError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, error.code)
 
@@ -38,6 +37,57 @@ def engine_errors_to_status(method):
     return wrapper
 
 
+class _Malformed:
+    """A request whose bytes did not parse (truncated, invalid UTF-8 in a string, a wrong wire
+    type): what the deserializer hands on instead of raising, so the handler can refuse it."""
+
+    def __init__(self, error: Exception):
+        self.reason = f"{type(error).__name__}: {error}"
+
+    def refuse(self, context):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {self.reason}")
+
+
+class MalformedRequests(grpc.ServerInterceptor):
+    """Malformed request bytes answered INVALID_ARGUMENT. gRPC's own answer is INTERNAL
+    ("Exception deserializing request!"): it reads as the server's fault, and a client retries it."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None or not hasattr(handler, "_replace"):
+            return handler
+        parse = handler.request_deserializer
+
+        def deserializer(data: bytes):
+            try:
+                return parse(data)
+            except Exception as error:  # noqa: BLE001 - any parse failure is the request's
+                return _Malformed(error)
+
+        if handler.request_streaming:
+            def checked_stream(behaviour):
+                def run(requests, context):
+                    def parsed():
+                        for request in requests:
+                            if isinstance(request, _Malformed):
+                                request.refuse(context)
+                            yield request
+                    return behaviour(parsed(), context)
+                return run
+            wrap = checked_stream
+        else:
+            def checked(behaviour):
+                def run(request, context):
+                    if isinstance(request, _Malformed):
+                        request.refuse(context)
+                    return behaviour(request, context)
+                return run
+            wrap = checked
+        kinds = ("unary_unary", "unary_stream", "stream_unary", "stream_stream")
+        return handler._replace(request_deserializer=deserializer,
+                                **{kind: wrap(getattr(handler, kind)) for kind in kinds if getattr(handler, kind)})
+
+
 class Server:
     """A gRPC server with the standard health service and server reflection (v1 and v1alpha).
 
@@ -50,7 +100,9 @@ class Server:
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             options=CHANNEL_OPTIONS,
-            interceptors=list(interceptors),  # e.g. specbatch.service.metrics.ServiceMetrics.interceptor()
+            # e.g. specbatch.service.metrics.ServiceMetrics.interceptor(); MalformedRequests last, so
+            # the others see its refusals as the handler's own.
+            interceptors=[*interceptors, MalformedRequests()],
             maximum_concurrent_rpcs=maximum_concurrent_rpcs,
         )
         self.health = health.HealthServicer()

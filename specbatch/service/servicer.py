@@ -17,6 +17,7 @@ import torch
 from specbatch.engine.batch import SequenceInput
 from specbatch.engine.engine import Engine
 from specbatch.engine.sampling import SamplingParams, SparseDistribution
+from specbatch.protocol.errors import InvalidRequest
 from specbatch.rpc.server import Server, engine_errors_to_status
 from specbatch.service.metrics import ServiceMetrics
 from specbatch.v1 import model_services_pb2 as pb
@@ -24,18 +25,28 @@ from specbatch.v1 import model_services_pb2 as pb
 log = logging.getLogger(__name__)
 
 
+FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
 def features_to_bytes(features: torch.Tensor | None) -> bytes:
-    """Features cross the wire as float16 little-endian rows (half the bytes of float32)."""
+    """Features cross the wire as float16 little-endian rows (half the bytes of float32), clamped
+    to float16's range, so that a reader can refuse any that are not finite."""
     if features is None:
         return b""
-    return features.detach().to("cpu", torch.float16).numpy().astype("<f2", copy=False).tobytes()
+    half = features.detach().to("cpu", torch.float32).clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16)
+    return half.numpy().astype("<f2", copy=False).tobytes()
 
 
-def features_from_bytes(data: bytes, width: int) -> torch.Tensor | None:
-    """The inverse of ``features_to_bytes``; malformed sizes are left for the engine to refuse."""
+def features_from_bytes(seq_id: str, data: bytes, width: int) -> torch.Tensor | None:
+    """The inverse of ``features_to_bytes``. Bytes that are not whole float16 values, or values
+    that are not finite, are refused here; a wrong row count is left for the engine to refuse."""
     if not data or not width:
         return None
+    if len(data) % 2:
+        raise InvalidRequest(f"sequence {seq_id!r}: features of {len(data)} bytes are not float16 values")
     values = np.frombuffer(data, dtype="<f2")
+    if not np.isfinite(values).all():
+        raise InvalidRequest(f"sequence {seq_id!r}: features must be finite")
     if values.size % width:
         return torch.from_numpy(values.astype(np.float32))  # wrong shape: the engine says so
     return torch.from_numpy(values.astype(np.float32).reshape(-1, width))
@@ -54,9 +65,13 @@ def distribution_from_proto(message: pb.DraftDistribution) -> SparseDistribution
     return SparseDistribution(np.array(message.token_ids, dtype=np.int64), np.array(message.probs, dtype=np.float32))
 
 
-def sequence_inputs(messages, feature_size: int = 0) -> list[SequenceInput]:
-    return [SequenceInput(m.seq_id, m.keep_len, list(m.tokens), features_from_bytes(m.features, feature_size))
-            for m in messages]
+def sequence_inputs(engine: Engine, messages) -> list[SequenceInput]:
+    """A call's sequences, checked against the engine's bounds (``Engine.check_bounds``) here, on
+    the calling thread, before the call waits for the model."""
+    inputs = [SequenceInput(m.seq_id, m.keep_len, list(m.tokens),
+                            features_from_bytes(m.seq_id, m.features, engine.feature_size)) for m in messages]
+    engine.check_bounds(inputs)
+    return inputs
 
 
 class CacheServicer:
@@ -97,7 +112,7 @@ class CacheServicer:
 
     @engine_errors_to_status
     def Prefill(self, request, context):
-        inputs = sequence_inputs(request.sequences, self.engine.feature_size)
+        inputs = sequence_inputs(self.engine, request.sequences)
         lengths, _ = self.observed("Prefill", len(inputs), self.engine.prefill, inputs)
         return pb.PrefillResponse(
             sequences=[pb.SequenceLength(seq_id=i.seq_id, cached_len=n) for i, n in zip(inputs, lengths)]
