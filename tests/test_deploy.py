@@ -291,6 +291,75 @@ def test_mtls_between_coordinator_and_services(overlay):
     assert not by_kind(rendered(overlay), "Secret")
 
 
+# Who may scrape /metrics, and which namespaces' pods may call the coordinator: deploy/README.md.
+PROMETHEUS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+              "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+CLIENTS = [{"podSelector": {}}, {"namespaceSelector": {"matchLabels": {"specbatch.io/client": "true"}}}]
+
+
+def pod_selector_matches(selector: dict, labels: dict) -> bool:
+    """A NetworkPolicy's pod selector (matchLabels only: the manifests use nothing else); {} is all."""
+    assert set(selector) <= {"matchLabels"}, selector
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def admitted(overlay: str, deployment: dict) -> list[tuple[dict, set[int]]]:
+    """(peer, ports) of every ingress rule of every policy selecting the Deployment's pods; fails
+    unless some policy isolates them (an unselected pod admits everything)."""
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    policies = [p for p in by_kind(rendered(overlay), "NetworkPolicy").values()
+                if pod_selector_matches(p["spec"]["podSelector"], labels)]
+    assert any("Ingress" in p["spec"]["policyTypes"] for p in policies), deployment["metadata"]["name"]
+    rules = []
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            # No `from` admits every source, no `ports` every port: neither is meant anywhere.
+            assert rule.get("from") and rule.get("ports"), policy["metadata"]["name"]
+            assert all(p.get("protocol", "TCP") == "TCP" and isinstance(p["port"], int) for p in rule["ports"])
+            rules += [(peer, {p["port"] for p in rule["ports"]}) for peer in rule["from"]]
+    return rules
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policy_admits_only_the_coordinator_to_the_model_services(overlay):
+    objects = rendered(overlay)
+    deployments = by_kind(objects, "Deployment")
+    coordinator_labels = deployments["specbatch-coordinator"]["spec"]["template"]["metadata"]["labels"]
+    for name, deployment in deployments.items():
+        processes = [(m, args) for c in pod(deployment)["containers"] for m, args in service_args(c)]
+        grpc_ports = {int(flag(args, "port")) for _, args in processes}
+        metrics_ports = {int(flag(args, "metrics-port")) for _, args in processes}
+        by_peer: dict[str, set[int]] = {}
+        for peer, ports in admitted(overlay, deployment):
+            if peer == PROMETHEUS:
+                assert ports <= metrics_ports, (name, ports)
+                by_peer.setdefault("prometheus", set()).update(ports)
+            elif role(name) == "coordinator" and peer in CLIENTS:
+                assert ports <= grpc_ports, (name, ports)
+                by_peer.setdefault(str(peer), set()).update(ports)
+            else:
+                # A model service: the coordinator's pods of this namespace, and no other.
+                assert set(peer) == {"podSelector"}, (name, peer)
+                chosen = [n for n, d in deployments.items()
+                          if pod_selector_matches(peer["podSelector"], d["spec"]["template"]["metadata"]["labels"])]
+                assert chosen == ["specbatch-coordinator"], (name, peer)
+                assert pod_selector_matches(peer["podSelector"], coordinator_labels)
+                assert ports <= grpc_ports, (name, ports)
+                by_peer.setdefault("coordinator", set()).update(ports)
+        # ... and each reaches all it needs: the coordinator every gRPC port (in same-gpu the
+        # pair's two), Prometheus every /metrics.
+        expected = {"prometheus": metrics_ports}
+        if role(name) == "coordinator":
+            expected |= {str(peer): grpc_ports for peer in CLIENTS}
+        else:
+            expected["coordinator"] = grpc_ports
+        assert by_peer == expected, name
+    # No policy for pods that do not exist (same-gpu has no draft pods).
+    for policy in by_kind(objects, "NetworkPolicy").values():
+        assert any(pod_selector_matches(policy["spec"]["podSelector"], d["spec"]["template"]["metadata"]["labels"])
+                   for d in deployments.values()), policy["metadata"]["name"]
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_services_reach_their_pods(overlay):
     objects = rendered(overlay)
