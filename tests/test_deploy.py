@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import pytest
 import yaml
 
 from specbatch.config.options import parser_for
+from specbatch.rpc.tls import channel_credentials, open_channel, server_credentials
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -73,9 +75,7 @@ def kubectl() -> str | None:
     return shutil.which("kubectl") or (str(beside) if os.access(beside, os.X_OK) else None)
 
 
-@functools.cache
-def _rendered(overlay: str) -> tuple:
-    folder = DEPLOY / "k8s" / "overlays" / overlay
+def _render(folder: Path) -> tuple:
     exe = kubectl()
     if exe:
         out = subprocess.run([exe, "kustomize", str(folder)], check=True, capture_output=True, text=True).stdout
@@ -83,8 +83,32 @@ def _rendered(overlay: str) -> tuple:
     return tuple(renderer.render(folder))
 
 
+@functools.cache
+def _rendered(overlay: str) -> tuple:
+    return _render(DEPLOY / "k8s" / "overlays" / overlay)
+
+
 def rendered(overlay: str) -> list[dict]:
     return copy.deepcopy(list(_rendered(overlay)))
+
+
+CERT_MANAGER = DEPLOY / "k8s" / "components" / "cert-manager"
+
+
+@functools.cache
+def _with_cert_manager(overlay: str, python: bool = False) -> tuple:
+    """The overlay with the cert-manager component added, as a user's kustomization would add it."""
+    with tempfile.TemporaryDirectory() as folder:
+        # kustomize takes relative paths only.
+        (Path(folder) / "kustomization.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": [os.path.relpath(DEPLOY / "k8s" / "overlays" / overlay, folder)],
+            "components": [os.path.relpath(CERT_MANAGER, folder)]}))
+        return tuple(renderer.render(folder)) if python else _render(Path(folder))
+
+
+def with_cert_manager(overlay: str) -> list[dict]:
+    return copy.deepcopy(list(_with_cert_manager(overlay)))
 
 
 def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
@@ -155,9 +179,22 @@ def test_python_renderer_agrees_with_kubectl(overlay):
     assert ours == theirs
 
 
+@pytest.mark.skipif(kubectl() is None, reason="no kubectl (not installed, or SPECBATCH_RENDERER=python)")
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_python_renderer_agrees_with_kubectl_on_the_component(overlay):
+    def key(o):
+        return o["kind"], o["metadata"]["name"]
+
+    assert {key(o): o for o in _with_cert_manager(overlay, python=True)} == {key(o): o for o in with_cert_manager(overlay)}
+
+
 def test_python_renderer_refuses_what_it_does_not_implement(tmp_path):
     (tmp_path / "kustomization.yaml").write_text("resources: []\ncommonLabels: {a: b}\n")
     with pytest.raises(renderer.RenderError, match="commonLabels"):
+        renderer.render(tmp_path)
+    # A Component only as a component, as kustomize has it.
+    (tmp_path / "kustomization.yaml").write_text(f"resources: [{os.path.relpath(CERT_MANAGER, tmp_path)}]\n")
+    with pytest.raises(renderer.RenderError, match="Kustomization was expected"):
         renderer.render(tmp_path)
 
 
@@ -460,6 +497,170 @@ def test_threads_never_outnumber_the_cpus_requested(overlay):
                        else max(1, math.ceil(cpus))
                        for module, args in service_args(container) if module != "coordinator"]
             assert sum(threads) <= max(1, math.ceil(cpus)), (container["name"], threads, cpus)
+
+
+# ---- certificates -------------------------------------------------------------------------------
+
+# What the cert-manager component may use of cert-manager.io/v1 (kubernetes-validate has no schema
+# for it): a misspelt field fails here rather than being dropped by the API server.
+CERTIFICATE_FIELDS = {"secretName", "commonName", "dnsNames", "usages", "duration", "renewBefore", "privateKey",
+                      "issuerRef", "isCA"}
+KEY_USAGES = {"digital signature", "key encipherment", "server auth", "client auth", "cert sign", "crl sign"}
+CERT_MANAGER_KINDS = {"Issuer", "Certificate"}
+
+
+def _hours(duration: str) -> int:
+    assert re.fullmatch(r"\d+h", duration), duration
+    return int(duration[:-1])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_cert_manager_component_makes_the_secrets_the_deployments_mount(overlay):
+    objects = with_cert_manager(overlay)
+    # The overlay's own objects untouched, and still valid.
+    assert [o for o in objects if o["kind"] not in CERT_MANAGER_KINDS] == rendered(overlay)
+    issuers = by_kind(objects, "Issuer")
+    certificates = by_kind(objects, "Certificate")
+    for obj in [*issuers.values(), *certificates.values()]:
+        assert obj["apiVersion"] == "cert-manager.io/v1" and obj["metadata"]["namespace"] == "specbatch"
+    for certificate in certificates.values():
+        spec = certificate["spec"]
+        assert set(spec) <= CERTIFICATE_FIELDS, set(spec) - CERTIFICATE_FIELDS
+        assert set(spec["privateKey"]) <= {"algorithm", "size", "rotationPolicy"}
+        assert spec["privateKey"]["algorithm"] in ("RSA", "ECDSA", "Ed25519")
+        assert spec["privateKey"].get("rotationPolicy", "Always") in ("Never", "Always")
+        assert set(spec["issuerRef"]) == {"group", "kind", "name"} and spec["issuerRef"]["group"] == "cert-manager.io"
+        assert set(spec.get("usages", [])) <= KEY_USAGES
+        if "renewBefore" in spec:
+            assert _hours(spec["renewBefore"]) < _hours(spec["duration"])
+    # self-signed Issuer -> CA Certificate -> CA Issuer -> the three.
+    (ca,) = [c for c in certificates.values() if c["spec"].get("isCA")]
+    assert issuers[ca["spec"]["issuerRef"]["name"]]["spec"] == {"selfSigned": {}}
+    (ca_issuer,) = [i for i in issuers.values() if i["spec"].get("ca", {}).get("secretName") == ca["spec"]["secretName"]]
+    leaves = {c["spec"]["secretName"]: c["spec"] for c in certificates.values() if c is not ca}
+    assert set(leaves) == set(certs.SECRETS.values())
+    mounted_secrets = {v["secret"]["secretName"] for d in by_kind(objects, "Deployment").values()
+                       for v in pod(d)["volumes"] if "secret" in v}
+    assert mounted_secrets <= set(leaves)
+    for which, secret in certs.SECRETS.items():
+        spec = leaves[secret]
+        assert (spec["issuerRef"]["kind"], spec["issuerRef"]["name"]) == ("Issuer", ca_issuer["metadata"]["name"])
+        # The same names and uses as deploy/certs.py gives (test_bootstrap_... checks those).
+        if which in certs.SERVERS:
+            assert spec["dnsNames"] == certs.service_names(which, "specbatch", "cluster.local")
+            assert {"server auth", "client auth"} <= set(spec["usages"])  # client: its own probe
+        else:
+            assert "dnsNames" not in spec and "server auth" not in spec["usages"] and "client auth" in spec["usages"]
+
+
+def _health_server(folder: Path, which: str, service: str):
+    """A server with only the health service, answering for ``service`` as the real one does."""
+    from specbatch.rpc.server import Server
+
+    tls = folder / which
+    server = Server("127.0.0.1:0", max_workers=2,
+                    credentials=server_credentials(tls / "tls.crt", tls / "tls.key", tls / "ca.crt"))
+    server.service_names.append(service)  # what Server.add records: health follows start/stop
+    return server.start()
+
+
+def _check(port: int, credentials, name: str, service: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with open_channel(f"127.0.0.1:{port}", credentials, server_name=name) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error  # the handshake failed
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _probe_command(command: list[str], folder: Path, ports: dict[int, int]) -> list[str]:
+    """A manifest's probe, run here: the pod's mount points -> ``folder``, its ports -> ``ports``."""
+    out = [sys.executable, str(DEPLOY / "docker" / "specbatch-health")]
+    for arg in command[1:]:
+        if arg.startswith("--tls-dir=/etc/specbatch-tls/"):
+            arg = f"--tls-dir={folder / arg.rsplit('/', 1)[1]}"
+        elif arg.startswith("127.0.0.1:"):
+            arg = f"127.0.0.1:{ports[int(arg.rsplit(':', 1)[1])]}"
+        out.append(arg)
+    return out
+
+
+def test_bootstrap_certificates_work_for_mtls(tmp_path):
+    """deploy/certs.py's certificates, served as the manifests serve them: the coordinator's
+    passes mTLS to each service under the name it expects, a client without one is refused, a
+    service's certificate fits no other Service's name, and the manifests' own probe commands
+    pass."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    folder = tmp_path / "certs"
+    subprocess.run([sys.executable, str(DEPLOY / "certs.py"), str(folder)], check=True, capture_output=True)
+    for which in certs.ROLES:
+        assert (folder / which / "tls.key").stat().st_mode & 0o077 == 0
+        assert (folder / which / "ca.crt").read_bytes() == (folder / "ca.crt").read_bytes()
+        cert = x509.load_pem_x509_certificate((folder / which / "tls.crt").read_bytes())
+        usages = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+        assert (ExtendedKeyUsageOID.SERVER_AUTH in usages) == (which in certs.SERVERS)
+        assert ExtendedKeyUsageOID.CLIENT_AUTH in usages
+    assert (folder / "ca.key").stat().st_mode & 0o077 == 0
+
+    # The Secrets its kustomization makes: the names the Deployments mount, shaped as cert-manager's.
+    generated = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    assert {g["name"] for g in generated["secretGenerator"]} == set(certs.SECRETS.values())
+    if kubectl():
+        secrets = by_kind(list(_render(folder)), "Secret")
+        assert set(secrets) == set(certs.SECRETS.values())
+        for secret in secrets.values():
+            assert secret["type"] == "kubernetes.io/tls" and set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
+            assert secret["metadata"]["namespace"] == "specbatch"
+            kubernetes_validate.validate(secret, K8S_VERSIONS[0], strict=True)
+
+    coordinator = pod(by_kind(rendered("cpu"), "Deployment")["specbatch-coordinator"])["containers"][0]["args"]
+    servers = {which: _health_server(folder, which, GRPC_SERVICE[PORTS[which]]) for which in certs.SERVERS}
+    try:
+        with_cert = channel_credentials(folder / "coordinator" / "ca.crt", folder / "coordinator" / "tls.crt",
+                                        folder / "coordinator" / "tls.key")
+        without = channel_credentials(folder / "coordinator" / "ca.crt")
+        for which, server in servers.items():
+            # The name the coordinator checks: its dns:NAME:PORT's NAME, since it dials pod IPs.
+            name = flag(coordinator, which).removeprefix("dns:").rsplit(":", 1)[0]
+            other = certs.service_names(next(r for r in certs.SERVERS if r != which), "specbatch", "cluster.local")[0]
+            assert _check(server.port, with_cert, name, GRPC_SERVICE[PORTS[which]])
+            assert not _check(server.port, without, name, GRPC_SERVICE[PORTS[which]])
+            assert not _check(server.port, with_cert, other, GRPC_SERVICE[PORTS[which]])
+
+        # The probes as the manifests write them, with this folder as the pods' Secret mounts.
+        ports = {PORTS[which]: server.port for which, server in servers.items()}
+        for overlay, deployment in (("cpu", "specbatch-target"), ("cpu", "specbatch-draft"),
+                                    ("same-gpu", "specbatch-target")):
+            (container,) = pod(by_kind(rendered(overlay), "Deployment")[deployment])["containers"]
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                command = _probe_command(container[kind]["exec"]["command"], folder, ports)
+                done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
+                assert done.returncode == 0, (overlay, deployment, kind, done.stderr)
+        servers["target"].set_not_serving()
+        command = _probe_command(pod(by_kind(rendered("cpu"), "Deployment")["specbatch-target"])["containers"][0]
+                                 ["readinessProbe"]["exec"]["command"], folder, ports)
+        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and "NOT_SERVING" in done.stderr
+    finally:
+        for server in servers.values():
+            server.stop(grace=0)
+
+
+def test_bootstrap_again_renews_under_the_same_ca(tmp_path):
+    from cryptography import x509
+
+    certs.bootstrap(tmp_path)
+    ca, leaf = (tmp_path / "ca.crt").read_bytes(), (tmp_path / "target" / "tls.crt").read_bytes()
+    certs.bootstrap(tmp_path, days=30)
+    assert (tmp_path / "ca.crt").read_bytes() == ca and (tmp_path / "target" / "tls.crt").read_bytes() != leaf
+    renewed = x509.load_pem_x509_certificate((tmp_path / "target" / "tls.crt").read_bytes())
+    renewed.verify_directly_issued_by(x509.load_pem_x509_certificate(ca))
 
 
 # ---- container files ----------------------------------------------------------------------------
