@@ -20,7 +20,7 @@ from .backends import DraftClient, TargetClient
 from .metrics import CoordinatorMetrics
 from .policy import parse_policy
 from .profile_file import ProfileFile
-from .replicas import NotReady, ReplicaSet
+from .replicas import DNS_PREFIX, NotReady, ReplicaSet
 from .scheduler import Scheduler
 from .servicer import GenerationServicer
 
@@ -110,8 +110,8 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     ``dns:NAME:PORT`` (re-resolved every ``refresh_seconds``). ``speculation``: how the decode step
     speculates (its profile is read now and re-read when it changes, unless ``profile_file`` is that
     file already open). ``credentials``: TLS for the calls to the services (``tls_server_name``: the
-    name their certificates carry, when replicas are dialled by IP); ``server_credentials``: TLS for
-    the coordinator's own port. ``metrics_port``: Prometheus /metrics (0: none; None: the default
+    name their certificates carry, when replicas are dialled by IP; default: a ``dns:NAME:PORT``
+    spec's NAME); ``server_credentials``: TLS for the coordinator's own port. ``metrics_port``: Prometheus /metrics (0: none; None: the default
     port, skipped if taken). ``prefill_chunk``: the most prompt tokens prefilled between two decode
     steps (0: each admitted prompt whole; coordinator/scheduler.py). A profile that cannot be used,
     or services that do not fit together, raise ValueError before serving."""
@@ -127,17 +127,24 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
         else:
             metrics.set_replica_up(replica.service, replica.address, replica.healthy)
 
+    def tls_name(spec: str) -> str | None:
+        # Replicas found by DNS are dialled by IP, which no certificate can name: expect the name
+        # the spec resolves (a Kubernetes Service's), unless told otherwise.
+        if tls_server_name or not spec.strip().startswith(DNS_PREFIX):
+            return tls_server_name
+        return spec.strip()[len(DNS_PREFIX):].lstrip("/").rpartition(":")[0] or None
+
     def replicas(service: str, spec: str, make_client) -> ReplicaSet:
         return ReplicaSet(service, spec, make_client, SameModel(service), health_service=f"specbatch.v1.{service.title()}",
                           refresh_seconds=refresh_seconds, on_health=health_changed).start()
 
-    targets = replicas("target", target_address,
-                       lambda address: TargetClient(address, timeout, credentials, server_name=tls_server_name))
+    targets = replicas("target", target_address, lambda address: TargetClient(
+        address, timeout, credentials, server_name=tls_name(target_address)))
     drafts = None
     if draft_address:
         # A draft call gets one retry: with the draft down, steps go on target-only at once.
         drafts = replicas("draft", draft_address, lambda address: DraftClient(
-            address, draft_timeout, credentials, attempts=2, server_name=tls_server_name))
+            address, draft_timeout, credentials, attempts=2, server_name=tls_name(draft_address)))
     try:
         target_stats = targets.wait_healthy(wait_seconds).client.cache_stats()
         max_context = target_stats.max_context

