@@ -24,7 +24,6 @@ from specbatch.protocol.speculation import MAX_K, MAX_LEAVES
 from specbatch.rpc import local
 from specbatch.rpc.client import generate, make_request
 from specbatch.stack.in_process import start_local_stack
-from specbatch.v1 import generation_pb2 as gpb
 from specbatch.v1 import model_services_pb2 as mpb
 
 NEVER = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
