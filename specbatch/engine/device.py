@@ -33,3 +33,16 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and tensor.device.type == "cpu":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def describe(device: torch.device | str) -> dict:
+    """What a service's step times depend on, as its CacheStats reports it and a profile records
+    it: the device kind and model, and on a CPU the widest vector unit torch uses and whether it
+    multiplies bf16 natively (two CPUs of one name differ in both)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return {"device": "cuda", "name": torch.cuda.get_device_name(device)}
+    from specbatch.kernels import cpu
+
+    return {"device": device.type, "name": cpu.model_name(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": cpu.multiplies_bf16()}

@@ -7,6 +7,7 @@ model) and call the engine, which runs and is tested without gRPC.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -15,6 +16,7 @@ import numpy as np
 import torch
 
 from specbatch.engine.batch import SequenceInput
+from specbatch.engine.device import describe as describe_device
 from specbatch.engine.engine import Engine
 from specbatch.engine.sampling import SamplingParams, SparseDistribution
 from specbatch.protocol.errors import InvalidRequest
@@ -85,6 +87,7 @@ class CacheServicer:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics  # None: no metrics (tests that drive a servicer directly)
+        self.hardware = json.dumps(describe_device(engine.device), sort_keys=True)
 
     @classmethod
     def serve_on(cls, server: Server, engine: Engine, model_name: str,
@@ -146,6 +149,8 @@ class CacheServicer:
                 feature_size=self.feature_size(),
                 sequences_created=self.engine.sequences_created,
                 local_socket=self.local_socket,
+                hardware=self.hardware,
+                weights=self.engine.weights or str(self.engine.dtype).removeprefix("torch."),
             )
 
     def feature_size(self) -> int:

@@ -65,7 +65,7 @@ class CacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStatsResponse(_message.Message):
-    __slots__ = ("model", "sequences", "cached_tokens", "max_sequences", "max_context", "vocab_size", "feature_size", "sequences_created", "local_socket")
+    __slots__ = ("model", "sequences", "cached_tokens", "max_sequences", "max_context", "vocab_size", "feature_size", "sequences_created", "local_socket", "hardware", "weights")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +75,8 @@ class CacheStatsResponse(_message.Message):
     FEATURE_SIZE_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_CREATED_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     model: str
     sequences: int
     cached_tokens: int
@@ -84,7 +86,9 @@ class CacheStatsResponse(_message.Message):
     feature_size: int
     sequences_created: int
     local_socket: str
-    def __init__(self, model: _Optional[str] = ..., sequences: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., sequences_created: _Optional[int] = ..., local_socket: _Optional[str] = ...) -> None: ...
+    hardware: str
+    weights: str
+    def __init__(self, model: _Optional[str] = ..., sequences: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., sequences_created: _Optional[int] = ..., local_socket: _Optional[str] = ..., hardware: _Optional[str] = ..., weights: _Optional[str] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")
