@@ -18,7 +18,9 @@ from specbatch.v1 import generation_pb2_grpc as pb_grpc
 from .admission import Limits
 from .backends import DraftClient, TargetClient
 from .metrics import CoordinatorMetrics
-from .policy import parse_policy
+from .choose import fit_policy, parse_policy
+from .fit import Deployment
+from .learned import Keeper, Learning
 from .profile_file import ProfileFile
 from .replicas import DNS_PREFIX, NotReady, ReplicaSet
 from .scheduler import Scheduler
@@ -35,6 +37,7 @@ class Coordinator:
     drafts: ReplicaSet | None = None
     profile_file: ProfileFile | None = None
     metrics_server: object | None = None
+    keeper: Keeper | None = None  # what a learn policy learned, kept under the cache
 
     @property
     def port(self) -> int:
@@ -52,6 +55,8 @@ class Coordinator:
         if self.profile_file is not None:
             self.profile_file.stop()
         self.scheduler.stop()
+        if self.keeper is not None:
+            self.keeper.stop()
         self.server.stop(grace)
         for replicas in filter(None, (self.targets, self.drafts)):
             replicas.close()
@@ -118,7 +123,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     speculation = speculation.check().resolved()
     if profile_file is None and speculation.profile:
         profile_file = ProfileFile(speculation.profile, profile_poll_seconds)
-    k_policy = parse_policy(speculation.k_policy, MAX_K, profile_file, speculation.leaves)
+    k_policy = parse_policy(speculation.k_policy, MAX_K, profile_file, speculation.leaves, max_batch_size)
     metrics = CoordinatorMetrics(new_registry())
 
     def health_changed(replica) -> None:
@@ -165,6 +170,11 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
         for replicas in filter(None, (targets, drafts)):
             replicas.close()
         raise
+    deployment = Deployment.from_stats(target_stats, draft_stats if drafts is not None else None)
+    k_policy = fit_policy(k_policy, profile_file, deployment, MAX_K, speculation.leaves, max_batch_size)
+    keeper = None
+    if isinstance(k_policy, Learning):  # what it learns is kept for the next start, and served by Info
+        keeper = Keeper(k_policy, deployment.learned_path(), deployment.about()).start()
     if eos_token_ids is None:
         eos_token_ids = find_eos_token_ids(tokenizer, None)
     limits = Limits(target_stats.vocab_size, max_context, max_new_tokens, eos_token_ids, max_prompt_tokens)
@@ -183,10 +193,10 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     server = Server(f"{host}:{port}", max_workers=workers, maximum_concurrent_rpcs=4 * workers,
                     credentials=server_credentials)
     servicer = GenerationServicer(scheduler, tokenizer, limits, target_stats.model, draft_model, tokenizer_name,
-                                  profile_file)
+                                  keeper or profile_file)
     server.add(pb_grpc.add_GenerationServicer_to_server, servicer, "specbatch.v1.Generation")
     metrics_server = serve_metrics(metrics.registry, "coordinator", metrics_host, metrics_port)
-    return Coordinator(server.start(), scheduler, targets, drafts, profile_file, metrics_server)
+    return Coordinator(server.start(), scheduler, targets, drafts, profile_file, metrics_server, keeper)
 
 
 def main(argv=None) -> None:
@@ -197,7 +207,7 @@ def main(argv=None) -> None:
     try:
         speculation = SpeculationConfig.from_args(args).check().resolved()
         profile_file = ProfileFile(speculation.profile, args.profile_poll_seconds) if speculation.profile else None
-        parse_policy(speculation.k_policy, MAX_K, profile_file)
+        parse_policy(speculation.k_policy, MAX_K, profile_file, max_batch_size=args.max_batch_size)
         if args.prefill_chunk < 0:
             raise ValueError(f"--prefill-chunk must be 0 (off) or a number of tokens (got {args.prefill_chunk})")
     except ValueError as error:

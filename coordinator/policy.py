@@ -30,7 +30,6 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from specbatch.config.options import K_POLICIES
 from specbatch.protocol.profile import expected_tokens
 from specbatch.protocol.speculation import tally_positions
 
@@ -347,24 +346,3 @@ class Goodput:
 
     def describe(self) -> str:
         return "goodput:live" if self.live_times else "goodput"
-
-
-
-
-def parse_policy(text: str, max_k: int, profile_file: ProfileFile | None = None, max_leaves: int = 0):
-    kind, _, arg = text.partition(":")
-    if kind == "fixed":
-        try:
-            k = int(arg)
-        except ValueError:
-            raise ValueError(f"fixed policy needs an integer k, as in fixed:3 (got {text!r})") from None
-        if not 0 <= k <= max_k:
-            raise ValueError(f"k must be in [0, {max_k}] (got {k})")
-        return FixedK(k)
-    if (kind == "profile" and not arg) or (kind == "goodput" and arg in ("", "live")):
-        if profile_file is None:
-            raise ValueError(f"the {kind} policy needs a profile: pass --profile PATH (made by `specbatch profile`)")
-        if kind == "profile":
-            return ProfileK(profile_file)
-        return Goodput(profile_file, max_k, max_leaves=max_leaves, live_times=arg == "live")
-    raise ValueError(f"unknown k policy {text!r}; known: {K_POLICIES}")

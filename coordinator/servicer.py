@@ -65,6 +65,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         step_seconds = totals.step_seconds / totals.steps if totals.steps else 0.1
         return int(min(30_000, max(250, 1000 * 32 * step_seconds)))
 
+    def profile_json(self) -> str:
+        """The profile in force: the file's, or what a learn policy learned so far; empty: none."""
+        profile = self.profile_file.profile if self.profile_file is not None else None
+        return profile.to_json() if profile is not None else ""
+
     def Info(self, message, context):
         target, draft, tokenizer = self.names
         scheduler = self.scheduler
@@ -78,7 +83,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             max_new_tokens_limit=self.limits.max_new_tokens,
             max_context=self.limits.max_context,
             k_policy=scheduler.policy.describe(),
-            profile=self.profile_file.profile.to_json() if self.profile_file is not None else "",
+            profile=self.profile_json(),
             eos_token_id=min(self.limits.eos_token_ids, default=-1),
             version=__version__,
             totals=pb.StepTotals(**vars(scheduler.totals)),

@@ -16,9 +16,12 @@ def pytest_configure(config):
 @pytest.fixture(autouse=True, scope="session")
 def results_elsewhere(tmp_path_factory):
     """What the commands under test write as results (``specbatch.commands.results.write``) goes
-    to a folder of the session's own, never into the checkout's benchmarks/results."""
+    to a folder of the session's own, never into the checkout's benchmarks/results; so do the
+    profiles a learn policy keeps."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECBATCH_RESULTS", str(tmp_path_factory.mktemp("results")))
+        # and what learn policies learn, so that no test starts from another's (or a user's)
+        patch.setenv("SPECBATCH_PROFILES", str(tmp_path_factory.mktemp("learned-profiles")))
         yield
 
 

@@ -12,6 +12,7 @@ import time
 import pytest
 from test_exactness import prompts_of_lengths, run_staggered_and_check
 from test_profile import gpu_like, synthetic_profile
+from tiny import greedy_reference
 
 from coordinator import app
 from specbatch.config.speculation import SpeculationConfig
@@ -77,9 +78,52 @@ def test_info_reports_the_profile_and_takes_up_a_new_one(target_model, draft_mod
         stack.stop()
 
 
-def test_no_profile_means_an_empty_info_field(stack):
-    info = stack.client().Info(pb.InfoRequest())
-    assert info.profile == "" and info.k_policy == "fixed:3"
+def test_with_no_profile_it_learns_one_keeps_it_and_starts_from_it_next_time(target_model, draft_model, tokenizer,
+                                                                             caplog):
+    """No profile: the learn policy, nothing to show before a step is measured; what it learned is
+    in Info, in the profile format, and kept at stop for the next coordinator of the same pair on
+    this machine, which starts from it."""
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4)
+    try:
+        client = stack.client()
+        info = client.Info(pb.InfoRequest())
+        assert info.k_policy == "learn" and info.profile == ""
+        for seed in range(4):
+            generate(client, make_request([1, 9, 17, 30 + seed], 48, ignore_eos=True))
+        learned = json.loads(client.Info(pb.InfoRequest()).profile)
+        assert learned["workload"]["learned"] and learned["target"]["model"] == "target"
+        assert learned["draft"]["model"] == "draft" and learned["hardware"]["device"] == "cpu"
+        assert learned["batch_sizes"] == [1] and learned["max_k"] >= 1
+        path = stack.coordinator.keeper.path
+    finally:
+        stack.stop()
+    assert json.loads(path.read_text())["batch_sizes"] == [1]  # kept at stop
+    with caplog.at_level("INFO", logger="coordinator.choose"):
+        again = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4)
+    try:
+        assert "starting from what was learned before" in caplog.text
+        assert json.loads(again.client().Info(pb.InfoRequest()).profile)["batch_sizes"] == [1]
+    finally:
+        again.stop()
+
+
+def test_a_profile_of_another_deployment_is_flagged_and_learned_over(target_model, draft_model, tokenizer, tmp_path,
+                                                                     caplog):
+    """A profile measured on a GPU (or for another pair) is not trusted on this CPU: the
+    coordinator says so at start and learns instead; its output stays exact."""
+    path = tmp_path / "gpu.json"
+    synthetic_profile(gpu_like, HIGH, hardware={"device": "cuda", "gpu": "NVIDIA H100"}).save(path)
+    with caplog.at_level("WARNING", logger="coordinator.choose"):
+        stack = start_local_stack(target_model, draft_model, tokenizer,
+                                  speculation=SpeculationConfig(k_policy="goodput", profile=str(path)))
+    try:
+        assert "measured for another deployment" in caplog.text and "device: the profile's 'cuda'" in caplog.text
+        assert stack.client().Info(pb.InfoRequest()).k_policy == "learn"
+        prompt = [1, 9, 17, 30]
+        result = generate(stack.client(), make_request(prompt, 24, ignore_eos=True))
+        assert list(result.token_ids) == greedy_reference(target_model, prompt, 24)
+    finally:
+        stack.stop()
 
 
 @pytest.mark.parametrize("argv, message", [

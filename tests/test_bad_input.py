@@ -298,7 +298,7 @@ def test_info_reports_the_stack_limits(stack, target_stub, draft_stub):
     assert info.max_batch_size == 8
     assert info.max_queue == 256
     assert info.max_context == CONTEXT
-    assert info.k_policy == "fixed:3"
+    assert info.k_policy == "learn"  # no profile given
     assert (info.target_model, info.draft_model) == ("target", "draft")
     assert info.eos_token_id == -1  # the stack was built with no EOS ids
     assert info.version == __version__

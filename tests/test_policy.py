@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from test_profile import gpu_like, synthetic_profile
 
-from coordinator.policy import FixedK, Goodput, LiveAcceptance, LiveStepTimes, ProfileK, StepTimes, parse_policy
+from coordinator.choose import parse_policy
+from coordinator.policy import FixedK, Goodput, LiveAcceptance, LiveStepTimes, ProfileK, StepTimes
 from coordinator.profile_file import ProfileFile
 from specbatch.protocol.profile import expected_tokens
 from specbatch.protocol.speculation import tally_positions

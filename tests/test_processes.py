@@ -274,17 +274,17 @@ def test_embedded_default_takes_the_profile_of_the_form_the_services_run(monkeyp
     _on_a_cpu(monkeypatch, **machine)
     policy, path = default_k_policy(StackOptions(dtype=dtype, device="cpu"))
     assert policy == "goodput" and Path(path).name == profile and Path(path).exists()
-    assert default_k_policy(StackOptions(dtype=dtype, device="cpu", draft_model="none")) == ("fixed:3", None)
+    assert default_k_policy(StackOptions(dtype=dtype, device="cpu", draft_model="none")) == ("learn", None)
 
 
 @pytest.mark.parametrize("options, policy, gpu_profile", [
-    ({}, "profile", True), ({"dtype": "bf16"}, "profile", True), ({"dtype": "float32"}, "fixed:3", False),
-    ({"target_model": "some/target"}, "fixed:3", False), ({"draft_model": "none"}, "fixed:3", False),
+    ({}, "profile", True), ({"dtype": "bf16"}, "profile", True), ({"dtype": "float32"}, "learn", False),
+    ({"target_model": "some/target"}, "learn", False), ({"draft_model": "none"}, "learn", False),
     ({"k_policy": "fixed:2"}, "fixed:2", False)])
 def test_embedded_pair_on_a_gpu_in_bf16_serves_the_gpu_profile(monkeypatch, options, policy, gpu_profile):
     """On a GPU the embedded pair in bf16 serves the profile measured for it there (k = 3 to batch
     8, k = 0 from 16); the CPU's profiles would pick wrong k there, and other models or dtypes have
-    no measured profile, so they keep fixed:3."""
+    no measured profile, so their coordinator learns one (learn)."""
     import specbatch.models.loading
 
     monkeypatch.setattr(specbatch.models.loading, "default_device", lambda: "cuda")
@@ -327,12 +327,12 @@ def test_launcher_and_services_agree_on_the_cpu():
 def test_goodput_gets_leaves_to_price(policy, profile, leaves, resolved):
     """Unasked, the coordinator verifies the draft's next-best tokens beside its first only under
     goodput, which takes a leaf where its row pays; other policies would verify every leaf offered.
-    No policy asked: goodput over a profile, else fixed:3."""
+    No policy asked: goodput over a profile, else learn (which starts with no leaves to price)."""
     from specbatch.config.speculation import SpeculationConfig
 
     config = SpeculationConfig(k_policy=policy, profile=profile, leaves=leaves).resolved()
     assert config.leaves == resolved
-    assert config.k_policy == (policy or ("goodput" if profile else "fixed:3"))
+    assert config.k_policy == (policy or ("goodput" if profile else "learn"))
 
 
 def test_up_passes_on_what_it_shares_with_each_program(monkeypatch):

@@ -24,14 +24,15 @@ from specbatch.protocol.profile import (
 
 
 def synthetic_profile(step_ms, acceptance, sizes=(1, 2, 4, 8, 16, 32), **about) -> Profile:
-    """A profile whose step time at (batch, k) is ``step_ms(batch, k)``."""
+    """A profile whose step time at (batch, k) is ``step_ms(batch, k)``, of the tiny pair the
+    tests' stacks serve on this CPU (``about`` says otherwise: coordinator/fit.py compares)."""
     max_k = len(acceptance)
     times = {(b, k): {"step_ms": step_ms(b, k), "draft_ms": 0.2 * k, "target_ms": step_ms(b, k) - 0.2 * k - 0.1,
                       "accepted_per_sequence": expected_tokens(acceptance, k) - 1}
              for b in sizes for k in range(max_k + 1)}
     return build_profile(list(sizes), max_k, list(acceptance), times, created="2026-01-01T00:00:00+00:00",
-                         hardware={"device": "test"}, target={"model": "t", "dtype": "float32"},
-                         draft={"model": "d", "dtype": "float32"}, **about)
+                         **{"hardware": {"device": "cpu"}, "target": {"model": "target", "dtype": "float32"},
+                            "draft": {"model": "draft", "dtype": "float32"}, **about})
 
 
 def gpu_like(b, k):

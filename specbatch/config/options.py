@@ -30,7 +30,7 @@ EMBEDDED_TARGET, EMBEDDED_DRAFT = "smollm2-135m-instruct", "smollm2-135m-instruc
 # CPU kernels' forms.
 WEIGHT_FORMS = ("auto", "model", "bf16", "bf16-dot", "fp16-dot", "q4_1", "int8")
 CUDA_GRAPH_MODES = ("auto", "on", "lazy", "static", "off")
-K_POLICIES = "fixed:K, profile, goodput, goodput:live"
+K_POLICIES = "fixed:K, profile, goodput, goodput:live, learn"
 # Set by ``specbatch up`` for the model services it starts, not an operator's: within a step the
 # draft computes, then the target, so each service's calls may take every core (this many
 # threads) while the other waits.
@@ -113,9 +113,11 @@ OPTIONS: tuple[Option, ...] = (
            programs=frozenset({COORDINATOR}), group="speculation"),
     Option("--tokenizer", "the tokenizer: an HF hub id, a folder or a .gguf file inside one (default: the embedded "
            "target's)", default=EMBEDDED_TARGET, programs=frozenset({COORDINATOR}), group="speculation"),
-    Option("--k-policy", f"how k is chosen from the live batch size: {K_POLICIES} (all but fixed:K read --profile; "
-           "default: goodput where a profile is given, else fixed:3; specbatch up picks the shipped profile that "
-           "fits the embedded models and the machine)", programs=frozenset({COORDINATOR, UP}), group="speculation"),
+    Option("--k-policy", f"how k is chosen from the live batch size: {K_POLICIES} (profile and goodput read "
+           "--profile; learn measures its own while serving; default: goodput where a profile is given, else learn; a "
+           "profile measured for another pair or machine is set aside for learn; specbatch up picks the shipped "
+           "profile that fits the embedded models and the machine)", programs=frozenset({COORDINATOR, UP}),
+           group="speculation"),
     Option("--profile", "the profile JSON made by `specbatch profile`; re-read when the file changes",
            programs=frozenset({COORDINATOR, UP}), group="speculation", metavar="PATH"),
     Option("--profile-poll-seconds", "how often the profile file is checked for changes", default=2.0, type=float,

@@ -15,14 +15,15 @@ POLICY_LEAVES = 3
 
 
 def default_k_policy(profile: str | None) -> str:
-    """The k policy where none is asked for: goodput over a profile, else a fixed k of 3."""
-    return "goodput" if profile else "fixed:3"
+    """The k policy where none is asked for: goodput over a profile, else one that measures its own
+    while serving (and starts from k = 0)."""
+    return "goodput" if profile else "learn"
 
 
 @dataclass(frozen=True)
 class SpeculationConfig:
     # How k is chosen each step from the live batch size (coordinator/policy.py): fixed:K, or
-    # profile, goodput and goodput:live over ``profile``.
+    # profile, goodput and goodput:live over ``profile``, or learn (coordinator/learned.py).
     k_policy: str | None = None  # None: ``default_k_policy``
     profile: str | None = None  # the profile document (``specbatch profile``); re-read when it changes
     # The most of the draft's next-best tokens at the first drafted position verified beside the

@@ -1,0 +1,66 @@
+"""Which k policy the coordinator serves with (docs/speculation.md): the one asked for, over its
+profile where that profile describes this deployment; where it describes another (another pair,
+another machine, another weight form), or none is given, ``learn``, which measures its own
+(coordinator/learned.py) and starts from what it learned here before."""
+
+from __future__ import annotations
+
+import logging
+
+from specbatch.config.options import K_POLICIES
+
+from .fit import Deployment, mismatches
+from .learned import Learning, load_learned
+from .policy import FixedK, Goodput, ProfileK
+from .profile_file import ProfileFile
+
+log = logging.getLogger(__name__)
+
+
+def parse_policy(text: str, max_k: int, profile_file: ProfileFile | None = None, max_leaves: int = 0,
+                 max_batch_size: int = 32, seed=None):
+    """The policy ``text`` names (``K_POLICIES``). ``seed``: for ``learn``, a profile it learned
+    before for this deployment."""
+    kind, _, arg = text.partition(":")
+    if kind == "fixed":
+        try:
+            k = int(arg)
+        except ValueError:
+            raise ValueError(f"fixed policy needs an integer k, as in fixed:3 (got {text!r})") from None
+        if not 0 <= k <= max_k:
+            raise ValueError(f"k must be in [0, {max_k}] (got {k})")
+        return FixedK(k)
+    if text == "learn":
+        return Learning(max_k, max_batch_size, max_leaves, seed=seed)
+    if (kind == "profile" and not arg) or (kind == "goodput" and arg in ("", "live")):
+        if profile_file is None:
+            raise ValueError(f"the {kind} policy needs a profile: pass --profile PATH (made by `specbatch profile`), "
+                             "or use learn")
+        if kind == "profile":
+            return ProfileK(profile_file)
+        return Goodput(profile_file, max_k, max_leaves=max_leaves, live_times=arg == "live")
+    raise ValueError(f"unknown k policy {text!r}; known: {K_POLICIES}")
+
+
+def fit_policy(policy, profile_file: ProfileFile | None, deployment: Deployment, max_k: int, max_leaves: int,
+               max_batch_size: int):
+    """``policy`` where its profile fits ``deployment``; else (said in the log) ``learn``, seeded
+    with what was learned for this deployment before, if anything. ``learn`` asked for is seeded
+    so too."""
+    if isinstance(policy, Learning):
+        seed = load_learned(deployment.learned_path())
+        if seed is not None and mismatches(seed, deployment):
+            seed = None  # (a file of the same name from another deployment: never trusted)
+        if seed is not None:
+            log.info("learn: starting from what was learned before for %s (%s)", deployment.describe(),
+                     deployment.learned_path())
+        return Learning(max_k, max_batch_size, max_leaves, seed=seed) if seed is not None else policy
+    if profile_file is None or isinstance(policy, FixedK):
+        return policy
+    problems = mismatches(profile_file.profile, deployment)
+    if not problems:
+        return policy
+    log.warning("the profile %s was measured for another deployment than %s (%s): learning step times and "
+                "acceptance from what is served instead (k policy learn)", profile_file.path, deployment.describe(),
+                "; ".join(problems))
+    return fit_policy(Learning(max_k, max_batch_size, max_leaves), None, deployment, max_k, max_leaves, max_batch_size)

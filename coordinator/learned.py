@@ -1,0 +1,397 @@
+"""The ``learn`` k policy: goodput over a profile the coordinator measures while it serves, for a
+pair or a machine no profile was made for.
+
+It starts at k = 0, which is never slower than target-only decoding, and spends a bounded share
+of steps (one in ``probe_every``) on a neighbour of the k it serves: the nearest k not yet measured
+at this batch size, else the neighbour measured least among those priced near the best. Each
+step's parts are kept per (batch size, k), as ``specbatch profile`` measures them, in windows of
+the last ``window`` steps; a (size, k) measured ``trusted`` times is priced by its medians. A k
+not trusted at a size is priced from those that are (the two nearest: linear in k; one: the slope
+another size measured, else a prior), so the policy climbs one k at a time and never serves a k
+that was measured to lose, except as a probe that is priced within ``probe_within`` of the best.
+Acceptance per draft position is the live moving average of what was drafted, each position
+starting from the one before it (none measured: nothing is accepted).
+
+What it has learned is a profile (``snapshot()``), in the format ``specbatch profile`` writes:
+``goodput`` over that file makes the same choices at its batch sizes. It is written under the
+cache, loaded at the next start of the same pair on the same machine, and served by ``Info``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import statistics
+from collections import deque
+from pathlib import Path
+
+from specbatch.protocol.profile import Profile, ProfileError, build_profile, expected_tokens, load_profile
+
+from .policy import Goodput, StepTimes
+
+log = logging.getLogger(__name__)
+
+# Before a size has two measured ks: what one more draft a sequence adds to a Verify, as a share
+# of the Verify at the k measured; before any Propose is measured, what a drafted token costs the
+# draft, as a share of the target-only Verify (with one k measured, the draft's time is taken in
+# proportion to k). Priors only choose what to measure first; every k served is priced by
+# measurement.
+PRIOR_VERIFY_SLOPE = 0.1
+PRIOR_DRAFT_PER_TOKEN = 0.3
+
+
+def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
+    """The batch sizes a learned profile keeps: powers of two up to the coordinator's batch."""
+    sizes, b = [], 1
+    while b < max_batch_size:
+        sizes.append(b)
+        b *= 2
+    return tuple(sizes + [max(max_batch_size, 1)])
+
+
+class Windows:
+    """The last ``window`` measurements per (size, k) of one part of a step."""
+
+    def __init__(self, window: int, trusted: int):
+        self.window, self.trusted = window, trusted
+        self.values: dict[int, dict[int, deque]] = {}  # size -> k -> ms
+
+    def add(self, size: int, k: int, ms: float) -> None:
+        self.values.setdefault(size, {}).setdefault(k, deque(maxlen=self.window)).append(ms)
+
+    def count(self, size: int, k: int) -> int:
+        return len(self.values.get(size, {}).get(k, ()))
+
+    def medians(self, size: int) -> dict[int, float]:
+        """{k: median} of the ks trusted at ``size``."""
+        return {k: statistics.median(v) for k, v in self.values.get(size, {}).items() if len(v) >= self.trusted}
+
+    def sizes(self) -> list[int]:
+        return sorted(size for size in self.values if self.medians(size))
+
+
+def _priced(medians: dict[int, float], k: int, slope: float | None, prior: float | None) -> float:
+    """A part's time at k from the trusted ``medians`` of one size: measured; else linear in k
+    through the two nearest (never falling with k); else from the one measured, at ``slope`` (ms
+    per k, another size's), or ``prior`` (a share of it per k; None: in proportion to k)."""
+    if k in medians:
+        return medians[k]
+    nearest = sorted(medians, key=lambda m: (abs(m - k), m))
+    if len(nearest) >= 2:
+        a, b = sorted(nearest[:2])
+        per_k = max(0.0, (medians[b] - medians[a]) / (b - a))
+        near = nearest[0]
+        return max(0.0, medians[near] + per_k * (k - near))
+    (near,) = nearest
+    if slope is None and prior is None:
+        return medians[near] * k / near if near else medians[near]
+    per_k = slope if slope is not None else prior * medians[near]
+    return max(0.0, medians[near] + per_k * (k - near))
+
+
+def _slope(medians: dict[int, float]) -> float | None:
+    """ms per k between the two lowest ks trusted, where two are."""
+    if len(medians) < 2:
+        return None
+    a, b = sorted(medians)[:2]
+    return max(0.0, (medians[b] - medians[a]) / (b - a))
+
+
+class LearnedAcceptance:
+    """P(draft position i accepted | the ones before were), as a moving average of the drafts
+    that reached i (half the weight from the last ``half_life``), with no starting value: a
+    position never reached takes the rate of the one before it, and the first, 0."""
+
+    def __init__(self, positions: int, half_life: float = 64.0, start: list[float] | None = None):
+        self.keep = 0.5 ** (1.0 / half_life)
+        self.sums, self.weights = [0.0] * positions, [0.0] * positions
+        for i, rate in enumerate((start or [])[:positions]):  # a loaded profile's, as one draft's worth
+            self.sums[i], self.weights[i] = rate * (1 - self.keep), 1 - self.keep
+
+    def observe(self, outcomes: list[tuple[int, int]]) -> None:
+        from specbatch.protocol.speculation import tally_positions
+
+        reached, accepted = tally_positions(outcomes, len(self.sums))
+        for i, (n, m) in enumerate(zip(reached, accepted)):
+            if n:
+                weight = self.keep**n
+                self.sums[i] = weight * self.sums[i] + (1 - weight) * m / n
+                self.weights[i] = weight * self.weights[i] + (1 - weight)
+
+    @property
+    def rates(self) -> list[float]:
+        rates, last = [], 0.0
+        for total, weight in zip(self.sums, self.weights):
+            last = total / weight if weight else last
+            rates.append(last)
+        return rates
+
+    def reached(self, position: int) -> bool:
+        return self.weights[position] > 0
+
+
+class LearnedTimes:
+    """Step times per (batch size, k) as served: what ``Goodput`` asks of a profile."""
+
+    def __init__(self, sizes: tuple[int, ...], max_k: int, window: int = 32, trusted: int = 4):
+        self.sizes, self.max_k, self.trusted = sizes, max_k, trusted
+        self.draft, self.target = Windows(window, trusted), Windows(window, trusted)
+        self.rest: dict[int, deque] = {}
+        self.window = window
+        self.steps = 0
+        self._cache: dict = {}
+
+    def size(self, batch_size: float) -> int:
+        """The kept size nearest ``batch_size`` (by ratio: 3 is nearer 4 than 2)."""
+        return min(self.sizes, key=lambda b: (abs(math.log(b / max(batch_size, 1.0))), b))
+
+    def observe(self, t: StepTimes) -> None:
+        if not t.batch_size:
+            return
+        size = self.size(t.batch_size)
+        if t.draft_k and t.draft_rows:
+            self.draft.add(self.size(t.draft_rows), t.draft_k, t.draft_ms)
+        self.target.add(size, t.verify_k, t.target_ms)
+        self.rest.setdefault(size, deque(maxlen=self.window)).append(max(0.0, t.step_ms - t.draft_ms - t.target_ms))
+        self.steps += 1
+        self._cache.clear()
+
+    def seed(self, profile: Profile) -> None:
+        """Start from a profile of this pair on this machine (one learned before): each of its
+        cells as ``trusted`` measurements, which served steps then replace."""
+        for (b, k), cell in profile.cells.items():
+            size = self.size(b)
+            for _ in range(self.trusted):
+                self.target.add(size, k, cell.target_ms)
+                if k:
+                    self.draft.add(size, k, cell.draft_ms)
+                if not k:
+                    self.rest.setdefault(size, deque(maxlen=self.window)).append(
+                        max(0.0, cell.step_ms - cell.draft_ms - cell.target_ms))
+        self._cache.clear()
+
+    def measured(self, batch_size: float, k: int) -> int:
+        return self.target.count(self.size(batch_size), k)
+
+    def known(self) -> list[int]:
+        """The sizes with a trusted Verify time: a snapshot's batch sizes."""
+        return self.target.sizes()
+
+    def _part(self, windows: Windows, size: int, k: int, prior: float | None) -> float:
+        key = (id(windows), size, k)
+        if key not in self._cache:
+            medians = windows.medians(size)
+            if not medians:  # nothing at this size: the nearest size that has some
+                sizes = windows.sizes()
+                medians = windows.medians(min(sizes, key=lambda b: (abs(math.log(b / size)), b)))
+            slopes = [s for s in (_slope(windows.medians(b)) for b in windows.sizes()) if s is not None]
+            other = None
+            if len(medians) == 1 and slopes:  # another size's slope, scaled to this size's time
+                nearest = min((b for b in windows.sizes() if _slope(windows.medians(b)) is not None),
+                              key=lambda b: (abs(math.log(b / size)), b))
+                at = windows.medians(nearest)
+                (k0,) = medians
+                reference = at.get(k0) or min(at.values())
+                other = _slope(at) * medians[k0] / reference if reference else None
+            self._cache[key] = _priced(medians, k, other, prior)
+        return self._cache[key]
+
+    def target_ms(self, batch_size: float, k: int) -> float:
+        return self._part(self.target, self.size(batch_size), k, PRIOR_VERIFY_SLOPE)
+
+    def draft_ms(self, batch_size: float, k: int) -> float:
+        if not k:
+            return 0.0
+        size = self.size(batch_size)
+        if not self.draft.sizes():  # no Propose measured: a share of the Verify per drafted token
+            return self.target_ms(batch_size, 0) * PRIOR_DRAFT_PER_TOKEN * k
+        return self._part(self.draft, size, k, None)
+
+    def rest_ms(self, batch_size: float) -> float:
+        """What a step takes outside its two calls: the median at the nearest size measured."""
+        if not self.rest:
+            return 0.0
+        size = self.size(batch_size)
+        return statistics.median(self.rest[min(self.rest, key=lambda b: (abs(math.log(b / size)), b))])
+
+    def step_ms(self, batch_size: float, k: int) -> float:
+        return self.draft_ms(batch_size, k) + self.target_ms(batch_size, k) + self.rest_ms(batch_size)
+
+    def profile(self, acceptance: list[float], max_k: int, **about) -> Profile | None:
+        """What has been learned as a profile: every kept size with a trusted Verify, every k to
+        ``max_k``, priced as the policy prices them; None before anything is trusted."""
+        sizes = self.known()
+        if not sizes:
+            return None
+        times = {(b, k): {"draft_ms": self.draft_ms(b, k), "target_ms": self.target_ms(b, k),
+                          "step_ms": self.step_ms(b, k), "accepted_per_sequence": expected_tokens(acceptance, k) - 1}
+                 for b in sizes for k in range(max_k + 1)}
+        return build_profile(sizes, max_k, list(acceptance[:max_k]) + [0.0] * (max_k - len(acceptance)), times,
+                             **about)
+
+
+class _Learned:
+    """What ``Goodput`` reads as its profile file: the learned times, as a profile would answer."""
+
+    def __init__(self, times: LearnedTimes, acceptance: LearnedAcceptance, max_k: int):
+        self.times, self.acceptance, self.max_k = times, acceptance, max_k
+
+    @property
+    def profile(self):
+        return self
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        return tuple(self.times.known()) or self.times.sizes[:1]
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return self.acceptance.rates
+
+    def step_ms(self, batch_size: float, k: int) -> float:
+        return self.times.step_ms(batch_size, k)
+
+    def target_ms(self, batch_size: float, k: int) -> float:
+        return self.times.target_ms(batch_size, k)
+
+    def draft_ms(self, batch_size: float, k: int) -> float:
+        return self.times.draft_ms(batch_size, k)
+
+
+class Learning(Goodput):
+    """``learn``: goodput over step times and acceptance measured while serving (see the module
+    docstring). ``seed``: a profile learned before for this pair and machine, to start from."""
+
+    def __init__(self, max_k: int, max_batch_size: int, max_leaves: int = 0, probe_every: int = 8,
+                 half_life: float = 64.0, window: int = 32, trusted: int = 4, seed: Profile | None = None):
+        self.learned_times = LearnedTimes(bucket_sizes(max_batch_size), max_k, window, trusted)
+        self.learned_acceptance = LearnedAcceptance(max_k, half_life, list(seed.acceptance_by_position) if seed else None)
+        if seed is not None:
+            self.learned_times.seed(seed)
+        self.source = _Learned(self.learned_times, self.learned_acceptance, max_k)
+        super().__init__(self.source, max_k, half_life, probe_every, max_leaves, live_times=False)
+        self.steps = 0
+
+    def _sync(self):
+        if self._profile is None:
+            self._profile = self.source
+            self.acceptance = self.learned_acceptance
+            self.times = self.source
+        return self.source
+
+    def _climb_limit(self) -> int:
+        """The largest k priced: one past the largest measured at any size, so that the policy
+        climbs one k at a time."""
+        measured = [k for windows in (self.learned_times.target.values,) for ks in windows.values() for k in ks]
+        return min(self.max_k, max(measured, default=0) + 1)
+
+    def _best(self, batch_size: int, acceptance) -> tuple[int, int]:
+        top = self._climb_limit()
+        if not self.learned_times.known():
+            return 0, 0
+        choices = [(k, leaves) for k in range(top + 1) for leaves in self._leaf_choices(k, len(self.leaf_ranks.sums))]
+        return max(choices, key=lambda c: (self.goodput(batch_size, c[0], acceptance, c[1]), -c[0], -c[1]))
+
+    def _leaf_choices(self, k: int, most: int) -> range:
+        return range(max(0, min(most, self._climb_limit() - k)) + 1 if k else 1)
+
+    def _choice(self, batch_size: int) -> tuple[int, int]:
+        self._sync()
+        if batch_size not in self._chosen:
+            choice = self._best(batch_size, self.acceptance.rates)
+            if self.steps % self.probe_every == self.probe_every - 1:
+                probe = self._probe(batch_size, choice)
+                if probe is not None:
+                    choice = (probe, 0)
+            self._chosen[batch_size] = choice
+        return self._chosen[batch_size]
+
+    def _probe(self, batch_size: int, choice: tuple[int, int]) -> int | None:
+        """A neighbour of the chosen k to measure: one not yet trusted at this size first (the
+        larger), else the one measured least of those priced within ``probe_within`` of the best."""
+        times, rates = self.learned_times, self.acceptance.rates
+        neighbours = [k for k in (choice[0] + 1, choice[0] - 1) if 0 <= k <= self.max_k]
+        unmeasured = [k for k in neighbours if times.measured(batch_size, k) < times.trusted]
+        if unmeasured:
+            return unmeasured[0]
+        floor = self.probe_within * self.goodput(batch_size, choice[0], rates, choice[1])
+        near = [k for k in neighbours if self.goodput(batch_size, k, rates) >= floor]
+        return min(near, key=lambda k: times.measured(batch_size, k)) if near else None
+
+    def observe(self, outcomes: list[tuple[int, int]]) -> None:
+        self._sync()
+        self.acceptance.observe(outcomes)
+        self._chosen.clear()
+
+    def observe_times(self, times: StepTimes) -> None:
+        self.learned_times.observe(times)
+        self.steps += 1
+        self._chosen.clear()
+
+    def snapshot(self, **about) -> Profile | None:
+        """What has been learned, as a profile (None before anything is measured)."""
+        rates = self.acceptance.rates
+        return self.learned_times.profile(rates, self._climb_limit(), workload={
+            "learned": True, "steps": self.learned_times.steps}, **about)
+
+    def describe(self) -> str:
+        return "learn"
+
+
+class Keeper:
+    """Keeps what a ``Learning`` policy learned in a profile file under the cache: written every
+    ``every`` seconds and at ``stop``, loaded by the next coordinator of the same deployment
+    (``coordinator.fit.Deployment.learned_path``). ``profile`` is the latest snapshot, as
+    ``Info`` serves it."""
+
+    def __init__(self, policy: Learning, path, about: dict, every: float = 30.0):
+        import threading
+
+        self.policy, self.path, self.about, self.every = policy, Path(path), about, every
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="learned-profile", daemon=True)
+
+    @property
+    def profile(self) -> Profile | None:
+        created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        return self.policy.snapshot(created=created, **self.about)
+
+    def save(self) -> bool:
+        profile = self.profile
+        if profile is None:
+            return False
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_suffix(".partial")
+            profile.save(partial)
+            os.replace(partial, self.path)  # a reader never sees half a file
+        except OSError as error:
+            log.warning("cannot keep the learned profile in %s: %s", self.path, error)
+            return False
+        return True
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.every):
+            self.save()
+
+    def start(self) -> "Keeper":
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.save()
+
+
+def load_learned(path) -> Profile | None:
+    """A profile learned before at ``path``, or None where there is none or it cannot be read."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return load_profile(path)
+    except ProfileError as error:
+        log.warning("ignoring the learned profile: %s", error)
+        return None

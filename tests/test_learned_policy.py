@@ -1,0 +1,161 @@
+"""The ``learn`` k policy (coordinator/learned.py) against a simulated deployment: step times of a
+known shape with noise, acceptance drawn at known rates. It must start at k = 0, lose little while
+it measures, and settle on the k a profile of that deployment would choose."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from coordinator.learned import Learning, LearnedTimes, bucket_sizes
+from coordinator.policy import Goodput, StepTimes
+from specbatch.protocol.profile import Profile, build_profile, expected_tokens
+
+
+class Deployment:
+    """Step times and acceptance of a made-up pair on a made-up machine."""
+
+    def __init__(self, verify_per_row: float, draft_per_token: float, acceptance: float, seed: int = 0):
+        self.verify_per_row, self.draft_per_token, self.acceptance = verify_per_row, draft_per_token, acceptance
+        self.rng = random.Random(seed)
+
+    def target_ms(self, b: int, width: int) -> float:
+        return 4.0 + self.verify_per_row * b * (width + 1)
+
+    def draft_ms(self, b: int, k: int) -> float:
+        return self.draft_per_token * k * (1 + 0.05 * b) if k else 0.0
+
+    def step_ms(self, b: int, k: int) -> float:
+        return self.draft_ms(b, k) + self.target_ms(b, k) + 0.5
+
+    def tokens_per_ms(self, b: int, k: int) -> float:
+        return b * expected_tokens([self.acceptance] * k, k) / self.step_ms(b, k)
+
+    def best_k(self, b: int, most: int = 16) -> int:
+        return max(range(most + 1), key=lambda k: (self.tokens_per_ms(b, k), -k))
+
+    def step(self, policy, b: int) -> tuple[int, float, int]:
+        """One served step at batch ``b``: (k, its time, tokens it yielded)."""
+        k = policy.k_for(b)
+        outcomes = []
+        for _ in range(b):
+            kept = 0
+            while kept < k and self.rng.random() < self.acceptance:
+                kept += 1
+            outcomes.append((k, kept))
+        noise = lambda: self.rng.uniform(0.95, 1.05)  # noqa: E731
+        draft, target = self.draft_ms(b, k) * noise(), self.target_ms(b, k) * noise()
+        step = draft + target + 0.5
+        policy.observe(outcomes if k else [])
+        policy.observe_times(StepTimes(b, b if k else 0, k, k, draft, target, step))
+        return k, step, sum(kept + 1 for _, kept in outcomes)
+
+    def profile(self, sizes, max_k: int = 8) -> Profile:
+        """What ``specbatch profile`` would measure here."""
+        acceptance = [self.acceptance] * max_k
+        times = {(b, k): {"draft_ms": self.draft_ms(b, k), "target_ms": self.target_ms(b, k),
+                          "step_ms": self.step_ms(b, k), "accepted_per_sequence": expected_tokens(acceptance, k) - 1}
+                 for b in sizes for k in range(max_k + 1)}
+        return build_profile(sizes, max_k, acceptance, times)
+
+
+CPU_LIKE = dict(verify_per_row=0.6, draft_per_token=1.5, acceptance=0.7)  # best k falls with the batch
+
+
+@pytest.mark.parametrize("b", [1, 4, 16])
+def test_it_settles_on_the_k_a_profile_would_choose(b):
+    deployment = Deployment(**CPU_LIKE)
+    policy = Learning(max_k=16, max_batch_size=16)
+    for _ in range(600):
+        deployment.step(policy, b)
+    best = deployment.best_k(b)
+    served = [deployment.step(policy, b)[0] for _ in range(64)]
+    chosen = max(set(served), key=served.count)  # (a probe one step in eight)
+    assert deployment.tokens_per_ms(b, chosen) >= 0.97 * deployment.tokens_per_ms(b, best), (b, chosen, best)
+
+
+@pytest.mark.parametrize("b", [1, 4, 16])
+def test_it_starts_at_k0_and_loses_little_while_it_learns(b):
+    deployment = Deployment(**CPU_LIKE, seed=b)
+    policy = Learning(max_k=16, max_batch_size=16)
+    first = [deployment.step(policy, b) for _ in range(200)]
+    assert first[0][0] == 0
+    rate = sum(tokens for _, _, tokens in first) / sum(ms for _, ms, _ in first)
+    assert rate >= 0.9 * deployment.tokens_per_ms(b, 0)
+
+
+def test_where_drafts_miss_it_stays_at_k0_but_for_bounded_probes():
+    deployment = Deployment(verify_per_row=0.6, draft_per_token=1.5, acceptance=0.05)
+    policy = Learning(max_k=16, max_batch_size=16)
+    served = [deployment.step(policy, 4) for _ in range(400)]
+    ks = [k for k, _, _ in served]
+    assert ks.count(0) >= 0.85 * len(ks)
+    rate = sum(tokens for _, _, tokens in served) / sum(ms for _, ms, _ in served)
+    assert rate >= 0.9 * deployment.tokens_per_ms(4, 0)
+
+
+def test_what_it_learned_is_a_profile_that_goodput_serves_alike():
+    deployment = Deployment(**CPU_LIKE)
+    policy = Learning(max_k=16, max_batch_size=16)
+    for b in (1, 4, 16) * 300:
+        deployment.step(policy, b)
+    learned = policy.snapshot(hardware={"cpu": "simulated"})
+    assert learned is not None and learned.hardware == {"cpu": "simulated"} and learned.workload["learned"]
+    again = Profile.from_dict(learned.to_dict())  # the file's round trip
+
+    class File:
+        profile = again
+
+    served = Goodput(File(), max_k=16)
+    for b in (1, 4, 16):
+        assert served.k_for(b) == policy._best(b, policy.acceptance.rates)[0]
+
+
+def test_a_learned_profile_seeds_the_next_start():
+    deployment = Deployment(**CPU_LIKE)
+    seed = deployment.profile(bucket_sizes(16))
+    policy = Learning(max_k=16, max_batch_size=16, seed=seed)
+    for b in (1, 4, 16):  # no step served yet: the seed's choices already
+        assert deployment.tokens_per_ms(b, policy.k_for(b)) >= 0.97 * deployment.tokens_per_ms(b, deployment.best_k(b, 8))
+
+
+def test_unmeasured_ks_are_priced_from_the_measured_ones():
+    times = LearnedTimes(bucket_sizes(8), max_k=8, trusted=2)
+    for _ in range(2):
+        for k, ms in ((0, 10.0), (1, 12.0)):
+            times.observe(StepTimes(4, 4 if k else 0, k, k, 3.0 * k, ms, ms + 3.0 * k + 1.0))
+    assert times.target_ms(4, 3) == pytest.approx(16.0)  # linear in k through the two measured
+    assert times.draft_ms(4, 3) == pytest.approx(9.0)  # one k measured: in proportion to k
+    assert times.target_ms(1, 1) == pytest.approx(12.0)  # another size: the nearest one measured
+
+
+# ---- whether a profile fits the deployment (coordinator/fit.py) ----------------------------------
+
+
+def test_services_report_what_a_profile_records_and_the_coordinator_compares(stack):
+    """CacheStats says the model, the weight form and the hardware; a profile measured here fits,
+    one of a GPU or of another pair does not, and each difference is named."""
+    import json
+
+    from coordinator.fit import Deployment, mismatches
+    from specbatch.v1 import model_services_pb2 as mpb
+
+    stats = [replica.client.cache_stats() for replica in
+             (*stack.coordinator.targets.replicas.values(), *stack.coordinator.drafts.replicas.values())]
+    hardware = json.loads(stats[0].hardware)
+    assert hardware["device"] == "cpu" and hardware["name"] and "cpu_capability" in hardware
+    assert stats[0].weights == "float32" and isinstance(stats[0], mpb.CacheStatsResponse)
+    deployment = Deployment.from_stats(*stats)
+    assert (deployment.target_model, deployment.draft_model) == ("target", "draft")
+    here = Deployment(**{**vars(deployment)}).about()
+    fits = build_profile([1], 1, [0.5], {(1, k): {"draft_ms": 1.0 * k, "target_ms": 5.0, "step_ms": 6.0 + k,
+                                                   "accepted_per_sequence": 0.5 * k} for k in (0, 1)}, **here)
+    assert mismatches(fits, deployment) == []
+    gpu = Profile(**{**vars(fits), "hardware": {"device": "cuda", "gpu": "NVIDIA H100"}})
+    assert [m.split(":")[0] for m in mismatches(gpu, deployment)] == ["device", "hardware"]
+    other = Profile(**{**vars(fits), "draft": {"model": "another-draft"}})
+    assert [m.split(":")[0] for m in mismatches(other, deployment)] == ["draft"]
+    older = Profile(**{**vars(fits), "hardware": {}, "target": {}, "draft": {}})  # records nothing: nothing to hold
+    assert mismatches(older, deployment) == []
+    assert deployment.learned_path() != Deployment("target", "another-draft", hardware).learned_path()
