@@ -15,6 +15,7 @@ from test_profile import gpu_like, synthetic_profile
 from tiny import greedy_reference
 
 from coordinator import app
+from specbatch.commands import cli
 from specbatch.config.speculation import SpeculationConfig
 from specbatch.rpc.client import generate, make_request
 from specbatch.stack.in_process import start_local_stack
@@ -79,7 +80,7 @@ def test_info_reports_the_profile_and_takes_up_a_new_one(target_model, draft_mod
 
 
 def test_with_no_profile_it_learns_one_keeps_it_and_starts_from_it_next_time(target_model, draft_model, tokenizer,
-                                                                             caplog):
+                                                                             caplog, tmp_path):
     """No profile: the learn policy, nothing to show before a step is measured; what it learned is
     in Info, in the profile format, and kept at stop for the next coordinator of the same pair on
     this machine, which starts from it."""
@@ -95,6 +96,10 @@ def test_with_no_profile_it_learns_one_keeps_it_and_starts_from_it_next_time(tar
         assert learned["draft"]["model"] == "draft" and learned["hardware"]["device"] == "cpu"
         assert learned["batch_sizes"] == [1] and learned["max_k"] >= 1
         path = stack.coordinator.keeper.path
+        # An operator publishes it as the shared profile (the ConfigMap): a file goodput serves.
+        published = tmp_path / "published.json"
+        assert cli.main(["profile", "--from-coordinator", stack.address, "--out", str(published)]) == 0
+        assert json.loads(published.read_text())["best_k"] == learned["best_k"]
     finally:
         stack.stop()
     assert json.loads(path.read_text())["batch_sizes"] == [1]  # kept at stop

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import statistics
 import sys
@@ -240,6 +241,9 @@ def add_profile_flags(parser) -> None:
                        "(conditional, as the profile stores it; at least --max-k numbers, e.g. 0.8,0.7,0.6,…): "
                        "for random-weights models, which accept nothing")
     given.add_argument("--acceptance-from", metavar="PROFILE", help="take --acceptance from an existing profile")
+    parser.add_argument("--from-coordinator", metavar="ADDRESS",
+                        help="measure nothing: write the profile a running coordinator serves (Info), e.g. what "
+                             "its learn policy learned, to publish it as the shared profile")
     parser.add_argument("--out", default="profile.json", help="the profile to write")
     parser.add_argument("--heatmap", help="PNG heat map to write (default: --out with .png)")
     results.add_output_flags(parser, "profile", out=False)
@@ -266,8 +270,33 @@ def given_acceptance(numbers: str | None, profile_path: str | None, max_k: int) 
     return values[:max_k]
 
 
+def profile_from_coordinator(address: str, out: str) -> int:
+    """``--from-coordinator``: the profile a coordinator serves in Info, written to ``out``."""
+    import grpc
+
+    from specbatch.rpc.client import connect
+    from specbatch.v1 import generation_pb2 as pb
+
+    try:
+        text = connect(address).Info(pb.InfoRequest(), timeout=10).profile
+    except grpc.RpcError as error:
+        print(f"cannot read the profile of {address}: {error.code().name} {error.details()}", file=sys.stderr)
+        return 1
+    if not text:
+        print(f"{address} serves no profile yet: nothing learned (no step measured) and none given", file=sys.stderr)
+        return 1
+    profile = Profile.from_dict(json.loads(text), f"the profile {address} serves")
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    profile.save(out)
+    print(markdown_tables(profile))
+    return 0
+
+
 def run_profile(args) -> int:
     from contextlib import nullcontext
+
+    if args.from_coordinator:
+        return profile_from_coordinator(args.from_coordinator, args.out)
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
