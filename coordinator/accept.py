@@ -29,6 +29,15 @@ class Tally:
     leaf_chances: int = 0  # first drafts rejected with leaves verified beside them
     leaf_hits: int = 0  # and of those, the ones where the target kept a leaf
 
+    @classmethod
+    def joined(cls, tallies: list["Tally"]) -> "Tally":
+        """One step's tally from those of its parts (its target replicas' chains)."""
+        whole = cls()
+        for tally in tallies:
+            for name, value in vars(tally).items():
+                setattr(whole, name, getattr(whole, name) + value)
+        return whole
+
     def stats(self, draft_seconds: float, target_seconds: float, step_seconds: float, draft_compute: float,
               target_compute: float) -> StepStats:
         return StepStats(len(self.ks), self.ks, self.outcomes, draft_seconds, target_seconds, step_seconds,

@@ -18,7 +18,7 @@ from specbatch.v1 import generation_pb2_grpc as pb_grpc
 from .admission import Limits
 from .backends import DraftClient, TargetClient
 from .metrics import CoordinatorMetrics
-from .choose import fit_policy, parse_policy
+from .choose import fit_policy, learning_per_replica, parse_policy
 from .fit import Deployment
 from .learned import Keeper, Learning
 from .profile_file import ProfileFile
@@ -151,7 +151,8 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
         drafts = replicas("draft", draft_address, lambda address: DraftClient(
             address, draft_timeout, credentials, attempts=2, server_name=tls_name(draft_address)))
     try:
-        target_stats = targets.wait_healthy(wait_seconds).client.cache_stats()
+        first_target = targets.wait_healthy(wait_seconds)
+        target_stats = first_target.client.cache_stats()
         max_context = target_stats.max_context
         draft_model = "none"
         feature_size = 0
@@ -174,7 +175,9 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     k_policy = fit_policy(k_policy, profile_file, deployment, MAX_K, speculation.leaves, max_batch_size)
     keeper = None
     if isinstance(k_policy, Learning):  # what it learns is kept for the next start, and served by Info
-        keeper = Keeper(k_policy, deployment.learned_path(), deployment.about()).start()
+        keeper = Keeper().start()
+        k_policy = learning_per_replica(k_policy, first_target, deployment, draft_stats if drafts is not None else None,
+                                        keeper, MAX_K, speculation.leaves, max_batch_size)
     if eos_token_ids is None:
         eos_token_ids = find_eos_token_ids(tokenizer, None)
     limits = Limits(target_stats.vocab_size, max_context, max_new_tokens, eos_token_ids, max_prompt_tokens)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 
+import grpc
+
 from specbatch.config.options import K_POLICIES
 
 from .fit import Deployment, mismatches
-from .learned import Learning, load_learned
-from .policy import FixedK, Goodput, ProfileK
+from .learned import Keeper, Learning, load_learned
+from .policy import FixedK, Goodput, PerReplica, ProfileK
 from .profile_file import ProfileFile
 
 log = logging.getLogger(__name__)
@@ -64,3 +66,27 @@ def fit_policy(policy, profile_file: ProfileFile | None, deployment: Deployment,
                 "acceptance from what is served instead (k policy learn)", profile_file.path, deployment.describe(),
                 "; ".join(problems))
     return fit_policy(Learning(max_k, max_batch_size, max_leaves), None, deployment, max_k, max_leaves, max_batch_size)
+
+
+def learning_per_replica(policy: Learning, first_replica, deployment: Deployment, draft_stats, keeper: Keeper,
+                         max_k: int, max_leaves: int, max_batch_size: int) -> PerReplica:
+    """``learn`` for a fleet: each target replica learns its own step times (and is seeded with
+    what was learned before for its deployment), ``policy`` being the first replica's. Every one
+    is kept by ``keeper``."""
+    keeper.add(policy, deployment.learned_path(), deployment.about())
+
+    def make(replica):
+        own = deployment
+        if replica is not None:
+            try:  # (once a replica: its CacheStats says what it runs on)
+                own = Deployment.from_stats(replica.client.cache_stats(), draft_stats)
+            except grpc.RpcError as error:
+                log.warning("learn: no CacheStats from %s (%s); priced as %s", replica.address, error.code().name,
+                            deployment.describe())
+        learning = fit_policy(Learning(max_k, max_batch_size, max_leaves), None, own, max_k, max_leaves,
+                              max_batch_size)
+        return keeper.add(learning, own.learned_path(), own.about())
+
+    per_replica = PerReplica(make)
+    per_replica.policies[first_replica] = policy
+    return per_replica

@@ -3,14 +3,18 @@ pair or a machine no profile was made for.
 
 It starts at k = 0, which is never slower than target-only decoding, and spends a bounded share
 of steps (one in ``probe_every``) on a neighbour of the k it serves: the nearest k not yet measured
-at this batch size, else the neighbour measured least among those priced near the best. Each
+at this batch size, else the neighbour measured least among those priced near the best. It serves
+only ks measured at the batch size at hand (and k = 0). Each
 step's parts are kept per (batch size, k), as ``specbatch profile`` measures them, in windows of
 the last ``window`` steps; a (size, k) measured ``trusted`` times is priced by its medians. A k
 not trusted at a size is priced from those that are (the two nearest: linear in k; one: the slope
 another size measured, else a prior), so the policy climbs one k at a time and never serves a k
-that was measured to lose, except as a probe that is priced within ``probe_within`` of the best.
-Acceptance per draft position is the live moving average of what was drafted, each position
-starting from the one before it (none measured: nothing is accepted).
+that was measured to lose, except as a probe that is priced within ``probe_within`` of the best,
+or, held at k = 0, one step in ``4 × probe_every`` at k = 1 (so that it notices a draft that has
+become good). Acceptance per draft position is the live moving average of every chain served
+(the draft's and the prompt lookup's), each position starting from the one before it (none
+measured: nothing is accepted). With several target replicas each learns its own step times
+(coordinator/choose.py, ``learning_per_replica``): a mixed fleet fits no single table.
 
 What it has learned is a profile (``snapshot()``), in the format ``specbatch profile`` writes:
 ``goodput`` over that file makes the same choices at its batch sizes. It is written under the
@@ -262,7 +266,11 @@ class _Learned:
 
 class Learning(Goodput):
     """``learn``: goodput over step times and acceptance measured while serving (see the module
-    docstring). ``seed``: a profile learned before for this pair and machine, to start from."""
+    docstring). ``seed``: a profile learned before for this pair and machine, to start from.
+    Its acceptance is that of every chain served, the prompt lookup's as well as the draft's:
+    both are what a k buys here."""
+
+    counts_lookups = True
 
     def __init__(self, max_k: int, max_batch_size: int, max_leaves: int = 0, probe_every: int = 8,
                  half_life: float = 64.0, window: int = 32, trusted: int = 4, seed: Profile | None = None):
@@ -288,10 +296,13 @@ class Learning(Goodput):
         return min(self.max_k, max(measured, default=0) + 1)
 
     def _best(self, batch_size: int, acceptance) -> tuple[int, int]:
-        top = self._climb_limit()
-        if not self.learned_times.known():
+        """The best of the ks measured at this batch size (and k = 0): a k only priced, not
+        measured, is served as a probe first (``_probe``), never as the choice."""
+        times = self.learned_times
+        if not times.known():
             return 0, 0
-        choices = [(k, leaves) for k in range(top + 1) for leaves in self._leaf_choices(k, len(self.leaf_ranks.sums))]
+        served = [k for k in range(self._climb_limit() + 1) if not k or times.measured(batch_size, k) >= times.trusted]
+        choices = [(k, leaves) for k in served for leaves in self._leaf_choices(k, len(self.leaf_ranks.sums))]
         return max(choices, key=lambda c: (self.goodput(batch_size, c[0], acceptance, c[1]), -c[0], -c[1]))
 
     def _leaf_choices(self, k: int, most: int) -> range:
@@ -318,7 +329,13 @@ class Learning(Goodput):
             return unmeasured[0]
         floor = self.probe_within * self.goodput(batch_size, choice[0], rates, choice[1])
         near = [k for k in neighbours if self.goodput(batch_size, k, rates) >= floor]
-        return min(near, key=lambda k: times.measured(batch_size, k)) if near else None
+        if near:
+            return min(near, key=lambda k: times.measured(batch_size, k))
+        # Held at k = 0, nothing new is drafted: one step in four probes drafts one token, so
+        # that a draft (or a text) that has become predictable is noticed (one step in 32).
+        if choice[0] == 0 and self.steps % (4 * self.probe_every) == 4 * self.probe_every - 1:
+            return 1
+        return None
 
     def observe(self, outcomes: list[tuple[int, int]]) -> None:
         self._sync()
@@ -341,36 +358,48 @@ class Learning(Goodput):
 
 
 class Keeper:
-    """Keeps what a ``Learning`` policy learned in a profile file under the cache: written every
-    ``every`` seconds and at ``stop``, loaded by the next coordinator of the same deployment
-    (``coordinator.fit.Deployment.learned_path``). ``profile`` is the latest snapshot, as
-    ``Info`` serves it."""
+    """Keeps what ``Learning`` policies learned in profile files under the cache, one per
+    deployment (``coordinator.fit.Deployment.learned_path``): written every ``every`` seconds and
+    at ``stop``, loaded by the next coordinator of the same deployment. ``profile`` is the first
+    policy's latest snapshot, as ``Info`` serves it."""
 
-    def __init__(self, policy: Learning, path, about: dict, every: float = 30.0):
+    def __init__(self, every: float = 30.0):
         import threading
 
-        self.policy, self.path, self.about, self.every = policy, Path(path), about, every
+        self.every = every
+        self.kept: list[tuple[Learning, Path, dict]] = []  # (policy, file, what it describes)
         self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="learned-profile", daemon=True)
 
+    def add(self, policy: Learning, path, about: dict) -> Learning:
+        self.kept.append((policy, Path(path), about))
+        return policy
+
+    @property
+    def path(self) -> Path | None:
+        return self.kept[0][1] if self.kept else None
+
+    @staticmethod
+    def _snapshot(policy: Learning, about: dict) -> Profile | None:
+        created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        return policy.snapshot(created=created, **about)
+
     @property
     def profile(self) -> Profile | None:
-        created = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-        return self.policy.snapshot(created=created, **self.about)
+        return self._snapshot(self.kept[0][0], self.kept[0][2]) if self.kept else None
 
-    def save(self) -> bool:
-        profile = self.profile
-        if profile is None:
-            return False
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_suffix(".partial")
-            profile.save(partial)
-            os.replace(partial, self.path)  # a reader never sees half a file
-        except OSError as error:
-            log.warning("cannot keep the learned profile in %s: %s", self.path, error)
-            return False
-        return True
+    def save(self) -> None:
+        for policy, path, about in list(self.kept):
+            profile = self._snapshot(policy, about)
+            if profile is None:
+                continue
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                partial = path.with_suffix(".partial")
+                profile.save(partial)
+                os.replace(partial, path)  # a reader never sees half a file
+            except OSError as error:
+                log.warning("cannot keep the learned profile in %s: %s", path, error)
 
     def _run(self) -> None:
         while not self.stopped.wait(self.every):

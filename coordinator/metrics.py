@@ -115,6 +115,9 @@ class CoordinatorMetrics:
         self.draft_fallback = Counter("specbatch_draft_fallback_steps",
                                       "Steps run target-only because no draft replica was healthy.", registry=r)
         self.policy = Info("specbatch_k_policy", "The k policy in force.", registry=r)
+        self.replica_k = Gauge("specbatch_replica_k", "The k the policy chose at a target replica's last step, for "
+                               "its share of the batch (learn prices each replica's steps on their own).",
+                               ["address"], registry=r)
 
     def track_load(self, load_fn, max_batch_size: int) -> None:
         """Read the load from ``load_fn() -> (running, waiting)`` whenever /metrics is scraped.
@@ -177,6 +180,12 @@ class CoordinatorMetrics:
         """A request refused at admission: INVALID_ARGUMENT, RESOURCE_EXHAUSTED (queue full) …"""
         self.rejected.labels(code=code).inc()
 
+    def set_replica_k(self, chosen: dict) -> None:
+        """{target replica: k} of the last step (replica None: requests not placed: skipped)."""
+        for replica, k in chosen.items():
+            if replica is not None:
+                self.replica_k.labels(address=replica.address).set(k)
+
     def set_replica_up(self, service: str, address: str, up: bool) -> None:
         self.replica_up.labels(service=service, address=address).set(1 if up else 0)
 
@@ -186,6 +195,11 @@ class CoordinatorMetrics:
             self.replica_up.remove(service, address)
         except KeyError:
             pass
+        if service == "target":
+            try:
+                self.replica_k.remove(address)
+            except KeyError:
+                pass
 
     def count_failover(self, service: str, n: int) -> None:
         """``n`` sequences moved off a failed ``service`` ("draft" or "target") replica."""

@@ -346,3 +346,27 @@ class Goodput:
 
     def describe(self) -> str:
         return "goodput:live" if self.live_times else "goodput"
+
+
+class PerReplica:
+    """One policy per target replica, each pricing its own replica's steps: a fleet that mixes
+    GPU types, or CPU hosts of different widths, is fitted by no single table. ``make(replica)``
+    builds a replica's policy when its requests first step; k is then chosen for that replica's
+    share of the batch (coordinator/step.py). ``chosen`` holds each replica's last k."""
+
+    def __init__(self, make):
+        self.make = make
+        self.policies: dict = {}  # Replica (None: requests not placed) -> policy
+        self.chosen: dict = {}  # Replica -> the k its last step chose
+
+    def of(self, replica):
+        if replica not in self.policies:
+            self.policies[replica] = self.make(replica)
+        return self.policies[replica]
+
+    def first(self):
+        """The first replica's policy (what Info and the metrics name), built if need be."""
+        return self.of(next(iter(self.policies), None))
+
+    def describe(self) -> str:
+        return self.first().describe()  # (learn: always per replica)

@@ -328,4 +328,6 @@ class Scheduler:
         self.totals.add(stats)
         if self.metrics:
             self.metrics.observe_step(stats)
+            if self.decode.per_replica:
+                self.metrics.set_replica_k(self.decode.policy.chosen)
         return stats

@@ -69,6 +69,9 @@ class Services:
         self.metrics = metrics  # coordinator.metrics.CoordinatorMetrics or None
         # Calls to several replicas (and prefill/release on both services) go out at once.
         self.pool = futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="backend")
+        # The last step's Verify per target replica, wall milliseconds: what a policy per replica
+        # prices that replica's steps by (coordinator/policy.py, PerReplica).
+        self.verify_ms: dict[Replica, float] = {}
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
@@ -218,8 +221,13 @@ class Services:
             group = [chains[i] for i in idx]
             calls = [Call(c.request.seq_id, c.request.target_len, c.request.history[c.request.target_len :])
                      for c in group]
-            return self._verify_on(replica, [c.request for c in group], calls, group)
+            started = time.perf_counter()
+            try:
+                return self._verify_on(replica, [c.request for c in group], calls, group)
+            finally:
+                self.verify_ms[replica] = 1e3 * (time.perf_counter() - started)
 
+        self.verify_ms = {}
         return self._each(requests, by_replica(requests, "target"), verify_on, "verdicts", self._verify_failed)
 
     def _verify_on(self, replica: Replica, group: list[Request], calls: list[Call], chains: list[Chain] | None = None,

@@ -11,12 +11,13 @@ step kept and took.
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from specbatch.config.speculation import SpeculationConfig
 
 from .accept import Tally, accept
 from .chain import DRAFT, Chain, room
-from .policy import StepTimes
+from .policy import PerReplica, StepTimes
 from .proposers import DraftProposer, PromptLookupProposer, Proposer, SharedLookupProposer
 from .requests import Request
 from .stats import StepStats
@@ -40,7 +41,9 @@ class DecodeStep:
     def run(self, batch: list[Request]) -> StepStats:
         """One propose -> verify -> accept step over ``batch`` (every request placed on a target)."""
         start = time.perf_counter()
-        chains = [self.chain(request, len(batch)) for request in batch]
+        # A policy per target replica chooses for its replica's share of the batch.
+        shares = Counter(request.target_replica for request in batch) if self.per_replica else None
+        chains = [self.chain(request, shares[request.target_replica] if shares else len(batch)) for request in batch]
         for lookup in self.lookups:
             lookup.propose(chains, len(batch))
         proposing = time.perf_counter()  # the choices above are the step's own work, not the draft's
@@ -50,17 +53,41 @@ class DecodeStep:
         for chain, verdict in zip(chains, verdicts):
             chain.verdict = verdict
         verified = time.perf_counter()
-        tally = accept(chains)
-        self._learn(tally)
+        parts = self._parts(chains)
+        tallies = {replica: accept(part) for replica, part in parts.items()}
+        for replica, tally in tallies.items():
+            self._learn(self.policy_of(replica), tally)
+        tally = Tally.joined(list(tallies.values()))
         ended = time.perf_counter()
-        if tally.ks:  # what the step's parts took, for a policy that learns step times
-            self.policy.observe_times(_step_times(chains, 1e3 * (drafted - proposing), 1e3 * (verified - drafted),
-                                                  1e3 * (ended - start)))
+        for replica, part in parts.items():
+            if tallies[replica].ks:  # what the step's parts took, for a policy that learns step times
+                verify_ms = self.services.verify_ms.get(replica, 1e3 * (verified - drafted)) if shares else \
+                    1e3 * (verified - drafted)
+                self.policy_of(replica).observe_times(_step_times(part, 1e3 * (drafted - proposing), verify_ms,
+                                                                  1e3 * (ended - start)))
         return tally.stats(drafted - start, verified - drafted, ended - start, draft_compute, target_compute)
+
+    @property
+    def per_replica(self) -> bool:
+        return isinstance(self.policy, PerReplica)
+
+    def policy_of(self, replica):
+        """The policy that prices steps on target ``replica``: its own under PerReplica, else the one."""
+        return self.policy.of(replica) if self.per_replica else self.policy
+
+    def _parts(self, chains: list[Chain]) -> dict:
+        """The step's chains by target replica under a policy per replica; else all as one."""
+        if not self.per_replica:
+            return {None: chains}
+        parts: dict = {}
+        for chain in chains:
+            parts.setdefault(chain.request.target_replica, []).append(chain)
+        return parts
 
     def chain(self, request: Request, batch_size: int) -> Chain:
         """What the policy allows ``request`` this step: its k and, should the draft propose for
-        it, the leaves beside the first draft."""
+        it, the leaves beside the first draft. ``batch_size``: the sequences its policy prices
+        the step for."""
         chain = Chain(request, self.k_for(request, batch_size), room(request, self.max_context))
         chain.leaves, chain.verified_leaves = self.leaves_for(request, chain.k, batch_size)
         return chain
@@ -68,7 +95,12 @@ class DecodeStep:
     def k_for(self, request: Request, batch_size: int) -> int:
         """The k this request drafts this step: its own fixed k or the policy's, within its limits.
         Greedy and sampled requests alike (sampled ones are verified by rejection sampling)."""
-        k = request.fixed_k if request.fixed_k is not None else self.policy.k_for(batch_size)
+        if request.fixed_k is not None:
+            k = request.fixed_k
+        else:
+            k = self.policy_of(request.target_replica).k_for(batch_size)
+            if self.per_replica:
+                self.policy.chosen[request.target_replica] = k
         return min(k, room(request, self.max_context))
 
     def leaves_for(self, request: Request, k: int, batch_size: int) -> tuple[int, int]:
@@ -81,12 +113,16 @@ class DecodeStep:
         if request.fixed_leaves is not None:
             return (leaves := max(min(request.fixed_leaves, space), 0)), leaves
         most = max(min(self.speculation.leaves, space), 0)
-        return most, self.policy.leaves_for(batch_size, k, most) if most else 0
+        return most, self.policy_of(request.target_replica).leaves_for(batch_size, k, most) if most else 0
 
-    def _learn(self, tally: Tally) -> None:
-        self.policy.observe(tally.outcomes)  # the draft's acceptance: a lookup's says nothing of it
+    @staticmethod
+    def _learn(policy, tally: Tally) -> None:
+        # The draft's acceptance (a lookup's says nothing of it); a policy that prices what is
+        # served, whoever drafted it, counts the lookups' too.
+        outcomes = tally.outcomes + tally.lookup_outcomes if getattr(policy, "counts_lookups", False) else tally.outcomes
+        policy.observe(outcomes)
         if tally.first_rejections:
-            self.policy.observe_first_rejections(tally.first_rejections)
+            policy.observe_first_rejections(tally.first_rejections)
 
     def finished(self, request: Request) -> None:
         """A request that ended with its output: its history joins the shared index (if kept)."""

@@ -159,3 +159,56 @@ def test_services_report_what_a_profile_records_and_the_coordinator_compares(sta
     older = Profile(**{**vars(fits), "hardware": {}, "target": {}, "draft": {}})  # records nothing: nothing to hold
     assert mismatches(older, deployment) == []
     assert deployment.learned_path() != Deployment("target", "another-draft", hardware).learned_path()
+
+
+def test_two_target_replicas_of_different_speed_each_get_their_own_k(target_model, draft_model, tokenizer):
+    """learn prices each target replica's steps on their own: beside a replica whose Verify barely
+    grows with the tokens verified, one where each verified token costs as much as a step drafts
+    less. Each replica's k is in the metrics; the output stays exact."""
+    import threading
+    import time
+
+    from tiny import greedy_reference, hooked_forwards
+
+    from specbatch.rpc.client import generate, make_request
+    from specbatch.stack.in_process import start_local_stack
+
+    stack = start_local_stack(target_model, draft_model, tokenizer, target_replicas=2, max_batch_size=4,
+                              max_new_tokens=240)
+    # Replica 0's forward costs 10 ms however many tokens it verifies (a GPU reading its weights
+    # once); replica 1's grows with the square of the tokens it is fed (a CPU short of compute,
+    # exaggerated): drafting pays on the first, not on the second.
+    flat = hooked_forwards(stack.target_engines[0], lambda fed: time.sleep(0.010))
+    slow = hooked_forwards(stack.target_engines[1], lambda fed: time.sleep(0.002 * fed["input_ids"].numel() ** 2))
+    flat.__enter__()
+    slow.__enter__()
+    try:
+        prompts = [[1, 9, 17, 30 + i] for i in range(4)]
+        results = [None] * len(prompts)
+
+        def run(i):
+            results[i] = generate(stack.client(), make_request(prompts[i], 240, ignore_eos=True))
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        for prompt, result in zip(prompts, results):
+            assert list(result.token_ids) == greedy_reference(target_model, prompt, 240)
+        per_replica = stack.coordinator.scheduler.decode.policy
+        best = {replica.address: policy.best_k(2, policy.acceptance.rates)
+                for replica, policy in per_replica.policies.items() if replica is not None}
+        fast_address, slow_address = (f"127.0.0.1:{server.port}" for server in stack.targets)
+        assert set(best) == {fast_address, slow_address}
+        assert best[slow_address] == 0 < best[fast_address], best
+        from prometheus_client import generate_latest
+
+        scraped = generate_latest(stack.coordinator.scheduler.metrics.registry).decode()
+        for replica, k in per_replica.chosen.items():  # each replica's last step's k
+            if replica is not None:
+                assert f'specbatch_replica_k{{address="{replica.address}"}} {float(k)}' in scraped
+    finally:
+        slow.__exit__(None, None, None)
+        flat.__exit__(None, None, None)
+        stack.stop()

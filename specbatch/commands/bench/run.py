@@ -147,7 +147,7 @@ def add_bench_flags(parser) -> None:
     parser.add_argument("--fixed-k", help="comma-separated fixed k values to compare, e.g. 1,2,3,4,5,6; K+L verifies "
                         "L of the draft's next-best tokens beside the first of K drafts (e.g. 1+2)")
     parser.add_argument("--policies", default="", help="coordinator policies to compare: profile,goodput "
-                        "(need --profile when the bench starts the stack); NAME@LABEL runs policy NAME as a mode "
+                        "(need --profile when the bench starts the stack), learn; NAME@LABEL runs policy NAME as a mode "
                         "of its own, e.g. with --policy-profile")
     parser.add_argument("--policy-profile", action="append", default=[], metavar="POLICY=PATH",
                         help="this policy's coordinator reads PATH instead of --profile (repeatable; e.g. "
@@ -245,7 +245,8 @@ def run_bench(args) -> int:
         prompts = sharegpt_prompts(args.prompt_count, args.prompt_start)
     context = nullcontext() if args.address else LocalProcesses(stack_options(args))
     profile = args.profile or (None if args.address else context.options.profile)  # the stack's shipped one
-    if not args.address and any(not p.startswith("fixed:") for p in policies) and not profile:
+    if not args.address and any(p.partition("@")[0] in ("profile", "goodput", "goodput:live") for p in policies) \
+            and not profile:
         print("the profile and goodput policies need --profile PATH (made by `specbatch profile`)")
         return 2
     with context as processes:
