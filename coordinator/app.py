@@ -17,10 +17,11 @@ from specbatch.v1 import generation_pb2_grpc as pb_grpc
 
 from .admission import Limits
 from .backends import DraftClient, TargetClient
-from .metrics import CoordinatorMetrics
 from .choose import fit_policy, learning_per_replica, parse_policy
 from .fit import Deployment
-from .learned import Keeper, Learning
+from .learned import Learning
+from .learned_store import Keeper
+from .metrics import CoordinatorMetrics
 from .profile_file import ProfileFile
 from .replicas import DNS_PREFIX, NotReady, ReplicaSet
 from .scheduler import Scheduler

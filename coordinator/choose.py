@@ -12,7 +12,8 @@ import grpc
 from specbatch.config.options import K_POLICIES
 
 from .fit import Deployment, mismatches
-from .learned import Keeper, Learning, load_learned
+from .learned import Learning
+from .learned_store import Keeper, load_learned
 from .policy import FixedK, Goodput, PerReplica, ProfileK
 from .profile_file import ProfileFile
 

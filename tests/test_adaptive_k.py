@@ -80,10 +80,11 @@ def test_info_reports_the_profile_and_takes_up_a_new_one(target_model, draft_mod
 
 
 def test_with_no_profile_it_learns_one_keeps_it_and_starts_from_it_next_time(target_model, draft_model, tokenizer,
-                                                                             caplog, tmp_path):
+                                                                             caplog, tmp_path, monkeypatch):
     """No profile: the learn policy, nothing to show before a step is measured; what it learned is
     in Info, in the profile format, and kept at stop for the next coordinator of the same pair on
     this machine, which starts from it."""
+    monkeypatch.setenv("SPECBATCH_PROFILES", str(tmp_path / "learned"))  # nothing learned before
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4)
     try:
         client = stack.client()
