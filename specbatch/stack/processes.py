@@ -14,7 +14,15 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from specbatch.config.options import COORDINATOR, DEFAULT_METRICS_PORTS, DRAFT, TARGET, WIDE_THREADS_ENV, pass_on
+from specbatch.config.options import (
+    COORDINATOR,
+    DEFAULT_METRICS_PORTS,
+    DRAFT,
+    TARGET,
+    WIDE_THREADS_ENV,
+    parser_for,
+    pass_on,
+)
 from specbatch.models.embedded import EMBEDDED
 from specbatch.rpc.server import wait_until_serving
 from specbatch.stack.defaults import (
@@ -44,9 +52,10 @@ def _feature_layer_flags(draft_model: str | None) -> list[str]:
 
 
 class LocalProcesses:
-    """The target, draft and coordinator as child processes; stopped with SIGTERM, in reverse.
-    ``start_process(module, args, env)`` starts each: a fresh ``python -m`` (``prefork.popen``),
-    or a fork of a process that has imported them already (``prefork.Zygote.start``: the tests)."""
+    """The target, draft and coordinator as child processes; stopped with SIGTERM, the coordinators
+    first (``stop``). ``start_process(module, args, env)`` starts each: a fresh ``python -m``
+    (``prefork.popen``), or a fork of a process that has imported them already
+    (``prefork.Zygote.start``: the tests)."""
 
     def __init__(self, options: StackOptions, start_process=popen):
         policy, profile = default_k_policy(options)
@@ -55,6 +64,7 @@ class LocalProcesses:
         self.forms = weight_forms(self.options)
         self.start_process = start_process
         self.processes: list[tuple[str, subprocess.Popen]] = []
+        self.drains: dict[str, float] = {}  # each coordinator's --drain-seconds, by name
         self.socket_dir: str | None = None  # the services' local sockets, while they run
         self.draft_address: str | None = None
 
@@ -149,7 +159,9 @@ class LocalProcesses:
             flags += ["--tokenizer", tokenizer_source(o.target_model or EMBEDDED)]
         elif o.target_model:
             flags += ["--tokenizer", o.target_model]
-        self._spawn(name, "coordinator", flags + list(o.coordinator_flags) + list(extra_flags))
+        flags += list(o.coordinator_flags) + list(extra_flags)
+        self.drains[name] = parser_for(COORDINATOR).parse_args(flags).drain_seconds
+        self._spawn(name, "coordinator", flags)
 
     def add_coordinator(self, policy: str, port: int, profile: str | None = None, timeout: float = 600.0,
                         extra_flags: tuple[str, ...] = ()) -> str:
@@ -179,16 +191,25 @@ class LocalProcesses:
                 raise RuntimeError(f"the {name} service exited with code {process.returncode}")
 
     def stop(self, timeout: float = 15.0) -> None:
-        for _, process in reversed(self.processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for name, process in reversed(self.processes):
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        """SIGTERM to the coordinators, and once they have exited, to the services. A coordinator
+        drains: the requests in flight finish within its --drain-seconds, which needs the services
+        serving; so it gets that long and ``timeout`` more (its last releases, its server's stop).
+        A service gets ``timeout`` (its own grace is 5 s). Whatever is still running then is killed."""
+        coordinators = [(name, p) for name, p in self.processes if name in self.drains]
+        services = [(name, p) for name, p in self.processes if name not in self.drains]
+        for group in (coordinators, services):
+            for _, process in group:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout + max((self.drains.get(name, 0.0) for name, _ in group), default=0.0)
+            for _, process in group:
+                try:
+                    process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
         self.processes.clear()
+        self.drains.clear()
         if self.socket_dir:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
             self.socket_dir = None
