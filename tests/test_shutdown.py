@@ -1,13 +1,22 @@
-"""Stopping the stack: the coordinator drains before the services stop."""
+"""Stopping the stack: the coordinator drains before the services stop, and nothing of a stack
+outlives its launcher, kill -9 included."""
 
 from __future__ import annotations
 
 import os
+import queue
+import shutil
 import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiny import greedy_reference
 
@@ -15,6 +24,8 @@ from specbatch.rpc.client import connect, make_request
 from specbatch.stack.defaults import StackOptions, free_port
 from specbatch.stack.processes import LocalProcesses
 from specbatch.v1 import generation_pb2 as gpb
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def poll(condition, timeout: float, what: str, every: float = 0.02):
@@ -126,3 +137,87 @@ def test_stop_lets_running_streams_finish(tmp_path, target_model, tokenizer, zyg
 def load(client) -> tuple[int, int]:
     info = client.Info(gpb.InfoRequest(), timeout=5)
     return info.running, info.waiting
+
+
+def _free_ports_in_a_row(count: int) -> int:
+    """A port P with P … P + count - 1 all free now (``specbatch up`` takes the next two)."""
+    for _ in range(100):
+        base = free_port()
+        held = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no free ports in a row")
+
+
+def _children_of(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited (its new parent may be slow to reap it)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="children die with their parent on Linux")
+def test_nothing_outlives_a_launcher_killed_with_sigkill(tmp_path, target_model, tokenizer):
+    """kill -9 of `specbatch up`: its three processes exit and the socket folder is removed."""
+    model = tmp_path / "model"
+    target_model.save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    # The launcher's temporary folder, where it makes the socket folder: short, as a socket's path must be.
+    sockets = Path(tempfile.mkdtemp(prefix="sb-"))
+    port = _free_ports_in_a_row(3)
+    env = {**os.environ, "TMPDIR": str(sockets), "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen([sys.executable, "-m", "specbatch.commands.cli", "up", "--target-model", str(model),
+                                 "--draft-layers", "2", "--dtype", "float32", "--k-policy", "fixed:3",
+                                 "--threads", "1", "--port", str(port)],
+                                cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in launcher.stdout:
+            lines.put(line)
+        lines.put("")  # it exited
+
+    threading.Thread(target=read, daemon=True).start()
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while "serving on" not in (line := lines.get(timeout=max(0.0, deadline - time.monotonic()))):
+            assert line, f"the launcher exited with code {launcher.wait()}"
+        children += _children_of(launcher.pid)
+        assert len(children) == 3 and len(list(sockets.iterdir())) == 1
+        launcher.kill()
+        launcher.wait()
+        killed = time.monotonic()
+        poll(lambda: not any(map(_alive, children)) and not list(sockets.iterdir()), 5,
+             "every child gone and the socket folder removed")
+        print(f"0 processes and no socket folder {time.monotonic() - killed:.2f} s after kill -9")
+    finally:
+        launcher.kill()
+        for pid in children or _children_of(launcher.pid):
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
+        shutil.rmtree(sockets, ignore_errors=True)

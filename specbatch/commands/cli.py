@@ -23,7 +23,8 @@ def cmd_up(args) -> int:
     stop = threading.Event()
     serving = False
 
-    # Our own handlers: a shell that starts us in the background leaves SIGINT ignored.
+    # Our own handlers: a shell that starts us in the background leaves SIGINT ignored. The
+    # services run in process groups of their own (prefork.popen), so a Ctrl-C reaches only us.
     def on_signal(*_) -> None:
         if not serving:
             raise KeyboardInterrupt  # nothing served yet: stop starting now

@@ -24,6 +24,7 @@ from specbatch.config.options import (
     pass_on,
 )
 from specbatch.models.embedded import EMBEDDED
+from specbatch.rpc.local import STACK_SOCKET_DIR_PREFIX
 from specbatch.rpc.server import wait_until_serving
 from specbatch.stack.defaults import (
     WIDE_SPINCOUNT,
@@ -54,8 +55,8 @@ def _feature_layer_flags(draft_model: str | None) -> list[str]:
 class LocalProcesses:
     """The target, draft and coordinator as child processes; stopped with SIGTERM, the coordinators
     first (``stop``). ``start_process(module, args, env)`` starts each: a fresh ``python -m``
-    (``prefork.popen``), or a fork of a process that has imported them already
-    (``prefork.Zygote.start``: the tests)."""
+    (``prefork.popen``, which ties each child's life to this process), or a fork of a process that
+    has imported them already (``prefork.Zygote.start``: the tests)."""
 
     def __init__(self, options: StackOptions, start_process=popen):
         policy, profile = default_k_policy(options)
@@ -115,7 +116,7 @@ class LocalProcesses:
     def start(self, timeout: float = 600.0) -> "LocalProcesses":
         o = self.options
         if o.local_sockets:
-            self.socket_dir = tempfile.mkdtemp(prefix="specbatch-sockets-")
+            self.socket_dir = tempfile.mkdtemp(prefix=STACK_SOCKET_DIR_PREFIX)
         if o.target_model is None and not o.random_weights:
             # The services would convert the embedded GGUF (and assemble the embedded draft) on
             # first use, each on its own; do it once, up front.
