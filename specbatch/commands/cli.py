@@ -16,10 +16,15 @@ DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORTS['coordinator']}"
 
 
 def cmd_up(args) -> int:
+    from specbatch.rpc.server import PortUnavailable
     from specbatch.stack.defaults import stack_options
     from specbatch.stack.processes import LocalProcesses
 
     processes = LocalProcesses(stack_options(args))
+    try:
+        processes.check_ports()
+    except PortUnavailable as error:
+        raise SystemExit(str(error)) from None
     stop = threading.Event()
     serving = False
 

@@ -25,7 +25,7 @@ from specbatch.config.options import (
 )
 from specbatch.models.embedded import EMBEDDED
 from specbatch.rpc.local import STACK_SOCKET_DIR_PREFIX
-from specbatch.rpc.server import wait_until_serving
+from specbatch.rpc.server import check_port, wait_until_serving
 from specbatch.stack.defaults import (
     WIDE_SPINCOUNT,
     StackOptions,
@@ -145,6 +145,13 @@ class LocalProcesses:
             self.stop()
             raise
         return self
+
+    def check_ports(self) -> None:
+        """Raise ``PortUnavailable`` for a port of the stack in use, before any model loads (each
+        server refuses it anyway as it binds, which is the check that counts)."""
+        for program, port in self.ports.items():
+            if port and (program != "coordinator" or self.options.coordinator):
+                check_port(f"{self.options.host}:{port}")
 
     def _spawn_coordinator(self, name: str, policy: str, port: int, profile: str | None,
                            extra_flags: tuple[str, ...] = ()) -> None:
