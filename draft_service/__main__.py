@@ -1,6 +1,6 @@
 """python -m draft_service: serve a draft model (default: the embedded target's distilled draft)."""
 
-from specbatch.rpc.server import exit_if_port_in_use
+from specbatch.rpc.server import exit_if_port_in_use, exit_stopped
 
 
 def main(argv=None):
@@ -14,3 +14,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    exit_stopped()

@@ -1,6 +1,6 @@
 """python -m target_service: serve the target model (default: the embedded SmolLM2-135M-Instruct)."""
 
-from specbatch.rpc.server import exit_if_port_in_use
+from specbatch.rpc.server import exit_if_port_in_use, exit_stopped
 
 
 def main(argv=None):
@@ -14,3 +14,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    exit_stopped()
