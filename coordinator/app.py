@@ -11,7 +11,7 @@ from specbatch.config.speculation import SpeculationConfig
 from specbatch.models.loading import ModelSpec, load_tokenizer, model_source
 from specbatch.protocol.speculation import MAX_K
 from specbatch.rpc.metrics import new_registry, serve_metrics
-from specbatch.rpc.server import Server, configure_logging
+from specbatch.rpc.server import PortUnavailable, Server, configure_logging
 from specbatch.rpc.tls import channel_credentials_from_args, server_credentials_from_args
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
 
@@ -120,7 +120,8 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     spec's NAME); ``server_credentials``: TLS for the coordinator's own port. ``metrics_port``: Prometheus /metrics (0: none; None: the default
     port, skipped if taken). ``prefill_chunk``: the most prompt tokens prefilled between two decode
     steps (0: each admitted prompt whole; coordinator/scheduler.py). A profile that cannot be used,
-    or services that do not fit together, raise ValueError before serving."""
+    or services that do not fit together, raise ValueError before serving; a port in use,
+    ``specbatch.rpc.server.PortUnavailable``."""
     speculation = speculation.check().resolved()
     if profile_file is None and speculation.profile:
         profile_file = ProfileFile(speculation.profile, profile_poll_seconds)
@@ -168,6 +169,14 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
                                  f"{target_stats.feature_size}: it was trained for another target")
             max_context = min(max_context, draft_stats.max_context)
             draft_model = draft_stats.model
+        # Bound before anything starts, so that a port in use (PortUnavailable) leaves nothing running.
+        # One thread per open stream: room for a full batch, a full queue, Info calls, and refusals.
+        # gRPC's own cap sits well above that, so a stream past the queue reaches the scheduler and
+        # gets its RESOURCE_EXHAUSTED with a retry hint (gRPC's "Concurrent RPC limit" has none);
+        # the cap only bounds what a flood can hold in memory.
+        workers = max_batch_size + max_queue + 32
+        server = Server(f"{host}:{port}", max_workers=workers, maximum_concurrent_rpcs=4 * workers,
+                        credentials=server_credentials)
     except BaseException:
         for replicas in filter(None, (targets, drafts)):
             replicas.close()
@@ -189,13 +198,6 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     scheduler.start()
     if profile_file is not None:
         profile_file.start()
-    # One thread per open stream: room for a full batch, a full queue, Info calls, and refusals.
-    # gRPC's own cap sits well above that, so a stream past the queue reaches the scheduler and
-    # gets its RESOURCE_EXHAUSTED with a retry hint (gRPC's "Concurrent RPC limit" has none);
-    # the cap only bounds what a flood can hold in memory.
-    workers = max_batch_size + max_queue + 32
-    server = Server(f"{host}:{port}", max_workers=workers, maximum_concurrent_rpcs=4 * workers,
-                    credentials=server_credentials)
     servicer = GenerationServicer(scheduler, tokenizer, limits, target_stats.model, draft_model, tokenizer_name,
                                   keeper or profile_file)
     server.add(pb_grpc.add_GenerationServicer_to_server, servicer, "specbatch.v1.Generation")
@@ -221,14 +223,18 @@ def main(argv=None) -> None:
     spec = ModelSpec.parse(args.tokenizer)
     tokenizer = load_tokenizer(spec)
     source, _ = model_source(spec)
-    coordinator = build_coordinator(
-        args.target, None if args.draft == "none" else args.draft, tokenizer, speculation=speculation,
-        profile_file=profile_file, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
-        max_queue=args.max_queue, max_new_tokens=args.max_new_tokens_limit, max_prompt_tokens=args.max_prompt_tokens,
-        timeout=args.timeout, draft_timeout=args.draft_timeout, eos_token_ids=find_eos_token_ids(tokenizer, source),
-        tokenizer_name=spec.describe(), credentials=credentials, tls_server_name=args.service_tls_server_name,
-        server_credentials=server_credentials, refresh_seconds=args.discovery_seconds,
-        wait_seconds=args.wait_for_services, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-        prefill_chunk=args.prefill_chunk)
+    try:
+        coordinator = build_coordinator(
+            args.target, None if args.draft == "none" else args.draft, tokenizer, speculation=speculation,
+            profile_file=profile_file, host=args.host, port=args.port, max_batch_size=args.max_batch_size,
+            max_queue=args.max_queue, max_new_tokens=args.max_new_tokens_limit,
+            max_prompt_tokens=args.max_prompt_tokens, timeout=args.timeout, draft_timeout=args.draft_timeout,
+            eos_token_ids=find_eos_token_ids(tokenizer, source),
+            tokenizer_name=spec.describe(), credentials=credentials, tls_server_name=args.service_tls_server_name,
+            server_credentials=server_credentials, refresh_seconds=args.discovery_seconds,
+            wait_seconds=args.wait_for_services, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
+            prefill_chunk=args.prefill_chunk)
+    except PortUnavailable as error:  # taken while it waited for the services
+        raise SystemExit(str(error)) from None
     log.info("coordinator serving on %s:%d (k policy %s)", args.host, coordinator.port, speculation.k_policy)
     coordinator.server.run_until_signal(on_stop=lambda: coordinator.drain(args.drain_seconds))

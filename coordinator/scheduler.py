@@ -69,6 +69,8 @@ class Scheduler:
         # Admitted and placed, their prompts not yet all on the target: they hold a batch slot.
         self.prefilling: list[Request] = []
         self.running: list[Request] = []
+        # Guards the queue, and every move of a request between the three lists above: a drain,
+        # which looks under it, never finds a request it holds in none of them.
         self.wakeup = threading.Condition()
         self.stopping = threading.Event()
         self.draining = threading.Event()
@@ -109,7 +111,10 @@ class Scheduler:
         Any still unfinished then end with UNAVAILABLE, which tells clients to retry elsewhere."""
         self.draining.set()
         deadline = time.monotonic() + timeout
-        while (self.running or self.waiting) and time.monotonic() < deadline and self.thread.is_alive():
+        while time.monotonic() < deadline and self.thread.is_alive():
+            with self.wakeup:  # those being prefilled are held too
+                if not (self.running or self.prefilling or self.waiting):
+                    break
             time.sleep(0.05)
         with self.wakeup:
             left = list(self.running) + list(self.prefilling) + list(self.waiting)
@@ -220,6 +225,7 @@ class Scheduler:
                     continue
                 admitted.append(request)
                 room -= 1
+            self.prefilling.extend(admitted)
         for request in dropped:
             if request.cancelled.is_set():
                 request.close(FINISH_CANCELLED)
@@ -228,7 +234,6 @@ class Scheduler:
         self.services.release([r for r in dropped if r.target_replica or r.draft_replica])
         for request in admitted:
             request.admitted = request.admitted or time.monotonic()
-        self.prefilling.extend(admitted)
         if self.prefilling:
             self._prefill()
 
@@ -254,7 +259,6 @@ class Scheduler:
         start = time.perf_counter()
         unplaced = [r for r in self.prefilling if not self.services.place(r)]
         if unplaced:  # every target replica went down just now (a move restarts a prompt at 0)
-            self.prefilling = [r for r in self.prefilling if r not in unplaced]
             self._requeue(unplaced)
         chunks = self._chunks(self.prefilling)
         if not chunks:
@@ -266,8 +270,9 @@ class Scheduler:
             self._prefill_refused(replica, group, error)
         if entered:
             self.admit_one_at_a_time = False
-            self.prefilling = [r for r in self.prefilling if r not in entered]
-            self.running.extend(entered)
+            with self.wakeup:
+                self.prefilling = [r for r in self.prefilling if r not in entered]
+                self.running.extend(entered)
         self.totals.prefill_seconds += time.perf_counter() - start
 
     def _prefilled(self, request: Request, verdict) -> bool:
@@ -286,18 +291,20 @@ class Scheduler:
         return True
 
     def _requeue(self, requests: list[Request]) -> None:
-        """Back to the head of the queue, in order: retried next round."""
+        """From the batch back to the head of the queue, in order: retried next round."""
         with self.wakeup:
+            self.prefilling = [r for r in self.prefilling if r not in requests]
             self.waiting.extendleft(reversed(requests))
 
     def _prefill_refused(self, replica: Replica, group: list[Request], error: grpc.RpcError) -> None:
         """A target call of the prefill failed (its replica unreachable, which the services have
         marked down, or a refusal): the prompts wait, or the one refused alone fails."""
-        self.prefilling = [r for r in self.prefilling if r not in group]
         alone = len(group) == 1
-        others_here = any(r.target_replica is replica for r in self.running + self.prefilling)
+        others_here = any(r.target_replica is replica for r in self.running + self.prefilling if r not in group)
         if refusal(error) and alone and not (error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and others_here):
             group[0].fail(error.code(), f"the target refused the prompt: {error.details()}")
+            with self.wakeup:
+                self.prefilling = [r for r in self.prefilling if r not in group]
             self._retire_now(group)
             self.admit_one_at_a_time = False
             return

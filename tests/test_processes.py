@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -137,8 +138,10 @@ def _spawned(monkeypatch, options: dict, **machine) -> dict:
     _on_a_cpu(monkeypatch, **machine)
     monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
     spawned = {}
-    LocalProcesses(StackOptions(**{"k_policy": "fixed:3", "device": "cpu", **options}),
-                   lambda module, args, env: spawned.setdefault(module, (args, env))).start()
+    stack = LocalProcesses(StackOptions(**{"k_policy": "fixed:3", "device": "cpu", **options}),
+                           lambda module, args, env: spawned.setdefault(module, (args, env))).start()
+    if stack.socket_dir:  # nothing started, so nothing stops and removes it
+        os.rmdir(stack.socket_dir)
     return spawned
 
 

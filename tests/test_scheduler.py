@@ -4,6 +4,8 @@ t+1, t+2, … (always right) unless told to be wrong from some position on."""
 
 from __future__ import annotations
 
+import threading
+import time
 from types import SimpleNamespace
 
 import grpc
@@ -11,7 +13,7 @@ import pytest
 
 from coordinator.policy import FixedK
 from coordinator.replicas import Replica, ReplicaSet
-from coordinator.requests import Request, TextStream
+from coordinator.requests import FINISH_LENGTH, Request, TextStream
 from coordinator.scheduler import Draining, QueueFull, Scheduler
 from coordinator.services import Services, by_replica
 from coordinator.stats import StepStats, StepTotals
@@ -330,6 +332,49 @@ def test_queue_limit_and_draining(scheduler_of):
     scheduler.draining.set()
     with pytest.raises(Draining):
         scheduler.submit(make_request())
+
+
+class GatedTarget(FakeTarget):
+    """A target whose first call waits for ``gate``; ``entered`` says the call has begun."""
+
+    def __init__(self, address: str):
+        super().__init__(address)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def verify(self, *args, **kwargs):
+        if not self.entered.is_set():
+            self.entered.set()
+            assert self.gate.wait(30)
+        return super().verify(*args, **kwargs)
+
+
+def test_a_drain_waits_for_requests_still_being_prefilled(scheduler_of, monkeypatch):
+    """Requests admitted together and in their prefill when the drain begins are held too: they
+    finish whole. The prefill is let go only once the drain has looked and waited at least once (or
+    given up), so the drain cannot have seen them after the prefill."""
+    import coordinator.scheduler as scheduler_module
+
+    target = GatedTarget("t")
+    scheduler = scheduler_of(replica_set("target", target), None, k=0)
+    requests = [make_request(max_new_tokens=5) for _ in range(2)]
+    for request in requests:
+        scheduler.submit(request)
+    scheduler.start()
+    assert target.entered.wait(30)
+    assert len(scheduler.prefilling) == 2 and not scheduler.running and not scheduler.waiting
+    waited = threading.Event()
+    sleep = time.sleep
+    monkeypatch.setattr(scheduler_module.time, "sleep", lambda seconds: (waited.set(), sleep(seconds)))
+    drain = threading.Thread(target=scheduler.drain, args=(30,))
+    drain.start()
+    deadline = time.monotonic() + 30
+    while not waited.is_set() and drain.is_alive():
+        assert time.monotonic() < deadline
+        sleep(0.01)
+    target.gate.set()
+    drain.join(60)
+    assert not drain.is_alive()
+    assert [(r.failure, r.finish) for r in requests] == [(None, FINISH_LENGTH)] * 2
 
 
 def test_k_is_bounded_by_what_the_request_can_still_use(scheduler_of):

@@ -16,26 +16,44 @@ DEFAULT_ADDRESS = f"127.0.0.1:{DEFAULT_PORTS['coordinator']}"
 
 
 def cmd_up(args) -> int:
+    from specbatch.rpc.server import PortUnavailable
     from specbatch.stack.defaults import stack_options
     from specbatch.stack.processes import LocalProcesses
 
     processes = LocalProcesses(stack_options(args))
-    stop = threading.Event()
-    # Our own handlers: a shell that starts us in the background leaves SIGINT ignored.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    print("starting target, draft and coordinator (the first start converts the embedded model) …", flush=True)
-    processes.start()
-    options = processes.options
-    policy = options.k_policy + (f" over the profile {options.profile}" if options.profile else "")
-    print(f"serving on {processes.address} (k policy {policy}); Ctrl-C stops everything", flush=True)
     try:
+        processes.check_ports()
+    except PortUnavailable as error:
+        raise SystemExit(str(error)) from None
+    stop = threading.Event()
+    serving = False
+
+    # Our own handlers: a shell that starts us in the background leaves SIGINT ignored. The
+    # services run in process groups of their own (prefork.popen), so a Ctrl-C reaches only us.
+    def on_signal(*_) -> None:
+        if not serving:
+            raise KeyboardInterrupt  # nothing served yet: stop starting now
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    print("starting target, draft and coordinator (the first start converts the embedded model) …", flush=True)
+    try:
+        processes.start()
+        serving = True
+        options = processes.options
+        policy = options.k_policy + (f" over the profile {options.profile}" if options.profile else "")
+        print(f"serving on {processes.address} (k policy {policy}); Ctrl-C stops everything", flush=True)
         while not stop.wait(1.0):
             processes.check_alive()
+    except KeyboardInterrupt:
+        return 1
     finally:
-        # A second Ctrl-C (or the group's SIGINT reaching us twice) must not cut the clean stop short.
+        # A second Ctrl-C must not cut the clean stop short.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        print("stopping …", flush=True)
+        # The coordinator first: the streams in flight finish within its --drain-seconds (they
+        # need the services), then the services stop.
+        print("stopping: finishing the requests in flight …" if serving else "stopping …", flush=True)
         processes.stop()
     return 0
 

@@ -149,8 +149,9 @@ OPTIONS: tuple[Option, ...] = (
            programs=frozenset({COORDINATOR})),
     Option("--draft-timeout", "the longest draft call, seconds: a slower draft is set aside and steps run "
            "target-only", default=10.0, type=float, programs=frozenset({COORDINATOR})),
-    Option("--drain-seconds", "on SIGTERM, how long requests in flight may take to finish", default=30.0,
-           type=float, programs=frozenset({COORDINATOR})),
+    Option("--drain-seconds", "on SIGTERM, how long requests in flight may take to finish (specbatch up: the "
+           "coordinator's; the services stop after it)", default=30.0, type=float,
+           programs=frozenset({COORDINATOR, UP})),
     Option("--wait-for-services", "seconds to wait for a target (and a draft) replica to serve", default=300.0,
            type=float, programs=frozenset({COORDINATOR})),
     Option("--host", "bind address (default: loopback only)", default="127.0.0.1"),

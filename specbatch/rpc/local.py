@@ -39,6 +39,12 @@ from specbatch.rpc.tls import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
+# The folder ``specbatch up`` makes for its services' sockets (in the temporary folder). A service
+# that stops removes its socket and, where the folder is such a stack's own and now empty, the
+# folder: so it goes with the last service even when the launcher was killed (its services are
+# sent SIGTERM then). A folder an operator named is theirs, and stays.
+STACK_SOCKET_DIR_PREFIX = "specbatch-sockets-"
+
 REQUEST = struct.Struct("<IHd")
 # The most connections served at once. A coordinator holds one per thread calling at a time;
 # past this a new connection is closed at once, and its client goes back to gRPC.
@@ -150,7 +156,13 @@ class LocalServer:
         if self.listener is not None:
             self.listener.close()
             self.listener = None
-            Path(self.path).unlink(missing_ok=True)
+            path = Path(self.path)
+            path.unlink(missing_ok=True)
+            if path.parent.name.startswith(STACK_SOCKET_DIR_PREFIX):
+                try:
+                    path.parent.rmdir()
+                except OSError:  # another service's socket is still there (it removes the folder), or it is gone
+                    pass
         with self.lock:
             for conn in self.idle:
                 try:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
+import os
 import signal
+import socket
+import sys
 import threading
 from concurrent import futures
 
@@ -19,6 +23,68 @@ from specbatch.rpc.tls import CHANNEL_OPTIONS, channel_options_reconnecting_with
 
 log = logging.getLogger(__name__)
 
+# gRPC sets SO_REUSEPORT on its listeners by default, so a second server on a port in use binds
+# beside the first and the kernel splits connections between them: a second coordinator, or a
+# plaintext server on a TLS server's port, would serve without an error. Off, the bind fails.
+SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
+class PortUnavailable(RuntimeError):
+    """A server's port cannot be bound: another process holds it, most often."""
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def check_port(address: str) -> None:
+    """Raise ``PortUnavailable``, naming the port, if ``address`` cannot be bound now. A process
+    calls it at start so that a port in use stops it before a model load or a wait for services;
+    the server's own bind stays the check that counts (the port may be taken in between)."""
+    host, port = _split(address)
+    if port == 0:
+        return
+    try:
+        resolved = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise PortUnavailable(f"cannot listen on {address}: {error.strerror}") from None
+    for family, kind, proto, _, sockaddr in resolved:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's: TIME_WAIT is no owner
+            try:
+                probe.bind(sockaddr)
+            except OSError as error:
+                reason = "is in use" if error.errno == errno.EADDRINUSE else f"cannot be bound ({error.strerror})"
+                raise PortUnavailable(f"cannot listen on {address}: port {port} {reason}") from None
+
+
+def exit_if_port_in_use(program: str, argv=None) -> None:
+    """Exit (code 1, one line naming the port) if ``program``'s --host and --port in ``argv`` (else
+    ``sys.argv``) cannot be bound. Each program's ``__main__`` calls it before it imports torch, the
+    engine or the tokenizer, which take seconds, and long before a model load or a wait for the
+    services; the server's bind refuses a port taken in between (``PortUnavailable``)."""
+    from specbatch.config.options import parser_for
+
+    args, _ = parser_for(program).parse_known_args(argv)
+    try:
+        check_port(f"{args.host}:{args.port}")
+    except PortUnavailable as error:
+        raise SystemExit(str(error)) from None
+
+
+def exit_stopped() -> None:
+    """End a program that has stopped cleanly, skipping the interpreter's teardown: with torch,
+    transformers and a model loaded it takes seconds, in which the stopped process still counts as
+    running (to ``specbatch up`` waiting to stop the next one, to a supervisor), and there is
+    nothing left for it to do. Logs and output are flushed first."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed
+            pass
+    os._exit(0)
 
 def status_of(error: EngineError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, error.code)
@@ -99,7 +165,7 @@ class Server:
                  credentials: grpc.ServerCredentials | None = None, interceptors=()):
         self.grpc_server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-            options=CHANNEL_OPTIONS,
+            options=SERVER_OPTIONS,
             # e.g. specbatch.service.metrics.ServiceMetrics.interceptor(); MalformedRequests last, so
             # the others see its refusals as the handler's own.
             interceptors=[*interceptors, MalformedRequests()],
@@ -112,10 +178,14 @@ class Server:
         self.local: LocalServer | None = None  # serve_locally
         # credentials (specbatch.rpc.tls.server_credentials): TLS, or mTLS with a client CA; else plaintext.
         self.tls = credentials is not None
-        self.port = (self.grpc_server.add_secure_port(address, credentials) if credentials is not None
-                     else self.grpc_server.add_insecure_port(address))
+        try:  # a failed bind returns 0 in some gRPC versions and raises RuntimeError in others
+            self.port = (self.grpc_server.add_secure_port(address, credentials) if credentials is not None
+                         else self.grpc_server.add_insecure_port(address))
+        except RuntimeError:
+            self.port = 0
         if not self.port:
-            raise RuntimeError(f"cannot listen on {address}")
+            check_port(address)  # names the reason where a probe finds it
+            raise PortUnavailable(f"cannot listen on {address}: port {_split(address)[1]} is in use or cannot be bound")
         self.address = address
         self.stopped = threading.Event()
 

@@ -15,7 +15,7 @@ from specbatch.kernels import forms
 from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
 from specbatch.models.loading import ModelSpec, default_device, load_model
 from specbatch.rpc.metrics import new_registry, serve_metrics
-from specbatch.rpc.server import Server, configure_logging
+from specbatch.rpc.server import PortUnavailable, Server, configure_logging
 from specbatch.rpc.tls import server_credentials_from_args
 from specbatch.service.metrics import ServiceMetrics
 from specbatch.service.servicer import SequenceLeases
@@ -81,8 +81,11 @@ def run_model_service(kind: str, add_servicer, argv=None) -> None:
                  engine.dtype, engine.weights or "as loaded", str(engine.pool.dtype).removeprefix("torch."),
                  torch.get_num_threads(), wide, engine.captured_steps)
         metrics = ServiceMetrics(kind, engine, registry)
-        server = Server(f"{args.host}:{args.port}", max_workers=8, credentials=credentials,
-                        interceptors=[metrics.interceptor()])
+        try:
+            server = Server(f"{args.host}:{args.port}", max_workers=8, credentials=credentials,
+                            interceptors=[metrics.interceptor()])
+        except PortUnavailable as error:  # taken while the model loaded
+            raise SystemExit(str(error)) from None
         add_servicer(server, engine, spec.describe(), metrics=metrics)
         leases = SequenceLeases(engine, args.sequence_lease_seconds, metrics) if args.sequence_lease_seconds > 0 else None
         if args.local_socket_dir:  # each call's metrics as the gRPC interceptor records them

@@ -19,7 +19,6 @@ import; a child whose environment sets it gets it through ``torch.set_num_thread
 
 from __future__ import annotations
 
-import ctypes
 import importlib
 import json
 import os
@@ -32,15 +31,32 @@ import sys
 import threading
 import traceback
 
+from specbatch.stack.child import die_with_parent
+
 # What the services and the coordinator import before they do anything (python -m of each).
 PRELOAD = ("torch", "transformers", "transformers.models.llama.modeling_llama", "specbatch.service.main",
            "target_service.servicer", "draft_service.servicer", "coordinator.app")
 POLL_SECONDS = 0.05  # how often the zygote looks for exited children between commands
 
 
+# The signal a child of ``popen`` gets when its launcher dies (kill -9 included). A model service
+# gets SIGTERM: it stops within its grace period and removes its local socket (and the stack's
+# socket folder with the last one). The coordinator gets SIGKILL: a drain needs the services, which
+# are going too, so it would only wait out --drain-seconds; it holds no file to remove.
+DEATH_SIGNALS = {"coordinator": signal.SIGKILL}
+
+
 def popen(module: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    """``python -m module args``: a fresh interpreter (what ``Zygote.start`` stands in for)."""
-    return subprocess.Popen([sys.executable, "-m", module, *args], env=env)
+    """``python -m module args``: a fresh interpreter (what ``Zygote.start`` stands in for), which
+    dies with this process (``specbatch.stack.child``), in a process group of its own: a Ctrl-C at
+    the terminal reaches only this process, which stops its children in order."""
+    command = [sys.executable, "-m", module, *args]
+    # The kernel signals a child when the thread that forked it ends: only the main thread lives
+    # as long as the process (``specbatch up`` starts its services from it).
+    if threading.current_thread() is threading.main_thread():
+        sig = DEATH_SIGNALS.get(module, signal.SIGTERM)
+        command = [sys.executable, "-m", "specbatch.stack.child", str(os.getpid()), str(int(sig)), module, *args]
+    return subprocess.Popen(command, env=env, process_group=0)
 
 
 class Zygote:
@@ -154,21 +170,11 @@ class Child:
 # ---- the zygote's side ---------------------------------------------------------------------------
 
 
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL when the zygote exits (Linux), so no child outlives it."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (AttributeError, OSError):
-        return
-    if os.getppid() != parent:  # it exited before prctl took effect
-        os._exit(1)
-
-
 def _run_child(request: dict, reply_fd: int, zygote: int) -> None:
     """In the forked child: become ``python -m module`` and never return."""
     code = 1
     try:
-        _die_with_parent(zygote)
+        die_with_parent(zygote, signal.SIGKILL)  # no child outlives the zygote
         os.close(reply_fd)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)  # the zygote's commands are not the child's input

@@ -14,9 +14,18 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from specbatch.config.options import COORDINATOR, DEFAULT_METRICS_PORTS, DRAFT, TARGET, WIDE_THREADS_ENV, pass_on
+from specbatch.config.options import (
+    COORDINATOR,
+    DEFAULT_METRICS_PORTS,
+    DRAFT,
+    TARGET,
+    WIDE_THREADS_ENV,
+    parser_for,
+    pass_on,
+)
 from specbatch.models.embedded import EMBEDDED
-from specbatch.rpc.server import wait_until_serving
+from specbatch.rpc.local import STACK_SOCKET_DIR_PREFIX
+from specbatch.rpc.server import check_port, wait_until_serving
 from specbatch.stack.defaults import (
     WIDE_SPINCOUNT,
     StackOptions,
@@ -44,9 +53,10 @@ def _feature_layer_flags(draft_model: str | None) -> list[str]:
 
 
 class LocalProcesses:
-    """The target, draft and coordinator as child processes; stopped with SIGTERM, in reverse.
-    ``start_process(module, args, env)`` starts each: a fresh ``python -m`` (``prefork.popen``),
-    or a fork of a process that has imported them already (``prefork.Zygote.start``: the tests)."""
+    """The target, draft and coordinator as child processes; stopped with SIGTERM, the coordinators
+    first (``stop``). ``start_process(module, args, env)`` starts each: a fresh ``python -m``
+    (``prefork.popen``, which ties each child's life to this process), or a fork of a process that
+    has imported them already (``prefork.Zygote.start``: the tests)."""
 
     def __init__(self, options: StackOptions, start_process=popen):
         policy, profile = default_k_policy(options)
@@ -55,6 +65,7 @@ class LocalProcesses:
         self.forms = weight_forms(self.options)
         self.start_process = start_process
         self.processes: list[tuple[str, subprocess.Popen]] = []
+        self.drains: dict[str, float] = {}  # each coordinator's --drain-seconds, by name
         self.socket_dir: str | None = None  # the services' local sockets, while they run
         self.draft_address: str | None = None
 
@@ -105,7 +116,7 @@ class LocalProcesses:
     def start(self, timeout: float = 600.0) -> "LocalProcesses":
         o = self.options
         if o.local_sockets:
-            self.socket_dir = tempfile.mkdtemp(prefix="specbatch-sockets-")
+            self.socket_dir = tempfile.mkdtemp(prefix=STACK_SOCKET_DIR_PREFIX)
         if o.target_model is None and not o.random_weights:
             # The services would convert the embedded GGUF (and assemble the embedded draft) on
             # first use, each on its own; do it once, up front.
@@ -135,6 +146,13 @@ class LocalProcesses:
             raise
         return self
 
+    def check_ports(self) -> None:
+        """Raise ``PortUnavailable`` for a port of the stack in use, before any model loads (each
+        server refuses it anyway as it binds, which is the check that counts)."""
+        for program, port in self.ports.items():
+            if port and (program != "coordinator" or self.options.coordinator):
+                check_port(f"{self.options.host}:{port}")
+
     def _spawn_coordinator(self, name: str, policy: str, port: int, profile: str | None,
                            extra_flags: tuple[str, ...] = ()) -> None:
         o = self.options
@@ -149,7 +167,9 @@ class LocalProcesses:
             flags += ["--tokenizer", tokenizer_source(o.target_model or EMBEDDED)]
         elif o.target_model:
             flags += ["--tokenizer", o.target_model]
-        self._spawn(name, "coordinator", flags + list(o.coordinator_flags) + list(extra_flags))
+        flags += list(o.coordinator_flags) + list(extra_flags)
+        self.drains[name] = parser_for(COORDINATOR).parse_args(flags).drain_seconds
+        self._spawn(name, "coordinator", flags)
 
     def add_coordinator(self, policy: str, port: int, profile: str | None = None, timeout: float = 600.0,
                         extra_flags: tuple[str, ...] = ()) -> str:
@@ -179,16 +199,25 @@ class LocalProcesses:
                 raise RuntimeError(f"the {name} service exited with code {process.returncode}")
 
     def stop(self, timeout: float = 15.0) -> None:
-        for _, process in reversed(self.processes):
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for name, process in reversed(self.processes):
-            try:
-                process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        """SIGTERM to the coordinators, and once they have exited, to the services. A coordinator
+        drains: the requests in flight finish within its --drain-seconds, which needs the services
+        serving; so it gets that long and ``timeout`` more (its last releases, its server's stop).
+        A service gets ``timeout`` (its own grace is 5 s). Whatever is still running then is killed."""
+        coordinators = [(name, p) for name, p in self.processes if name in self.drains]
+        services = [(name, p) for name, p in self.processes if name not in self.drains]
+        for group in (coordinators, services):
+            for _, process in group:
+                if process.poll() is None:
+                    process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout + max((self.drains.get(name, 0.0) for name, _ in group), default=0.0)
+            for _, process in group:
+                try:
+                    process.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
         self.processes.clear()
+        self.drains.clear()
         if self.socket_dir:
             shutil.rmtree(self.socket_dir, ignore_errors=True)
             self.socket_dir = None
