@@ -15,7 +15,7 @@ from specbatch.rpc.server import Server, configure_logging
 from specbatch.rpc.tls import channel_credentials_from_args, server_credentials_from_args
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
 
-from .admission import Limits
+from .admission import Limits, longest_token_chars
 from .backends import DraftClient, TargetClient
 from .metrics import CoordinatorMetrics
 from .policy import parse_policy
@@ -160,7 +160,8 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
         raise
     if eos_token_ids is None:
         eos_token_ids = find_eos_token_ids(tokenizer, None)
-    limits = Limits(target_stats.vocab_size, max_context, max_new_tokens, eos_token_ids, max_prompt_tokens)
+    limits = Limits(target_stats.vocab_size, max_context, max_new_tokens, eos_token_ids,
+                    longest_token_chars(tokenizer), max_prompt_tokens)
     metrics.set_policy(k_policy.describe())
     scheduler = Scheduler(targets, drafts, k_policy, speculation, max_batch_size, max_queue, max_context,
                           feature_size, metrics=metrics, prefill_chunk=prefill_chunk)
