@@ -9,6 +9,10 @@ time, never a request.
 
 Endpoints come from a static list (``host:port,host:port``) or from DNS (``dns:name:port``,
 e.g. a Kubernetes headless Service, one address per ready pod), re-resolved periodically.
+
+A healthy replica that no call reaches (a draft while the k policy runs k = 0, any replica while
+no request runs) would never be found down by a failed call, so a watcher health-checks it every
+WATCH_SECONDS.
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ log = logging.getLogger(__name__)
 
 DNS_PREFIX = "dns:"
 JOINING_PROBE_SECONDS = 0.5  # the longest wait between probes of a replica that has not served yet
+# How often the watcher health-checks a healthy replica no call has answered since: Info and
+# placement are that much behind a replica that dies unused.
+WATCH_SECONDS = 1.0
+PROBE_TIMEOUT_SECONDS = 2.0  # of one health check
 
 
 class NotReady(Exception):
@@ -85,6 +93,7 @@ class ReplicaSet:
         self.lock = threading.Lock()
         self.closed = threading.Event()
         self.discovery: threading.Thread | None = None
+        self.watcher: threading.Thread | None = None
 
     @classmethod
     def of(cls, service: str, client) -> "ReplicaSet":
@@ -101,6 +110,8 @@ class ReplicaSet:
         if self.spec.strip().startswith(DNS_PREFIX):
             self.discovery = threading.Thread(target=self._discover, name=f"discover-{self.service}", daemon=True)
             self.discovery.start()
+        self.watcher = threading.Thread(target=self._watch, name=f"watch-{self.service}", daemon=True)
+        self.watcher.start()
         return self
 
     def refresh(self) -> None:
@@ -183,15 +194,38 @@ class ReplicaSet:
 
     def probe(self, replica: Replica) -> None:
         """Serving, fit to join, and holding none of our abandoned sequences; or raise."""
-        stub = health_pb2_grpc.HealthStub(replica.client.channel)
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=self.health_service), timeout=2.0)
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            raise NotReady(f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+        self.check_health(replica)
         self.check(replica.client)
         if replica.orphans:
             orphans = list(replica.orphans)
             replica.client.release(orphans)
             replica.orphans.difference_update(orphans)
+
+    def check_health(self, replica: Replica) -> None:
+        stub = health_pb2_grpc.HealthStub(replica.client.channel)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=self.health_service), timeout=PROBE_TIMEOUT_SECONDS)
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise NotReady(f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+
+    def _watch(self) -> None:
+        while not self.closed.wait(WATCH_SECONDS):
+            for replica in self.healthy():
+                try:
+                    self.watch(replica)
+                except Exception:  # noqa: BLE001 - the watcher must outlive anything one replica does
+                    log.exception("watching %s replica %s failed", self.service, replica.address)
+
+    def watch(self, replica: Replica) -> None:
+        """One look at a healthy replica: down if it was unused and fails a health check."""
+        answered = replica.client.answered
+        if time.monotonic() - answered > WATCH_SECONDS:
+            try:
+                self.check_health(replica)
+            except Exception as error:  # noqa: BLE001 - any failure: not serving
+                # Unless a call got through meanwhile, or the channel was closed under it (stopping).
+                if replica.client.answered == answered and not self.closed.is_set():
+                    self.mark_down(replica, f"unused, and its health check failed: {error}")
+                return
 
     def wait_healthy(self, timeout: float) -> Replica:
         """The first healthy replica, waiting up to ``timeout`` seconds for one."""
