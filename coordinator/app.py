@@ -68,18 +68,20 @@ class SameModel:
         self.stats = None
         self.lock = threading.Lock()
 
-    def __call__(self, client) -> None:
+    def __call__(self, client):
+        """The replica's CacheStats, or NotReady."""
         stats = client.cache_stats()
         with self.lock:
             if self.stats is None:
                 self.stats = stats
-                return
+                return stats
             mine = (stats.model, stats.vocab_size, stats.feature_size)
             first = (self.stats.model, self.stats.vocab_size, self.stats.feature_size)
         if mine != first or stats.max_context < self.stats.max_context:
             log.error("%s replica %s serves %s, not %s like the others: left out", self.service, client.address,
                       mine, first)
             raise NotReady(f"serves {mine}, expected {first}")
+        return stats
 
 
 def find_eos_token_ids(tokenizer, tokenizer_source: str | None) -> frozenset[int]:

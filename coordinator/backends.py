@@ -154,9 +154,9 @@ class ServiceClient:
         self.retry(self._send)("Release", pb.ReleaseRequest(seq_ids=seq_ids), self._deadline(timeout))
         self.answered = time.monotonic()
 
-    def cache_stats(self) -> pb.CacheStatsResponse:
+    def cache_stats(self, timeout: float | None = None) -> pb.CacheStatsResponse:
         """Always through gRPC: it says whether the service has a local socket on this host."""
-        stats = self.retry(self.stub.CacheStats)(pb.CacheStatsRequest(), timeout=self.timeout)
+        stats = self.retry(self.stub.CacheStats)(pb.CacheStatsRequest(), timeout=self._deadline(timeout))
         self.answered = time.monotonic()
         path = stats.local_socket if stats.local_socket and os.path.exists(stats.local_socket) else None
         if path != (self.local.path if self.local is not None else None):
