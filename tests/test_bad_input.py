@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent import futures
+from itertools import pairwise
 
 import grpc
 import pytest
@@ -404,6 +405,6 @@ def test_a_10_mb_prompt_is_refused_at_once_and_stalls_no_stream(stack, target_mo
     refusal_seconds = max(seconds for (code, seconds) in outcomes[::2])
     assert refusal_seconds < 1.0
     assert outlasted, "the stream ended before the flood did: nothing was measured"
-    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b >= flood_start and a <= flood_end]
+    during = [b - a for a, b in pairwise(arrivals) if b >= flood_start and a <= flood_end]
     assert during and max(during) < 1.0
     assert running["result"].token_ids == greedy_reference(target_model, PROMPT, MAX_NEW_TOKENS)
