@@ -10,7 +10,7 @@ import secrets
 import uuid
 from dataclasses import dataclass
 
-from specbatch.models.loading import chat_token_ids
+from specbatch.models.loading import chat_text, chat_text_token_ids
 from specbatch.protocol.errors import InvalidRequest
 from specbatch.protocol.sampling_params import SamplingParams
 from specbatch.protocol.speculation import MAX_K, leaf_option_problems, prompt_lookup_problems
@@ -20,6 +20,17 @@ from .requests import Request, TextStream
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# A client's name for its request is echoed in every response and log line about it.
+MAX_REQUEST_ID_CHARS = 256
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` can stand for: its vocabulary's longest
+    entry. A byte-level BPE token's text has one character per byte it covers, a SentencePiece
+    token's one per character (a byte-fallback token's is longer than the byte), so where the
+    tokenizer keeps every character of its input, a text of more than this × n characters has
+    more than n tokens (docs/operations.md#limits)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
 
 
 @dataclass(frozen=True)
@@ -28,25 +39,71 @@ class Limits:
     max_context: int
     max_new_tokens: int
     eos_token_ids: frozenset[int]
+    max_token_chars: int  # longest_token_chars(tokenizer): bounds a text's size before tokenizing it
     max_prompt_tokens: int | None = None  # None: whatever fits the context
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The most tokens a prompt may have: one new token must still fit the context."""
+        fits = self.max_context - 1
+        return fits if self.max_prompt_tokens is None else min(fits, self.max_prompt_tokens)
 
-def prompt_tokens(message: pb.GenerateRequest, tokenizer) -> list[int]:
+    @property
+    def prompt_chars(self) -> int:
+        """The most characters a text (or chat) prompt may have: past this it is sure to exceed
+        ``prompt_tokens`` and is refused before the tokenizer spends time on it."""
+        return self.prompt_tokens * self.max_token_chars
+
+
+def check_prompt_length(tokens: int, max_new_tokens: int, limits: Limits) -> None:
+    if limits.max_prompt_tokens is not None and tokens > limits.max_prompt_tokens:
+        raise InvalidRequest(f"the prompt has {tokens} tokens; the limit is {limits.max_prompt_tokens}")
+    if tokens + max_new_tokens > limits.max_context:
+        raise InvalidRequest(
+            f"prompt ({tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"context of {limits.max_context} tokens"
+        )
+
+
+def _check_prompt_chars(chars: int, limits: Limits) -> None:
+    if chars > limits.prompt_chars:
+        raise InvalidRequest(
+            f"the prompt has {chars} characters, more than its limit of {limits.prompt_tokens} tokens can hold "
+            f"({limits.prompt_chars} characters: this tokenizer's tokens stand for at most "
+            f"{limits.max_token_chars} characters each)"
+        )
+
+
+def prompt_tokens(message: pb.GenerateRequest, tokenizer, limits: Limits) -> list[int]:
+    """The prompt's token ids. Its size is checked before any work that grows with it (a copy, a
+    template, the tokenizer): a request may be as large as a gRPC message, 64 MiB."""
     which = message.WhichOneof("prompt")
     if which == "text":
-        if not message.text.strip():
+        text = message.text
+        _check_prompt_chars(len(text), limits)
+        if not text.strip():
             raise InvalidRequest("prompt text is empty")
-        return list(tokenizer(message.text)["input_ids"])
+        return list(tokenizer(text)["input_ids"])
     if which == "token_ids":
+        check_prompt_length(len(message.token_ids.ids), message.max_new_tokens, limits)
         return list(message.token_ids.ids)
     if which == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in message.chat.messages]
+        chat = message.chat.messages
+        # Every chat template writes at least a role's token for each message.
+        if len(chat) > limits.prompt_tokens:
+            raise InvalidRequest(f"the chat has {len(chat)} messages; a prompt of at most {limits.prompt_tokens} "
+                                 "tokens has room for fewer")
+        # The template writes each role and content into the text it renders, and more around them.
+        _check_prompt_chars(sum(len(m.role) + len(m.content) for m in chat), limits)
+        messages = [{"role": m.role, "content": m.content} for m in chat]
         if not messages or not any(m["content"].strip() for m in messages):
             raise InvalidRequest("chat prompt has no messages with content")
         try:
-            return chat_token_ids(tokenizer, messages)
+            rendered = chat_text(tokenizer, messages)
         except Exception as error:  # noqa: BLE001 - templates raise anything on bad roles
             raise InvalidRequest(f"chat messages do not fit the model's chat template: {error}") from None
+        _check_prompt_chars(len(rendered), limits)
+        return chat_text_token_ids(tokenizer, rendered)
     raise InvalidRequest("the request has no prompt: set text, token_ids or chat")
 
 
@@ -61,24 +118,18 @@ def sampling_from_request(message: pb.SamplingParameters) -> SamplingParams:
 
 
 def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Request:
-    prompt = prompt_tokens(message, tokenizer)
-    if not prompt:
-        raise InvalidRequest("prompt is empty")
-    bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
-    if bad:
-        raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
-    if limits.max_prompt_tokens is not None and len(prompt) > limits.max_prompt_tokens:
-        raise InvalidRequest(f"the prompt has {len(prompt)} tokens; the limit is {limits.max_prompt_tokens}")
+    # Every bound that is cheap to check comes first, the prompt's size before its tokens: a
+    # request costs little more than its message to refuse.
+    if len(message.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id has {len(message.request_id)} characters; the limit is {MAX_REQUEST_ID_CHARS}")
     if not 1 <= message.max_new_tokens <= limits.max_new_tokens:
         raise InvalidRequest(f"max_new_tokens must be in [1, {limits.max_new_tokens}] (got {message.max_new_tokens})")
-    if len(prompt) + message.max_new_tokens > limits.max_context:
-        raise InvalidRequest(
-            f"prompt ({len(prompt)} tokens) + max_new_tokens ({message.max_new_tokens}) exceeds the model's "
-            f"context of {limits.max_context} tokens"
-        )
-    stops = list(message.stop)
+    stops = message.stop
     if len(stops) > MAX_STOP_STRINGS or any(not s or len(s) > MAX_STOP_STRING_CHARS for s in stops):
         raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, each 1 to {MAX_STOP_STRING_CHARS} characters")
+    # More ids than the vocabulary holds repeat some: nothing a client needs.
+    if len(message.stop_token_ids) > limits.vocab_size:
+        raise InvalidRequest(f"at most {limits.vocab_size} stop_token_ids (the vocabulary's size)")
     stop_ids = set(message.stop_token_ids)
     if any(not 0 <= t < limits.vocab_size for t in stop_ids):
         raise InvalidRequest(f"stop_token_ids must be in [0, {limits.vocab_size})")
@@ -92,13 +143,21 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
     problems = leaf_option_problems(fixed_leaves) + prompt_lookup_problems(prompt_lookup)
     if problems:
         raise InvalidRequest("; ".join(problems))
+    sampling = sampling_from_request(message.sampling)
+    prompt = prompt_tokens(message, tokenizer, limits)
+    if not prompt:
+        raise InvalidRequest("prompt is empty")
+    check_prompt_length(len(prompt), message.max_new_tokens, limits)
+    bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequest(f"token ids {bad[:5]} are outside the vocabulary [0, {limits.vocab_size})")
     return Request(
         id=message.request_id or uuid.uuid4().hex,
         prompt=prompt,
         max_new_tokens=message.max_new_tokens,
-        sampling=sampling_from_request(message.sampling),
+        sampling=sampling,
         stop_token_ids=frozenset(stop_ids),
-        text=TextStream(tokenizer, stops),
+        text=TextStream(tokenizer, list(stops)),
         fixed_k=fixed_k,
         fixed_leaves=fixed_leaves,
         prompt_lookup=prompt_lookup,

@@ -15,7 +15,7 @@ from specbatch.rpc.server import PortUnavailable, Server, configure_logging
 from specbatch.rpc.tls import channel_credentials_from_args, server_credentials_from_args
 from specbatch.v1 import generation_pb2_grpc as pb_grpc
 
-from .admission import Limits
+from .admission import Limits, longest_token_chars
 from .backends import DraftClient, TargetClient
 from .choose import fit_policy, learning_per_replica, parse_policy
 from .fit import Deployment
@@ -74,18 +74,20 @@ class SameModel:
         self.stats = None
         self.lock = threading.Lock()
 
-    def __call__(self, client) -> None:
+    def __call__(self, client):
+        """The replica's CacheStats, or NotReady."""
         stats = client.cache_stats()
         with self.lock:
             if self.stats is None:
                 self.stats = stats
-                return
+                return stats
             mine = (stats.model, stats.vocab_size, stats.feature_size)
             first = (self.stats.model, self.stats.vocab_size, self.stats.feature_size)
         if mine != first or stats.max_context < self.stats.max_context:
             log.error("%s replica %s serves %s, not %s like the others: left out", self.service, client.address,
                       mine, first)
             raise NotReady(f"serves {mine}, expected {first}")
+        return stats
 
 
 def find_eos_token_ids(tokenizer, tokenizer_source: str | None) -> frozenset[int]:
@@ -190,7 +192,8 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
                                         keeper, MAX_K, speculation.leaves, max_batch_size)
     if eos_token_ids is None:
         eos_token_ids = find_eos_token_ids(tokenizer, None)
-    limits = Limits(target_stats.vocab_size, max_context, max_new_tokens, eos_token_ids, max_prompt_tokens)
+    limits = Limits(target_stats.vocab_size, max_context, max_new_tokens, eos_token_ids,
+                    longest_token_chars(tokenizer), max_prompt_tokens)
     metrics.set_policy(k_policy.describe())
     scheduler = Scheduler(targets, drafts, k_policy, speculation, max_batch_size, max_queue, max_context,
                           feature_size, metrics=metrics, prefill_chunk=prefill_chunk)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -122,6 +123,7 @@ class ServiceClient:
         self.local: LocalChannel | None = None
         self.traffic = Traffic()
         self.retry = retrying(attempts)
+        self.answered = 0.0  # time.monotonic() of its last reply: a replica no call reaches is health-checked
 
     def _deadline(self, timeout: float | None) -> float:
         return self.timeout if timeout is None else max(0.01, min(self.timeout, timeout))
@@ -141,6 +143,7 @@ class ServiceClient:
 
     def _call(self, method: str, request, timeout: float | None = None):
         reply = self.retry(self._send)(method, request, self._deadline(timeout))
+        self.answered = time.monotonic()
         self.traffic.add(request, reply)
         return reply
 
@@ -149,10 +152,12 @@ class ServiceClient:
 
     def release(self, seq_ids: list[str], timeout: float | None = None) -> None:
         self.retry(self._send)("Release", pb.ReleaseRequest(seq_ids=seq_ids), self._deadline(timeout))
+        self.answered = time.monotonic()
 
-    def cache_stats(self) -> pb.CacheStatsResponse:
+    def cache_stats(self, timeout: float | None = None) -> pb.CacheStatsResponse:
         """Always through gRPC: it says whether the service has a local socket on this host."""
-        stats = self.retry(self.stub.CacheStats)(pb.CacheStatsRequest(), timeout=self.timeout)
+        stats = self.retry(self.stub.CacheStats)(pb.CacheStatsRequest(), timeout=self._deadline(timeout))
+        self.answered = time.monotonic()
         path = stats.local_socket if stats.local_socket and os.path.exists(stats.local_socket) else None
         if path != (self.local.path if self.local is not None else None):
             if self.local is not None:

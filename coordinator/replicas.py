@@ -9,12 +9,19 @@ time, never a request.
 
 Endpoints come from a static list (``host:port,host:port``) or from DNS (``dns:name:port``,
 e.g. a Kubernetes headless Service, one address per ready pod), re-resolved periodically.
+
+A healthy replica that no call reaches (a draft while the k policy runs k = 0, any replica while
+no request runs) would never be found down by a failed call, so a watcher health-checks it every
+WATCH_SECONDS. The same watcher asks a crowded replica (one that refused a new sequence for want
+of room: another coordinator's sequences, say, left behind until their lease runs out) for its
+CacheStats until it holds less than it did, so that new sequences go there again.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -26,6 +33,10 @@ log = logging.getLogger(__name__)
 
 DNS_PREFIX = "dns:"
 JOINING_PROBE_SECONDS = 0.5  # the longest wait between probes of a replica that has not served yet
+# How often the watcher health-checks a healthy replica no call has answered since, and asks a
+# crowded one for its room: Info and placement are that much behind a replica that dies unused.
+WATCH_SECONDS = 1.0
+PROBE_TIMEOUT_SECONDS = 2.0  # of one health check
 
 
 class NotReady(Exception):
@@ -59,6 +70,10 @@ class Replica:
     # holds them, so they are released once it answers again.
     orphans: set[str] = field(default_factory=set)
     prober: threading.Thread | None = None
+    # (sequences, cached tokens) the service held when it last had no room for a new sequence,
+    # where releasing what it holds can make room; None: not known to be full. While set, no new
+    # sequence is placed here; our own release here, or the service holding less, lifts it.
+    crowded: tuple[int, int] | None = None
 
 
 class ReplicaSet:
@@ -69,7 +84,8 @@ class ReplicaSet:
                  refresh_seconds: float = 10.0, backoff_seconds: float = 0.1, max_backoff_seconds: float = 5.0,
                  on_health=None):
         """``make_client(address)`` opens a client; ``check(client)`` raises NotReady when a
-        replica may not join (another model, say); ``on_health(replica)`` is told of changes."""
+        replica may not join (another model, say), and may return its CacheStats;
+        ``on_health(replica)`` is told of changes."""
         self.service, self.spec, self.make_client = service, spec, make_client
         self.check = check or (lambda client: None)
         self.health_service = health_service
@@ -85,6 +101,7 @@ class ReplicaSet:
         self.lock = threading.Lock()
         self.closed = threading.Event()
         self.discovery: threading.Thread | None = None
+        self.watcher: threading.Thread | None = None
 
     @classmethod
     def of(cls, service: str, client) -> "ReplicaSet":
@@ -101,6 +118,8 @@ class ReplicaSet:
         if self.spec.strip().startswith(DNS_PREFIX):
             self.discovery = threading.Thread(target=self._discover, name=f"discover-{self.service}", daemon=True)
             self.discovery.start()
+        self.watcher = threading.Thread(target=self._watch, name=f"watch-{self.service}", daemon=True)
+        self.watcher.start()
         return self
 
     def refresh(self) -> None:
@@ -183,15 +202,68 @@ class ReplicaSet:
 
     def probe(self, replica: Replica) -> None:
         """Serving, fit to join, and holding none of our abandoned sequences; or raise."""
-        stub = health_pb2_grpc.HealthStub(replica.client.channel)
-        reply = stub.Check(health_pb2.HealthCheckRequest(service=self.health_service), timeout=2.0)
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            raise NotReady(f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
-        self.check(replica.client)
+        self.check_health(replica)
+        stats = self.check(replica.client)
+        if stats is not None and stats.sequences >= stats.max_sequences:  # full of others' sequences
+            self.crowd(replica, stats, ours=0)
+        elif stats is not None:
+            self.has_room(replica, f"it holds {stats.sequences} of {stats.max_sequences} sequences")
         if replica.orphans:
             orphans = list(replica.orphans)
             replica.client.release(orphans)
             replica.orphans.difference_update(orphans)
+
+    def check_health(self, replica: Replica) -> None:
+        stub = health_pb2_grpc.HealthStub(replica.client.channel)
+        reply = stub.Check(health_pb2.HealthCheckRequest(service=self.health_service), timeout=PROBE_TIMEOUT_SECONDS)
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            raise NotReady(f"health is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+
+    def _watch(self) -> None:
+        while not self.closed.wait(WATCH_SECONDS):
+            for replica in self.healthy():
+                try:
+                    self.watch(replica)
+                except Exception:  # noqa: BLE001 - the watcher must outlive anything one replica does
+                    log.exception("watching %s replica %s failed", self.service, replica.address)
+
+    def watch(self, replica: Replica) -> None:
+        """One look at a healthy replica: down if it was unused and fails a health check; room
+        again if it was crowded and now holds less."""
+        answered = replica.client.answered
+        if time.monotonic() - answered > WATCH_SECONDS:
+            try:
+                self.check_health(replica)
+            except Exception as error:  # noqa: BLE001 - any failure: not serving
+                # Unless a call got through meanwhile, or the channel was closed under it (stopping).
+                if replica.client.answered == answered and not self.closed.is_set():
+                    self.mark_down(replica, f"unused, and its health check failed: {error}")
+                return
+        crowded = replica.crowded
+        if crowded is not None:
+            try:
+                stats = replica.client.cache_stats(timeout=PROBE_TIMEOUT_SECONDS)
+            except Exception:  # noqa: BLE001 - crowded still; a failing replica is found by its calls
+                return
+            if stats.sequences < crowded[0] or stats.cached_tokens < crowded[1]:
+                self.has_room(replica, f"it holds {stats.sequences} of {stats.max_sequences} sequences now")
+
+    def crowd(self, replica: Replica, stats, ours: int) -> None:
+        """The service (its CacheStats ``stats``, None where they could not be had) has no room
+        for a new sequence, though it may have once what it holds is released (``ours`` of them
+        are ours): no new sequence goes there until then."""
+        if replica.crowded is None:
+            held = "unknown" if stats is None else f"{stats.sequences} of {stats.max_sequences} cached, {ours} ours"
+            log.warning("%s replica %s has no room for a new sequence (%s): new requests wait for room there",
+                        self.service, replica.address, held, extra={"service": self.service, "replica": replica.address})
+        # Unknown: the watcher's next look at it, whatever it finds, lifts it.
+        replica.crowded = (sys.maxsize, sys.maxsize) if stats is None else (stats.sequences, stats.cached_tokens)
+
+    def has_room(self, replica: Replica, why: str) -> None:
+        if replica.crowded is not None:
+            replica.crowded = None
+            log.info("%s replica %s takes new sequences again: %s", self.service, replica.address, why,
+                     extra={"service": self.service, "replica": replica.address})
 
     def wait_healthy(self, timeout: float) -> Replica:
         """The first healthy replica, waiting up to ``timeout`` seconds for one."""
@@ -210,9 +282,13 @@ class ReplicaSet:
         with self.lock:
             return [r for r in self.replicas.values() if r.healthy]
 
+    def open(self) -> list[Replica]:
+        """The healthy replicas that may take a new sequence (not crowded)."""
+        return [r for r in self.healthy() if r.crowded is None]
+
     def pick(self) -> Replica | None:
-        """The healthy replica holding the fewest sequences: new sequences balance the load."""
-        return min(self.healthy(), key=lambda r: (len(r.assigned), r.address), default=None)
+        """The open replica holding the fewest sequences: new sequences balance the load."""
+        return min(self.open(), key=lambda r: (len(r.assigned), r.address), default=None)
 
     def attach(self, replica: Replica, seq_id: str) -> None:
         replica.assigned.add(seq_id)

@@ -80,6 +80,7 @@ class Failure:
 
     code: object  # grpc.StatusCode
     message: str
+    retry: bool = False  # the client may retry later: the status carries a retry-after-ms hint
 
 
 class FeatureLog:
@@ -131,6 +132,9 @@ class Request:
     # Authoritative history: prompt + every accepted token. Services only cache prefixes of it.
     history: list[int] = field(default_factory=list)
     target_len: int = 0  # tokens of history cached on its target replica
+    # Its prompt was refused for want of room on a target that held nothing else: once may be a
+    # race with another coordinator's release, twice means it does not fit even alone.
+    refused_alone: int = 0
     draft_len: int = 0  # tokens of history cached on its draft replica
     # Prompt lookup's index of this request's history (coordinator/lookup.py), made on first use.
     lookup: PromptLookup | None = None
@@ -189,10 +193,11 @@ class Request:
         if self.finish is not None:
             self.close(self.finish)
 
-    def fail(self, code, message: str) -> None:
-        """End the request with an error status (a service refused it); it is retired next."""
+    def fail(self, code, message: str, retry: bool = False) -> None:
+        """End the request with an error status (a service refused it); it is retired next.
+        ``retry``: the refusal may not hold later (room taken by others), and says when to retry."""
         self.finish = FINISH_CANCELLED
-        self.failure = Failure(code, message)
+        self.failure = Failure(code, message, retry)
         self.events.put(self.failure)
 
     def close(self, reason: int) -> None:

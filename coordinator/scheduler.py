@@ -155,11 +155,14 @@ class Scheduler:
                 self.retire()
                 self.admit()
                 if self.running:
-                    if not self.step():  # no healthy target replica: the batch waits for one
+                    if not self.step():  # no target replica for any of them: the batch waits for one
                         self.stopping.wait(0.05)
-                elif (self.prefilling or self.waiting) and not self.services.target_replicas.healthy():
-                    self.stopping.wait(0.05)  # nowhere to prefill: admitted and queued requests wait for one
-                elif not self.prefilling:
+                elif self.prefilling:
+                    if not self.services.target_replicas.healthy():
+                        self.stopping.wait(0.05)  # nowhere to prefill: admitted requests wait for a replica
+                elif self.waiting and not self.services.target_replicas.open():
+                    self.stopping.wait(0.05)  # no replica takes a new sequence: queued requests wait for one
+                else:
                     with self.wakeup:
                         if not self.waiting and not self.stopping.is_set():
                             self.wakeup.wait(timeout=0.5)
@@ -209,22 +212,31 @@ class Scheduler:
 
     def admit(self) -> None:
         """Move waiting requests into the batch as far as there is room, then prefill (a chunk of)
-        what the admitted hold; those that cannot be prefilled now wait at the head of the queue."""
+        what the admitted hold; those that cannot be prefilled now wait at the head of the queue.
+        Requests cancelled or past their deadline leave the queue whether or not there is room:
+        it may be a long wait (another coordinator's sequences hold the target's room)."""
         with self.wakeup:
-            if not self.services.target_replicas.healthy():
-                return  # nowhere to prefill: requests wait in the queue
+            now = time.monotonic()
+            dropped = [r for r in self.waiting
+                       if r.cancelled.is_set() or (r.deadline is not None and now > r.deadline)]
+            if dropped:
+                gone = {id(r) for r in dropped}
+                self.waiting = deque(r for r in self.waiting if id(r) not in gone)
             room = self.max_batch_size - len(self.running) - len(self.prefilling)
+            if not self.services.target_replicas.open():
+                room = 0  # no replica is up, or none takes a new sequence now: requests wait in the queue
             if self.admit_one_at_a_time:
                 room = min(room, 1 - len(self.prefilling))
-            admitted, dropped = [], []
-            now = time.monotonic()
+            admitted, held_back = [], []
             while room > 0 and self.waiting:
                 request = self.waiting.popleft()
-                if request.cancelled.is_set() or (request.deadline is not None and now > request.deadline):
-                    dropped.append(request)
+                replica = request.target_replica
+                if request.target_len and replica is not None and replica.crowded is not None:
+                    held_back.append(request)  # begun on a replica with no room now: it goes on there later
                     continue
                 admitted.append(request)
                 room -= 1
+            self.waiting.extendleft(reversed(held_back))
             self.prefilling.extend(admitted)
         for request in dropped:
             if request.cancelled.is_set():
@@ -234,7 +246,7 @@ class Scheduler:
         self.services.release([r for r in dropped if r.target_replica or r.draft_replica])
         for request in admitted:
             request.admitted = request.admitted or time.monotonic()
-        if self.prefilling:
+        if self.prefilling and self.services.target_replicas.healthy():  # else they wait for a replica
             self._prefill()
 
     def _chunks(self, requests: list[Request]) -> list[tuple[Request, int]]:
@@ -298,24 +310,46 @@ class Scheduler:
 
     def _prefill_refused(self, replica: Replica, group: list[Request], error: grpc.RpcError) -> None:
         """A target call of the prefill failed (its replica unreachable, which the services have
-        marked down, or a refusal): the prompts wait, or the one refused alone fails."""
+        marked down, or a refusal): the prompts wait, or the one refused alone fails.
+
+        A prompt refused alone for want of room (RESOURCE_EXHAUSTED) waits while the target holds
+        other sequences, ours or another coordinator's (a dead one's stay until their lease ends):
+        the replica takes no new sequence until some are released. Only a prompt that does not fit
+        an empty target is refused, since no wait would help it."""
+        with self.wakeup:
+            self.prefilling = [r for r in self.prefilling if r not in group]
         alone = len(group) == 1
-        others_here = any(r.target_replica is replica for r in self.running + self.prefilling if r not in group)
-        if refusal(error) and alone and not (error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and others_here):
-            group[0].fail(error.code(), f"the target refused the prompt: {error.details()}")
+        if refusal(error) and alone and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             with self.wakeup:
-                self.prefilling = [r for r in self.prefilling if r not in group]
-            self._retire_now(group)
-            self.admit_one_at_a_time = False
+                queued = list(self.waiting)
+            here = [r for r in self.running + self.prefilling + queued + group
+                    if r.target_replica is replica and r.target_len > 0]
+            # Prompts begun there and not finished (this one past its first chunk, say) make no room
+            # while they wait: only running requests, or others' sequences, can.
+            stuck = sum(r not in self.running for r in here)
+            if self.services.out_of_room(self.services.target_replicas, replica, len(here), stuck):
+                group[0].refused_alone = 0
+            elif group[0].refused_alone == 0:
+                group[0].refused_alone = 1  # once more: what held the room may have left just now
+            else:
+                self._refuse_prompt(group[0], error)
+                return
+        elif refusal(error) and alone:
+            self._refuse_prompt(group[0], error)
             return
-        if refusal(error) and not alone:
-            # Out of room while others run (wait for them), or one of several is refused:
-            # admit one at a time until the refused one is found.
+        elif refusal(error):
+            # One of several is refused (no room for all, or one is bad): admit one at a time
+            # until the refused one is found.
             self.admit_one_at_a_time = True
         # Back to the queue; what a prompt has on a healthy target stays there, and it goes on from
         # there once admitted again.
         log.warning("prefill on %s failed (%s): %d requests wait", replica.address, error.code(), len(group))
         self._requeue(group)
+
+    def _refuse_prompt(self, request: Request, error: grpc.RpcError) -> None:
+        request.fail(error.code(), f"the target refused the prompt: {error.details()}")
+        self._retire_now([request])
+        self.admit_one_at_a_time = False
 
     def _retire_now(self, requests: list[Request]) -> None:
         for request in requests:

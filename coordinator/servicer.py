@@ -53,6 +53,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         while True:
             response = request.events.get()
             if isinstance(response, Failure):
+                if response.retry:
+                    context.set_trailing_metadata((("retry-after-ms", str(self.retry_hint_ms())),))
                 context.abort(response.code, response.message)
             yield response
             if response.finish_reason:

@@ -22,7 +22,7 @@ import grpc
 
 from .backends import Call, lost_state, unreachable
 from .chain import Chain
-from .replicas import Replica, ReplicaSet
+from .replicas import PROBE_TIMEOUT_SECONDS, Replica, ReplicaSet
 from .requests import Request, log_fields
 
 log = logging.getLogger(__name__)
@@ -80,14 +80,43 @@ class Services:
 
     def place(self, request: Request) -> bool:
         """Keep a request on its replicas, or move it off one that is down (its caches are rebuilt
-        from history where it lands). False when no target replica is healthy: it waits."""
+        from history where it lands), or, where nothing of it is cached yet, off one that has no
+        room for it. False when no target replica can take it: it waits."""
         if not _usable(request.target_replica):
             request.target_replica = self._move(self.target_replicas, request.target_replica, request)
             request.target_len = 0
-        if self.draft_replicas is not None and not _usable(request.draft_replica):
-            request.draft_replica = self._move(self.draft_replicas, request.draft_replica, request)
-            request.draft_len = 0
+        elif request.target_len == 0 and request.target_replica.crowded is not None:
+            request.target_replica = self._elsewhere(self.target_replicas, request.target_replica, request)
+        if self.draft_replicas is not None:
+            if not _usable(request.draft_replica):
+                request.draft_replica = self._move(self.draft_replicas, request.draft_replica, request)
+                request.draft_len = 0
+            elif request.draft_len == 0 and request.draft_replica.crowded is not None:  # target-only until room
+                request.draft_replica = self._elsewhere(self.draft_replicas, request.draft_replica, request)
         return request.target_replica is not None
+
+    def _elsewhere(self, replicas: ReplicaSet, replica: Replica, request: Request) -> Replica | None:
+        """A request with nothing cached on ``replica`` (crowded) goes to one with room, if any."""
+        replicas.detach(replica, request.seq_id)
+        replica = replicas.pick()
+        if replica is not None:
+            replicas.attach(replica, request.seq_id)
+        return replica
+
+    def out_of_room(self, replicas: ReplicaSet, replica: Replica, ours: int, own: int = 0) -> bool:
+        """After ``replica`` refused a call for want of room (RESOURCE_EXHAUSTED): True where what
+        it holds can make room once released (``ours`` of its sequences are ours; the others are
+        another coordinator's, alive or dead, whose leases end), and it is set crowded until then;
+        False where it holds nothing but ``own`` sequences, which wait on the refused call
+        themselves: it does not fit beside them, and no wait helps."""
+        try:
+            stats = replica.client.cache_stats(timeout=PROBE_TIMEOUT_SECONDS)
+        except grpc.RpcError:
+            stats = None  # cannot tell: wait, and let the watcher look again
+        if stats is not None and stats.sequences <= own:
+            return False
+        replicas.crowd(replica, stats, ours)
+        return True
 
     def _move(self, replicas: ReplicaSet, replica: Replica | None, request: Request) -> Replica | None:
         """Detach the request from ``replica`` (down, or None: not placed yet) and attach it to a
@@ -107,6 +136,7 @@ class Services:
         admitted in their place, so that admission never counts memory about to be freed.
         ``timeout``: of each Release call (default: the replica client's own)."""
         held: dict[Replica, list[str]] = defaultdict(list)
+        sets: dict[Replica, ReplicaSet] = {}
         for request in requests:
             for replicas, replica in ((self.target_replicas, request.target_replica),
                                       (self.draft_replicas, request.draft_replica)):
@@ -114,6 +144,7 @@ class Services:
                     replicas.detach(replica, request.seq_id)
                     if replica.healthy:
                         held[replica].append(request.seq_id)
+                        sets[replica] = replicas
             request.target_replica = request.draft_replica = None
         results = self.fan_out({replica: (lambda r=replica, ids=seq_ids: r.client.release(ids, timeout))
                                 for replica, seq_ids in held.items()})
@@ -121,6 +152,8 @@ class Services:
             if isinstance(result, grpc.RpcError):  # released once it answers again (or it restarted)
                 log.warning("release on %s failed: %s", replica.address, result.code())
                 replica.orphans.update(held[replica])
+            else:  # room we made ourselves: a new sequence may fit there now
+                sets[replica].has_room(replica, f"{len(held[replica])} of our sequences released")
 
     # ---- the calls of a step -------------------------------------------------------------------------
 
@@ -208,6 +241,11 @@ class Services:
         log.warning("draft %s unavailable (%s): target-only step", replica.address, error.code().name)
         if unreachable(error):  # down, or slower than its deadline: set aside for a while
             self.replica_failed(self.draft_replicas, replica, group, error, set_aside_if_slow=True)
+        elif error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and any(r.draft_len == 0 for r in group):
+            # No room there for the new sequences: a refused call changes nothing, so what it holds
+            # stays as it was, and the new ones run target-only until it has room.
+            self.out_of_room(self.draft_replicas, replica, sum(r.draft_len > 0 for r in group))
+            return
         for request in group:
             request.draft_len = 0
 
@@ -247,11 +285,15 @@ class Services:
                 request.target_len = 0
         elif unreachable(error):  # the next step moves them to a healthy replica, or they wait
             self.replica_failed(self.target_replicas, replica, group, error)
+        elif (error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and any(r.target_len == 0 for r in group)
+              and self.out_of_room(self.target_replicas, replica, sum(r.target_len > 0 for r in group))):
+            pass  # no room for the sequences it was to rebuild: they go elsewhere, or wait for room
         else:
             # The service refuses the batch (out of KV memory, say): shed the newest request of
-            # it with the service's status so the others can go on.
+            # it with the service's status so the others can go on; it may retry once they are done.
             newest = max(group, key=lambda r: r.arrival)
-            newest.fail(error.code(), f"a model service refused: {error.details()}")
+            newest.fail(error.code(), f"a model service refused: {error.details()}",
+                        retry=error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)
 
     # ---- calling replicas ----------------------------------------------------------------------------
 

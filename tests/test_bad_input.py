@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import threading
+import time
+from concurrent import futures
+from itertools import pairwise
 
 import grpc
 import pytest
@@ -57,6 +60,21 @@ def long_prompt(extra: int, max_new_tokens: int) -> pb.GenerateRequest:
     return make_request([1] + [7] * (CONTEXT - 1 + extra), max_new_tokens)
 
 
+# The tiny tokenizer's longest token, "<pad>", has 5 characters: a prompt of at most 255 tokens
+# (one new token must fit the context) holds at most 1275 characters.
+PROMPT_CHARS = 5 * (CONTEXT - 1)
+
+
+def words(n: int) -> str:
+    return " ".join(["w7"] * n)
+
+
+def many_stop_token_ids() -> pb.GenerateRequest:
+    message = request()
+    message.stop_token_ids.extend([5] * (VOCAB + 1))
+    return message
+
+
 # (name, request, words the error message must contain)
 BAD_REQUESTS = [
     ("empty text", lambda: make_request("", 8), "prompt text is empty"),
@@ -83,6 +101,18 @@ BAD_REQUESTS = [
     ("empty chat", empty_chat, "chat prompt has no messages"),
     ("chat of blank messages", blank_chat, "chat prompt has no messages"),
     ("empty stop string", lambda: make_request(PROMPT, 8, stop=[""]), "stop strings"),
+    ("17 stop strings", lambda: make_request(PROMPT, 8, stop=["w1"] * 17), "at most 16 stop strings"),
+    ("stop string of 257 characters", lambda: make_request(PROMPT, 8, stop=["w" * 257]), "1 to 256 characters"),
+    ("text past its size bound", lambda: make_request(words(PROMPT_CHARS // 3 + 1), 8),
+     f"characters, more than its limit of {CONTEXT - 1} tokens can hold ({PROMPT_CHARS} characters"),
+    ("chat past its size bound", lambda: make_request([{"role": "user", "content": words(PROMPT_CHARS // 3)}], 8),
+     f"more than its limit of {CONTEXT - 1} tokens can hold"),
+    ("chat of more messages than tokens", lambda: make_request([{"role": "user", "content": "w7"}] * CONTEXT, 8),
+     f"the chat has {CONTEXT} messages"),
+    ("a million token ids", lambda: make_request([7] * 1_000_000, 8), f"context of {CONTEXT}"),
+    ("request_id of 257 characters", lambda: request(request_id="r" * 257),
+     "request_id has 257 characters; the limit is 256"),
+    ("more stop_token_ids than the vocabulary", many_stop_token_ids, f"at most {VOCAB} stop_token_ids"),
 ]
 
 
@@ -118,6 +148,11 @@ def test_boundaries_just_inside_the_limits_are_accepted(stack, target_model):
     assert result.finish == "length" and result.token_ids == greedy_reference(target_model, prompt, 3)
     result = generate(client, make_request(PROMPT, MAX_NEW_TOKENS, k=0, ignore_eos=True), timeout=60)
     assert len(result.token_ids) == MAX_NEW_TOKENS
+    # The longest text prompt: as many tokens as fit beside one new token.
+    result = generate(client, make_request(words(CONTEXT - 1), 1, ignore_eos=True), timeout=60)
+    assert result.stats.prompt_tokens == CONTEXT - 1 and len(result.token_ids) == 1
+    result = generate(client, make_request([{"role": "user", "content": words(80)}], 1, ignore_eos=True), timeout=60)
+    assert result.finish == "length"
 
 
 def test_bad_requests_do_not_disturb_a_running_request(stack, target_model):
@@ -332,3 +367,47 @@ def test_prompt_token_limit(target_model, draft_model, tokenizer):
         assert result.token_ids == greedy_reference(target_model, [1, 5, 6, 7, 8, 9], 4)
     finally:
         stack.stop()
+
+
+def test_a_10_mb_prompt_is_refused_at_once_and_stalls_no_stream(stack, target_model):
+    """A text far past what the context holds is refused on its size, before the tokenizer spends
+    seconds on it; while two such prompts and two of the largest size allowed arrive, a running
+    stream's tokens keep coming. Bounds are generous: this checks behaviour, not speed."""
+    huge = make_request("w7 " * 3_400_000, 8)  # 10 MB, 3.4 M tokens
+    largest = make_request(words(CONTEXT - 1), 1, ignore_eos=True)
+    arrivals: list[float] = []
+    running = {}
+
+    def stream():
+        running["result"] = generate(stack.client(), make_request(PROMPT, MAX_NEW_TOKENS, k=0, ignore_eos=True),
+                                     on_response=lambda r: arrivals.append(time.monotonic()), timeout=120)
+
+    def send(message):
+        start = time.monotonic()
+        try:
+            result = generate(stack.client(), message, timeout=60)
+            return result.finish, time.monotonic() - start
+        except grpc.RpcError as error:
+            return error.code(), time.monotonic() - start
+
+    # Each target forward takes 20 ms more: the stream's 128 steps outlast the flood.
+    with hooked_forwards(stack.target_engine, lambda fed: time.sleep(0.02)):
+        streaming = threading.Thread(target=stream)
+        streaming.start()
+        deadline = time.monotonic() + 30
+        while len(arrivals) < 3:
+            assert time.monotonic() < deadline, "the stream never started"
+            time.sleep(0.005)
+        flood_start = time.monotonic()
+        with futures.ThreadPoolExecutor(4) as pool:
+            outcomes = list(pool.map(send, [huge, largest, huge, largest]))
+        flood_end = time.monotonic()
+        outlasted = "result" not in running
+        streaming.join(timeout=120)
+    assert [code for code, _ in outcomes] == [grpc.StatusCode.INVALID_ARGUMENT, "length"] * 2
+    refusal_seconds = max(seconds for (code, seconds) in outcomes[::2])
+    assert refusal_seconds < 1.0
+    assert outlasted, "the stream ended before the flood did: nothing was measured"
+    during = [b - a for a, b in pairwise(arrivals) if b >= flood_start and a <= flood_end]
+    assert during and max(during) < 1.0
+    assert running["result"].token_ids == greedy_reference(target_model, PROMPT, MAX_NEW_TOKENS)

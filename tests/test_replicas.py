@@ -15,6 +15,7 @@ from tiny import greedy_reference
 from coordinator.replicas import resolve
 from coordinator.services import call_timeout
 from draft_service.servicer import DraftServicer
+from specbatch.config.speculation import SpeculationConfig
 from specbatch.engine.engine import Engine
 from specbatch.rpc.client import generate, generate_all, make_request
 from specbatch.stack.in_process import serve_engine, start_local_stack
@@ -188,6 +189,52 @@ def test_draft_down_runs_target_only_and_resumes(target_model, draft_model, toke
         result = generate(stack.client(), make_request(prompts[0], 30, k=3, ignore_eos=True), timeout=30)
         assert result.token_ids == greedy_reference(target_model, prompts[0], 30)
         assert result.stats.draft_tokens_proposed > 0 and engine.sequences_created > 0
+    finally:
+        stack.stop()
+
+
+def replica_status(stack, service: str, port: int) -> gen_pb.ReplicaStatus:
+    (status,) = [r for r in info(stack).replicas if r.service == service and r.address == f"127.0.0.1:{port}"]
+    return status
+
+
+def test_an_unused_draft_that_stops_is_reported_down_and_used_again_when_back(target_model, draft_model,
+                                                                              tokenizer):
+    """Under k = 0 no call reaches the draft, so no failed call finds it down: the watcher's
+    health checks do, Info says so, and once it serves again requests speculate on it again."""
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8,
+                              speculation=SpeculationConfig(k_policy="fixed:0", prompt_lookup=0))
+    try:
+        prompts = prompts_of_lengths([5, 9], seed=13)
+        results = generate_all(stack.client(), [make_request(p, 20, ignore_eos=True) for p in prompts], timeout=60)
+        assert_exact(results, prompts, target_model, 20)
+        assert all(r.stats.draft_tokens_proposed == 0 for r in results)
+        port = stack.draft.port
+        stack.draft.stop(grace=0)
+        wait_for(lambda: not replica_status(stack, "draft", port).healthy, timeout=10, what="Info: the draft down")
+        assert replica_status(stack, "draft", port).failures == 1
+        results = generate_all(stack.client(), [make_request(p, 20, ignore_eos=True) for p in prompts], timeout=60)
+        assert_exact(results, prompts, target_model, 20)
+        server, engine = restart_on(port, stack.draft_engine.model, DraftServicer, "draft")
+        stack.drafts[0], stack.draft_engines[0] = server, engine
+        wait_for(lambda: replica_status(stack, "draft", port).healthy, what="Info: the draft back")
+        result = generate(stack.client(), make_request(prompts[0], 30, k=3, ignore_eos=True), timeout=30)
+        assert result.token_ids == greedy_reference(target_model, prompts[0], 30)
+        assert result.stats.draft_tokens_proposed > 0 and engine.sequences_created > 0
+    finally:
+        stack.stop()
+
+
+def test_an_idle_target_replica_that_stops_is_reported_down(target_model, draft_model, tokenizer):
+    stack = start_local_stack(target_model, draft_model, tokenizer, target_replicas=2)
+    try:
+        port = stack.targets[1].port
+        assert replica_status(stack, "target", port).healthy
+        stack.targets[1].stop(grace=0)
+        wait_for(lambda: not replica_status(stack, "target", port).healthy, timeout=10, what="Info: the target down")
+        prompt = prompts_of_lengths([6], seed=14)[0]
+        result = generate(stack.client(), make_request(prompt, 20, k=3, ignore_eos=True), timeout=30)
+        assert result.token_ids == greedy_reference(target_model, prompt, 20)
     finally:
         stack.stop()
 

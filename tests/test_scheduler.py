@@ -417,3 +417,90 @@ def test_a_request_whose_deadline_passed_in_the_queue_fails_with_deadline_exceed
     assert scheduler.running == [] and target.calls == []
     assert late.failure is not None and late.failure.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert cancelled.failure is None and cancelled.finish is not None
+
+
+class NoRoom(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def details(self):
+        return "no room"
+
+
+class FullTarget(FakeTarget):
+    """Refuses any call that would hold more than ``room`` sequences, or feed a sequence past
+    ``most_tokens``; reports what it holds in CacheStats."""
+
+    def __init__(self, address: str, room: int, most_tokens: int = 10**6):
+        super().__init__(address)
+        self.room, self.most_tokens = room, most_tokens
+        self.held: dict[str, int] = {}
+
+    def verify(self, calls, drafts, sampling, **kwargs):
+        held = {**self.held, **{c.seq_id: c.keep_len + len(c.tokens) + len(d) for c, d in zip(calls, drafts)}}
+        if len(held) > self.room or max(held.values()) > self.most_tokens:
+            raise NoRoom()
+        reply = super().verify(calls, drafts, sampling, **kwargs)
+        self.held.update({c.seq_id: v.cached_len for c, v in zip(calls, reply.verdicts)})
+        return reply
+
+    def release(self, seq_ids, timeout=None):
+        super().release(seq_ids)
+        for seq_id in seq_ids:
+            self.held.pop(seq_id, None)
+
+    def cache_stats(self, timeout=None):
+        return SimpleNamespace(sequences=len(self.held), cached_tokens=sum(self.held.values()),
+                               max_sequences=self.room)
+
+
+def test_a_running_request_refused_room_at_a_step_ends_with_a_retry_hint(scheduler_of):
+    """A target that cannot hold the batch's next tokens sheds the newest request with its
+    RESOURCE_EXHAUSTED, marked for a retry hint; the other goes on."""
+    target = FullTarget("t", room=2, most_tokens=12)
+    scheduler = scheduler_of(replica_set("target", target), k=0)
+    old, new = make_request((1, 2, 3), 20), make_request((5, 6, 7, 8), 20)
+    new.arrival = old.arrival + 1
+    for request in (old, new):
+        scheduler.submit(request)
+    scheduler.admit()
+    assert scheduler.running == [old, new]
+    while new.failure is None:
+        scheduler.step()
+    assert new.failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED and new.failure.retry
+    scheduler.retire()
+    scheduler.step()
+    assert scheduler.running == [old] and old.failure is None and len(old.history) > 9
+
+
+def test_a_prompt_refused_room_waits_for_a_running_request_and_one_that_never_fits_is_refused(scheduler_of):
+    """One sequence slot: a second prompt waits (the replica takes no new sequence, so no call is
+    wasted on it) until the first request is released; a prompt past its first chunk that no
+    longer fits a target holding nothing else is refused, not left waiting on itself."""
+    target = FullTarget("t", room=1, most_tokens=6)
+    scheduler = scheduler_of(replica_set("target", target), k=0, prefill_chunk=3)
+    first, second = make_request((1, 2), 2), make_request((5, 6), 2)
+    scheduler.submit(first)
+    scheduler.admit()
+    scheduler.submit(second)
+    scheduler.admit()
+    (replica,) = scheduler.services.target_replicas.all()
+    assert scheduler.running == [first] and list(scheduler.waiting) == [second] and replica.crowded == (1, 2)
+    calls = len(target.calls)
+    scheduler.admit()
+    assert len(target.calls) == calls  # crowded: not asked again
+    while scheduler.running:
+        scheduler.step()
+        scheduler.retire()
+    assert first.finish is not None and replica.crowded is None  # our release made room
+    scheduler.admit()
+    assert scheduler.running == [second]
+    while scheduler.running:
+        scheduler.step()
+        scheduler.retire()
+    too_long = make_request(tuple(range(10, 18)), 2)  # 8 tokens: the second chunk passes 6
+    scheduler.submit(too_long)
+    for _ in range(4):
+        scheduler.admit()
+    assert too_long.failure is not None and too_long.failure.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert not too_long.failure.retry and not scheduler.waiting and not target.held

@@ -217,5 +217,15 @@ def chat_token_ids(tokenizer, messages: list[dict], add_generation_prompt: bool 
     """Messages rendered with the tokenizer's chat template, then tokenized without adding special
     tokens again (the template writes them): how the coordinator turns a chat request into a
     prompt, so that profiling and distillation see the prompts serving sees."""
-    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    return chat_text_token_ids(tokenizer, chat_text(tokenizer, messages, add_generation_prompt))
+
+
+def chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """``chat_token_ids``' first half: the text the chat template renders (the coordinator checks
+    its size before tokenizing it)."""
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+def chat_text_token_ids(tokenizer, rendered: str) -> list[int]:
+    """``chat_token_ids``' second half: a rendered chat's tokens."""
     return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
