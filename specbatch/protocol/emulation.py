@@ -30,7 +30,9 @@ def parse_rates(value: str) -> tuple[float, ...]:
             raise ValueError(f"{value!r} is neither comma-separated rates in [0, 1] nor a profile file")
         try:
             rates = list(load_profile(text).acceptance_by_position)
-        except (OSError, ProfileError) as error:
+        except ProfileError as error:  # it names the file and the field
+            raise ValueError(str(error)) from None
+        except OSError as error:
             raise ValueError(f"profile {text}: {error}") from None
         if not rates:
             raise ValueError(f"profile {text} has no acceptance_by_position (max_k 0)")
