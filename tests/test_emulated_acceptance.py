@@ -145,7 +145,10 @@ def serve(target_model, draft_model, tokenizer, emulated=None):
 
 
 @pytest.mark.parametrize("emulated", [None, (0.8, 0.5)], ids=["off", "on"])
-def test_reported_in_cache_stats_info_and_metrics(target_model, draft_model, tokenizer, emulated):
+def test_reported_in_cache_stats_info_metrics_and_bench_results(target_model, draft_model, tokenizer, emulated,
+                                                               tmp_path, capsys):
+    from specbatch.commands import cli
+
     target, draft, coordinator, metrics = serve(target_model, draft_model, tokenizer, emulated)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{target.port}") as channel:
@@ -166,6 +169,13 @@ def test_reported_in_cache_stats_info_and_metrics(target_model, draft_model, tok
             assert value("specbatch_emulated_acceptance", {"position": "1"}) == 0.5
         else:
             assert value("specbatch_emulated_acceptance", {"position": "0"}) is None
+        # specbatch bench records it in its results (read from Info), and prints it.
+        out = tmp_path / "bench"
+        assert cli.main(["bench", "--address", f"127.0.0.1:{coordinator.port}", "--fixed-k", "2", "--traffic",
+                         "uniform", "--concurrency", "1", "--requests", "1", "--max-new-tokens", "4", "--prompts",
+                         "chat", "--out", str(out)]) == 0
+        assert json.loads((out / "results.json").read_text())["emulated_acceptance"] == (expected or None)
+        assert ("acceptance EMULATED at 0.8,0.5" in capsys.readouterr().out) == bool(emulated)
     finally:
         coordinator.stop(grace=1)
         draft.stop(grace=1)
@@ -200,3 +210,24 @@ def test_the_flag(tmp_path):
     assert "--emulate-acceptance" not in pass_on(values, "draft") + pass_on(values, "coordinator")
     with pytest.raises(SystemExit):
         parser_for("draft").parse_args(["--emulate-acceptance", "0.5"])
+
+
+def test_profile_records_it_and_measures_its_rates(target_model, draft_model, tokenizer, tmp_path):
+    from specbatch.commands import cli
+    from specbatch.protocol.profile import load_profile
+
+    target, draft, coordinator, _ = serve(target_model, draft_model, tokenizer, (1.0,))
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    out = tmp_path / "profile.json"
+    try:
+        assert cli.main(["profile", "--target", f"127.0.0.1:{target.port}", "--draft", f"127.0.0.1:{draft.port}",
+                         "--tokenizer", str(tmp_path / "tokenizer"), "--batch-sizes", "1,2", "--max-k", "2",
+                         "--steps", "2", "--warmup-steps", "1", "--max-prompt-tokens", "64", "--out", str(out),
+                         "--hardware", "a test"]) == 0
+    finally:
+        coordinator.stop(grace=1)
+        draft.stop(grace=1)
+        target.stop(grace=1)
+    profile = load_profile(out)
+    assert profile.workload["emulated_acceptance"] == "1"
+    assert profile.acceptance_by_position == (1.0, 1.0)  # every draft kept, as the rate says
