@@ -40,7 +40,7 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
 
     @classmethod
     def serve_on(cls, server, engine, model_name: str, metrics=None,
-                 emulated_acceptance: tuple[float, ...] | None = None) -> "TargetServicer":
+                 emulated_acceptance: tuple[float, ...] | None = None) -> TargetServicer:
         servicer = cls(engine, model_name, metrics, emulated_acceptance)
         server.add(cls.add_to_server, servicer, cls.service_name)
         return servicer

@@ -3,16 +3,17 @@ random-weight pairs), and says so in CacheStats, Info and its metrics; off by de
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import random
+from pathlib import Path
 
 import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 from tiny import VOCAB
 
+import specbatch
 from coordinator.app import build_coordinator
 from draft_service.servicer import DraftServicer
 from specbatch.config.options import parser_for
@@ -195,8 +196,8 @@ def test_the_flag(tmp_path):
     assert target.parse_args([]).emulate_acceptance is None  # off by default
     assert parse_rates(target.parse_args(["--emulate-acceptance", "0.8,0.7,0.6"]).emulate_acceptance) == (0.8, 0.7, 0.6)
     assert parse_rates("0.7") == (0.7,)
-    assert parse_rates("specbatch/profiles/embedded-cpu.json") == tuple(
-        json.load(open("specbatch/profiles/embedded-cpu.json"))["acceptance_by_position"])
+    shipped = Path(specbatch.__file__).parent / "profiles" / "embedded-cpu.json"
+    assert parse_rates(str(shipped)) == tuple(json.loads(shipped.read_text())["acceptance_by_position"])
     bad_profile = tmp_path / "bad.json"
     bad_profile.write_text('{"format": "specbatch-profile"}')
     for bad in ("1.2", "-0.1", "0.8,,0.5", "nan", "0.5,abc", "", "no-such-file.json", str(bad_profile)):
