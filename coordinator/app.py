@@ -201,8 +201,11 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     scheduler.start()
     if profile_file is not None:
         profile_file.start()
+    if target_stats.emulated_acceptance:  # its output is not the target's: say so here too
+        log.warning("the target EMULATES acceptance at rates %s (drafts kept by seeded draws, not verified): "
+                    "output is not the target's, for timing only", target_stats.emulated_acceptance)
     servicer = GenerationServicer(scheduler, tokenizer, limits, target_stats.model, draft_model, tokenizer_name,
-                                  keeper or profile_file)
+                                  keeper or profile_file, target_stats.emulated_acceptance)
     server.add(pb_grpc.add_GenerationServicer_to_server, servicer, "specbatch.v1.Generation")
     metrics_server = serve_metrics(metrics.registry, "coordinator", metrics_host, metrics_port)
     return Coordinator(server.start(), scheduler, targets, drafts, profile_file, metrics_server, keeper)

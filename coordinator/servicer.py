@@ -21,10 +21,11 @@ log = logging.getLogger(__name__)
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, scheduler: Scheduler, tokenizer, limits: Limits, target_model: str, draft_model: str,
-                 tokenizer_name: str, profile_file=None):
+                 tokenizer_name: str, profile_file=None, emulated_acceptance: str = ""):
         self.scheduler, self.tokenizer, self.limits = scheduler, tokenizer, limits
         self.names = (target_model, draft_model, tokenizer_name)
         self.profile_file = profile_file  # coordinator.profile_file.ProfileFile, or None
+        self.emulated_acceptance = emulated_acceptance  # the target's, from its CacheStats: "" when off
 
     def _refuse(self, context, code: grpc.StatusCode, message: str, retry_after_ms: int | None = None):
         if self.scheduler.metrics:
@@ -95,4 +96,5 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                        sequences=len(r.assigned), failures=r.failures)
                       for replicas in filter(None, (services.target_replicas, services.draft_replicas))
                       for r in replicas.all()],
+            emulated_acceptance=self.emulated_acceptance,
         )

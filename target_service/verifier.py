@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,7 @@ from specbatch.engine.batch import SequenceInput
 from specbatch.engine.engine import Engine
 from specbatch.engine.sampling import (
     DRAW_ACCEPT,
+    DRAW_EMULATED,
     DRAW_TARGET,
     SamplingParams,
     SparseDistribution,
@@ -20,6 +22,7 @@ from specbatch.engine.sampling import (
     uniforms,
 )
 from specbatch.kernels.layers import argmax
+from specbatch.protocol.emulation import rate_at
 from specbatch.protocol.errors import InvalidRequest
 from specbatch.protocol.speculation import MAX_K, MAX_LEAVES
 
@@ -87,7 +90,7 @@ def check(items: list[VerifyItem]) -> None:
 
 
 def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
-           return_features: bool = False) -> list[Verdict]:
+           return_features: bool = False, emulated: tuple[float, ...] | None = None) -> list[Verdict]:
     """One forward of (uncached tokens + drafts + leaves) for every sequence, then the acceptance
     rule (specbatch.engine.acceptance): greedy rows and sampled rows each in one batched decision.
 
@@ -96,6 +99,10 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
     (it is the next step's first input). Sequences feeding very different token counts (prompts
     of many lengths, a prompt beside a step's chains) run as forwards of similar ones
     (``Engine.by_length``), with the same results.
+
+    ``emulated`` (--emulate-acceptance, for timing only): conditional acceptance rates per draft
+    position; how many drafts each row keeps is drawn at them (``_emulated``) instead of decided by
+    the rule, so the output is not the target's.
     """
     check(items)
     sampled = [i for i, item in enumerate(items) if not item.sampling.greedy]
@@ -104,7 +111,7 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
                               [items[i].draft_distributions for i in sampled], engine.vocab_size) if sampled else None
     fed = [item.fed() for item in items]
     split = engine.by_length(fed, create, lambda group: verify(engine, [items[i] for i in group], create,
-                                                              return_features))
+                                                              return_features, emulated))
     if split is not None:
         return split
     batch = engine.start(fed, create=create)
@@ -119,7 +126,7 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
     def rows(which: list[int]) -> torch.Tensor:  # no copy of a vocabulary-wide tensor when all rows are meant
         return logits if len(which) == len(items) else logits[which]
 
-    if greedy:
+    if greedy and emulated is None:
         predicted = argmax(rows(greedy)).tolist()
         for i, row in zip(greedy, predicted):
             item, leaves = items[i], leaf_counts[i]
@@ -130,6 +137,10 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
         for i, decision in zip(sampled, _rejection_sample([items[i] for i in sampled], rows(sampled), drafts_q,
                                                           [leaf_counts[i] for i in sampled])):
             decisions[i] = decision
+    if emulated is not None:
+        # After the rule (a sampled row's rule still runs: its cost is part of a real step), in
+        # place of its verdicts. The argmax over every row stands for the greedy rule's.
+        decisions = _emulated(items, argmax(logits).tolist(), width, leaf_counts, emulated)
     paths = [_kept_path(item, accepted, hit) for item, (accepted, hit, _) in zip(items, decisions)]
     keep = [len(path) for path in paths]
     batch.commit(keep, paths if any(hit is not None for _, hit, _ in decisions) else None)
@@ -157,6 +168,38 @@ def _kept_path(item: VerifyItem, accepted: int, hit: int | None) -> list[int]:
     if hit is not None:
         path.append(len(item.seq.tokens) + len(item.drafts) + hit)
     return path
+
+
+def sequence_seed(item: VerifyItem) -> int:
+    """The seed of a row's emulated draws: its request's sampling seed (the coordinator gives every
+    request one), else a hash of its sequence id, stable across processes and restarts."""
+    if item.sampling.seed:
+        return item.sampling.seed
+    return int.from_bytes(hashlib.blake2b(item.seq.seq_id.encode(), digest_size=8).digest(), "little")
+
+
+def _emulated(items: list[VerifyItem], predicted: list[list[int]], width: int, leaf_counts: list[int],
+              rates: tuple[float, ...]) -> list[tuple[int, int | None, int]]:
+    """Emulated acceptance: draft j of a row is kept with probability rate_at(rates, j) given the
+    ones before it were, by a uniform seeded by (the row's seed, the draft's absolute position,
+    DRAW_EMULATED), so a row's verdict never depends on its batch, a retry or a restart. The next
+    token is the target's argmax at the first position not kept (sampled rows too: a simplification,
+    timing is the point). No leaf is ever kept: one is kept only where the target's token there is
+    a leaf, and emulated drafts say nothing about that. Per row: (accepted, None, next token)."""
+    k = max(len(item.drafts) for item in items)
+    if k == 0:
+        u = [[] for _ in items]
+    else:
+        positions = [[item.seq.keep_len + len(item.seq.tokens) + j for j in range(k)] for item in items]
+        u = uniforms([sequence_seed(item) for item in items], positions, DRAW_EMULATED).tolist()
+    decisions = []
+    for item, row, draws, leaves in zip(items, predicted, u, leaf_counts):
+        accepted = 0
+        while accepted < len(item.drafts) and draws[accepted] < rate_at(rates, accepted):
+            accepted += 1
+        first = width - leaves - len(item.drafts) - 1  # right-aligned: the row's decided positions
+        decisions.append((accepted, None, row[first + accepted]))
+    return decisions
 
 
 def _rejection_sample(items: list[VerifyItem], logits: torch.Tensor, drafts: SampledDrafts,

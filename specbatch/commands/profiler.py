@@ -344,7 +344,10 @@ def run_profile(args) -> int:
         draft = DraftClient(args.draft or processes.draft_address, timeout=600)
         # What the services report of themselves, as a coordinator compares it with the profile
         # (coordinator/fit.py): the pair, its weight forms, the hardware.
-        deployment = Deployment.from_stats(target.cache_stats(), draft.cache_stats())
+        target_stats = target.cache_stats()
+        deployment = Deployment.from_stats(target_stats, draft.cache_stats())
+        # A target under --emulate-acceptance keeps drafts at given rates: the profile says so.
+        emulated = target_stats.emulated_acceptance or None
         names = (deployment.target_model, deployment.draft_model)
         total = len(sizes) * (args.max_k + 1) * sweep.steps_per_k()
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
@@ -371,6 +374,8 @@ def run_profile(args) -> int:
                 "times": "medians over the measured steps, RPC and coordinator work included"}
     if args.random_weights:
         workload["weights"] = "random (only the models' shapes); prompt token ids modulo the vocabulary"
+    if emulated:
+        workload["emulated_acceptance"] = emulated  # what was accepted was drawn at these rates, not verified
     if given is not None:
         # The step times are measured; the tokens a step yields come from the acceptance given.
         workload["acceptance"] = {"source": args.acceptance_from or "--acceptance",
@@ -397,5 +402,6 @@ def run_profile(args) -> int:
     if remote:  # this machine's stamp would misname the services' hardware
         print("remote services: no result written beside the profile", file=sys.stderr)
     else:
-        results.write("profile", summary(profile, args.out), variant=args.variant, device=device)
+        results.write("profile", {**summary(profile, args.out), "emulated_acceptance": emulated},
+                      variant=args.variant, device=device)
     return 0

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from specbatch.protocol.emulation import parse_rates
 from specbatch.protocol.speculation import MAX_K, MAX_LEAVES
 
 TARGET, DRAFT, COORDINATOR, UP = "target", "draft", "coordinator", "up"
@@ -37,6 +38,16 @@ K_POLICIES = "fixed:K, profile, goodput, goodput:live, learn"
 WIDE_THREADS_ENV = "SPECBATCH_WIDE_THREADS"
 REPLICAS = ("one address, a comma-separated list of replicas, or dns:NAME:PORT to use every address a name "
             "resolves to (a Kubernetes headless Service), re-resolved every --discovery-seconds")
+
+
+def emulated_acceptance(value: str) -> str:
+    """--emulate-acceptance checked where it is parsed (a bad value is the parser's error), kept
+    as written, so ``specbatch up`` passes it on to the target unchanged."""
+    try:
+        parse_rates(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return value
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("--feature-layers", "also return these decoder layers' outputs (0-based, e.g. 2,15) with the final "
            "hidden state, for a draft distilled with the same --feature-layers", default="",
            programs=frozenset({TARGET}), group="model"),
+    Option("--emulate-acceptance", "FOR TIMING ONLY, output is then not the target's: the target keeps drafts "
+           "by seeded draws at these conditional rates per position instead of checking them (0.8,0.7,0.6, the "
+           "last repeating; 0.7: i.i.d.), or at a profile's acceptance_by_position (a path); for random-weight "
+           "pairs, which accept nothing (docs/benchmarks.md)", type=emulated_acceptance,
+           programs=frozenset({TARGET, UP}), group="model", metavar="RATES|PROFILE"),
     Option("--trust-remote-code", "let transformers run the model folder's own code", type=None, programs=SERVICES,
            group="model"),
     # ---- the engine ----

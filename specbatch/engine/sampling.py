@@ -156,6 +156,7 @@ def params_tensors(params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Te
 DRAW_DRAFT = 1  # the draft's proposal at this position
 DRAW_ACCEPT = 2  # whether the target keeps that proposal
 DRAW_TARGET = 3  # the target's own token here: from the residual after a rejection, or from p
+DRAW_EMULATED = 4  # whether an emulated-acceptance target keeps the draft here (target_service.verifier)
 
 _U64 = np.uint64
 _GOLDEN = _U64(0x9E3779B97F4A7C15)

@@ -14,6 +14,7 @@ from specbatch.engine.engine import Engine
 from specbatch.kernels import forms
 from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
 from specbatch.models.loading import ModelSpec, default_device, load_model
+from specbatch.protocol.emulation import parse_rates
 from specbatch.rpc.metrics import new_registry, serve_metrics
 from specbatch.rpc.server import PortUnavailable, Server, configure_logging
 from specbatch.rpc.tls import server_credentials_from_args
@@ -86,7 +87,10 @@ def run_model_service(kind: str, add_servicer, argv=None) -> None:
                             interceptors=[metrics.interceptor()])
         except PortUnavailable as error:  # taken while the model loaded
             raise SystemExit(str(error)) from None
-        add_servicer(server, engine, spec.describe(), metrics=metrics)
+        # The target's --emulate-acceptance (checked when parsed; its servicer warns that it is on).
+        emulated = getattr(args, "emulate_acceptance", None)
+        extra = {"emulated_acceptance": parse_rates(emulated)} if emulated else {}
+        add_servicer(server, engine, spec.describe(), metrics=metrics, **extra)
         leases = SequenceLeases(engine, args.sequence_lease_seconds, metrics) if args.sequence_lease_seconds > 0 else None
         if args.local_socket_dir:  # each call's metrics as the gRPC interceptor records them
             server.serve_locally(args.local_socket_dir, kind, observe=metrics.observe_request)

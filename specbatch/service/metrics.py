@@ -61,6 +61,16 @@ class ServiceMetrics:
             "specbatch_sequences_reclaimed", "Sequences released because no call touched them for "
             "--sequence-lease-seconds (their coordinator stopped or died without releasing them).", registry=r)
 
+    def report_emulated_acceptance(self, rates: tuple[float, ...]) -> None:
+        """A target under --emulate-acceptance: its rates, one series per position given (later
+        positions repeat the last). Off, the metric has no series."""
+        gauge = Gauge("specbatch_emulated_acceptance", "The conditional acceptance rate per draft position this "
+                      "target emulates (--emulate-acceptance: drafts kept by seeded draws, not verified; output is "
+                      "not the target's, for timing only); the last position's rate repeats. Absent: off.",
+                      ["position"], registry=self.registry)
+        for position, rate in enumerate(rates):
+            gauge.labels(position=str(position)).set(rate)
+
     def observe_call(self, method: str, batch_size: int, compute_seconds: float) -> None:
         """One engine call of a Prefill, Propose or Verify that succeeded."""
         self.batch_size.labels(method=method).observe(batch_size)

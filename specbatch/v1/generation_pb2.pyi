@@ -121,7 +121,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("target_model", "draft_model", "tokenizer", "max_batch_size", "max_queue", "max_new_tokens_limit", "max_context", "k_policy", "profile", "eos_token_id", "version", "totals", "running", "waiting", "replicas")
+    __slots__ = ("target_model", "draft_model", "tokenizer", "max_batch_size", "max_queue", "max_new_tokens_limit", "max_context", "k_policy", "profile", "eos_token_id", "version", "totals", "running", "waiting", "replicas", "emulated_acceptance")
     TARGET_MODEL_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class InfoResponse(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    EMULATED_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     target_model: str
     draft_model: str
     tokenizer: str
@@ -152,7 +153,8 @@ class InfoResponse(_message.Message):
     running: int
     waiting: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStatus]
-    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_context: _Optional[int] = ..., k_policy: _Optional[str] = ..., profile: _Optional[str] = ..., eos_token_id: _Optional[int] = ..., version: _Optional[str] = ..., totals: _Optional[_Union[StepTotals, _Mapping]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
+    emulated_acceptance: str
+    def __init__(self, target_model: _Optional[str] = ..., draft_model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., max_batch_size: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_new_tokens_limit: _Optional[int] = ..., max_context: _Optional[int] = ..., k_policy: _Optional[str] = ..., profile: _Optional[str] = ..., eos_token_id: _Optional[int] = ..., version: _Optional[str] = ..., totals: _Optional[_Union[StepTotals, _Mapping]] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., emulated_acceptance: _Optional[str] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("service", "address", "healthy", "sequences", "failures")

@@ -65,7 +65,7 @@ class CacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStatsResponse(_message.Message):
-    __slots__ = ("model", "sequences", "cached_tokens", "max_sequences", "max_context", "vocab_size", "feature_size", "sequences_created", "local_socket", "hardware", "weights")
+    __slots__ = ("model", "sequences", "cached_tokens", "max_sequences", "max_context", "vocab_size", "feature_size", "sequences_created", "local_socket", "hardware", "weights", "emulated_acceptance")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class CacheStatsResponse(_message.Message):
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     HARDWARE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    EMULATED_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     model: str
     sequences: int
     cached_tokens: int
@@ -88,7 +89,8 @@ class CacheStatsResponse(_message.Message):
     local_socket: str
     hardware: str
     weights: str
-    def __init__(self, model: _Optional[str] = ..., sequences: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., sequences_created: _Optional[int] = ..., local_socket: _Optional[str] = ..., hardware: _Optional[str] = ..., weights: _Optional[str] = ...) -> None: ...
+    emulated_acceptance: str
+    def __init__(self, model: _Optional[str] = ..., sequences: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., sequences_created: _Optional[int] = ..., local_socket: _Optional[str] = ..., hardware: _Optional[str] = ..., weights: _Optional[str] = ..., emulated_acceptance: _Optional[str] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")

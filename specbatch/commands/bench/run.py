@@ -264,6 +264,9 @@ def run_bench(args) -> int:
         info = main_stub.Info(pb.InfoRequest())
         print(f"target {info.target_model} | draft {info.draft_model} | modes: {', '.join(m.name for m in modes)} | "
               f"{args.max_new_tokens} new tokens per request, greedy, {args.prompts} prompts\n", flush=True)
+        if info.emulated_acceptance:
+            print(f"acceptance EMULATED at {info.emulated_acceptance} per position: times only, output is not the "
+                  "target's\n", flush=True)
         rows, comparisons = [], []
         for load in loads:
             runs = run_rounds(load, modes, prompts, args)
@@ -293,6 +296,8 @@ def run_bench(args) -> int:
     print("\n" + table)
     payload = {"args": {k: v for k, v in vars(args).items() if k != "fn"}, "default_policy": default_policy,
                "rows": rows, "comparisons": comparisons,
+               # The target's --emulate-acceptance (None: off, drafts verified), as Info reports it.
+               "emulated_acceptance": info.emulated_acceptance or None,
                "trace": {"name": trace.name, "segments": trace.segments} if trace else None}
     if not args.out:
         results.write("bench", payload, variant=args.variant, device=args.device)
