@@ -389,7 +389,7 @@ def test_served_with_captured_steps_only_prompts_run_eagerly(target_model, draft
     options = {"captured_steps": "static", "max_sequences": 8, "max_context": 256}
     draft = draft_from_target(target_model).eval() if eagle else draft_model
     stack = start_local_stack(target_model, draft, tokenizer, target_engine_options=options,
-                              draft_engine_options=options, max_batch_size=8, max_new_tokens=64, speculation=SpeculationConfig(prompt_lookup=3))
+                              draft_engine_options=options, max_batch_size=8, max_new_tokens=64, speculation=SpeculationConfig(k_policy="fixed:3", prompt_lookup=3))
     try:
         prompts = prompts_of_lengths([1 + (i * 7) % 41 for i in range(12)], seed=5)
         run_staggered_and_check(stack.client(), target_model, prompts, [12 + (i * 5) % 29 for i in range(12)])

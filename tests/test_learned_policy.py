@@ -161,7 +161,8 @@ def test_services_report_what_a_profile_records_and_the_coordinator_compares(sta
     assert deployment.learned_path() != Deployment("target", "another-draft", hardware).learned_path()
 
 
-def test_two_target_replicas_of_different_speed_each_get_their_own_k(target_model, draft_model, tokenizer):
+def test_two_target_replicas_of_different_speed_each_get_their_own_k(target_model, draft_model, tokenizer,
+                                                                     tmp_path, monkeypatch):
     """learn prices each target replica's steps on their own: beside a replica whose Verify barely
     grows with the tokens verified, one where each verified token costs as much as a step drafts
     less. Each replica's k is in the metrics; the output stays exact."""
@@ -173,6 +174,9 @@ def test_two_target_replicas_of_different_speed_each_get_their_own_k(target_mode
     from specbatch.rpc.client import generate, make_request
     from specbatch.stack.in_process import start_local_stack
 
+    # Both replicas are the same deployment on paper (their speeds differ by the hooks below): none
+    # may start from what an earlier test learned for it.
+    monkeypatch.setenv("SPECBATCH_PROFILES", str(tmp_path / "learned"))
     stack = start_local_stack(target_model, draft_model, tokenizer, target_replicas=2, max_batch_size=4,
                               max_new_tokens=240)
     # Replica 0's forward costs 10 ms however many tokens it verifies (a GPU reading its weights
