@@ -11,9 +11,10 @@ not trusted at a size is priced from those that are (the two nearest: linear in 
 another size measured, else a prior), so the policy climbs one k at a time and never serves a k
 that was measured to lose, except as a probe that is priced within ``probe_within`` of the best,
 or, held at k = 0, one step in ``4 × probe_every`` at k = 1 (so that it notices a draft that has
-become good). Acceptance per draft position is the live moving average of every chain served
-(the draft's and the prompt lookup's), each position starting from the one before it (none
-measured: nothing is accepted). With several target replicas each learns its own step times
+become good). Acceptance per draft position is the live moving average of the draft's chains
+(as under ``goodput``: a prompt lookup's chains, which reach deep positions mostly where the text
+repeats itself, would price a long draft as if it did too), each position starting from the one
+before it (none measured: nothing is accepted). With several target replicas each learns its own step times
 (coordinator/choose.py, ``learning_per_replica``): a mixed fleet fits no single table.
 
 What it has learned is a profile (``snapshot()``), in the format ``specbatch profile`` writes:
@@ -261,11 +262,7 @@ class _Learned:
 
 class Learning(Goodput):
     """``learn``: goodput over step times and acceptance measured while serving (see the module
-    docstring). ``seed``: a profile learned before for this pair and machine, to start from.
-    Its acceptance is that of every chain served, the prompt lookup's as well as the draft's:
-    both are what a k buys here."""
-
-    counts_lookups = True
+    docstring). ``seed``: a profile learned before for this pair and machine, to start from."""
 
     def __init__(self, max_k: int, max_batch_size: int, max_leaves: int = 0, probe_every: int = 8,
                  half_life: float = 64.0, window: int = 32, trusted: int = 4, seed: Profile | None = None):

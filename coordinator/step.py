@@ -117,10 +117,7 @@ class DecodeStep:
 
     @staticmethod
     def _learn(policy, tally: Tally) -> None:
-        # The draft's acceptance (a lookup's says nothing of it); a policy that prices what is
-        # served, whoever drafted it, counts the lookups' too.
-        outcomes = tally.outcomes + tally.lookup_outcomes if getattr(policy, "counts_lookups", False) else tally.outcomes
-        policy.observe(outcomes)
+        policy.observe(tally.outcomes)  # the draft's acceptance: a lookup's says nothing of it
         if tally.first_rejections:
             policy.observe_first_rejections(tally.first_rejections)
 

@@ -171,14 +171,17 @@ def test_two_target_replicas_of_different_speed_each_get_their_own_k(target_mode
 
     from tiny import greedy_reference, hooked_forwards
 
+    from specbatch.config.speculation import SpeculationConfig
     from specbatch.rpc.client import generate, make_request
     from specbatch.stack.in_process import start_local_stack
 
     # Both replicas are the same deployment on paper (their speeds differ by the hooks below): none
     # may start from what an earlier test learned for it.
     monkeypatch.setenv("SPECBATCH_PROFILES", str(tmp_path / "learned"))
+    # (No prompt lookup: the tiny models' texts repeat, so lookups would draft nearly every chain
+    # and the draft's acceptance, which learn prices k by, would go unmeasured.)
     stack = start_local_stack(target_model, draft_model, tokenizer, target_replicas=2, max_batch_size=4,
-                              max_new_tokens=240)
+                              max_new_tokens=240, speculation=SpeculationConfig(prompt_lookup=0))
     # Replica 0's forward costs 10 ms however many tokens it verifies (a GPU reading its weights
     # once); replica 1's grows with the square of the tokens it is fed (a CPU short of compute,
     # exaggerated): drafting pays on the first, not on the second.

@@ -326,11 +326,12 @@ def test_launcher_and_services_agree_on_the_cpu():
 
 @pytest.mark.parametrize("policy, profile, leaves, resolved", [
     ("goodput", "p.json", None, 3), ("fixed:3", None, None, 0), ("profile", "p.json", None, 0),
-    ("goodput", "p.json", 0, 0), ("fixed:2", None, 2, 2), (None, "p.json", None, 3), (None, None, None, 0)])
+    ("goodput", "p.json", 0, 0), ("fixed:2", None, 2, 2), (None, "p.json", None, 3), (None, None, None, 3),
+    ("learn", None, None, 3)])
 def test_goodput_gets_leaves_to_price(policy, profile, leaves, resolved):
     """Unasked, the coordinator verifies the draft's next-best tokens beside its first only under
     goodput, which takes a leaf where its row pays; other policies would verify every leaf offered.
-    No policy asked: goodput over a profile, else learn (which starts with no leaves to price)."""
+    No policy asked: goodput over a profile, else learn, which prices leaves as goodput does."""
     from specbatch.config.speculation import SpeculationConfig
 
     config = SpeculationConfig(k_policy=policy, profile=profile, leaves=leaves).resolved()

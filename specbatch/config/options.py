@@ -140,7 +140,7 @@ OPTIONS: tuple[Option, ...] = (
            programs=frozenset({COORDINATOR}), group="speculation"),
     Option("--leaves", f"the most of the draft's next-best tokens verified beside its first (0 to {MAX_LEAVES}): a "
            "rejected first draft whose target token is one of them still yields two tokens (default: 3 under the "
-           "goodput policies, which verify them only where they pay; else 0)", type=int,
+           "goodput policies and learn, which verify them only where they pay; else 0)", type=int,
            programs=frozenset({COORDINATOR, UP}), group="speculation", metavar="N"),
     Option("--prompt-lookup", f"where the history's last 2-4 tokens occurred before in the request, draft up to N "
            f"(0 to {MAX_K}) of the tokens that followed them instead of asking the draft (0: off)", default=6,

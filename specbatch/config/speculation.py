@@ -8,10 +8,15 @@ from dataclasses import dataclass, replace
 from specbatch.config.options import BY_DEST
 from specbatch.protocol.speculation import leaf_option_problems, prompt_lookup_problems, shared_lookup_problems
 
-# Leaves the goodput policies may verify beside the first draft where none are asked for: they
-# price each leaf's row against its live hit rate and take leaves only where they pay
+# Leaves the goodput policies and learn may verify beside the first draft where none are asked for:
+# they price each leaf's row against its live hit rate and take leaves only where they pay
 # (docs/decisions/leaves.md). The other policies verify every leaf offered, so none by default.
 POLICY_LEAVES = 3
+
+
+def prices_leaves(policy: str) -> bool:
+    """Whether ``policy`` verifies a leaf only where its row pays (the goodput policies, learn)."""
+    return policy.startswith("goodput") or policy == "learn"
 
 
 def default_k_policy(profile: str | None) -> str:
@@ -27,8 +32,8 @@ class SpeculationConfig:
     k_policy: str | None = None  # None: ``default_k_policy``
     profile: str | None = None  # the profile document (``specbatch profile``); re-read when it changes
     # The most of the draft's next-best tokens at the first drafted position verified beside the
-    # chain; goodput verifies as many as pay, the other policies all. None: POLICY_LEAVES under
-    # goodput, else 0.
+    # chain; goodput and learn verify as many as pay, the other policies all. None: POLICY_LEAVES
+    # under those, else 0.
     leaves: int | None = None
     # The most tokens drafted by copying what followed an earlier occurrence of the history's last
     # tokens, in place of a Propose (0: off).
@@ -45,7 +50,7 @@ class SpeculationConfig:
     def resolved(self) -> "SpeculationConfig":
         """The same with the policy and the leaves decided where they were left open."""
         policy = self.k_policy or default_k_policy(self.profile)
-        leaves = self.leaves if self.leaves is not None else POLICY_LEAVES if policy.startswith("goodput") else 0
+        leaves = self.leaves if self.leaves is not None else POLICY_LEAVES if prices_leaves(policy) else 0
         return replace(self, k_policy=policy, leaves=leaves)
 
     def problems(self) -> list[str]:
