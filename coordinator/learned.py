@@ -57,19 +57,29 @@ class Windows:
     def __init__(self, window: int, trusted: int):
         self.window, self.trusted = window, trusted
         self.values: dict[int, dict[int, deque]] = {}  # size -> k -> ms
+        # Medians until the next measurement at their size: a choice prices every k in turn.
+        self._medians: dict[int, dict[int, float]] = {}
+        self._sizes: list[int] | None = None
 
     def add(self, size: int, k: int, ms: float) -> None:
         self.values.setdefault(size, {}).setdefault(k, deque(maxlen=self.window)).append(ms)
+        self._medians.pop(size, None)
+        self._sizes = None
 
     def count(self, size: int, k: int) -> int:
         return len(self.values.get(size, {}).get(k, ()))
 
     def medians(self, size: int) -> dict[int, float]:
         """{k: median} of the ks trusted at ``size``."""
-        return {k: statistics.median(v) for k, v in self.values.get(size, {}).items() if len(v) >= self.trusted}
+        if size not in self._medians:
+            self._medians[size] = {k: statistics.median(v) for k, v in self.values.get(size, {}).items()
+                                   if len(v) >= self.trusted}
+        return self._medians[size]
 
     def sizes(self) -> list[int]:
-        return sorted(size for size in self.values if self.medians(size))
+        if self._sizes is None:
+            self._sizes = sorted(size for size in self.values if self.medians(size))
+        return self._sizes
 
 
 def _priced(medians: dict[int, float], k: int, slope: float | None, prior: float | None) -> float:
@@ -214,7 +224,10 @@ class LearnedTimes:
         if not self.rest:
             return 0.0
         size = self.size(batch_size)
-        return statistics.median(self.rest[min(self.rest, key=lambda b: (abs(math.log(b / size)), b))])
+        key = ("rest", size)
+        if key not in self._cache:
+            self._cache[key] = statistics.median(self.rest[min(self.rest, key=lambda b: (abs(math.log(b / size)), b))])
+        return self._cache[key]
 
     def step_ms(self, batch_size: float, k: int) -> float:
         return self.draft_ms(batch_size, k) + self.target_ms(batch_size, k) + self.rest_ms(batch_size)
@@ -301,15 +314,17 @@ class Learning(Goodput):
         return range(max(0, min(most, self._climb_limit() - k)) + 1 if k else 1)
 
     def _choice(self, batch_size: int) -> tuple[int, int]:
+        """The best (k, leaves), chosen anew every ``probe_every`` steps (acceptance and times
+        move slowly, and pricing every k costs the step loop time); on a probe step, the probe."""
         self._sync()
         if batch_size not in self._chosen:
-            choice = self._best(batch_size, self.acceptance.rates)
-            if self.steps % self.probe_every == self.probe_every - 1:
-                probe = self._probe(batch_size, choice)
-                if probe is not None:
-                    choice = (probe, 0)
-            self._chosen[batch_size] = choice
-        return self._chosen[batch_size]
+            self._chosen[batch_size] = self._best(batch_size, self.acceptance.rates)
+        choice = self._chosen[batch_size]
+        if self.steps % self.probe_every == self.probe_every - 1:
+            probe = self._probe(batch_size, choice)
+            if probe is not None:
+                return probe, 0
+        return choice
 
     def _probe(self, batch_size: int, choice: tuple[int, int]) -> int | None:
         """A neighbour of the chosen k to measure: one not yet trusted at this size first (the
@@ -332,12 +347,15 @@ class Learning(Goodput):
     def observe(self, outcomes: list[tuple[int, int]]) -> None:
         self._sync()
         self.acceptance.observe(outcomes)
-        self._chosen.clear()
+
+    def observe_first_rejections(self, ranks: list[int | None]) -> None:
+        self.leaf_ranks.observe(ranks)
 
     def observe_times(self, times: StepTimes) -> None:
         self.learned_times.observe(times)
         self.steps += 1
-        self._chosen.clear()
+        if self.steps % self.probe_every == 0:
+            self._chosen.clear()
 
     def snapshot(self, **about) -> Profile | None:
         """What has been learned, as a profile (None before anything is measured)."""
