@@ -3,7 +3,8 @@ pair or a machine no profile was made for.
 
 It starts at k = 0, which is never slower than target-only decoding, and spends a bounded share
 of steps (one in ``probe_every``) on a neighbour of the k it serves: the nearest k not yet measured
-at this batch size, else the neighbour measured least among those priced near the best. It serves
+at this batch size, else, one probe in four, the neighbour measured least among those priced near
+the best. It serves
 only ks measured at the batch size at hand (and k = 0). Each
 step's parts are kept per (batch size, k), as ``specbatch profile`` measures them, in windows of
 the last ``window`` steps; a (size, k) measured ``trusted`` times is priced by its medians. A k
@@ -327,22 +328,24 @@ class Learning(Goodput):
         return choice
 
     def _probe(self, batch_size: int, choice: tuple[int, int]) -> int | None:
-        """A neighbour of the chosen k to measure: one not yet trusted at this size first (the
-        larger), else the one measured least of those priced within ``probe_within`` of the best."""
+        """A neighbour of the chosen k to measure (asked one step in ``probe_every``): one not yet
+        trusted at this size (the larger first); once both are, one step in four of those (one in
+        32) the one measured least of those priced within ``probe_within`` of the best, to keep
+        their prices current at a quarter of the cost."""
         times, rates = self.learned_times, self.acceptance.rates
         neighbours = [k for k in (choice[0] + 1, choice[0] - 1) if 0 <= k <= self.max_k]
         unmeasured = [k for k in neighbours if times.measured(batch_size, k) < times.trusted]
         if unmeasured:
             return unmeasured[0]
+        if self.steps % (4 * self.probe_every) != 4 * self.probe_every - 1:
+            return None
         floor = self.probe_within * self.goodput(batch_size, choice[0], rates, choice[1])
         near = [k for k in neighbours if self.goodput(batch_size, k, rates) >= floor]
         if near:
             return min(near, key=lambda k: times.measured(batch_size, k))
-        # Held at k = 0, nothing new is drafted: one step in four probes drafts one token, so
-        # that a draft (or a text) that has become predictable is noticed (one step in 32).
-        if choice[0] == 0 and self.steps % (4 * self.probe_every) == 4 * self.probe_every - 1:
-            return 1
-        return None
+        # Held at k = 0, nothing new is drafted: a probe drafts one token, so that a draft (or a
+        # text) that has become predictable is noticed.
+        return 1 if choice[0] == 0 else None
 
     def observe(self, outcomes: list[tuple[int, int]]) -> None:
         self._sync()
