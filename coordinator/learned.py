@@ -311,6 +311,12 @@ class Learning(Goodput):
         choices = [(k, leaves) for k in served for leaves in self._leaf_choices(k, len(self.leaf_ranks.sums))]
         return max(choices, key=lambda c: (self.goodput(batch_size, c[0], acceptance, c[1]), -c[0], -c[1]))
 
+    def leaves_for(self, batch_size: int, k: int, most: int) -> int:
+        """As ``Goodput``'s; none before a step is measured (a request's own k asks before any)."""
+        if not self.learned_times.known():
+            return 0
+        return super().leaves_for(batch_size, k, most)
+
     def _leaf_choices(self, k: int, most: int) -> range:
         return range(max(0, min(most, self._climb_limit() - k)) + 1 if k else 1)
 

@@ -219,3 +219,10 @@ def test_two_target_replicas_of_different_speed_each_get_their_own_k(target_mode
         slow.__exit__(None, None, None)
         flat.__exit__(None, None, None)
         stack.stop()
+
+
+def test_a_requests_own_k_asks_for_leaves_before_anything_is_measured():
+    """A request that pins its k asks how many leaves go with it from its first step, before learn
+    has measured anything: none, rather than a price of nothing."""
+    policy = Learning(max_k=16, max_batch_size=8, max_leaves=3)
+    assert policy.k_for(1) == 0 and policy.leaves_for(1, 3, 3) == 0
