@@ -45,7 +45,8 @@ def test_seeded_request_gives_the_same_tokens_alone_and_in_any_mix(stack, target
                 prompt_ids = list(request.token_ids.ids)
                 assert result.token_ids == greedy_reference(target_model, prompt_ids, request.max_new_tokens)
     totals = stack.coordinator.scheduler.totals
-    assert (totals.leaf_hits > 0) == bool(leaves), (totals.leaf_chances, totals.leaf_hits)
+    if leaves:  # (unasked, the policy verifies leaves only where it prices them to pay)
+        assert totals.leaf_hits > 0, (totals.leaf_chances, totals.leaf_hits)
 
 
 def test_sampled_requests_accept_drafts(stack):
