@@ -110,8 +110,8 @@ def test_max_new_tokens_one(stack, target_model):
 
 def test_seeded_sampling_is_reproducible_across_batch_mixes(stack):
     prompt = prompts_of_lengths([8], seed=2)[0]
-    # k pinned: seeded tokens depend on k (not their distribution), and the policy's k on the load
-    request = make_request(prompt, 25, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True, k=3)
+    # k and leaves pinned: seeded tokens depend on both, and the policy chooses them by the load
+    request = make_request(prompt, 25, temperature=0.9, top_p=0.9, seed=1234, ignore_eos=True, k=3, leaves=0)
     alone = generate(stack.client(), request)
     client = stack.client()
     others = [threading.Thread(target=generate, args=(client, make_request(p, 25, k=3, ignore_eos=True)))
@@ -122,7 +122,7 @@ def test_seeded_sampling_is_reproducible_across_batch_mixes(stack):
     for t in others:
         t.join(timeout=60)
     assert mixed.token_ids == alone.token_ids
-    different = generate(client, make_request(prompt, 25, temperature=0.9, top_p=0.9, seed=99, ignore_eos=True, k=3))
+    different = generate(client, make_request(prompt, 25, temperature=0.9, top_p=0.9, seed=99, ignore_eos=True, k=3, leaves=0))
     assert different.token_ids != alone.token_ids
 
 

@@ -101,7 +101,8 @@ def test_sampled_requests_look_up_too(target_model, draft_model, tokenizer):
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64, speculation=SpeculationConfig(prompt_lookup=4))
     try:
         prompt = repetitive_prompts(seed=9, count=1)[0]
-        runs = [generate(stack.client(), make_request(prompt, 30, k=2, ignore_eos=True, temperature=0.3, seed=4))
+        runs = [generate(stack.client(), make_request(prompt, 30, k=2, leaves=0, ignore_eos=True, temperature=0.3,
+                                                        seed=4))
                 for _ in range(2)]
         assert len(runs[0].token_ids) == 30 and runs[0].token_ids == runs[1].token_ids
         assert stack.coordinator.scheduler.totals.lookup_chains > 0
@@ -257,7 +258,7 @@ def test_a_seeded_sampled_request_gives_the_same_tokens_whatever_the_shared_inde
     try:
         client, totals = stack.client(), stack.coordinator.scheduler.totals
         prompt = [1, 17, 23, 42, 8, 31]
-        seeded = make_request(prompt, 24, k=2, ignore_eos=True, temperature=0.8, seed=11)
+        seeded = make_request(prompt, 24, k=2, leaves=0, ignore_eos=True, temperature=0.8, seed=11)
         before = generate(client, seeded).token_ids
         for _ in range(2):  # the index now holds this prompt's greedy answer, twice
             generate(client, make_request(prompt, 24, k=2, ignore_eos=True))

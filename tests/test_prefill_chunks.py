@@ -53,7 +53,9 @@ def test_sampled_requests_draw_the_same_tokens_whether_prefilled_whole_or_in_chu
     from specbatch.stack.in_process import start_local_stack
 
     batch = prompts(4, seed=12)
-    requests = [make_request(p, 20, k=2, ignore_eos=True, temperature=0.8, seed=30 + i) for i, p in enumerate(batch)]
+    # k and leaves pinned: seeded tokens depend on both, and the policy chooses them by the load
+    requests = [make_request(p, 20, k=2, leaves=0, ignore_eos=True, temperature=0.8, seed=30 + i)
+                for i, p in enumerate(batch)]
     outputs = []
     for chunk in (0, CHUNK):
         stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, max_new_tokens=64,

@@ -27,7 +27,7 @@ def test_seeded_request_gives_the_same_tokens_alone_and_in_any_mix(stack, target
     (each mix a different batch composition and row order): the same tokens every time. With
     leaves, ours and a greedy neighbour verify the draft's next-best tokens beside the chain."""
     prompt = prompts_of_lengths([9], seed=k)[0]
-    ours = make_request(prompt, 30, seed=1234, k=k, ignore_eos=True, leaves=leaves, **SAMPLED)
+    ours = make_request(prompt, 30, seed=1234, k=k, ignore_eos=True, leaves=leaves or 0, **SAMPLED)
     client = stack.client()
     alone = generate(client, ours, timeout=60)
     assert alone.stats.draft_tokens_proposed > 0  # sampled requests speculate
@@ -67,7 +67,7 @@ def test_seeded_tokens_survive_a_service_losing_its_state(stack, which):
     coordinator's history; a seeded request still gets exactly the tokens of an undisturbed run
     (every draw is keyed by seed and position, and the rebuilt step drafts the same tokens)."""
     prompt = prompts_of_lengths([7], seed=21)[0]
-    request = make_request(prompt, 60, seed=99, k=3, ignore_eos=True, **SAMPLED)
+    request = make_request(prompt, 60, seed=99, k=3, leaves=0, ignore_eos=True, **SAMPLED)
     undisturbed = generate(stack.client(), request, timeout=60)
     running = futures.ThreadPoolExecutor(1).submit(generate, stack.client(), request, None, 120)
     forget_everything_mid_run(stack.target_engine if which == "target" else stack.draft_engine, settle=0.03)
