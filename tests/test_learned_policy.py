@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from coordinator.learned import Learning, LearnedTimes, bucket_sizes
+from coordinator.learned import LearnedTimes, Learning, bucket_sizes
 from coordinator.policy import Goodput, StepTimes
 from specbatch.protocol.profile import Profile, build_profile, expected_tokens
 

@@ -4,9 +4,8 @@ raise and map them without loading torch."""
 
 from __future__ import annotations
 
-
 # The longest sequence id a service keeps (a coordinator's are 32 hex digits): ids are dict keys,
-# log lines and metric-free strings, and a caller's id costs memory for as long as its sequence.
+# log text, and a caller's id costs memory for as long as its sequence lives.
 MAX_SEQ_ID_LENGTH = 256
 
 
