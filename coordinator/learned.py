@@ -31,6 +31,7 @@ import statistics
 from collections import deque
 
 from specbatch.protocol.profile import Profile, build_profile, expected_tokens
+from specbatch.protocol.speculation import tally_positions
 
 from .policy import Goodput, StepTimes
 
@@ -122,8 +123,6 @@ class LearnedAcceptance:
             self.sums[i], self.weights[i] = rate * (1 - self.keep), 1 - self.keep
 
     def observe(self, outcomes: list[tuple[int, int]]) -> None:
-        from specbatch.protocol.speculation import tally_positions
-
         reached, accepted = tally_positions(outcomes, len(self.sums))
         for i, (n, m) in enumerate(zip(reached, accepted)):
             if n:
@@ -146,8 +145,8 @@ class LearnedAcceptance:
 class LearnedTimes:
     """Step times per (batch size, k) as served: what ``Goodput`` asks of a profile."""
 
-    def __init__(self, sizes: tuple[int, ...], max_k: int, window: int = 32, trusted: int = 4):
-        self.sizes, self.max_k, self.trusted = sizes, max_k, trusted
+    def __init__(self, sizes: tuple[int, ...], window: int = 32, trusted: int = 4):
+        self.sizes, self.trusted = sizes, trusted
         self.draft, self.target = Windows(window, trusted), Windows(window, trusted)
         self.rest: dict[int, deque] = {}
         self.window = window
@@ -246,59 +245,32 @@ class LearnedTimes:
                              **about)
 
 
-class _Learned:
-    """What ``Goodput`` reads as its profile file: the learned times, as a profile would answer."""
-
-    def __init__(self, times: LearnedTimes, acceptance: LearnedAcceptance, max_k: int):
-        self.times, self.acceptance, self.max_k = times, acceptance, max_k
-
-    @property
-    def profile(self):
-        return self
-
-    @property
-    def batch_sizes(self) -> tuple[int, ...]:
-        return tuple(self.times.known()) or self.times.sizes[:1]
-
-    @property
-    def acceptance_by_position(self) -> list[float]:
-        return self.acceptance.rates
-
-    def step_ms(self, batch_size: float, k: int) -> float:
-        return self.times.step_ms(batch_size, k)
-
-    def target_ms(self, batch_size: float, k: int) -> float:
-        return self.times.target_ms(batch_size, k)
-
-    def draft_ms(self, batch_size: float, k: int) -> float:
-        return self.times.draft_ms(batch_size, k)
-
-
 class Learning(Goodput):
     """``learn``: goodput over step times and acceptance measured while serving (see the module
     docstring). ``seed``: a profile learned before for this pair and machine, to start from."""
 
     def __init__(self, max_k: int, max_batch_size: int, max_leaves: int = 0, probe_every: int = 8,
                  half_life: float = 64.0, window: int = 32, trusted: int = 4, seed: Profile | None = None):
-        self.learned_times = LearnedTimes(bucket_sizes(max_batch_size), max_k, window, trusted)
-        self.learned_acceptance = LearnedAcceptance(max_k, half_life, list(seed.acceptance_by_position) if seed else None)
+        self.learned_times = LearnedTimes(bucket_sizes(max_batch_size), window, trusted)
+        start = list(seed.acceptance_by_position) if seed else None
+        self.learned_acceptance = LearnedAcceptance(max_k, half_life, start)
         if seed is not None:
             self.learned_times.seed(seed)
-        self.source = _Learned(self.learned_times, self.learned_acceptance, max_k)
-        super().__init__(self.source, max_k, half_life, probe_every, max_leaves, live_times=False)
-        self.steps = 0
+        # No profile file: Goodput prices by ``times`` and ``acceptance``, set in ``_sync``.
+        super().__init__(None, max_k, half_life, probe_every, max_leaves, live_times=False)
+
+    @property
+    def steps(self) -> int:
+        """Steps observed so far: what the probes and the choice keep time by."""
+        return self.learned_times.steps
 
     def _sync(self):
-        if self._profile is None:
-            self._profile = self.source
-            self.acceptance = self.learned_acceptance
-            self.times = self.source
-        return self.source
+        self.acceptance, self.times = self.learned_acceptance, self.learned_times
 
     def _climb_limit(self) -> int:
         """The largest k priced: one past the largest measured at any size, so that the policy
         climbs one k at a time."""
-        measured = [k for windows in (self.learned_times.target.values,) for ks in windows.values() for k in ks]
+        measured = (k for ks in self.learned_times.target.values.values() for k in ks)
         return min(self.max_k, max(measured, default=0) + 1)
 
     def _best(self, batch_size: int, acceptance) -> tuple[int, int]:
@@ -362,7 +334,6 @@ class Learning(Goodput):
 
     def observe_times(self, times: StepTimes) -> None:
         self.learned_times.observe(times)
-        self.steps += 1
         if self.steps % self.probe_every == 0:
             self._chosen.clear()
 

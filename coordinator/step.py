@@ -61,8 +61,8 @@ class DecodeStep:
         ended = time.perf_counter()
         for replica, part in parts.items():
             if tallies[replica].ks:  # what the step's parts took, for a policy that learns step times
-                verify_ms = self.services.verify_ms.get(replica, 1e3 * (verified - drafted)) if shares else \
-                    1e3 * (verified - drafted)
+                # (its replica's own Verify under PerReplica; else, replica None, the step's)
+                verify_ms = self.services.verify_ms.get(replica, 1e3 * (verified - drafted))
                 self.policy_of(replica).observe_times(_step_times(part, 1e3 * (drafted - proposing), verify_ms,
                                                                   1e3 * (ended - start)))
         return tally.stats(drafted - start, verified - drafted, ended - start, draft_compute, target_compute)
