@@ -132,6 +132,20 @@ def seq(seq_id="held", keep_len=len(HELD), tokens=(5,), features=b"") -> mpb.Seq
     return mpb.SequenceInput(seq_id=seq_id, keep_len=keep_len, tokens=list(tokens), features=features)
 
 
+SEQUENCE_DEFECTS = ("token", "seq id", "keep_len")
+
+
+def spoil_sequence(draw, defect: str, sequence: mpb.SequenceInput) -> None:
+    """A defect of the sequence a Verify or Propose item names: a token far outside the
+    vocabulary, a hostile id, or more kept tokens than the service holds."""
+    if defect == "token":
+        sequence.tokens.append(draw(far_id))
+    elif defect == "seq id":
+        sequence.seq_id = draw(hostile_id)
+    else:
+        sequence.keep_len = draw(st.integers(len(HELD) + 1, 2**32 - 1))
+
+
 @st.composite
 def hostile_verify(draw) -> bytes:
     """A Verify wrong in at least one way the target must refuse before it computes."""
@@ -146,12 +160,8 @@ def hostile_verify(draw) -> bytes:
         item.leaves.append(mpb.Leaves(tokens=list(range(5, 5 + draw(st.integers(MAX_LEAVES + 1, 2000))))))
     elif defect == "leaf positions":
         item.leaves.extend(mpb.Leaves(tokens=[9]) for _ in range(len(item.draft_tokens) + draw(st.integers(1, 40))))
-    elif defect == "token":
-        item.sequence.tokens.append(draw(far_id))
-    elif defect == "seq id":
-        item.sequence.seq_id = draw(hostile_id)
-    elif defect == "keep_len":
-        item.sequence.keep_len = draw(st.integers(len(HELD) + 1, 2**32 - 1))
+    elif defect in SEQUENCE_DEFECTS:
+        spoil_sequence(draw, defect, item.sequence)
     elif defect == "rows":
         items += [mpb.VerifyItem(sequence=seq(f"r{i}", 0, [1])) for i in range(MAX_SEQUENCES + draw(st.integers(0, 50)))]
     elif defect == "twice":
@@ -181,12 +191,8 @@ def hostile_propose(draw) -> bytes:
     elif defect == "leaves":
         item.leaves[:] = draw(st.one_of(st.lists(st.integers(0, 2), min_size=3, max_size=100),
                                         st.lists(st.integers(MAX_LEAVES + 1, 2**32 - 1), min_size=1, max_size=2)))
-    elif defect == "token":
-        item.sequence.tokens.append(draw(far_id))
-    elif defect == "seq id":
-        item.sequence.seq_id = draw(hostile_id)
-    elif defect == "keep_len":
-        item.sequence.keep_len = draw(st.integers(len(HELD) + 1, 2**32 - 1))
+    elif defect in SEQUENCE_DEFECTS:
+        spoil_sequence(draw, defect, item.sequence)
     elif defect == "rows":
         items += [mpb.ProposeItem(sequence=seq(f"r{i}", 0, [1]), k=1) for i in range(MAX_SEQUENCES)]
     elif defect == "sampling":
