@@ -209,8 +209,9 @@ def test_greedy_output_with_leaves_matches_generate(target_model, eagle_draft, d
     token-identical to target-only decoding."""
     from specbatch.stack.in_process import start_local_stack
 
+    # fixed:2 verifies every leaf offered (learn, the default, only those it prices to pay)
     stack = start_local_stack(target_model, eagle_draft if eagle else draft_model, tokenizer, max_batch_size=4,
-                              max_new_tokens=64, speculation=SpeculationConfig(leaves=leaves))
+                              max_new_tokens=64, speculation=SpeculationConfig(k_policy="fixed:2", leaves=leaves))
     try:
         decode_exactly(stack, target_model, seed=9, count=8, k=2)
         totals = stack.coordinator.scheduler.totals
