@@ -37,6 +37,7 @@ class Chain:
     source: str | None = None  # LOOKUP, SHARED or DRAFT; None: nothing drafted (target-only)
     next_best: list[list[int]] = field(default_factory=list)  # the draft's leaves, per drafted position
     draft_cached: int = 0  # tokens of the history the draft holds after proposing
+    draft_read: int = 0  # tokens of the history the draft read before drafting (it had not cached them)
     verdict: object | None = None  # the target's (specbatch.v1.Verdict); None: its replica failed
 
     def found(self, tokens: list[int], source: str) -> None:

@@ -12,7 +12,11 @@ not trusted at a size is priced from those that are (the two nearest: linear in 
 another size measured, else a prior), so the policy climbs one k at a time and never serves a k
 that was measured to lose, except as a probe that is priced within ``probe_within`` of the best,
 or, held at k = 0, one step in ``4 × probe_every`` at k = 1 (so that it notices a draft that has
-become good). Acceptance per draft position is the live moving average of the draft's chains
+become good). That probe drafts for one sequence only: the draft first catches up on every token
+served since it last drafted, which for the whole batch would cost about what a k = 0 step saves
+over a drafting one (its step is mixed, so its times are not kept; its acceptance is). The draft's
+time of a step that caught up is not taken as what drafting k costs (``StepTimes.caught_up``).
+Acceptance per draft position is the live moving average of the draft's chains
 (as under ``goodput``: a prompt lookup's chains, which reach deep positions mostly where the text
 repeats itself, would price a long draft as if it did too), each position starting from the one
 before it (none measured: nothing is accepted). With several target replicas each learns its own step times
@@ -157,11 +161,16 @@ class LearnedTimes:
         """The kept size nearest ``batch_size`` (by ratio: 3 is nearer 4 than 2)."""
         return min(self.sizes, key=lambda b: (abs(math.log(b / max(batch_size, 1.0))), b))
 
-    def observe(self, t: StepTimes) -> None:
+    def observe(self, t: StepTimes, mixed: bool = False) -> None:
+        """``mixed``: a step whose sequences drafted different ks for the policy's own reasons
+        (a probe of one sequence): counted, its times not kept."""
+        if mixed:
+            self.steps += 1
+            return
         if not t.batch_size:
             return
         size = self.size(t.batch_size)
-        if t.draft_k and t.draft_rows:
+        if t.draft_k and t.draft_rows and not t.caught_up:
             self.draft.add(self.size(t.draft_rows), t.draft_k, t.draft_ms)
         self.target.add(size, t.verify_k, t.target_ms)
         self.rest.setdefault(size, deque(maxlen=self.window)).append(max(0.0, t.step_ms - t.draft_ms - t.target_ms))
@@ -256,6 +265,8 @@ class Learning(Goodput):
         self.learned_acceptance = LearnedAcceptance(max_k, half_life, start)
         if seed is not None:
             self.learned_times.seed(seed)
+        self._probes: dict[int, tuple[int, int | None]] = {}  # batch size -> (step, its probe)
+        self._one_row: tuple[int, int] | None = None  # (step, batch size) of a probe given to one sequence
         # No profile file: Goodput prices by ``times`` and ``acceptance``, set in ``_sync``.
         super().__init__(None, max_k, half_life, probe_every, max_leaves, live_times=False)
 
@@ -300,10 +311,21 @@ class Learning(Goodput):
             self._chosen[batch_size] = self._best(batch_size, self.acceptance.rates)
         choice = self._chosen[batch_size]
         if self.steps % self.probe_every == self.probe_every - 1:
-            probe = self._probe(batch_size, choice)
-            if probe is not None:
+            # decided once a step: it is asked for each sequence's k and leaves
+            if self._probes.get(batch_size, (None,))[0] != self.steps:
+                self._probes[batch_size] = (self.steps, self._probe(batch_size, choice))
+            probe = self._probes[batch_size][1]
+            if probe is not None and self._one_row != (self.steps, batch_size):
                 return probe, 0
         return choice
+
+    def k_for(self, batch_size: int) -> int:
+        k = self._choice(batch_size)[0]
+        probe = self._probes.get(batch_size, (None, None))
+        if k and probe == (self.steps, k) and self._chosen[batch_size][0] == 0 and batch_size > 1 \
+                and self.learned_times.measured(batch_size, k) >= self.learned_times.trusted:
+            self._one_row = (self.steps, batch_size)  # this sequence probes from k = 0; the rest do not
+        return k
 
     def _probe(self, batch_size: int, choice: tuple[int, int]) -> int | None:
         """A neighbour of the chosen k to measure (asked one step in ``probe_every``): one not yet
@@ -333,7 +355,7 @@ class Learning(Goodput):
         self.leaf_ranks.observe(ranks)
 
     def observe_times(self, times: StepTimes) -> None:
-        self.learned_times.observe(times)
+        self.learned_times.observe(times, mixed=self._one_row is not None and self._one_row[0] == self.steps)
         if self.steps % self.probe_every == 0:
             self._chosen.clear()
 

@@ -47,6 +47,13 @@ class StepTimes:
     draft_ms: float  # the Propose calls, wall (the choices before them are the step's own work)
     target_ms: float  # the Verify calls, wall
     step_ms: float  # the whole step, wall
+    draft_read: int = 0  # the most tokens a drafting sequence read before drafting (what it had not cached)
+
+    @property
+    def caught_up(self) -> bool:
+        """Whether the draft first caught up on many tokens served without it (after steps at
+        k = 0): its time then says what that cost, not what drafting k costs."""
+        return self.draft_read > 2 * self.draft_k + 2
 
 
 class AllLeaves:
@@ -177,7 +184,7 @@ class LiveStepTimes:
         if not t.batch_size or max(t.draft_k, t.verify_k) > p.max_k:
             return  # no profiled time to compare it with
         size = self._size(t.batch_size)
-        if t.draft_k and t.draft_rows:
+        if t.draft_k and t.draft_rows and not t.caught_up:
             self._record(self.ratios.setdefault(("draft", self._size(t.draft_rows)), {}), t.draft_k,
                          t.draft_ms / p.draft_ms(t.draft_rows, t.draft_k))
         self._record(self.ratios.setdefault(("target", size), {}), t.verify_k,

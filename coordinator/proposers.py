@@ -85,6 +85,8 @@ class DraftProposer:
         asked = [chain for chain in chains if chain.k and chain.source is None and _can_draft(chain.request)]
         if not asked:
             return 0.0
+        for chain in asked:
+            chain.draft_read = len(chain.request.history) - chain.request.draft_len
         proposals, compute = self.services.propose(asked)
         for chain, proposal in zip(asked, proposals):
             if proposal is not None:

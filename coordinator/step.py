@@ -130,4 +130,5 @@ class DecodeStep:
 def _step_times(chains: list[Chain], draft_ms: float, target_ms: float, step_ms: float) -> StepTimes:
     drafting = [chain for chain in chains if chain.source == DRAFT and chain.tokens]
     return StepTimes(len(chains), len(drafting), max((chain.k for chain in drafting), default=0),
-                     max(chain.verify_width for chain in chains), draft_ms, target_ms, step_ms)
+                     max(chain.verify_width for chain in chains), draft_ms, target_ms, step_ms,
+                     max((chain.draft_read for chain in drafting), default=0))

@@ -16,8 +16,11 @@ from specbatch.protocol.profile import Profile, build_profile, expected_tokens
 class Deployment:
     """Step times and acceptance of a made-up pair on a made-up machine."""
 
-    def __init__(self, verify_per_row: float, draft_per_token: float, acceptance: float, seed: int = 0):
+    def __init__(self, verify_per_row: float, draft_per_token: float, acceptance: float, seed: int = 0,
+                 catch_up_per_token: float = 0.05):
         self.verify_per_row, self.draft_per_token, self.acceptance = verify_per_row, draft_per_token, acceptance
+        self.catch_up_per_token = catch_up_per_token  # a Propose first reads what was served since the last
+        self.behind: list[int] = []  # per batch row: steps served since the draft last drafted for it
         self.rng = random.Random(seed)
 
     def target_ms(self, b: int, width: int) -> float:
@@ -36,20 +39,28 @@ class Deployment:
         return max(range(most + 1), key=lambda k: (self.tokens_per_ms(b, k), -k))
 
     def step(self, policy, b: int) -> tuple[int, float, int]:
-        """One served step at batch ``b``: (k, its time, tokens it yielded)."""
-        k = policy.k_for(b)
+        """One served step at batch ``b``, the policy asked for each row's k as the coordinator
+        asks: (the most k, its time, tokens it yielded)."""
+        ks = [policy.k_for(b) for _ in range(b)]
+        self.behind = (self.behind + [0] * b)[:b]
         outcomes = []
-        for _ in range(b):
+        for k in ks:
             kept = 0
             while kept < k and self.rng.random() < self.acceptance:
                 kept += 1
             outcomes.append((k, kept))
         noise = lambda: self.rng.uniform(0.95, 1.05)  # noqa: E731
-        draft, target = self.draft_ms(b, k) * noise(), self.target_ms(b, k) * noise()
+        drafting = [i for i, k in enumerate(ks) if k]
+        most = max(ks)
+        draft = self.draft_ms(len(drafting), most) * noise()
+        draft += self.catch_up_per_token * sum(self.behind[i] for i in drafting)
+        target = (4.0 + self.verify_per_row * sum(k + 1 for k in ks)) * noise()
+        read = max((self.behind[i] + 1 for i in drafting), default=0)
+        self.behind = [0 if k else lag + 1 for k, lag in zip(ks, self.behind)]
         step = draft + target + 0.5
-        policy.observe(outcomes if k else [])
-        policy.observe_times(StepTimes(b, b if k else 0, k, k, draft, target, step))
-        return k, step, sum(kept + 1 for _, kept in outcomes)
+        policy.observe([outcome for outcome in outcomes if outcome[0]])
+        policy.observe_times(StepTimes(b, len(drafting), most, most, draft, target, step, read))
+        return most, step, sum(kept + 1 for _, kept in outcomes)
 
     def profile(self, sizes, max_k: int = 8) -> Profile:
         """What ``specbatch profile`` would measure here."""
@@ -93,6 +104,67 @@ def test_where_drafts_miss_it_stays_at_k0_but_for_bounded_probes():
     assert ks.count(0) >= 0.85 * len(ks)
     rate = sum(tokens for _, _, tokens in served) / sum(ms for _, ms, _ in served)
     assert rate >= 0.9 * deployment.tokens_per_ms(4, 0)
+
+
+def test_held_at_k0_it_probes_one_sequence():
+    """A probe from k = 0 makes the draft catch up on every token served since it last drafted:
+    held there, it probes one sequence of the batch, not all, and costs well under one percent."""
+    deployment = Deployment(verify_per_row=0.6, draft_per_token=1.5, acceptance=0.05)
+    policy = Learning(max_k=16, max_batch_size=16)
+    for _ in range(2000):
+        deployment.step(policy, 16)
+    served = [deployment.step(policy, 16) for _ in range(4096)]
+    assert 1 <= sum(1 for k, _, _ in served if k) <= 4096 // 16
+    rate = sum(tokens for _, _, tokens in served) / sum(ms for _, ms, _ in served)
+    assert rate >= 0.99 * deployment.tokens_per_ms(16, 0)
+
+
+def test_a_draft_that_becomes_good_is_noticed_after_a_long_hold():
+    deployment = Deployment(verify_per_row=0.6, draft_per_token=1.5, acceptance=0.02)
+    policy = Learning(max_k=16, max_batch_size=16)
+    for _ in range(4000):
+        deployment.step(policy, 1)
+    assert policy.k_for(1) == 0
+    deployment.acceptance = 0.9
+    served = [deployment.step(policy, 1)[0] for _ in range(1500)]
+    assert served[-64:].count(0) <= 8 and max(served[-64:]) >= 2
+
+
+def test_a_draft_that_caught_up_is_not_timed_as_drafting():
+    """After steps at k = 0 a Propose first reads every token served since: its time is not what
+    drafting k costs, so it is not kept as such (the Verify's is)."""
+    times = LearnedTimes(bucket_sizes(8), trusted=1)
+    times.observe(StepTimes(4, 4, 1, 1, 40.0, 12.0, 53.0, draft_read=33))
+    assert times.draft.count(4, 1) == 0 and times.target.count(4, 1) == 1
+    times.observe(StepTimes(4, 4, 1, 1, 2.0, 12.0, 15.0, draft_read=2))
+    assert times.draft_ms(4, 1) == pytest.approx(2.0)
+
+
+def test_the_coordinator_says_how_far_the_draft_was_behind(target_model, draft_model, tokenizer):
+    """A request served at k = 0, then at k = 2: its first Propose after reads what the k = 0
+    steps produced, and the step's times say so."""
+    from coordinator.policy import FixedK
+    from specbatch.rpc.client import generate, make_request
+    from specbatch.stack.in_process import start_local_stack
+
+    seen = []
+
+    class Switching(FixedK):
+        def k_for(self, batch_size):
+            return 0 if len(seen) < 10 else 2
+
+        def observe_times(self, times):
+            seen.append(times)
+
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=1, max_new_tokens=40)
+    try:
+        stack.coordinator.scheduler.policy = Switching(2)
+        generate(stack.client(), make_request([5, 6, 7], 30, ignore_eos=True))
+    finally:
+        stack.stop()
+    first = next(t for t in seen if t.draft_k)
+    assert first.draft_read >= 10 and first.caught_up
+    assert all(not t.caught_up for t in seen[seen.index(first) + 1:] if t.draft_k)
 
 
 def test_what_it_learned_is_a_profile_that_goodput_serves_alike():
