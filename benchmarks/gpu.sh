@@ -1,26 +1,39 @@
 #!/usr/bin/env bash
-# The GPU check, one command from a fresh checkout: about 12 minutes on an H100 or H200, every step
-# held to a time limit (a step that runs out loses only itself), every table printed, every result
-# written to benchmarks/results/<the GPU's slug>/ (specbatch.commands.results; render the pages with
-# `python -m specbatch.commands.results`):
-#   1. set up .venv (CUDA torch where nvidia-smi exists: see the Makefile's TORCH_SPEC);
-#   2. specbatch bench-engine for the OPT-6.7B / OPT-125M shapes (random weights), then for SmolLM2-135M
-#      (the embedded model and draft), with and without CUDA graphs;
-#   3. specbatch profile of the OPT shapes with the acceptance given below, and of the embedded pair;
-#   4. tests/test_captured.py (CUDA graphs captured and replayed for real);
-#   5. with the real weights: benchmarks/batch1.py (the embedded pair through the three services at
-#      batch 1, target-only against speculative with 0, 1 and the policy's leaves, and prompt lookup),
-#      benchmarks/exactness.py on the device, benchmarks/call_overhead.py (a step's parts beyond
-#      compute: local sockets, gRPC, batch 8) and a small specbatch bench (concurrency 1, 8, 32).
+# The GPU check, one command from a fresh checkout on one H100 or H200: every step held to a time
+# limit (a step that runs out loses only itself), every table printed, every result written to
+# benchmarks/results/<the GPU's slug>/ (specbatch.commands.results; render the pages with
+# `python -m specbatch.commands.results`). Two groups of steps, each about 12 minutes:
+#
+# STEPS=serve (the default): the paper's result served end to end through the three services, in
+# bf16, with random weights of real shapes whose acceptance is emulated (--emulate-acceptance:
+# times only, the output is not the target's):
+#   kv-memory        benchmarks/kv_memory.py: the sequences a Llama-3-8B target (+ Llama-3.2-1B)
+#                    holds at 2k and 8k tokens, the pool's slots against a paged layout, measured;
+#   serve-opt        OPT-6.7B / OPT-125M (the paper's pair): k = 0, fixed k and the default policy
+#                    at concurrency 1 to 64, and the time-varying trace;
+#   serve-llama      Llama-3-8B / Llama-3.2-1B, the same at concurrency 1 to 64;
+#   serve-eagle      Llama-3-8B with a one-layer EAGLE-style head, the same;
+#   serve-embedded   the embedded pair (real weights where they are here; else their shapes at the
+#                    CPU profile's measured acceptance): the default against k = 0 at c = 1, 8, 32.
+#   With two GPUs or more, serve-opt runs twice, the draft on its own GPU (the default there) and
+#   beside the target (--draft-device same); with one, beside it only, and says so.
+#
+# STEPS=engine: the engine alone and the embedded pair:
+#   engine-opt, engine-smollm2   specbatch bench-engine of the OPT shapes and of the embedded pair,
+#                                with and without CUDA graphs;
+#   profile-opt, profile-smollm2 specbatch profile of the same (the OPT shapes at a given acceptance);
+#   tests                        tests/test_captured.py (CUDA graphs captured and replayed for real);
+#   batch1, exactness, transport, bench   with the real weights: benchmarks/batch1.py,
+#                                benchmarks/exactness.py on the device, benchmarks/call_overhead.py,
+#                                and a small specbatch bench.
 # Logs, tables and the profiles' documents are kept under $OUT, and packed with the results into
 # $OUT/gpu-results.tgz.
 #
-#   benchmarks/gpu.sh                      # cuda, bfloat16
+#   benchmarks/gpu.sh                      # the serve group, cuda, bfloat16
+#   STEPS=engine benchmarks/gpu.sh         # the engine group; STEPS=all: both; STEPS=serve-opt,kv-memory: those
 #   QUICK=1 benchmarks/gpu.sh              # smaller grids and fewer requests: about half the time
-#   STEPS=bench,batch1 benchmarks/gpu.sh   # only the steps named (engine-opt, engine-smollm2, profile-opt,
-#                                          # profile-smollm2, tests, batch1, exactness, transport, bench)
-#   DEVICE=cpu benchmarks/gpu.sh           # the same commands with tiny grids on the CPU: a dry check of the
-#                                          # script (its results go under $OUT, not benchmarks/results)
+#   DEVICE=cpu benchmarks/gpu.sh           # the same commands with tiny shapes and grids on the CPU: a dry check
+#                                          # of the script (its results go under $OUT, not benchmarks/results)
 #   BUNDLE=.gpu benchmarks/gpu.sh          # a machine with PyTorch but no package index (below)
 #
 # BUNDLE: a folder packed by benchmarks/gpu_bundle.py (wheels, the embedded tokenizer, the profile's
@@ -28,13 +41,13 @@
 # it the embedded pair's shapes are timed with random weights and profiled with the acceptance the
 # shipped CPU profile measured for the real pair (ACCEPTANCE_SMOLLM2), and the steps that need
 # real weights are skipped; with its parts copied over first (gpu_bundle.py --gguf-parts), they run.
-# SMOLLM2_PROFILE: the embedded pair's profile the bench serves (default: the one step 3 writes).
-# A tree copied without its .git: set SPECBATCH_COMMIT to the commit it was copied from, or the
-# results say "unknown".
+# SMOLLM2_PROFILE: the embedded pair's profile the engine group's bench serves (default: the one its
+# profile step writes). A tree copied without its .git: set SPECBATCH_COMMIT to the commit it was
+# copied from, or the results say "unknown".
 #
-# The acceptance per draft position of the OPT shapes is an assumption, not a measurement: random
-# weights accept nothing, so their profile combines measured step times with ACCEPTANCE
-# (conditional, per position). A constant 0.7 is the i.i.d. model of Leviathan et al.; to use a
+# The acceptance per draft position of random-weight pairs is an assumption, not a measurement:
+# ACCEPTANCE (conditional, per position; default 0.7 flat, the i.i.d. model of Leviathan et al.)
+# is what the served runs emulate and the OPT profile combines with measured step times; to use a
 # real pair's, set ACCEPTANCE_FROM to a profile measured with real weights.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +71,15 @@ if [[ $DEVICE == cuda* ]]; then
     # With CUDA graphs (--cuda-graphs auto is on for CUDA) each service allocates its pool once, at
     # --kv-cache-gb for sequences of --max-context tokens: 64 × 769 × 0.5 MiB of OPT-6.7B is 24 GiB.
     MAX_CONTEXT=768
+    # The served pairs: one round (a GPU's rounds differ by little), at least 8 requests a level
+    # of 64 new tokens; the 4-minute trace played 16 times faster (15 s a mode). The pool: 20 GiB
+    # a service of 1k-token sequences, 80 of Llama-3-8B's (128 KiB a token).
+    SERVE=(--concurrency 1,4,16,32,64 --requests 8 --rounds 1 --max-new-tokens 64)
+    SERVE_KS=0,1,2,3,4,6
+    TRACE=(--traffic uniform,trace --trace-speed 16)
+    SERVE_KV_GB=20 SERVE_CONTEXT=1024
+    LLAMA_TARGET=llama-3-8b LLAMA_DRAFT=llama-3.2-1b EAGLE_DRAFT=llama-3-8b-eagle
+    EMBEDDED_SERVE=(--fixed-k 0 --policies learn --concurrency 1,8,32 --requests 32 --rounds 2 --max-new-tokens 64)
     BATCH1=(--prompts 12 --tokens 96)
     EXACTNESS=(--prompts 32 --tokens 48)
     OVERHEAD=(--steps 150)
@@ -72,6 +94,10 @@ if [[ $DEVICE == cuda* ]]; then
         EXACTNESS=(--prompts 16 --tokens 32 --runs chain)
         OVERHEAD=(--steps 60)
         BENCH=(--fixed-k 3 --policies profile --concurrency 1,8 --requests 8 --rounds 1 --max-new-tokens 64)
+        SERVE=(--concurrency 1,16,64 --requests 8 --rounds 1 --max-new-tokens 48)
+        SERVE_KS=0,1,2,4
+        TRACE=(--traffic uniform,trace --trace-speed 32)
+        EMBEDDED_SERVE=(--fixed-k 0 --policies learn --concurrency 1,8,32 --requests 16 --rounds 1 --max-new-tokens 48)
     fi
     export SPECBATCH_RESULTS=${SPECBATCH_RESULTS:-$PWD/benchmarks/results}
 else
@@ -85,6 +111,14 @@ else
     PROFILE_GRID=(--batch-sizes 1,2 --max-k 2 --steps 2 --warmup-steps 1 --max-prompt-tokens 64)
     KV_GB=1
     MAX_CONTEXT=512
+    # Stand-ins for the served pairs: the OPT-125M shape as both models, the embedded target's
+    # shape for Llama-3-8B (with itself as the draft, and with the embedded EAGLE-style head).
+    SERVE=(--concurrency 1,2 --requests 2 --rounds 1 --max-new-tokens 8)
+    SERVE_KS=0,1
+    TRACE=(--traffic uniform,trace --trace-speed 60)
+    SERVE_KV_GB=1 SERVE_CONTEXT=256
+    LLAMA_TARGET=smollm2-135m LLAMA_DRAFT=smollm2-135m EAGLE_DRAFT=smollm2-135m-instruct-draft
+    EMBEDDED_SERVE=(--fixed-k 0 --policies learn --concurrency 1,2 --requests 2 --rounds 1 --max-new-tokens 8)
     BATCH1=(--prompts 2 --tokens 16)
     EXACTNESS=(--prompts 2 --tokens 8 --runs chain)
     OVERHEAD=(--steps 5 --ks 0,2)
@@ -175,17 +209,68 @@ git rev-parse HEAD >/dev/null 2>&1 || [[ -n ${SPECBATCH_COMMIT:-} ]] \
     || echo "!! not a git checkout and no SPECBATCH_COMMIT: the results' commit will read unknown"
 echo "results: $SPECBATCH_RESULTS/$SLUG"
 
-STEPS=${STEPS:-all}
-want() { [[ $STEPS == all || ,$STEPS, == *,$1,* ]]; }
+STEPS=${STEPS:-serve}
+# want STEP GROUP: whether STEPS names the step, its group, or all.
+want() { [[ $STEPS == all || ,$STEPS, == *,$1,* || ,$STEPS, == *,$2,* ]]; }
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+EMULATED=${ACCEPTANCE_FROM:-$ACCEPTANCE}
+
+# serve NAME LIMIT TARGET DRAFT FLAGS…: a random-weight pair through the three services at the
+# emulated acceptance: k = 0, fixed k and the default policy (learn: no profile fits a new pair).
+serve() {
+    local name=$1 limit=$2 target=$3 draft=$4
+    shift 4
+    echo "== served: $target / $draft, acceptance emulated at $EMULATED ($name) =="
+    step "$limit" "${SPECBATCH[@]}" bench --device "$DEVICE" --dtype "$DTYPE" --random-weights \
+        --target-model "$target" --draft-model "$draft" --emulate-acceptance "$EMULATED" \
+        --kv-cache-gb "$SERVE_KV_GB" --max-context "$SERVE_CONTEXT" --fixed-k "$SERVE_KS" --policies learn \
+        "${SERVE[@]}" "$@" --variant "$name" | tee "$OUT/$name.txt"
+}
+
+if want kv-memory serve; then
+    echo "== KV memory at real sizes: Llama-3-8B (+ Llama-3.2-1B on the same GPU), slots against pages =="
+    if [[ $DEVICE == cuda* ]]; then
+        step 75 "$PYTHON" benchmarks/kv_memory.py --target llama-3-8b --draft llama-3.2-1b --measure \
+            | tee "$OUT/kv-memory.txt"
+    else  # (shapes only: nothing is allocated)
+        step 60 "$PYTHON" benchmarks/kv_memory.py --target llama-3-8b --draft llama-3.2-1b | tee "$OUT/kv-memory.txt"
+    fi
+fi
+if want serve-opt serve; then
+    serve serve-opt 240 "$TARGET_SHAPE" "$DRAFT_SHAPE" "${TRACE[@]}"
+    if [[ $GPUS -ge 2 ]]; then  # the default put the draft on a GPU of its own: now beside the target
+        serve serve-opt-same-gpu 200 "$TARGET_SHAPE" "$DRAFT_SHAPE" --draft-device same
+    else
+        echo "(one GPU: the draft served beside the target; the separate-GPU placement needs two)"
+    fi
+fi
+if want serve-llama serve; then
+    serve serve-llama 150 "$LLAMA_TARGET" "$LLAMA_DRAFT"
+fi
+if want serve-eagle serve; then
+    serve serve-eagle 150 "$LLAMA_TARGET" "$EAGLE_DRAFT"
+fi
+if want serve-embedded serve; then
+    echo "== served: the embedded pair (${SMOLLM2[0]}), the default policy against k = 0 =="
+    # The default there: learn from the GPU profile (with random weights it describes another
+    # deployment, so learn starts from nothing; they accept nothing, so acceptance is emulated at
+    # what the CPU profile measured for the real pair).
+    EMBEDDED_EMULATED=(--policy-profile learn=specbatch/profiles/embedded-cuda-bf16.json)
+    if [[ $REAL == 0 ]]; then
+        EMBEDDED_EMULATED+=(--emulate-acceptance "$ACCEPTANCE_SMOLLM2")
+    fi
+    step 75 "${SPECBATCH[@]}" bench --device "$DEVICE" --dtype "$DTYPE" "${SMOLLM2[@]}" "${EMBEDDED_EMULATED[@]}" \
+        "${EMBEDDED_SERVE[@]}" --variant serve-embedded | tee "$OUT/serve-embedded.txt"
+fi
 
 # The most wanted numbers first: a step that runs out of time loses only itself.
-if want engine-opt; then
+if want engine-opt engine; then
     echo "== bench-engine: $TARGET_SHAPE / $DRAFT_SHAPE shapes (random weights) =="
     step 90 "${SPECBATCH[@]}" bench-engine --device "$DEVICE" --dtype "$DTYPE" --random-weights --kv-cache-gb "$KV_GB" \
         --target-model "$TARGET_SHAPE" --draft-model "$DRAFT_SHAPE" "${ENGINE_GRID[@]}" --variant "$TARGET_SHAPE" \
         | tee "$OUT/engine-$TARGET_SHAPE.txt"
 fi
-if want engine-smollm2; then
+if want engine-smollm2 engine; then
     echo "== bench-engine: SmolLM2-135M-Instruct and its embedded draft (${SMOLLM2[0]}) =="
     step 60 "${SPECBATCH[@]}" bench-engine --device "$DEVICE" --dtype "$DTYPE" "${SMOLLM2[@]}" \
         "${SMOLLM2_GRID[@]}" --variant smollm2-135m | tee "$OUT/engine-smollm2-135m.txt"
@@ -195,14 +280,14 @@ if want engine-smollm2; then
             "${EAGER_GRID[@]}" --variant smollm2-135m-eager | tee "$OUT/engine-smollm2-135m-eager.txt"
     fi
 fi
-if want profile-opt; then
+if want profile-opt engine; then
     echo "== profile: $TARGET_SHAPE / $DRAFT_SHAPE shapes, measured step times, given acceptance =="
     step 90 "${SPECBATCH[@]}" profile --device "$DEVICE" --dtype "$DTYPE" --random-weights --kv-cache-gb "$KV_GB" \
         --max-context "$MAX_CONTEXT" --target-model "$TARGET_SHAPE" --draft-model "$DRAFT_SHAPE" \
         "${PROFILE_GRID[@]}" "${GIVEN[@]}" --out "$OUT/profile-$TARGET_SHAPE.json" --variant "$TARGET_SHAPE" \
         2> >(tee "$OUT/profile.log" >&2) | tee "$OUT/profile.txt"
 fi
-if want profile-smollm2; then
+if want profile-smollm2 engine; then
     echo "== profile: the embedded pair through the services =="
     if [[ $REAL == 0 ]]; then
         SMOLLM2_GIVEN=(--acceptance-from "$ACCEPTANCE_SMOLLM2")  # random weights accept nothing
@@ -214,7 +299,7 @@ if want profile-smollm2; then
         --out "$OUT/profile-smollm2-135m.json" --variant smollm2-135m \
         2> >(tee "$OUT/profile-smollm2.log" >&2) | tee "$OUT/profile-smollm2.txt"
 fi
-if want tests; then
+if want tests engine; then
     echo "== captured steps: the tests (on a GPU they capture and replay CUDA graphs for real) =="
     step 45 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_captured.py | tee "$OUT/test_captured.txt"
 fi
@@ -223,17 +308,17 @@ echo "== captured steps (CUDA graphs): capture time and graph memory =="
 grep -h "captured" "$OUT"/engine-*.txt "$OUT"/profile*.log 2>/dev/null || true
 
 if [[ $REAL == 1 ]]; then  # real weights only: random ones accept nothing
-    if want batch1; then
+    if want batch1 engine; then
         echo "== batch 1 through the services: target-only against speculative (0, 1 and the policy's leaves) =="
         step 90 "$PYTHON" benchmarks/batch1.py --no-baseline "${BATCH1[@]}" --leaves 0,1,policy --leaves-most 3 \
             | tee "$OUT/batch1.txt"
     fi
-    if want exactness; then
+    if want exactness engine; then
         echo "== exactness on the device: speculative against target-only decoding, mismatches at near-ties =="
         step 75 "$PYTHON" benchmarks/exactness.py --device "$DEVICE" --dtype "$DTYPE" "${EXACTNESS[@]}" \
             | tee "$OUT/exactness.txt"
     fi
-    if want transport; then
+    if want transport engine; then
         # What the local sockets save over gRPC, a step's parts measured both ways; then batch 8
         # with no admissions between steps, against the profile's price of such a step.
         echo "== a step's time beyond the services' compute: local sockets, gRPC, batch 8 =="
@@ -244,7 +329,7 @@ if [[ $REAL == 1 ]]; then  # real weights only: random ones accept nothing
         step 55 "$PYTHON" benchmarks/call_overhead.py --device "$DEVICE" --dtype "$DTYPE" "${OVERHEAD[@]}" --batch 8 \
             --ks 0,3 --prompt-lookup 6 --variant batch8 | tee -a "$OUT/call-overhead.txt"
     fi
-    if want bench; then
+    if want bench engine; then
         echo "== specbatch bench: k = 0 against fixed k and the profile, concurrency 1 to 32 =="
         step "${BENCH_LIMIT:-150}" "${SPECBATCH[@]}" bench --device "$DEVICE" --dtype "$DTYPE" "${BENCH[@]}" \
             --profile "${SMOLLM2_PROFILE:-$OUT/profile-smollm2-135m.json}" | tee "$OUT/bench.txt"

@@ -189,7 +189,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     if isinstance(k_policy, Learning):  # what it learns is kept for the next start, and served by Info
         keeper = Keeper().start()
         k_policy = learning_per_replica(k_policy, first_target, deployment, draft_stats if drafts is not None else None,
-                                        keeper, MAX_K, speculation.leaves, max_batch_size)
+                                        keeper, MAX_K, speculation.leaves, max_batch_size, profile_file)
     if eos_token_ids is None:
         eos_token_ids = find_eos_token_ids(tokenizer, None)
     limits = Limits(target_stats.vocab_size, max_context, max_new_tokens, eos_token_ids,

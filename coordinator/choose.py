@@ -1,7 +1,8 @@
 """Which k policy the coordinator serves with (docs/speculation.md): the one asked for, over its
 profile where that profile describes this deployment; where it describes another (another pair,
 another machine, another weight form), or none is given, ``learn``, which measures its own
-(coordinator/learned.py) and starts from what it learned here before."""
+(coordinator/learned.py) and starts from what it learned here before, else from the profile
+given where that one fits."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ def fit_policy(policy, profile_file: ProfileFile | None, deployment: Deployment,
                max_batch_size: int):
     """``policy`` where its profile fits ``deployment``; else (said in the log) ``learn``, seeded
     with what was learned for this deployment before, if anything. ``learn`` asked for is seeded
-    so too."""
+    so too, else with its profile where that fits (what it serves then corrects the profile's
+    prices: a profile measured without the services' own overheads prices steps too cheap)."""
     if isinstance(policy, Learning):
         seed = load_learned(deployment.learned_path())
         if seed is not None and mismatches(seed, deployment):
@@ -57,6 +59,9 @@ def fit_policy(policy, profile_file: ProfileFile | None, deployment: Deployment,
         if seed is not None:
             log.info("learn: starting from what was learned before for %s (%s)", deployment.describe(),
                      deployment.learned_path())
+        elif profile_file is not None and not mismatches(profile_file.profile, deployment):
+            seed = profile_file.profile
+            log.info("learn: starting from the profile %s", profile_file.path)
         return Learning(max_k, max_batch_size, max_leaves, seed=seed) if seed is not None else policy
     if profile_file is None or isinstance(policy, FixedK):
         return policy
@@ -70,10 +75,11 @@ def fit_policy(policy, profile_file: ProfileFile | None, deployment: Deployment,
 
 
 def learning_per_replica(policy: Learning, first_replica, deployment: Deployment, draft_stats, keeper: Keeper,
-                         max_k: int, max_leaves: int, max_batch_size: int) -> PerReplica:
+                         max_k: int, max_leaves: int, max_batch_size: int,
+                         profile_file: ProfileFile | None = None) -> PerReplica:
     """``learn`` for a fleet: each target replica learns its own step times (and is seeded with
-    what was learned before for its deployment), ``policy`` being the first replica's. Every one
-    is kept by ``keeper``."""
+    what was learned before for its deployment, else with ``profile_file`` where it fits that
+    replica), ``policy`` being the first replica's. Every one is kept by ``keeper``."""
     keeper.add(policy, deployment.learned_path(), deployment.about())
 
     def make(replica):
@@ -84,7 +90,7 @@ def learning_per_replica(policy: Learning, first_replica, deployment: Deployment
             except grpc.RpcError as error:
                 log.warning("learn: no CacheStats from %s (%s); priced as %s", replica.address, error.code().name,
                             deployment.describe())
-        learning = fit_policy(Learning(max_k, max_batch_size, max_leaves), None, own, max_k, max_leaves,
+        learning = fit_policy(Learning(max_k, max_batch_size, max_leaves), profile_file, own, max_k, max_leaves,
                               max_batch_size)
         return keeper.add(learning, own.learned_path(), own.about())
 

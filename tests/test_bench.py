@@ -202,6 +202,9 @@ def test_two_profiles_can_be_served_side_by_side(capsys):
     a policy that is not compared is refused."""
     assert coordinator_policies(["profile", "goodput", "goodput@new"], ["goodput@new=new.json"], "old.json") == {
         "profile": ("profile", "old.json"), "goodput": ("goodput", "old.json"), "goodput@new": ("goodput", "new.json")}
+    # learn would start from a profile it is given: only from its own, never the stack's
+    assert coordinator_policies(["learn", "learn@seeded"], ["learn@seeded=new.json"], "old.json") == {
+        "learn": ("learn", None), "learn@seeded": ("learn", "new.json")}
     assert cli.main(["bench", "--policies", "goodput", "--profile", "p.json", "--policy-profile", "profile=x.json"]) == 2
     assert "--policy-profile takes POLICY=PATH for a policy in --policies" in capsys.readouterr().out
 

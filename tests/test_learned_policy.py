@@ -193,6 +193,28 @@ def test_a_learned_profile_seeds_the_next_start():
         assert deployment.tokens_per_ms(b, policy.k_for(b)) >= 0.97 * best
 
 
+def test_learn_given_a_profile_that_fits_starts_from_it(tmp_path, monkeypatch):
+    """learn with --profile starts from that profile's choices where it describes this deployment
+    (the GPU default: the profile's prices, then the served ones); one of another machine is not
+    trusted: it starts at k = 0."""
+    from coordinator.choose import fit_policy
+    from coordinator.fit import Deployment as Served
+
+    monkeypatch.setenv("SPECBATCH_PROFILES", str(tmp_path))  # nothing learned here before
+    here = Served("target", "draft", {"device": "cuda", "name": "NVIDIA H100"}, "model", "model")
+    deployment = Deployment(**CPU_LIKE)
+
+    class File:
+        path = "given.json"
+        profile = Profile(**{**vars(deployment.profile(bucket_sizes(16))), **here.about()})
+
+    fitted = fit_policy(Learning(max_k=16, max_batch_size=16), File, here, 16, 0, 16)
+    assert [fitted.k_for(b) for b in (1, 4, 16)] == [File.profile.best_k_for(b) for b in (1, 4, 16)]
+    assert fitted.k_for(1) > 0
+    elsewhere = Served("target", "draft", {"device": "cpu", "name": "AMD EPYC"}, "model", "model")
+    assert fit_policy(Learning(max_k=16, max_batch_size=16), File, elsewhere, 16, 0, 16).k_for(1) == 0
+
+
 def test_unmeasured_ks_are_priced_from_the_measured_ones():
     times = LearnedTimes(bucket_sizes(8), trusted=2)
     for _ in range(2):

@@ -281,13 +281,14 @@ def test_embedded_default_takes_the_profile_of_the_form_the_services_run(monkeyp
 
 
 @pytest.mark.parametrize("options, policy, gpu_profile", [
-    ({}, "profile", True), ({"dtype": "bf16"}, "profile", True), ({"dtype": "float32"}, "learn", False),
+    ({}, "learn", True), ({"dtype": "bf16"}, "learn", True), ({"dtype": "float32"}, "learn", False),
     ({"target_model": "some/target"}, "learn", False), ({"draft_model": "none"}, "learn", False),
     ({"k_policy": "fixed:2"}, "fixed:2", False)])
-def test_embedded_pair_on_a_gpu_in_bf16_serves_the_gpu_profile(monkeypatch, options, policy, gpu_profile):
-    """On a GPU the embedded pair in bf16 serves the profile measured for it there (k = 3 to batch
-    8, k = 0 from 16); the CPU's profiles would pick wrong k there, and other models or dtypes have
-    no measured profile, so their coordinator learns one (learn)."""
+def test_embedded_pair_on_a_gpu_in_bf16_starts_from_the_gpu_profile(monkeypatch, options, policy, gpu_profile):
+    """On a GPU the embedded pair in bf16 learns from the profile measured for it there (k = 3 to
+    batch 8, k = 0 from 16) and then from what it serves; the CPU's profiles would pick wrong k
+    there, and other models or dtypes have no measured profile, so their coordinator learns one
+    from nothing."""
     import specbatch.models.loading
 
     monkeypatch.setattr(specbatch.models.loading, "default_device", lambda: "cuda")

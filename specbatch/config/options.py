@@ -84,7 +84,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--draft-layers", "the draft is the target's first N layers", type=int, programs=frozenset({UP}),
            group="model", metavar="N"),
     Option("--random-weights", "only the models' shapes (a config folder, or opt-6.7b, opt-125m, llama-3-8b, "
-           "smollm2-135m) with random weights built on the device: no download", type=None,
+           "llama-3.2-1b, llama-3-8b-eagle, smollm2-135m) with random weights built on the device: no download",
+           type=None,
            programs=SERVICES | {UP}, group="model"),
     Option("--feature-layers", "also return these decoder layers' outputs (0-based, e.g. 2,15) with the final "
            "hidden state, for a draft distilled with the same --feature-layers", default="",
@@ -99,6 +100,9 @@ OPTIONS: tuple[Option, ...] = (
     # ---- the engine ----
     Option("--device", "cpu, cuda, cuda:1 … (default: a GPU where there is one)", programs=SERVICES | {UP},
            group="engine"),
+    Option("--draft-device", "the draft service's device: 'same' (the target's), or one such as cuda:1 (default: a "
+           "second GPU where the target runs on a GPU of a host that has two or more, else the target's)",
+           programs=frozenset({UP}), group="engine"),
     Option("--dtype", "auto, float32, bfloat16, float16 (auto: bfloat16 on GPUs and on CPUs that multiply it "
            "natively, else float32; a CPU kernel form runs float32)", default="auto", programs=SERVICES | {UP},
            group="engine"),

@@ -35,6 +35,21 @@ KNOWN_CONFIGS: dict[str, dict] = {
                    "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
                    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
                    "initializer_range": 0.02},
+    # Llama-3-8B's small drafts: Llama-3.2-1B (same tokenizer), and an EAGLE-style one-layer head
+    # over its features (specbatch.models.eagle; a 32k-token head subset, as EAGLE-3's).
+    "llama-3.2-1b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+                     "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+                     "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+                     "tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": 128001,
+                     "initializer_range": 0.02},
+    "llama-3-8b-eagle": {"model_type": "specbatch_eagle", "vocab_size": 128256, "draft_vocab_size": 32768,
+                         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 1,
+                         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                         "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+                         "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+                         "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
+                         "initializer_range": 0.02},
     # The embedded target's own config (specbatch.models.embedded.EMBEDDED).
     "smollm2-135m": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
                      "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
@@ -44,7 +59,8 @@ KNOWN_CONFIGS: dict[str, dict] = {
                      "initializer_range": 0.02},
 }
 ALIASES = {"facebook/opt-6.7b": "opt-6.7b", "facebook/opt-125m": "opt-125m", "meta-llama/meta-llama-3-8b": "llama-3-8b",
-           "llama3-8b": "llama-3-8b", "huggingfacetb/smollm2-135m": "smollm2-135m",
+           "llama3-8b": "llama-3-8b", "meta-llama/llama-3.2-1b": "llama-3.2-1b",
+           "huggingfacetb/smollm2-135m": "smollm2-135m",
            "huggingfacetb/smollm2-135m-instruct": "smollm2-135m", "smollm2-135m-instruct": "smollm2-135m"}
 
 

@@ -97,6 +97,22 @@ def services_device(options: StackOptions) -> str:
     return options.device
 
 
+def draft_device(options: StackOptions) -> str:
+    """The draft service's device: as asked ('same': the target's); else, where the target runs on a
+    GPU and the host has another, that one, so that neither model's weights, caches and kernels
+    share a GPU with the other's (docs/gpu.md, placement); else the target's."""
+    target = services_device(options)
+    if options.draft_device and options.draft_device != "same":
+        return options.draft_device
+    if options.draft_device is None and target.startswith("cuda"):
+        import torch
+
+        index = int(target.split(":")[1]) if ":" in target else 0
+        if torch.cuda.device_count() >= 2:
+            return f"cuda:{1 if index == 0 else 0}"
+    return target
+
+
 def weight_forms(options: StackOptions) -> Forms:
     """The target's and the draft's weight forms (``specbatch.kernels.forms``)."""
     return forms.decide(options.weights, embedded_pair(options), services_device(options), options.dtype)
@@ -121,9 +137,11 @@ EMBEDDED_CPU_PROFILES = {"fp16-dot": "embedded-cpu-fp16dot.json", "bf16-dot": "e
                          "q4_1": "embedded-cpu-q4_1.json", "bf16": "embedded-cpu-bf16w.json",
                          "bfloat16": "embedded-cpu.json", "float32": "embedded-cpu-fp32.json"}
 EMBEDDED_CPU_POLICY = "goodput"
-# The embedded pair on a GPU in bf16: its profile, served by the profile policy.
+# The embedded pair on a GPU in bf16: learn, starting from its profile. Served steps there cost more
+# than the profile priced, enough to lose at c = 8 (docs/decisions/k-policy-default.md): learn
+# prices them as served.
 EMBEDDED_GPU_PROFILE = PROFILES / "embedded-cuda-bf16.json"
-EMBEDDED_GPU_POLICY = "profile"
+EMBEDDED_GPU_POLICY = "learn"
 
 
 def shipped_profile(options: StackOptions) -> tuple[str, Path] | None:

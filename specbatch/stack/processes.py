@@ -31,6 +31,7 @@ from specbatch.stack.defaults import (
     StackOptions,
     available_cores,
     default_k_policy,
+    draft_device,
     no_draft,
     ports,
     threads_per_service,
@@ -107,6 +108,8 @@ class LocalProcesses:
 
     def _service_flags(self, program: str, model: str | None, layers: int | None, weights: str) -> list[str]:
         values = asdict(self.options)
+        if program == DRAFT:
+            values["device"] = draft_device(self.options)
         flags = ["--host", self.options.host, "--port", str(self.ports[program]), "--weights", weights,
                  "--metrics-port", str(self._metrics_port(program))]
         flags += ["--model", model] if model else []

@@ -217,7 +217,8 @@ def add_bench_engine_flags(parser) -> None:
     from specbatch.models.embedded import EMBEDDED
 
     parser.add_argument("--target-model", default=EMBEDDED, help=f"HF hub id or folder, or with --random-weights a "
-                        f"shape: opt-6.7b, opt-125m, llama-3-8b, smollm2-135m or a config folder (default {EMBEDDED})")
+                        f"shape: opt-6.7b, opt-125m, llama-3-8b, llama-3.2-1b, llama-3-8b-eagle, smollm2-135m or a "
+                        f"config folder (default {EMBEDDED})")
     parser.add_argument("--draft-model", help="the draft to time (default: none, verify only)")
     parser.add_argument("--draft-layers", type=int, help="keep only the draft's first N layers")
     parser.add_argument("--random-weights", action="store_true", help="only the models' shapes, random weights")

@@ -40,7 +40,7 @@ from specbatch.commands.bench.traffic import (
 )
 from specbatch.commands.prompts import CHAT_PROMPTS
 from specbatch.rpc.client import connect, generate, make_request
-from specbatch.stack.defaults import free_port, stack_options
+from specbatch.stack.defaults import draft_device, free_port, services_device, stack_options
 from specbatch.stack.processes import LocalProcesses
 from specbatch.v1 import generation_pb2 as pb
 
@@ -180,9 +180,11 @@ def add_bench_flags(parser) -> None:
 
 def coordinator_policies(policies: list[str], policy_profiles: list[str], profile: str | None) -> dict:
     """Per mode of ``--policies``: the policy its coordinator runs (NAME of NAME@LABEL) and the
-    profile it reads (its ``--policy-profile POLICY=PATH``, else ``--profile``)."""
+    profile it reads (its ``--policy-profile POLICY=PATH``, else ``--profile``; ``learn``, which
+    would start from it, only its own: a bench's ``learn`` learns from nothing unless told)."""
     profiles = dict(entry.split("=", 1) for entry in policy_profiles)
-    return {p: (p.partition("@")[0], profiles.get(p, profile)) for p in policies}
+    return {p: (p.partition("@")[0], profiles.get(p, None if p.partition("@")[0] == "learn" else profile))
+            for p in policies}
 
 
 def fixed_modes(text: str | None, k: int) -> list[tuple[int, int]]:
@@ -252,6 +254,9 @@ def run_bench(args) -> int:
     with context as processes:
         # The policy the stack serves unless told otherwise: the results' headline compares it with k = 0.
         default_policy = None if args.address else processes.options.k_policy
+        # Where the services ran: the draft beside the target or on a GPU of its own.
+        devices = None if args.address else {"target": services_device(processes.options),
+                                             "draft": draft_device(processes.options)}
         main_stub = connect(args.address or processes.address)
         addresses = {p: given.get(p) or processes.add_coordinator(policy, free_port(), profile)
                      for p, (policy, profile) in coordinator_policies(policies, args.policy_profile, profile).items()}
@@ -295,7 +300,7 @@ def run_bench(args) -> int:
                   "above 1: better):\n\n" + bench_pairs.markdown(comparisons))
     print("\n" + table)
     payload = {"args": {k: v for k, v in vars(args).items() if k != "fn"}, "default_policy": default_policy,
-               "rows": rows, "comparisons": comparisons,
+               "devices": devices, "rows": rows, "comparisons": comparisons,
                # The target's --emulate-acceptance (None: off, drafts verified), as Info reports it.
                "emulated_acceptance": info.emulated_acceptance or None,
                "trace": {"name": trace.name, "segments": trace.segments} if trace else None}
