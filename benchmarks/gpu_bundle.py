@@ -105,9 +105,9 @@ def split_gguf(folder: Path, bundle: Path) -> list[Path]:
     import hashlib
 
     from specbatch.models.embedded import EMBEDDED_GGUF
-    from specbatch.models.loading import _embedded_gguf_folder
+    from specbatch.models.loading import embedded_gguf_folder
 
-    data = (_embedded_gguf_folder() / EMBEDDED_GGUF).read_bytes()
+    data = (embedded_gguf_folder() / EMBEDDED_GGUF).read_bytes()
     shutil.rmtree(folder, ignore_errors=True)
     shutil.rmtree(bundle / "gguf", ignore_errors=True)
     starts = range(0, len(data), PART_BYTES)

@@ -361,7 +361,7 @@ def test_gpu_bundle_cuts_the_gguf_into_parts_that_fit_a_call_and_add_up(tmp_path
     spec.loader.exec_module(bundle_module)
     monkeypatch.setattr(bundle_module, "PART_BYTES", 1000)
     monkeypatch.setattr(bundle_module, "TAIL_IN_BUNDLE", 100)
-    monkeypatch.setattr(specbatch.models.loading, "_embedded_gguf_folder", lambda: tmp_path / "model")
+    monkeypatch.setattr(specbatch.models.loading, "embedded_gguf_folder", lambda: tmp_path / "model")
     (tmp_path / "model").mkdir()
     for size, carried in ((2050, 2), (2500, 3)):
         data = bytes(range(256)) * (size // 256) + bytes(size % 256)

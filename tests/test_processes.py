@@ -313,6 +313,20 @@ def test_embedded_services_on_a_gpu_host_get_no_cpu_forms(monkeypatch):
         assert _flag(spawned[module][0], "--weights") == "model"
 
 
+@pytest.mark.parametrize("asked, gpus, target, draft", [
+    (None, 2, "cuda", "cuda:1"), (None, 2, "cuda:1", "cuda:0"), (None, 1, "cuda", "cuda"),
+    ("same", 2, "cuda", "cuda"), ("cuda:3", 4, "cuda", "cuda:3"), (None, 0, "cpu", "cpu")])
+def test_the_draft_takes_a_gpu_of_its_own_where_the_host_has_two(monkeypatch, asked, gpus, target, draft):
+    """--draft-device: by default a second GPU where the target runs on a GPU of a host with two or
+    more, else beside the target; 'same' keeps it beside. Only the draft service's --device moves."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    spawned = _spawned(monkeypatch, {"device": target, "draft_device": asked, "weights": "model"})
+    assert _flag(spawned["target_service"][0], "--device") == target
+    assert _flag(spawned["draft_service"][0], "--device") == draft
+
+
 def test_launcher_and_services_agree_on_the_cpu():
     """The launcher reads the CPU flags without torch; the services ask oneDNN and the built
     kernels. They must agree, or the coordinator would run another form's profile."""

