@@ -72,12 +72,13 @@ if [[ $DEVICE == cuda* ]]; then
     # --kv-cache-gb for sequences of --max-context tokens: 64 × 769 × 0.5 MiB of OPT-6.7B is 24 GiB.
     MAX_CONTEXT=768
     # The served pairs: one round (a GPU's rounds differ by little), at least 8 requests a level
-    # of 64 new tokens; the 4-minute trace played 16 times faster (15 s a mode). The pool: 20 GiB
-    # a service of 1k-token sequences, 80 of Llama-3-8B's (128 KiB a token).
+    # of 64 new tokens; the 4-minute trace played 16 times faster (15 s a mode). The pools: OPT-6.7B
+    # keeps 512 KiB a token, so 32 GiB of 768-token slots (85 sequences); Llama-3-8B 128 KiB, so
+    # 20 GiB of 1k-token slots (160).
     SERVE=(--concurrency 1,4,16,32,64 --requests 8 --rounds 1 --max-new-tokens 64)
     SERVE_KS=0,1,2,3,4,6
     TRACE=(--traffic uniform,trace --trace-speed 16)
-    SERVE_KV_GB=20 SERVE_CONTEXT=1024
+    OPT_POOL=(--kv-cache-gb 32 --max-context 768) LLAMA_POOL=(--kv-cache-gb 20 --max-context 1024)
     LLAMA_TARGET=llama-3-8b LLAMA_DRAFT=llama-3.2-1b EAGLE_DRAFT=llama-3-8b-eagle
     EMBEDDED_SERVE=(--fixed-k 0 --policies learn --concurrency 1,8,32 --requests 32 --rounds 2 --max-new-tokens 64)
     BATCH1=(--prompts 12 --tokens 96)
@@ -116,7 +117,7 @@ else
     SERVE=(--concurrency 1,2 --requests 2 --rounds 1 --max-new-tokens 8)
     SERVE_KS=0,1
     TRACE=(--traffic uniform,trace --trace-speed 60)
-    SERVE_KV_GB=1 SERVE_CONTEXT=256
+    OPT_POOL=(--kv-cache-gb 1 --max-context 256) LLAMA_POOL=(--kv-cache-gb 1 --max-context 256)
     LLAMA_TARGET=smollm2-135m LLAMA_DRAFT=smollm2-135m EAGLE_DRAFT=smollm2-135m-instruct-draft
     EMBEDDED_SERVE=(--fixed-k 0 --policies learn --concurrency 1,2 --requests 2 --rounds 1 --max-new-tokens 8)
     BATCH1=(--prompts 2 --tokens 16)
@@ -215,7 +216,7 @@ want() { [[ $STEPS == all || ,$STEPS, == *,$1,* || ,$STEPS, == *,$2,* ]]; }
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 EMULATED=${ACCEPTANCE_FROM:-$ACCEPTANCE}
 
-# serve NAME LIMIT TARGET DRAFT FLAGS…: a random-weight pair through the three services at the
+# serve NAME LIMIT TARGET DRAFT FLAGS… (its pool among them): a random-weight pair through the three services at the
 # emulated acceptance: k = 0, fixed k and the default policy (learn: no profile fits a new pair).
 serve() {
     local name=$1 limit=$2 target=$3 draft=$4
@@ -223,7 +224,7 @@ serve() {
     echo "== served: $target / $draft, acceptance emulated at $EMULATED ($name) =="
     step "$limit" "${SPECBATCH[@]}" bench --device "$DEVICE" --dtype "$DTYPE" --random-weights \
         --target-model "$target" --draft-model "$draft" --emulate-acceptance "$EMULATED" \
-        --kv-cache-gb "$SERVE_KV_GB" --max-context "$SERVE_CONTEXT" --fixed-k "$SERVE_KS" --policies learn \
+        --fixed-k "$SERVE_KS" --policies learn \
         "${SERVE[@]}" "$@" --variant "$name" | tee "$OUT/$name.txt"
 }
 
@@ -237,18 +238,18 @@ if want kv-memory serve; then
     fi
 fi
 if want serve-opt serve; then
-    serve serve-opt 240 "$TARGET_SHAPE" "$DRAFT_SHAPE" "${TRACE[@]}"
+    serve serve-opt 240 "$TARGET_SHAPE" "$DRAFT_SHAPE" "${OPT_POOL[@]}" "${TRACE[@]}"
     if [[ $GPUS -ge 2 ]]; then  # the default put the draft on a GPU of its own: now beside the target
-        serve serve-opt-same-gpu 200 "$TARGET_SHAPE" "$DRAFT_SHAPE" --draft-device same
+        serve serve-opt-same-gpu 200 "$TARGET_SHAPE" "$DRAFT_SHAPE" "${OPT_POOL[@]}" --draft-device same
     else
         echo "(one GPU: the draft served beside the target; the separate-GPU placement needs two)"
     fi
 fi
 if want serve-llama serve; then
-    serve serve-llama 150 "$LLAMA_TARGET" "$LLAMA_DRAFT"
+    serve serve-llama 150 "$LLAMA_TARGET" "$LLAMA_DRAFT" "${LLAMA_POOL[@]}"
 fi
 if want serve-eagle serve; then
-    serve serve-eagle 150 "$LLAMA_TARGET" "$EAGLE_DRAFT"
+    serve serve-eagle 150 "$LLAMA_TARGET" "$EAGLE_DRAFT" "${LLAMA_POOL[@]}"
 fi
 if want serve-embedded serve; then
     echo "== served: the embedded pair (${SMOLLM2[0]}), the default policy against k = 0 =="

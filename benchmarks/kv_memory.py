@@ -117,6 +117,9 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append({"context": context, "pool_sequences": pool, "paged_sequences": paged,
                      "paged_at_full_length": sequences(free, per_token, math.ceil(context / args.page) * args.page),
                      "pool_gib_per_sequence": per_token * (context + 1) / GIB,
+                     # what to give each service's --kv-cache-gb for that many (the default is 8)
+                     "kv_cache_gb": " / ".join(f"{pool * s['kv_bytes_per_token'] * (context + 1) / GIB:.1f}"
+                                               for s in shapes),
                      "page_it": context <= 2048 and pool < PAGE_BELOW})
     report = {"target": shapes[0], "draft": shapes[1] if len(shapes) > 1 else None, "dtype": args.dtype,
               "gpu_gib": total / GIB, "weights_gib": weights / GIB, "reserve_gib": reserve / GIB,

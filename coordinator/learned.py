@@ -49,12 +49,15 @@ PRIOR_DRAFT_PER_TOKEN = 0.3
 
 
 def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
-    """The batch sizes a learned profile keeps: powers of two up to the coordinator's batch."""
-    sizes, b = [], 1
+    """The batch sizes a learned profile keeps: 1, 2, 3, 4, 6, 8, 12, 16, 24 … (the powers of two and
+    the points halfway between) up to the coordinator's batch. A step's times are kept at the size
+    nearest its batch: with powers of two alone, a batch of 12 was kept at 16, and the steps of a
+    round's tail priced a full batch's Verify a quarter too cheap."""
+    sizes, b = {max(max_batch_size, 1)}, 1
     while b < max_batch_size:
-        sizes.append(b)
+        sizes.update(s for s in (b, b + b // 2) if s < max_batch_size)
         b *= 2
-    return tuple(sizes + [max(max_batch_size, 1)])
+    return tuple(sorted(sizes))
 
 
 class Windows:
@@ -115,10 +118,17 @@ def _slope(medians: dict[int, float]) -> float | None:
     return max(0.0, (medians[b] - medians[a]) / (b - a))
 
 
+# A deep position is reached by few drafts: its rate leans on the one before it as if this many
+# of its drafts had been seen at that rate. Without it, the few drafts that reach position 4 or 5
+# price it at 0 or 1, and a low price keeps k short, so that the position is reached less still.
+PRIOR_DRAFTS = 4
+
+
 class LearnedAcceptance:
     """P(draft position i accepted | the ones before were), as a moving average of the drafts
-    that reached i (half the weight from the last ``half_life``), with no starting value: a
-    position never reached takes the rate of the one before it, and the first, 0."""
+    that reached i (half the weight from the last ``half_life``), with no starting value: the
+    first position starts at 0, each later one at the rate of the one before it, which it leans
+    on as ``PRIOR_DRAFTS`` drafts' worth."""
 
     def __init__(self, positions: int, half_life: float = 64.0, start: list[float] | None = None):
         self.keep = 0.5 ** (1.0 / half_life)
@@ -137,8 +147,12 @@ class LearnedAcceptance:
     @property
     def rates(self) -> list[float]:
         rates, last = [], 0.0
-        for total, weight in zip(self.sums, self.weights):
-            last = total / weight if weight else last
+        prior = PRIOR_DRAFTS * (1 - self.keep)
+        for i, (total, weight) in enumerate(zip(self.sums, self.weights)):
+            if i:
+                last = (total + prior * last) / (weight + prior)
+            elif weight:
+                last = total / weight
             rates.append(last)
         return rates
 

@@ -215,6 +215,24 @@ def test_learn_given_a_profile_that_fits_starts_from_it(tmp_path, monkeypatch):
     assert fit_policy(Learning(max_k=16, max_batch_size=16), File, elsewhere, 16, 0, 16).k_for(1) == 0
 
 
+def test_a_deep_position_reached_by_a_few_drafts_leans_on_the_one_before():
+    """Two drafts that reach position 4 and are rejected there do not price it at 0 (a low price
+    keeps k short, and the position is then reached less still); a hundred do."""
+    from coordinator.learned import LearnedAcceptance
+
+    acceptance = LearnedAcceptance(6)
+    rng = random.Random(1)
+    for _ in range(400):  # k = 3 chains at 0.6 a position
+        kept = 0
+        while kept < 3 and rng.random() < 0.6:
+            kept += 1
+        acceptance.observe([(3, kept)])
+    acceptance.observe([(4, 3), (4, 3)])
+    assert 0.3 < acceptance.rates[3] < 0.6 and acceptance.rates[0] == pytest.approx(0.6, abs=0.1)
+    acceptance.observe([(4, 3)] * 100)
+    assert acceptance.rates[3] < 0.1
+
+
 def test_unmeasured_ks_are_priced_from_the_measured_ones():
     times = LearnedTimes(bucket_sizes(8), trusted=2)
     for _ in range(2):
