@@ -53,7 +53,8 @@ class Keeper:
                 continue
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                partial = path.with_suffix(".partial")
+                # (its own name: coordinators of one deployment on one host keep the same file)
+                partial = path.with_suffix(f".{os.getpid()}-{id(self)}.partial")
                 profile.save(partial)
                 os.replace(partial, path)  # a reader never sees half a file
             except OSError as error:

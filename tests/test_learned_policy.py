@@ -339,3 +339,28 @@ def test_a_requests_own_k_asks_for_leaves_before_anything_is_measured():
     has measured anything: none, rather than a price of nothing."""
     policy = Learning(max_k=16, max_batch_size=8, max_leaves=3)
     assert policy.k_for(1) == 0 and policy.leaves_for(1, 3, 3) == 0
+
+
+def test_two_keepers_of_one_deployment_keep_its_file_without_a_clash(tmp_path, caplog):
+    """Coordinators of one deployment on one host keep the same learned file: each writes its own
+    partial file and moves it in, so neither fails on the other's move."""
+    import threading
+
+    from coordinator.learned_store import Keeper, load_learned
+
+    deployment = Deployment(**CPU_LIKE)
+    keepers, path = [], tmp_path / "learned.json"
+    for _ in range(2):
+        policy = Learning(max_k=8, max_batch_size=4)
+        for _ in range(40):
+            deployment.step(policy, 4)
+        keeper = Keeper()
+        keeper.add(policy, path, {})
+        keepers.append(keeper)
+    threads = [threading.Thread(target=lambda k=k: [k.save() for _ in range(50)]) for k in keepers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert "cannot keep" not in caplog.text and load_learned(path) is not None
+    assert not list(tmp_path.glob("*.partial"))
