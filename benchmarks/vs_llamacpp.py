@@ -60,6 +60,9 @@ def worker() -> None:
     from ik_llama_cpp import _ctypes_api as C
     from ik_llama_cpp._internals import IkContext, IkModel
 
+    # llama.cpp logs to the process's stdout from C: the answers go to a copy of it, its logs to stderr
+    answers = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     gguf, threads = sys.argv[2], int(sys.argv[3])
     model = IkModel(gguf)
     vocab = model.n_vocab
@@ -77,12 +80,14 @@ def worker() -> None:
     def argmax(ctx, i: int) -> int:
         return int(np.argmax(np.ctypeslib.as_array(C.llama_get_logits_ith(ctx.ctx, i), shape=(vocab,))))
 
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         prompts, new_tokens, width = request["prompts"], request["new_tokens"], request["concurrency"]
         if width not in contexts:  # a unified cache for `width` sequences of the longest prompt and answer
-            contexts[width] = IkContext(model, n_ctx=width * 1024, n_threads=threads, n_seq_max=width)
+            # (flash attention off: its iqk kernel asserts S > 0 in this wheel on an AVX512_VNNI CPU)
+            contexts[width] = IkContext(model, n_ctx=width * 1024, n_threads=threads, n_seq_max=width,
+                                        flash_attn=False)
         ctx = contexts[width]
         outputs: list[list[int]] = [[] for _ in prompts]
         start = time.perf_counter()
@@ -103,7 +108,7 @@ def worker() -> None:
                 C.llama_batch_free(batch)
                 for row, i in enumerate(group):
                     outputs[i].append(argmax(ctx, row))
-        print(json.dumps({"tokens": outputs, "seconds": time.perf_counter() - start}), flush=True)
+        print(json.dumps({"tokens": outputs, "seconds": time.perf_counter() - start}), file=answers, flush=True)
 
 
 class LlamaCpp:
