@@ -52,15 +52,21 @@ def test_known_shapes_are_the_published_ones():
             llama.vocab_size, llama.rope_parameters["rope_theta"]) == (4096, 32, 8, 14336, 128256, 500000.0)
 
 
-def test_llama_3_8b_drafts_are_the_published_shapes():
-    """Llama-3.2-1B (1.24 B parameters, its head tied) and a one-layer EAGLE-style head over
-    Llama-3-8B's features, counted on the meta device as the KV report counts them."""
+def kv_memory_script():
+    """benchmarks/kv_memory.py as a module (the benchmarks are scripts, not a package)."""
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("kv_memory", Path(__file__).parents[1] / "benchmarks/kv_memory.py")
-    kv_memory = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kv_memory)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_llama_3_8b_drafts_are_the_published_shapes():
+    """Llama-3.2-1B (1.24 B parameters, its head tied) and a one-layer EAGLE-style head over
+    Llama-3-8B's features, counted on the meta device as the KV report counts them."""
+    kv_memory = kv_memory_script()
     one_b = kv_memory.shape_of("meta-llama/Llama-3.2-1B", torch.bfloat16)
     assert abs(one_b["parameters"] - 1.236e9) < 0.01e9 and one_b["kv_bytes_per_token"] == 16 * 2 * 8 * 64 * 2
     eight_b = kv_memory.shape_of("llama-3-8b", torch.bfloat16)
@@ -73,12 +79,7 @@ def test_llama_3_8b_drafts_are_the_published_shapes():
 def test_the_kv_report_counts_slots_and_pages(tmp_path):
     """At 80 GiB a Llama-3-8B target with its 1B draft holds well over 64 sequences at 2k tokens
     in the pool's slots (not paged), fewer at 8k, where pages of what sequences wrote hold more."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("kv_memory", Path(__file__).parents[1] / "benchmarks/kv_memory.py")
-    kv_memory = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(kv_memory)
+    kv_memory = kv_memory_script()
     report = kv_memory.main(["--gib", "80", "--out", str(tmp_path / "kv.json")])
     at = {row["context"]: row for row in report["rows"]}
     per_sequence = (128 + 32) * 1024 * 2049  # both models' keys and values, a slot of 2k + 1 columns
