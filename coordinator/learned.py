@@ -279,8 +279,9 @@ class Learning(Goodput):
         self.learned_acceptance = LearnedAcceptance(max_k, half_life, start)
         if seed is not None:
             self.learned_times.seed(seed)
-        self._probes: dict[int, tuple[int, int | None]] = {}  # batch size -> (step, its probe)
-        self._one_row: tuple[int, int] | None = None  # (step, batch size) of a probe given to one sequence
+        # batch size -> (step, its probe, whether one sequence alone drafts it)
+        self._probes: dict[int, tuple[int, int | None, bool]] = {}
+        self._one_row: tuple[int, int] | None = None  # (step, batch size) once that sequence took its probe
         # No profile file: Goodput prices by ``times`` and ``acceptance``, set in ``_sync``.
         super().__init__(None, max_k, half_life, probe_every, max_leaves, live_times=False)
 
@@ -327,7 +328,7 @@ class Learning(Goodput):
         if self.steps % self.probe_every == self.probe_every - 1:
             # decided once a step: it is asked for each sequence's k and leaves
             if self._probes.get(batch_size, (None,))[0] != self.steps:
-                self._probes[batch_size] = (self.steps, self._probe(batch_size, choice))
+                self._probes[batch_size] = (self.steps, *self._probe(batch_size, choice))
             probe = self._probes[batch_size][1]
             if probe is not None and self._one_row != (self.steps, batch_size):
                 return probe, 0
@@ -335,31 +336,32 @@ class Learning(Goodput):
 
     def k_for(self, batch_size: int) -> int:
         k = self._choice(batch_size)[0]
-        probe = self._probes.get(batch_size, (None, None))
-        if k and probe == (self.steps, k) and self._chosen[batch_size][0] == 0 and batch_size > 1 \
-                and self.learned_times.measured(batch_size, k) >= self.learned_times.trusted:
-            self._one_row = (self.steps, batch_size)  # this sequence probes from k = 0; the rest do not
+        step, probe, one_row = self._probes.get(batch_size, (None, None, False))
+        if one_row and step == self.steps and k == probe:
+            self._one_row = (self.steps, batch_size)  # this sequence probes; the rest do not
         return k
 
-    def _probe(self, batch_size: int, choice: tuple[int, int]) -> int | None:
-        """A neighbour of the chosen k to measure (asked one step in ``probe_every``): one not yet
-        trusted at this size (the larger first); once both are, one step in four of those (one in
-        32) the one measured least of those priced within ``probe_within`` of the best, to keep
-        their prices current at a quarter of the cost."""
+    def _probe(self, batch_size: int, choice: tuple[int, int]) -> tuple[int | None, bool]:
+        """A neighbour of the chosen k to measure (asked one step in ``probe_every``), and whether
+        one sequence alone drafts it: one not yet trusted at this size (the larger first), by the
+        whole batch; once both are, one step in four of those (one in 32) the one measured least
+        of those priced within ``probe_within`` of the best, to keep their prices current at a
+        quarter of the cost, from k = 0 by one sequence (the module docstring)."""
         times, rates = self.learned_times, self.acceptance.rates
         neighbours = [k for k in (choice[0] + 1, choice[0] - 1) if 0 <= k <= self.max_k]
         unmeasured = [k for k in neighbours if times.measured(batch_size, k) < times.trusted]
         if unmeasured:
-            return unmeasured[0]
+            return unmeasured[0], False
         if self.steps % (4 * self.probe_every) != 4 * self.probe_every - 1:
-            return None
+            return None, False
+        one_row = choice[0] == 0 and batch_size > 1
         floor = self.probe_within * self.goodput(batch_size, choice[0], rates, choice[1])
         near = [k for k in neighbours if self.goodput(batch_size, k, rates) >= floor]
         if near:
-            return min(near, key=lambda k: times.measured(batch_size, k))
+            return min(near, key=lambda k: times.measured(batch_size, k)), one_row
         # Held at k = 0, nothing new is drafted: a probe drafts one token, so that a draft (or a
         # text) that has become predictable is noticed.
-        return 1 if choice[0] == 0 else None
+        return (1, one_row) if choice[0] == 0 else (None, False)
 
     def observe(self, outcomes: list[tuple[int, int]]) -> None:
         self._sync()

@@ -183,8 +183,11 @@ def coordinator_policies(policies: list[str], policy_profiles: list[str], profil
     profile it reads (its ``--policy-profile POLICY=PATH``, else ``--profile``; ``learn``, which
     would start from it, only its own: a bench's ``learn`` learns from nothing unless told)."""
     profiles = dict(entry.split("=", 1) for entry in policy_profiles)
-    return {p: (p.partition("@")[0], profiles.get(p, None if p.partition("@")[0] == "learn" else profile))
-            for p in policies}
+    chosen = {}
+    for mode in policies:
+        policy = mode.partition("@")[0]
+        chosen[mode] = (policy, profiles.get(mode, None if policy == "learn" else profile))
+    return chosen
 
 
 def fixed_modes(text: str | None, k: int) -> list[tuple[int, int]]:
