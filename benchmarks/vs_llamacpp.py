@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8, help="prompts of each set a round")
     parser.add_argument("--levels", default="1,8", help="concurrency levels")
+    parser.add_argument("--up", default="", help="flags for specbatch up beside its defaults, one string "
+                        "(e.g. \"--weights bf16-dot\": a form other than the machine's)")
     results.add_output_flags(parser, "vs-llamacpp")
     args = parser.parse_args(argv)
     if not os.path.exists(args.llamacpp_python):
@@ -164,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from specbatch.config.options import UP, add_options
 
-    up = add_options(argparse.ArgumentParser(), UP).parse_args([])
+    up = add_options(argparse.ArgumentParser(), UP).parse_args(shlex.split(args.up))
     gguf = str(embedded_gguf_folder() / EMBEDDED_GGUF)
     tokenizer = load_tokenizer(ModelSpec(EMBEDDED))
     sets = {"chat": chat_prompts(tokenizer, CHAT_PROMPTS, 512)[: args.prompts],

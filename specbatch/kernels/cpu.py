@@ -22,11 +22,18 @@ def _cpuinfo() -> str:
         return ""
 
 
+# Flags to leave unused, by prefix, comma-separated ("avx512,amx": run as an AVX2-only CPU does), so
+# that one machine builds, tests and times the kernels another CPU form would run.
+WITHOUT_ENV = "SPECBATCH_CPU_WITHOUT"
+
+
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none)."""
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none), less those
+    ``$SPECBATCH_CPU_WITHOUT`` names."""
+    without = tuple(prefix for prefix in os.environ.get(WITHOUT_ENV, "").split(",") if prefix)
     for line in _cpuinfo().splitlines():
         if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
+            return frozenset(flag for flag in line.partition(":")[2].split() if not flag.startswith(without))
     return frozenset()
 
 
@@ -72,9 +79,9 @@ def _accepts(flag: str, compiler: tuple[str, ...]) -> bool:
 
 def kernels_expected() -> bool:
     """Whether the kernels should build here, as ``build.available()`` decides it: an x86-64 CPU
-    with AVX2 and FMA, a C compiler, and not switched off (``SPECBATCH_NATIVE=0``)."""
+    with AVX2, FMA and F16C, a C compiler, and not switched off (``SPECBATCH_NATIVE=0``)."""
     return (os.environ.get("SPECBATCH_NATIVE", "1") != "0" and platform.machine().lower() in ("x86_64", "amd64")
-            and has("avx2") and has("fma") and c_compiler() is not None)
+            and has("avx2") and has("fma") and has("f16c") and c_compiler() is not None)
 
 
 def bf16_dot_expected() -> bool:
