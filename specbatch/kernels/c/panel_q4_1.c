@@ -25,7 +25,7 @@
  * Cost: one row reads 66 MB instead of 212, so a one-row step is far cheaper than bf16 dot products
  * on the same weights; from two rows on each row adds its 16 vdpbf16ps per 512 weights plus the
  * unpacking, where bf16 dot products hide theirs under the weights' stream up to ~8 rows, so the
- * two come close from about six rows on (docs/decisions/q4-1-opt-in.md). No software prefetch:
+ * two come close from about eight rows on (docs/decisions/weights-auto.md). No software prefetch:
  * panel_dpbf16.c's prefetches made one row slower here, not faster.
  *
  * Blocks of rows: as panel_dpbf16.c, up to 12 rows in one block (the nibbles are unpacked once for
