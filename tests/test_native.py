@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from specbatch.engine.batch import SequenceInput
 from specbatch.engine.engine import Engine
-from specbatch.kernels import build
+from specbatch.kernels import build, cpu
 from specbatch.kernels.layers import HEAD_DIMS, Attention, Rope, add_rms_norm, argmax, silu_mul
 from specbatch.kernels.linear import fused, linear
 from specbatch.kernels.panel import PanelLinear
@@ -201,7 +202,8 @@ def test_float16_products_take_any_row_scale():
 
 @pytest.mark.parametrize("form, weights, available, flag", [
     ("bf16_dot", "bf16-dot", "bf16_dot_available", "AVX512_BF16"),
-    ("fp16_dot", "fp16-dot", "fp16_dot_available", "AVX512_FP16")])
+    ("fp16_dot", "fp16-dot", "fp16_dot_available", "AVX512_FP16"),
+    ("q4_1", "q4_1", "bf16_dot_available", "AVX512_BF16")])
 def test_dot_product_forms_are_refused_where_the_cpu_lacks_them(monkeypatch, form, weights, available, flag):
     weight = torch.randn(32, 16)
     monkeypatch.setattr(build, available, lambda: False)
@@ -613,3 +615,21 @@ def test_argmax_is_torchs_on_ties_nans_infinities_and_signed_zeros():
         assert torch.equal(argmax(rows.reshape(3, 4, columns)), rows.reshape(3, 4, columns).argmax(-1))
     assert torch.equal(argmax(x.t()), x.t().argmax(-1))  # not contiguous: a contiguous copy
     assert torch.equal(argmax(x.double()), x.double().argmax(-1))
+
+
+@pytest.mark.skipif(not cpu.has("avx512f"), reason="this CPU builds the AVX2 kernels already")
+def test_an_avx2_only_build_passes_these_tests_and_speculates_exactly(tmp_path):
+    """The kernels built as an AVX2-only CPU builds them (SPECBATCH_CPU_WITHOUT=avx512,amx: 256-bit
+    attention, no dot-product forms), in a process of its own: this file's tests, and speculation on
+    bf16 weights (the embedded target's form there) token for token its own target-only decoding."""
+    check = ("import sys, pytest; from specbatch.kernels import build; "
+             "assert '-mavx512f' not in build.flags() and build.available() and not build.bf16_dot_available(); "
+             "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-x', sys.argv[1], sys.argv[2], '-k', "
+             "'not avx2_only']))")
+    env = {**os.environ, "SPECBATCH_CPU_WITHOUT": "avx512,amx", "SPECBATCH_CACHE": str(tmp_path)}
+    here = Path(__file__)
+    speculation = str(here.parent / "test_eagle.py") + "::test_bf16_weights_speculate_exactly_against_their_own_target_only_decoding[bf16]"
+    done = subprocess.run([sys.executable, "-c", check, str(here), speculation], env=env, capture_output=True,
+                          text=True, cwd=here.parents[1], timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout

@@ -228,9 +228,9 @@ def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatc
 @pytest.mark.parametrize("machine, options, target, draft", [
     ({"dot": "fp16"}, {}, "fp16-dot", "int8"),
     ({"dot": True}, {}, "q4_1", "int8"),
-    ({"dot": False}, {}, "q4_1", "int8"),
-    ({"dot": False, "native_bf16": False}, {}, "q4_1", "int8"),
-    ({"dot": False}, {"weights": "bf16"}, "bf16", "int8"),
+    ({"dot": False}, {}, "bf16", "int8"),
+    ({"dot": False, "native_bf16": False}, {}, "bf16", "int8"),
+    ({"dot": True}, {"weights": "bf16-dot"}, "bf16-dot", "int8"),
     ({"kernels": False}, {}, "model", "model"),
     ({"kernels": False, "native_bf16": False}, {}, "model", "int8"),
     ({"dot": True}, {"dtype": "float32"}, "model", "int8"),
@@ -244,9 +244,9 @@ def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatc
     ({"dot": True}, {"device": "cuda"}, "model", "model")])
 def test_the_machine_decides_the_weight_forms(monkeypatch, machine, options, target, draft):
     """The embedded pair on a CPU where the kernels build: the target on float16 products where the
-    CPU has AVX512_FP16, else on the GGUF's own Q4_1 blocks (AVX512_BF16 or AVX2 alike), the draft
-    int8 wherever the target runs float32 arithmetic; another pair or a GPU as loaded unless a form
-    is named."""
+    CPU has AVX512_FP16, else on the GGUF's own Q4_1 blocks where it has AVX512_BF16, else on bf16
+    weights; the draft int8 wherever the target runs float32 arithmetic; another pair or a GPU as
+    loaded unless a form is named."""
     spawned = _spawned(monkeypatch, options, **machine)
     assert _flag(spawned["target_service"][0], "--weights") == target
     assert _flag(spawned["draft_service"][0], "--weights") == draft
@@ -254,7 +254,7 @@ def test_the_machine_decides_the_weight_forms(monkeypatch, machine, options, tar
 
 @pytest.mark.parametrize("form, dot, kv_bf16", [("bf16-dot", True, True), ("fp16-dot", "fp16", True),
                                                 ("q4_1", True, True), ("bf16", False, False), ("model", True, False),
-                                                ("int8", True, True), ("int8", False, True)])
+                                                ("int8", True, True), ("int8", False, False)])
 def test_keys_and_values_are_bf16_beside_sixteen_bit_forms(monkeypatch, form, dot, kv_bf16):
     """Where the layers' inputs are rounded to 16 bits, keys and values are kept in bf16 too; an int8
     draft keeps them so where its target runs such a form."""
@@ -266,8 +266,8 @@ def test_keys_and_values_are_bf16_beside_sixteen_bit_forms(monkeypatch, form, do
 
 @pytest.mark.parametrize("machine, dtype, profile", [
     ({"dot": "fp16"}, None, "embedded-cpu-fp16dot.json"),
-    ({"dot": True}, None, "embedded-cpu-q4_1.json"), ({"dot": False}, None, "embedded-cpu-q4_1.json"),
-    ({"dot": False, "native_bf16": False}, None, "embedded-cpu-q4_1.json"),
+    ({"dot": True}, None, "embedded-cpu-q4_1.json"), ({"dot": False}, None, "embedded-cpu-bf16w.json"),
+    ({"dot": False, "native_bf16": False}, None, "embedded-cpu-bf16w.json"),
     ({"dot": True}, "auto", "embedded-cpu-q4_1.json"),
     ({"kernels": False}, None, "embedded-cpu.json"), ({"kernels": False, "native_bf16": False}, None,
                                                        "embedded-cpu-fp32.json"),

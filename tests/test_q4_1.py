@@ -1,16 +1,10 @@
 """GGUF's Q4_1 blocks (specbatch.kernels.gguf_blocks) and their multiply (native panel_q4_1.c): the blocks recovered
-from a dequantized weight bit for bit, other weights quantized as llama.cpp does, the products
-row-exact and the same bits on AVX512_BF16 and on AVX2; the form through the launcher and the
-services, on this CPU and built as an AVX2-only CPU builds it."""
+from a dequantized weight bit for bit, other weights quantized as llama.cpp does, and the products
+row-exact; the target service's `--q4-1` through the launcher and the services."""
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +13,6 @@ from tiny import greedy_mixed_batch, tiny_llama
 
 from specbatch.config.options import UP, add_options
 from specbatch.engine.engine import Engine
-from specbatch.kernels import build
 from specbatch.kernels.gguf_blocks import BLOCK, q4_1_blocks
 from specbatch.kernels.linear import linear
 from specbatch.kernels.panel import PanelLinear
@@ -56,10 +49,7 @@ def test_other_weights_are_quantized_as_llama_cpp_does():
         q4_1_blocks(torch.randn(4, 48))
 
 
-needs_kernels = pytest.mark.skipif(not build.available(), reason=f"no panel kernel here: {build.unavailable_reason()}")
-
-
-@needs_kernels
+@needs_bf16_dot
 @pytest.mark.parametrize("out_features,in_features", [(40, 64), (33, 96), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_q4_1_products_are_row_exact_products_of_the_rounded_input(out_features, in_features, threads):
@@ -78,30 +68,6 @@ def test_q4_1_products_are_row_exact_products_of_the_rounded_input(out_features,
 
 
 @needs_bf16_dot
-@pytest.mark.parametrize("out_features,in_features,rows", [(16, 32, 1), (37, 64, 3), (960, 576, 5), (576, 1536, 13)])
-def test_the_avx2_kernel_computes_the_bits_of_the_avx512_bf16_one(out_features, in_features, rows):
-    """panel_q4_1_fma (AVX2 and FMA) against panel_q4_1 (vdpbf16ps) on the same packed blocks: the
-    same bits for every output, inputs spread over ten decades, with denormals, signed zeros and
-    bf16 halfway cases among them."""
-    library = build._library()
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    layer = PanelLinear(q4_1_weight(out_features, in_features, seed=rows), torch.randn(out_features), q4_1=True)
-    generator = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, in_features, generator=generator) * torch.logspace(-5, 5, in_features)[
-        torch.randperm(in_features, generator=generator)]
-    x[0, :8] = torch.tensor([1e-40, -1e-39, 3e-39, -0.0, 0.0, 1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8)])
-    outputs = []
-    for name in ("panel_q4_1", "panel_q4_1_fma"):
-        kernel = getattr(library, name)
-        kernel.argtypes, kernel.restype = [pointer, size, size, pointer, size, pointer, pointer, ctypes.c_int], ctypes.c_int
-        y = torch.empty(rows, out_features)
-        assert kernel(x.data_ptr(), rows, in_features, layer.panels.data_ptr(), out_features, layer.bias.data_ptr(),
-                      y.data_ptr(), 2) == 0
-        outputs.append(y)
-    assert torch.equal(outputs[0].view(torch.int32), outputs[1].view(torch.int32))
-
-
-@needs_kernels
 def test_q4_1_refuses_what_it_cannot_pack_or_combine():
     with pytest.raises(ValueError, match="multiple of 32"):
         linear(torch.randn(16, 40), weights="q4_1")
@@ -113,26 +79,24 @@ def test_q4_1_refuses_what_it_cannot_pack_or_combine():
         Engine(tiny_llama(1, seed=0).to(torch.bfloat16), weights="q4_1")
 
 
-@needs_kernels
-def test_the_engine_keeps_the_head_on_bf16_dot_products_where_the_cpu_has_them():
+@needs_bf16_dot
+def test_the_engine_keeps_the_head_on_bf16_dot_products():
     engine = Engine(tiny_llama(2, seed=3), weights="q4_1")
     layer = engine.forward.layers[0]
     assert {layer.qkv.form, layer.o.form, layer.gate_up.form, layer.down.form} == {5}
-    assert engine.forward.head.form == (2 if build.bf16_dot_available() else 1)
-    assert engine.forward.decoder_layers is not None
+    assert engine.forward.head.form == 2 and engine.forward.decoder_layers is not None
 
 
-@needs_kernels
+@needs_bf16_dot
 def test_speculation_on_q4_1_layers_is_its_own_target_only_decoding(target_model, draft_model, tokenizer):
-    """A target on Q4_1 layers (bf16 keys and values, as `specbatch up` runs it) and a draft on
-    bf16 dot products (bf16 weights without AVX512_BF16): greedy output at k = 3 with leaves, in one
-    mixed batch, is token for token the same stack's target-only (k = 0) output."""
+    """A target on Q4_1 layers (bf16 keys and values, as `specbatch up --q4-1` runs it) and a draft on
+    bf16 dot products: greedy output at k = 3 with leaves, in one mixed batch, is token for token the
+    same stack's target-only (k = 0) output."""
     from specbatch.stack.in_process import start_local_stack
 
-    draft_form = "bf16-dot" if build.bf16_dot_available() else "bf16"
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=64,
                               target_engine_options={"weights": "q4_1", "kv_bf16": True},
-                              draft_engine_options={"weights": draft_form, "kv_bf16": draft_form == "bf16-dot"})
+                              draft_engine_options={"weights": "bf16-dot", "kv_bf16": True})
     try:
         speculative = greedy_mixed_batch(stack, seed=13, k=3)
         assert sum(r.stats.draft_tokens_accepted for r in speculative) > 0
@@ -165,27 +129,10 @@ def test_the_launcher_refuses_q4_1_where_it_cannot_run(flags, message):
         stack_options(parser.parse_args(["--weights", "q4_1", *flags]))
 
 
-def test_the_launcher_refuses_q4_1_without_the_kernels(monkeypatch):
+def test_the_launcher_refuses_q4_1_without_avx512_bf16(monkeypatch):
     from specbatch.kernels import cpu
 
-    monkeypatch.setattr(cpu, "kernels_expected", lambda: False)
+    monkeypatch.setattr(cpu, "bf16_dot_expected", lambda: False)
     parser = add_options(argparse.ArgumentParser(), UP)
-    with pytest.raises(SystemExit, match="kernels"):
+    with pytest.raises(SystemExit, match="AVX512_BF16"):
         stack_options(parser.parse_args(["--weights", "q4_1", "--device", "cpu"]))
-
-
-@needs_kernels
-@pytest.mark.skipif(not build.bf16_dot_available(), reason="this CPU builds the AVX2 kernels already")
-def test_an_avx2_only_build_runs_the_form_exactly(tmp_path):
-    """The kernels built as an AVX2-only CPU builds them (SPECBATCH_CPU_WITHOUT=avx512,amx: no
-    AVX-512 anywhere, Q4_1 on panel_q4_1_fma, the head on bf16 weights): the products stay row-exact
-    and speculation on Q4_1 layers stays its own target-only decoding."""
-    check = ("import sys, pytest; from specbatch.kernels import build; "
-             "assert '-mavx512f' not in build.flags() and build.available() and not build.bf16_dot_available(); "
-             "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', sys.argv[1], '-k', "
-             "'row_exact_products or speculation_on_q4_1 or head_on_bf16']))")
-    env = {**os.environ, "SPECBATCH_CPU_WITHOUT": "avx512,amx", "SPECBATCH_CACHE": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", check, str(Path(__file__))], env=env, capture_output=True, text=True,
-                          cwd=Path(__file__).parents[1], timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "10 passed" in done.stdout, done.stdout[-2000:]

@@ -48,7 +48,7 @@ SOURCES = tuple(Path(__file__).parent / "c" / name
                              "panel_int8.c", "attention.c", "layer_ops.c", "decoder.c"))
 
 
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 
 
 # Where the CPU has AVX-512, the same code compiled for it: 32 vector registers instead of 16, so
@@ -89,8 +89,6 @@ def _why_not() -> str | None:
         return f"not an x86-64 CPU ({platform.machine()})"
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return f"the CPU lacks AVX2/FMA (PyTorch sees {torch.backends.cpu.get_cpu_capability()})"
-    if not cpu.has("f16c"):
-        return "the CPU lacks F16C"
     if c_compiler() is None:
         return "no C compiler (cc, gcc or clang) to build it with"
     return None

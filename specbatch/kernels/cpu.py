@@ -79,9 +79,9 @@ def _accepts(flag: str, compiler: tuple[str, ...]) -> bool:
 
 def kernels_expected() -> bool:
     """Whether the kernels should build here, as ``build.available()`` decides it: an x86-64 CPU
-    with AVX2, FMA and F16C, a C compiler, and not switched off (``SPECBATCH_NATIVE=0``)."""
+    with AVX2 and FMA, a C compiler, and not switched off (``SPECBATCH_NATIVE=0``)."""
     return (os.environ.get("SPECBATCH_NATIVE", "1") != "0" and platform.machine().lower() in ("x86_64", "amd64")
-            and has("avx2") and has("fma") and has("f16c") and c_compiler() is not None)
+            and has("avx2") and has("fma") and c_compiler() is not None)
 
 
 def bf16_dot_expected() -> bool:

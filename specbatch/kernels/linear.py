@@ -171,15 +171,15 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weights: str 
     row-exact); "int8" (a draft's choice): int8 weights and inputs, on the panel kernel where the CPU
     has AVX512_VNNI (each input row its own scale: row-exact), else ``Int8Linear`` (fbgemm); "q4_1":
     the weight in GGUF's Q4_1 blocks (``specbatch.kernels.gguf_blocks``: exactly the file's values where the
-    weight came from them) and each input rounded to bfloat16, on AVX512_BF16 or, with the same bits,
-    on AVX2 and FMA (row-exact)."""
+    weight came from them) and each input rounded to bfloat16, on AVX512_BF16 (row-exact)."""
     if weights == "int8":
         if panel_kernel_takes(weight) and build.int8_dot_available():  # row-exact, and one C call a layer
             return PanelLinear(weight, bias, int8_dot=True)
         return Int8Linear(weight, bias)
     if weights == "q4_1":
-        if not panel_kernel_takes(weight):
-            raise ValueError("q4_1 weights are for float32 weights on a CPU where the panel kernel builds")
+        if not panel_kernel_takes(weight) or not build.bf16_dot_available():
+            raise ValueError("q4_1 weights are for float32 weights on a CPU with AVX512_BF16 where the panel kernel "
+                             "builds")
         return PanelLinear(weight, bias, q4_1=True)
     if weights in ("bf16", "bf16-dot", "fp16-dot"):
         if not panel_kernel_takes(weight):

@@ -46,6 +46,8 @@ class PanelLinear:
             raise RuntimeError("float16 products need a CPU with AVX512_FP16 (and the kernels built for it)")
         if int8_dot and not build.int8_dot_available():
             raise RuntimeError("int8 products need a CPU with AVX512_VNNI (and the kernels built for it)")
+        if q4_1 and not build.bf16_dot_available():
+            raise RuntimeError("Q4_1 weights need a CPU with AVX512_BF16 (and the kernels built for it)")
         if bf16_weights + bf16_dot + fp16_dot + int8_dot + q4_1 > 1:
             raise ValueError("ask for one of bf16_weights, bf16_dot, fp16_dot, int8_dot and q4_1")
         self.bf16_weights, self.bf16_dot, self.fp16_dot, self.int8_dot = bf16_weights, bf16_dot, fp16_dot, int8_dot

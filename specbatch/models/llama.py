@@ -133,10 +133,9 @@ class LlamaForward:
         self.rotary = base.rotary_emb
         self.layers = [_Layer(layer, weights) for layer in base.layers]
         self.norm, self.eps = base.norm.weight, base.norm.variance_epsilon
-        # Under "q4_1" the head keeps bf16 dot products (bf16 weights where the CPU lacks them): the
-        # embedded GGUF holds it in Q8_0 (256 levels a block), which 4-bit blocks would coarsen.
-        head_form = ("bf16-dot" if build.bf16_dot_available() else "bf16") if weights == "q4_1" else weights
-        self.head = linear(model.get_output_embeddings().weight, None, head_form)
+        # Under "q4_1" the head keeps bf16 dot products: the embedded GGUF holds it in Q8_0 (256
+        # levels a block), which 4-bit blocks would coarsen; its bf16 rounding is the bf16-dot form's.
+        self.head = linear(model.get_output_embeddings().weight, None, "bf16-dot" if weights == "q4_1" else weights)
         # PyTorch's CPU SDPA in bf16 is slow with one query row per head: folding the query heads
         # of each KV head into one head of as many query rows makes it several times faster. In
         # fp32 folding is slower.

@@ -26,8 +26,6 @@ int panel_dpbf16(const float *x, int64_t M, int64_t K, const uint16_t *packed, i
 int panel_q4_1(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
                int threads);
 #endif
-int panel_q4_1_fma(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias,
-                   float *y, int threads);
 #ifdef __AVX512VNNI__
 int panel_int8(const float *x, int64_t M, int64_t K, const int8_t *packed, const float *w_scale,
                const int32_t *offset, int64_t N, const float *bias, float *y, int threads);
@@ -79,11 +77,8 @@ int panel_linear_multiply(const panel_linear *l, const float *x, int64_t M, floa
 #ifdef __AVX512BF16__
     case FORM_BF16_DOT:
         return panel_dpbf16(x, M, l->in_features, (const uint16_t *)l->packed, l->out_features, l->bias, y, threads);
-    case FORM_Q4_1: /* the same bits on either kernel (panel_q4_1.c) */
-        return panel_q4_1(x, M, l->in_features, (const uint8_t *)l->packed, l->out_features, l->bias, y, threads);
-#else
     case FORM_Q4_1:
-        return panel_q4_1_fma(x, M, l->in_features, (const uint8_t *)l->packed, l->out_features, l->bias, y, threads);
+        return panel_q4_1(x, M, l->in_features, (const uint8_t *)l->packed, l->out_features, l->bias, y, threads);
 #endif
 #ifdef __AVX512VNNI__
     case FORM_INT8_DOT:
