@@ -22,6 +22,11 @@ import torch
 _OPT = {"model_type": "opt", "vocab_size": 50272, "max_position_embeddings": 2048, "do_layer_norm_before": True,
         "activation_function": "relu", "enable_bias": True, "pad_token_id": 1, "bos_token_id": 2, "eos_token_id": 2,
         "initializer_range": 0.02, "tie_word_embeddings": True}
+# What the Llama 3 family's configs share (the target and both drafts of it below).
+_LLAMA3 = {"vocab_size": 128256, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+           "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+           "bos_token_id": 128000, "eos_token_id": 128001, "initializer_range": 0.02}
 
 # The published configs of these models, as far as the forward's shape and cost go.
 KNOWN_CONFIGS: dict[str, dict] = {
@@ -29,27 +34,15 @@ KNOWN_CONFIGS: dict[str, dict] = {
                  "num_attention_heads": 32, "ffn_dim": 16384},
     "opt-125m": {**_OPT, "hidden_size": 768, "word_embed_proj_dim": 768, "num_hidden_layers": 12,
                  "num_attention_heads": 12, "ffn_dim": 3072},
-    "llama-3-8b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-                   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                   "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-                   "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
-                   "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
-                   "initializer_range": 0.02},
+    "llama-3-8b": {**_LLAMA3, "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_hidden_layers": 32, "head_dim": 128, "tie_word_embeddings": False},
     # Llama-3-8B's small drafts: Llama-3.2-1B (same tokenizer), and an EAGLE-style one-layer head
     # over its features (specbatch.models.eagle; a 32k-token head subset, as EAGLE-3's).
-    "llama-3.2-1b": {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
-                     "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
-                     "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-                     "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
-                     "tie_word_embeddings": True, "bos_token_id": 128000, "eos_token_id": 128001,
-                     "initializer_range": 0.02},
-    "llama-3-8b-eagle": {"model_type": "specbatch_eagle", "vocab_size": 128256, "draft_vocab_size": 32768,
-                         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 1,
-                         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-                         "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "hidden_act": "silu",
-                         "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
-                         "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
-                         "initializer_range": 0.02},
+    "llama-3.2-1b": {**_LLAMA3, "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+                     "num_hidden_layers": 16, "head_dim": 64, "tie_word_embeddings": True},
+    "llama-3-8b-eagle": {**_LLAMA3, "model_type": "specbatch_eagle", "draft_vocab_size": 32768,
+                         "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 1, "head_dim": 128,
+                         "tie_word_embeddings": False},
     # The embedded target's own config (specbatch.models.embedded.EMBEDDED).
     "smollm2-135m": {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
                      "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
