@@ -628,7 +628,8 @@ def test_an_avx2_only_build_passes_these_tests_and_speculates_exactly(tmp_path):
              "'not avx2_only']))")
     env = {**os.environ, "SPECBATCH_CPU_WITHOUT": "avx512,amx", "SPECBATCH_CACHE": str(tmp_path)}
     here = Path(__file__)
-    speculation = str(here.parent / "test_eagle.py") + "::test_bf16_weights_speculate_exactly_against_their_own_target_only_decoding[bf16]"
+    speculation = (str(here.parent / "test_eagle.py")
+                   + "::test_bf16_weights_speculate_exactly_against_their_own_target_only_decoding[bf16]")
     done = subprocess.run([sys.executable, "-c", check, str(here), speculation], env=env, capture_output=True,
                           text=True, cwd=here.parents[1], timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -95,7 +95,8 @@ def _why_not() -> str | None:
 
 
 def flags(fp16: bool = True) -> tuple[str, ...]:
-    """The compiler flags for this CPU: ``FLAGS``, ``AVX512_FLAGS`` where PyTorch sees AVX-512, and
+    """The compiler flags for this CPU: ``FLAGS``, ``AVX512_FLAGS`` where PyTorch sees AVX-512 and
+    ``cpu`` lists AVX512F (not where ``$SPECBATCH_CPU_WITHOUT`` leaves it unused), and
     with them ``BF16_DOT_FLAGS`` where the CPU has AVX512_BF16 and ``FP16_DOT_FLAGS`` where it has
     AVX512_FP16 (unless ``fp16`` is False)."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512" or not cpu.has("avx512f"):
