@@ -1,6 +1,7 @@
-"""GGUF's Q4_1 blocks (specbatch.kernels.gguf_blocks) and their multiply (native panel_q4_1.c): the blocks recovered
-from a dequantized weight bit for bit, other weights quantized as llama.cpp does, and the products
-row-exact; the target service's `--q4-1` through the launcher and the services."""
+"""GGUF's Q4_1 and Q8_0 blocks (specbatch.kernels.gguf_blocks) and their multiplies (native panel_q4_1.c,
+panel_q8_0.c): the blocks recovered from a dequantized weight bit for bit, other weights quantized as
+llama.cpp does, and the products row-exact; the q4_1 form (Q4_1 layers, a Q8_0 head) through the
+launcher and the services."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import argparse
 
 import pytest
 import torch
-from test_native import layer_and_rows, needs_bf16_dot, rows_alone_and_beside_others
+from test_native import layer_and_rows, needs_bf16_dot, needs_int8_dot, rows_alone_and_beside_others
 from tiny import greedy_mixed_batch, tiny_llama
 
 from specbatch.config.options import UP, add_options
 from specbatch.engine.engine import Engine
-from specbatch.kernels.gguf_blocks import BLOCK, q4_1_blocks
+from specbatch.kernels.gguf_blocks import BLOCK, q4_1_blocks, q8_0_blocks
 from specbatch.kernels.linear import linear
 from specbatch.kernels.panel import PanelLinear
 from specbatch.stack.defaults import stack_options
@@ -73,6 +74,8 @@ def test_q4_1_refuses_what_it_cannot_pack_or_combine():
         linear(torch.randn(16, 40), weights="q4_1")
     with pytest.raises(ValueError, match="one of"):
         PanelLinear(torch.randn(16, 64), q4_1=True, bf16_dot=True)
+    with pytest.raises(ValueError, match="one of"):
+        PanelLinear(torch.randn(16, 64), q4_1=True, q8_0=True)
     with pytest.raises(ValueError, match="unknown weight form"):
         Engine(tiny_llama(1, seed=0), weights="q4_1+bf16-dot")
     with pytest.raises(ValueError, match="Q4_1 weights need the engine's own Llama forward"):
@@ -80,11 +83,75 @@ def test_q4_1_refuses_what_it_cannot_pack_or_combine():
 
 
 @needs_bf16_dot
-def test_the_engine_keeps_the_head_on_bf16_dot_products():
+def test_the_engine_puts_the_head_in_q8_0_blocks(monkeypatch):
+    """Under q4_1 the head is Q8_0 where the CPU has AVX512_VNNI, bf16 dot products where not."""
+    from specbatch.kernels import build
+
     engine = Engine(tiny_llama(2, seed=3), weights="q4_1")
     layer = engine.forward.layers[0]
     assert {layer.qkv.form, layer.o.form, layer.gate_up.form, layer.down.form} == {5}
-    assert engine.forward.head.form == 2 and engine.forward.decoder_layers is not None
+    assert engine.forward.decoder_layers is not None
+    assert engine.forward.head.form == (6 if build.int8_dot_available() else 2)
+    monkeypatch.setattr(build, "int8_dot_available", lambda: False)
+    assert Engine(tiny_llama(2, seed=3), weights="q4_1").forward.head.form == 2
+
+
+def q8_0_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    """A float32 weight that is d * q in every block, as transformers dequantizes a GGUF's Q8_0."""
+    generator = torch.Generator().manual_seed(seed)
+    return q8_0_blocks(torch.randn(out_features, in_features, generator=generator) * 0.05).dequantize()
+
+
+def test_q8_0_blocks_of_a_dequantized_weight_are_recovered_bit_for_bit():
+    weight = q8_0_weight(48, 4 * BLOCK, seed=4)
+    weight[3, :BLOCK] = 0  # a block of zeros: d = 0
+    weight[5, BLOCK : 2 * BLOCK] = (torch.arange(BLOCK) - 16) * 2.0**-12  # d a float16 power of two, q -16..15
+    weight[5, BLOCK] = 127 * 2.0**-12
+    blocks = q8_0_blocks(weight)
+    assert blocks.recovered == blocks.blocks == 48 * 4
+    assert torch.equal(blocks.dequantize(), weight)
+    assert blocks.values.dtype == torch.int8 and int(blocks.values.abs().max()) <= 127
+    assert float(blocks.scale[3, 0]) == 0 and float(blocks.scale[5, 1]) == 2.0**-12
+
+
+def test_other_weights_are_quantized_to_q8_0_as_llama_cpp_does():
+    """d = max|w| / 127 (in float16) and each value the nearest multiple of it: within half a step
+    (and float16's rounding of d)."""
+    weight = torch.randn(16, 2 * BLOCK, generator=torch.Generator().manual_seed(6))
+    blocks = q8_0_blocks(weight)
+    assert blocks.recovered == 0
+    d = blocks.scale.float().repeat_interleave(BLOCK, dim=1)
+    assert ((blocks.dequantize() - weight).abs() <= d / 2 + 2e-3 * weight.abs()).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8_0_blocks(torch.randn(4, 48))
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("out_features,in_features", [(40, 64), (33, 96), (4099, 576), (576, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_q8_0_products_are_row_exact_products_of_the_quantized_input(out_features, in_features, threads):
+    """Each input row quantized to Q8_0 blocks of its own (d_x = max|x| / 127, q_x = round(x / d_x)):
+    the result is the blocks' exact integer sums scaled by d_w d_x (within float32 rounding), each
+    row the same bits alone or beside others (1-12 rows one block, 13, 16, 17 and 40 split) on any
+    thread count, and within 8 bits' error of the float32 product."""
+    weight = q8_0_weight(out_features, in_features, seed=out_features + in_features)
+    _, bias, _, x = layer_and_rows(out_features, in_features, out_features * in_features)
+    x[3] = 0  # a row of zeros: every block's scale 0
+    layer = PanelLinear(weight, bias, q8_0=True)
+    blocks = q8_0_blocks(weight)
+    assert layer.form == 6 and layer.recovered_blocks == (blocks.blocks,) * 2
+    xb = x.view(len(x), -1, BLOCK)
+    d_x = xb.abs().amax(-1) / 127
+    q_x = (xb * torch.where(d_x > 0, 1 / torch.where(d_x > 0, d_x, 1.0), 0.0)[..., None]).round()
+    sums = torch.einsum("mbk,nbk->mnb", q_x.double(), blocks.values.double())  # exact integers
+    scales = (blocks.scale.float()[None] * d_x[:, None]).double()  # d_w d_x, rounded to float32 as the kernel does
+    terms = sums * scales
+    exact = terms.sum(-1) + bias.double()
+    bound = 1e-6 * (in_features // BLOCK) * (terms.abs().sum(-1) + bias.double().abs() + 1e-6)
+    alone = rows_alone_and_beside_others(layer, x, threads, list(range(1, 14)) + [16, 17, 40])
+    assert ((alone.double() - exact).abs() <= bound).all()
+    product = x.double() @ weight.double().T
+    assert (alone.double() - product - bias.double()).norm() < 0.02 * product.norm()
 
 
 @needs_bf16_dot
@@ -136,3 +203,13 @@ def test_the_launcher_refuses_q4_1_without_avx512_bf16(monkeypatch):
     parser = add_options(argparse.ArgumentParser(), UP)
     with pytest.raises(SystemExit, match="AVX512_BF16"):
         stack_options(parser.parse_args(["--weights", "q4_1", "--device", "cpu"]))
+
+
+def test_q8_0_is_refused_where_the_cpu_lacks_avx512_vnni(monkeypatch):
+    from specbatch.kernels import build
+
+    monkeypatch.setattr(build, "int8_dot_available", lambda: False)
+    with pytest.raises(RuntimeError, match="AVX512_VNNI"):
+        PanelLinear(torch.randn(32, 64), q8_0=True)
+    with pytest.raises(ValueError, match="AVX512_VNNI"):
+        linear(torch.randn(32, 64), weights="q8_0")

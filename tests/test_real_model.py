@@ -139,10 +139,11 @@ def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real, form):
         stack.stop()
 
 
-def test_the_embedded_targets_layers_are_its_gguf_q4_1_blocks(real):
-    """transformers dequantized the GGUF's Q4_1 layers to float32; every block of every decoder
-    layer is recovered from them bit for bit, so `--q4-1` multiplies by the file's own weights."""
-    from specbatch.kernels.gguf_blocks import q4_1_blocks
+def test_the_embedded_targets_weights_are_its_gguf_blocks(real):
+    """transformers dequantized the GGUF's Q4_1 layers and its Q8_0 head to float32; every block of
+    every decoder layer, and of the head, is recovered from them bit for bit, so the q4_1 form
+    multiplies by the file's own weights."""
+    from specbatch.kernels.gguf_blocks import q4_1_blocks, q8_0_blocks
 
     target, _, _ = real
     for layer in target.model.layers:
@@ -151,5 +152,8 @@ def test_the_embedded_targets_layers_are_its_gguf_q4_1_blocks(real):
             blocks = q4_1_blocks(module.weight)
             assert blocks.recovered == blocks.blocks
             assert torch.equal(blocks.dequantize(), module.weight.detach())
-    # The head (tied to the embedding) is Q8_0 in the file: not 4-bit blocks, so --q4-1 leaves it on bf16.
-    assert q4_1_blocks(target.lm_head.weight).recovered < q4_1_blocks(target.lm_head.weight).blocks // 100
+    # The head (tied to the embedding) is Q8_0 in the file: not 4-bit blocks.
+    head = target.lm_head.weight.detach()
+    assert q4_1_blocks(head).recovered < q4_1_blocks(head).blocks // 100
+    blocks = q8_0_blocks(head)
+    assert blocks.recovered == blocks.blocks and torch.equal(blocks.dequantize(), head)

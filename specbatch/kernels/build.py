@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "c" / name
                 for name in ("panel_blocks.c", "panel_sgemm.c", "panel_dpbf16.c", "panel_q4_1.c", "panel_fp16.c",
-                             "panel_int8.c", "attention.c", "layer_ops.c", "decoder.c"))
+                             "panel_int8.c", "panel_q8_0.c", "attention.c", "layer_ops.c", "decoder.c"))
 
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")

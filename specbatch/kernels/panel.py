@@ -33,10 +33,14 @@ class PanelLinear:
     own, the products summed exactly in int32 on AVX512_VNNI (``panel_int8.c``: a draft's layers).
     ``q4_1``: the weight in GGUF's Q4_1 blocks (``specbatch.kernels.gguf_blocks``: the file's own values where the
     weight was dequantized from them), each input rounded to bfloat16, on AVX512_BF16
-    (``panel_q4_1.c``: under a third of bf16's bytes). All are row-exact."""
+    (``panel_q4_1.c``: under a third of bf16's bytes). ``q8_0``: the weight in GGUF's Q8_0 blocks and
+    each input row quantized to Q8_0 blocks of its own, the products summed exactly in int32 on
+    AVX512_VNNI (``panel_q8_0.c``: the embedded model's output head, as its file holds it). All are
+    row-exact."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16_weights: bool = False,
-                 bf16_dot: bool = False, fp16_dot: bool = False, int8_dot: bool = False, q4_1: bool = False):
+                 bf16_dot: bool = False, fp16_dot: bool = False, int8_dot: bool = False, q4_1: bool = False,
+                 q8_0: bool = False):
         library = build._library()
         if library is None:
             raise RuntimeError(f"the panel kernel is unavailable: {build.unavailable_reason()}")
@@ -48,13 +52,15 @@ class PanelLinear:
             raise RuntimeError("int8 products need a CPU with AVX512_VNNI (and the kernels built for it)")
         if q4_1 and not build.bf16_dot_available():
             raise RuntimeError("Q4_1 weights need a CPU with AVX512_BF16 (and the kernels built for it)")
-        if bf16_weights + bf16_dot + fp16_dot + int8_dot + q4_1 > 1:
-            raise ValueError("ask for one of bf16_weights, bf16_dot, fp16_dot, int8_dot and q4_1")
+        if q8_0 and not build.int8_dot_available():
+            raise RuntimeError("Q8_0 weights need a CPU with AVX512_VNNI (and the kernels built for it)")
+        if bf16_weights + bf16_dot + fp16_dot + int8_dot + q4_1 + q8_0 > 1:
+            raise ValueError("ask for one of bf16_weights, bf16_dot, fp16_dot, int8_dot, q4_1 and q8_0")
         self.bf16_weights, self.bf16_dot, self.fp16_dot, self.int8_dot = bf16_weights, bf16_dot, fp16_dot, int8_dot
-        self.q4_1 = q4_1
+        self.q4_1, self.q8_0 = q4_1, q8_0
         # Which kernel reads the packed weight (decoder.c's FORM_* codes).
-        self.form = 5 if q4_1 else 4 if int8_dot else 3 if fp16_dot else 2 if bf16_dot else 1 if bf16_weights else 0
-        self.recovered_blocks = None  # the Q4_1 form's: blocks that were Q4_1 already (_init_q4_1)
+        self.form = 6 if q8_0 else 5 if q4_1 else 4 if int8_dot else 3 if fp16_dot else 2 if bf16_dot else 1 if bf16_weights else 0
+        self.recovered_blocks = None  # the block forms': blocks that were Q4_1 (Q8_0) already (_init_q4_1)
         self.weight_unscale = 1.0  # the float16 form's power of two (_init_fp16)
         self.weight_scale = self.weight_offset = None  # the int8 form's (_init_int8)
         self._multiply = library.panel_linear_multiply
@@ -64,6 +70,8 @@ class PanelLinear:
             self._init_int8(weight, bias)
         elif q4_1:
             self._init_q4_1(weight, bias)
+        elif q8_0:
+            self._init_q8_0(weight, bias)
         else:
             self._init_panels(weight, bias)
         # What the kernel reads of this layer (decoder.c's panel_linear), made once: the tensors it
@@ -143,6 +151,31 @@ class PanelLinear:
             return half.view(panels, build.PANEL, count).transpose(1, 2).contiguous().view(torch.uint8)
 
         self.panels = torch.cat([nibbles, by_block(scale), by_block(minimum)], dim=-1).contiguous()
+        self.bias = None if bias is None else F.pad(bias.detach().float(), (0, padded)).contiguous()
+
+    def _init_q8_0(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        """The Q8_0 form: per panel of build.PANEL output features and block of 32 input features, 576
+        bytes: eight 64-byte lines of int8 (line j: each feature's weights of input features 4 j to
+        4 j + 3), then the features' d (float16) and their weights' sums (int16), the order
+        panel_q8_0.c reads them in (see there)."""
+        from specbatch.kernels.gguf_blocks import BLOCK, q8_0_blocks
+
+        blocks = q8_0_blocks(weight)
+        self.out_features, self.in_features = weight.shape
+        self.recovered_blocks = (blocks.recovered, blocks.blocks)
+        padded = -self.out_features % build.PANEL
+        values = F.pad(blocks.values, (0, 0, 0, 0, 0, padded))  # padding features: q = d = 0
+        scale = F.pad(blocks.scale, (0, 0, 0, padded))
+        panels, count = values.shape[0] // build.PANEL, self.in_features // BLOCK
+        # lines[p, b, j, f, t]: feature f's weight of input feature 4 j + t of block b.
+        lines = values.view(panels, build.PANEL, count, BLOCK // 4, 4).permute(0, 2, 3, 1, 4)
+        sums = values.to(torch.int32).sum(-1).to(torch.int16)  # |sum| <= 32 * 127
+
+        def by_block(half: torch.Tensor) -> torch.Tensor:  # [features, blocks] 16-bit -> [panel, block, 32 bytes]
+            return half.view(panels, build.PANEL, count).transpose(1, 2).contiguous().view(torch.uint8)
+
+        self.panels = torch.cat([lines.reshape(panels, count, 512).view(torch.uint8), by_block(scale),
+                                 by_block(sums)], dim=-1).contiguous()
         self.bias = None if bias is None else F.pad(bias.detach().float(), (0, padded)).contiguous()
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:

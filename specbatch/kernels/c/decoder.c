@@ -14,8 +14,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* The kernels (panel_sgemm.c, panel_dpbf16.c, panel_q4_1.c, panel_fp16.c, panel_int8.c, attention.c,
- * layer_ops.c). */
+/* The kernels (panel_sgemm.c, panel_dpbf16.c, panel_q4_1.c, panel_fp16.c, panel_int8.c, panel_q8_0.c,
+ * attention.c, layer_ops.c). */
 void panel_sgemm(const float *x, int64_t M, int64_t K, const float *packed, int64_t N, const float *bias, float *y,
                  int threads);
 void panel_sgemm_bf16w(const float *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N, const float *bias,
@@ -29,6 +29,8 @@ int panel_q4_1(const float *x, int64_t M, int64_t K, const uint8_t *packed, int6
 #ifdef __AVX512VNNI__
 int panel_int8(const float *x, int64_t M, int64_t K, const int8_t *packed, const float *w_scale,
                const int32_t *offset, int64_t N, const float *bias, float *y, int threads);
+int panel_q8_0(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
+               int threads);
 #endif
 #ifdef __AVX512FP16__
 int panel_fp16(const float *x, int64_t M, int64_t K, const _Float16 *packed, int64_t N, float weight_unscale,
@@ -45,7 +47,8 @@ int rope_write(float *qkv, int64_t B, int64_t W, int64_t H, int64_t KVH, int64_t
                int64_t kv_b, int64_t kv_h, int kv_bf16, int threads);
 
 /* One linear layer as specbatch.native.PanelLinear packs it; `form` says which kernel reads it. */
-enum { FORM_F32 = 0, FORM_BF16_WEIGHTS = 1, FORM_BF16_DOT = 2, FORM_FP16_DOT = 3, FORM_INT8_DOT = 4, FORM_Q4_1 = 5 };
+enum { FORM_F32 = 0, FORM_BF16_WEIGHTS = 1, FORM_BF16_DOT = 2, FORM_FP16_DOT = 3, FORM_INT8_DOT = 4, FORM_Q4_1 = 5,
+       FORM_Q8_0 = 6 };
 
 typedef struct {
     int32_t form;
@@ -84,6 +87,8 @@ int panel_linear_multiply(const panel_linear *l, const float *x, int64_t M, floa
     case FORM_INT8_DOT:
         return panel_int8(x, M, l->in_features, (const int8_t *)l->packed, l->weight_scale, l->weight_offset,
                           l->out_features, l->bias, y, threads);
+    case FORM_Q8_0:
+        return panel_q8_0(x, M, l->in_features, (const uint8_t *)l->packed, l->out_features, l->bias, y, threads);
 #endif
 #ifdef __AVX512FP16__
     case FORM_FP16_DOT:
