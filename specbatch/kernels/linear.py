@@ -157,7 +157,8 @@ def panel_kernel_takes(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and build.available()
 
 
-WEIGHT_FORMATS = ("bf16", "bf16-dot", "fp16-dot", "int8", "q4_1", "q8_0")  # besides None: the weights as the model has them
+# Besides None (the weights as the model has them); "q8_0" is the q4_1 form's head.
+WEIGHT_FORMATS = ("bf16", "bf16-dot", "fp16-dot", "int8", "q4_1", "q8_0")
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weights: str | None = None) -> Linear:
