@@ -203,7 +203,7 @@ def test_float16_products_take_any_row_scale():
 @pytest.mark.parametrize("form, weights, available, flag", [
     ("bf16_dot", "bf16-dot", "bf16_dot_available", "AVX512_BF16"),
     ("fp16_dot", "fp16-dot", "fp16_dot_available", "AVX512_FP16"),
-    ("q4_1", "q4_1", "bf16_dot_available", "AVX512_BF16")])
+    ("q4_1", "q4_1", "int8_dot_available", "AVX512_VNNI")])
 def test_dot_product_forms_are_refused_where_the_cpu_lacks_them(monkeypatch, form, weights, available, flag):
     weight = torch.randn(32, 16)
     monkeypatch.setattr(build, available, lambda: False)

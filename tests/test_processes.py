@@ -117,12 +117,14 @@ def test_stop_is_clean(tmp_path_factory, target_model, tokenizer):
 
 def _on_a_cpu(monkeypatch, dot=True, kernels=True, native_bf16=True, cores=None) -> None:
     """The machine as the stack's decisions see it: the engine's kernels built (``kernels``), dot
-    products as ``dot`` says (True: bf16, "fp16": float16 too, False: neither), ``cores`` cores."""
+    products as ``dot`` says (True: bf16 and int8, as on AVX512_BF16 and AVX512_VNNI; "fp16":
+    float16 too; False: neither, as on AVX2), ``cores`` cores."""
     from specbatch.kernels import cpu
 
     monkeypatch.setattr(cpu, "multiplies_bf16", lambda: native_bf16)
     monkeypatch.setattr(cpu, "kernels_expected", lambda: kernels)
     monkeypatch.setattr(cpu, "bf16_dot_expected", lambda: kernels and bool(dot))
+    monkeypatch.setattr(cpu, "int8_dot_expected", lambda: kernels and bool(dot))
     monkeypatch.setattr(cpu, "fp16_dot_expected", lambda: kernels and dot == "fp16")
     if cores is not None:
         import specbatch.stack.defaults
@@ -244,7 +246,7 @@ def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatc
     ({"dot": True}, {"device": "cuda"}, "model", "model")])
 def test_the_machine_decides_the_weight_forms(monkeypatch, machine, options, target, draft):
     """The embedded pair on a CPU where the kernels build: the target on float16 products where the
-    CPU has AVX512_FP16, else on the GGUF's own Q4_1 blocks where it has AVX512_BF16, else on bf16
+    CPU has AVX512_FP16, else on the GGUF's own blocks where it has AVX512_VNNI, else on bf16
     weights; the draft int8 wherever the target runs float32 arithmetic; another pair or a GPU as
     loaded unless a form is named."""
     spawned = _spawned(monkeypatch, options, **machine)

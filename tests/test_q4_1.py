@@ -1,7 +1,7 @@
 """GGUF's Q4_1 and Q8_0 blocks (specbatch.kernels.gguf_blocks) and their multiplies (native panel_q4_1.c,
 panel_q8_0.c): the blocks recovered from a dequantized weight bit for bit, other weights quantized as
-llama.cpp does, and the products row-exact; the q4_1 form (Q4_1 layers, a Q8_0 head) through the
-launcher and the services."""
+llama.cpp does, each input row quantized to 8 bits as llama.cpp does, and the products row-exact; the
+q4_1 form (Q4_1 layers, a Q8_0 head) through the launcher and the services."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 import torch
-from test_native import layer_and_rows, needs_bf16_dot, needs_int8_dot, rows_alone_and_beside_others
+from test_native import layer_and_rows, needs_int8_dot, rows_alone_and_beside_others
 from tiny import greedy_mixed_batch, tiny_llama
 
 from specbatch.config.options import UP, add_options
@@ -50,25 +50,42 @@ def test_other_weights_are_quantized_as_llama_cpp_does():
         q4_1_blocks(torch.randn(4, 48))
 
 
-@needs_bf16_dot
+def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's blocks of 32 as the kernels quantize them (llama.cpp's Q8_0 and Q8_1), in float32:
+    d_x = max|x| / 127 and q_x = round(x * (1 / d_x)), half to even. Returns (d_x, q_x)."""
+    xb = x.view(len(x), -1, BLOCK)
+    d_x = xb.abs().amax(-1) / 127
+    return d_x, (xb * torch.where(d_x > 0, 1 / torch.where(d_x > 0, d_x, 1.0), 0.0)[..., None]).round()
+
+
+@needs_int8_dot
 @pytest.mark.parametrize("out_features,in_features", [(40, 64), (33, 96), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_q4_1_products_are_row_exact_products_of_the_rounded_input(out_features, in_features, threads):
-    """Within float32 rounding of the float64 product of the bf16-rounded input and the blocks'
-    weights, and each row the same bits alone or beside others (1-12 rows one block, 13, 16, 17
-    and 40 split), on any thread count."""
+def test_q4_1_products_are_row_exact_products_of_the_quantized_input(out_features, in_features, threads):
+    """Each input row quantized to Q8_1 blocks of its own: the result is d_w d_x times the blocks'
+    exact integer sums plus m_w s_x (s_x = d_x sum q_x), within float32 rounding; each row the same
+    bits alone or beside others (1-12 rows one block, 13, 16, 17 and 40 split), on any thread count;
+    and within 8 bits' error of the float32 product."""
     weight = q4_1_weight(out_features, in_features, seed=out_features + in_features)
     _, bias, _, x = layer_and_rows(out_features, in_features, out_features * in_features)
+    x[3] = 0  # a row of zeros: every block's scale 0
     layer = PanelLinear(weight, bias, q4_1=True)
-    assert layer.form == 5 and layer.recovered_blocks == (out_features * in_features // BLOCK,) * 2
-    rounded_x = x.bfloat16().double()
-    exact = rounded_x @ weight.double().T + bias.double()
-    bound = 1e-6 * in_features * (rounded_x.abs() @ weight.double().abs().T + 1)
+    blocks = q4_1_blocks(weight)
+    assert layer.form == 5 and layer.recovered_blocks == (blocks.blocks,) * 2
+    d_x, q_x = quantized_rows(x)
+    sums = torch.einsum("mbk,nbk->mnb", q_x.double(), blocks.values.double())  # exact integers
+    s_x = (d_x * q_x.sum(-1)).double()  # in float32 as the kernel computes it, then exact
+    terms = (sums * (blocks.scale.float()[None] * d_x[:, None]).double()  # d_w d_x rounded to float32
+             + blocks.minimum.double()[None] * s_x[:, None])
+    exact = terms.sum(-1) + bias.double()
+    bound = 1e-6 * (in_features // BLOCK) * (terms.abs().sum(-1) + bias.double().abs() + 1e-6)
     alone = rows_alone_and_beside_others(layer, x, threads, list(range(1, 14)) + [16, 17, 40])
     assert ((alone.double() - exact).abs() <= bound).all()
+    product = x.double() @ weight.double().T
+    assert (alone.double() - product - bias.double()).norm() < 0.02 * product.norm()
 
 
-@needs_bf16_dot
+@needs_int8_dot
 def test_q4_1_refuses_what_it_cannot_pack_or_combine():
     with pytest.raises(ValueError, match="multiple of 32"):
         linear(torch.randn(16, 40), weights="q4_1")
@@ -82,18 +99,12 @@ def test_q4_1_refuses_what_it_cannot_pack_or_combine():
         Engine(tiny_llama(1, seed=0).to(torch.bfloat16), weights="q4_1")
 
 
-@needs_bf16_dot
-def test_the_engine_puts_the_head_in_q8_0_blocks(monkeypatch):
-    """Under q4_1 the head is Q8_0 where the CPU has AVX512_VNNI, bf16 dot products where not."""
-    from specbatch.kernels import build
-
+@needs_int8_dot
+def test_the_engine_puts_the_head_in_q8_0_blocks():
     engine = Engine(tiny_llama(2, seed=3), weights="q4_1")
     layer = engine.forward.layers[0]
     assert {layer.qkv.form, layer.o.form, layer.gate_up.form, layer.down.form} == {5}
-    assert engine.forward.decoder_layers is not None
-    assert engine.forward.head.form == (6 if build.int8_dot_available() else 2)
-    monkeypatch.setattr(build, "int8_dot_available", lambda: False)
-    assert Engine(tiny_llama(2, seed=3), weights="q4_1").forward.head.form == 2
+    assert engine.forward.head.form == 6 and engine.forward.decoder_layers is not None
 
 
 def q8_0_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
@@ -140,9 +151,7 @@ def test_q8_0_products_are_row_exact_products_of_the_quantized_input(out_feature
     layer = PanelLinear(weight, bias, q8_0=True)
     blocks = q8_0_blocks(weight)
     assert layer.form == 6 and layer.recovered_blocks == (blocks.blocks,) * 2
-    xb = x.view(len(x), -1, BLOCK)
-    d_x = xb.abs().amax(-1) / 127
-    q_x = (xb * torch.where(d_x > 0, 1 / torch.where(d_x > 0, d_x, 1.0), 0.0)[..., None]).round()
+    d_x, q_x = quantized_rows(x)
     sums = torch.einsum("mbk,nbk->mnb", q_x.double(), blocks.values.double())  # exact integers
     scales = (blocks.scale.float()[None] * d_x[:, None]).double()  # d_w d_x, rounded to float32 as the kernel does
     terms = sums * scales
@@ -154,16 +163,16 @@ def test_q8_0_products_are_row_exact_products_of_the_quantized_input(out_feature
     assert (alone.double() - product - bias.double()).norm() < 0.02 * product.norm()
 
 
-@needs_bf16_dot
+@needs_int8_dot
 def test_speculation_on_q4_1_layers_is_its_own_target_only_decoding(target_model, draft_model, tokenizer):
-    """A target on Q4_1 layers (bf16 keys and values, as `specbatch up --q4-1` runs it) and a draft on
-    bf16 dot products: greedy output at k = 3 with leaves, in one mixed batch, is token for token the
-    same stack's target-only (k = 0) output."""
+    """A target in the q4_1 form (bf16 keys and values, as `specbatch up` runs it) and a draft in int8:
+    greedy output at k = 3 with leaves, in one mixed batch, is token for token the same stack's
+    target-only (k = 0) output."""
     from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=64,
                               target_engine_options={"weights": "q4_1", "kv_bf16": True},
-                              draft_engine_options={"weights": "bf16-dot", "kv_bf16": True})
+                              draft_engine_options={"weights": "int8", "kv_bf16": True})
     try:
         speculative = greedy_mixed_batch(stack, seed=13, k=3)
         assert sum(r.stats.draft_tokens_accepted for r in speculative) > 0
@@ -196,16 +205,17 @@ def test_the_launcher_refuses_q4_1_where_it_cannot_run(flags, message):
         stack_options(parser.parse_args(["--weights", "q4_1", *flags]))
 
 
-def test_the_launcher_refuses_q4_1_without_avx512_bf16(monkeypatch):
+def test_the_launcher_refuses_q4_1_without_avx512_vnni(monkeypatch):
     from specbatch.kernels import cpu
 
-    monkeypatch.setattr(cpu, "bf16_dot_expected", lambda: False)
+    monkeypatch.setattr(cpu, "int8_dot_expected", lambda: False)
     parser = add_options(argparse.ArgumentParser(), UP)
-    with pytest.raises(SystemExit, match="AVX512_BF16"):
+    with pytest.raises(SystemExit, match="AVX512_VNNI"):
         stack_options(parser.parse_args(["--weights", "q4_1", "--device", "cpu"]))
 
 
 def test_q8_0_is_refused_where_the_cpu_lacks_avx512_vnni(monkeypatch):
+    """(q4_1's refusals: test_native.test_dot_product_forms_are_refused_where_the_cpu_lacks_them.)"""
     from specbatch.kernels import build
 
     monkeypatch.setattr(build, "int8_dot_available", lambda: False)

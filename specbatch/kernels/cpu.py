@@ -89,6 +89,12 @@ def bf16_dot_expected() -> bool:
     return kernels_expected() and has("avx512_bf16")
 
 
+def int8_dot_expected() -> bool:
+    """Whether the int8 kernels (a draft's int8 layers, GGUF's Q4_1 and Q8_0 blocks) should build
+    here: the kernels and AVX512_VNNI."""
+    return kernels_expected() and has("avx512_vnni")
+
+
 def fp16_dot_expected() -> bool:
     """Whether the float16 kernel should build here: the kernels, AVX512_FP16 and a compiler that
     knows it (gcc 12 or later)."""

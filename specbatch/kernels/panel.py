@@ -1,6 +1,6 @@
 """A linear layer on the kernels' matrix multiply: ``PanelLinear``, its weight packed once into panels
-of output features (float32, bf16, bf16 dot products, float16 products, int8, or GGUF's Q4_1
-blocks), read once at the memory's speed for every row of a call, each row summed in one fixed
+of output features (float32, bf16, bf16 dot products, float16 products, int8, or GGUF's Q4_1 and
+Q8_0 blocks), read once at the memory's speed for every row of a call, each row summed in one fixed
 order whatever the other rows are (so a row's bits never depend on them)."""
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ class PanelLinear:
     bf16 dot products on a CPU that has both, and closer to float32). ``int8_dot``: the weight in
     int8 with a scale per output feature, each input row quantized to int8 with a scale of its
     own, the products summed exactly in int32 on AVX512_VNNI (``panel_int8.c``: a draft's layers).
-    ``q4_1``: the weight in GGUF's Q4_1 blocks (``specbatch.kernels.gguf_blocks``: the file's own values where the
-    weight was dequantized from them), each input rounded to bfloat16, on AVX512_BF16
-    (``panel_q4_1.c``: under a third of bf16's bytes). ``q8_0``: the weight in GGUF's Q8_0 blocks and
-    each input row quantized to Q8_0 blocks of its own, the products summed exactly in int32 on
-    AVX512_VNNI (``panel_q8_0.c``: the embedded model's output head, as its file holds it). All are
-    row-exact."""
+    ``q4_1``: the weight in GGUF's Q4_1 blocks (``specbatch.kernels.gguf_blocks``: the file's own
+    values where the weight was dequantized from them), each input row quantized to Q8_1 blocks of
+    its own, the products summed exactly in int32 on AVX512_VNNI (``panel_q4_1.c``: under a third of
+    bf16's bytes; llama.cpp's arithmetic). ``q8_0``: the weight in GGUF's Q8_0 blocks and each input
+    row quantized to Q8_0 blocks of its own, likewise (``panel_q8_0.c``: the embedded model's output
+    head, as its file holds it). All are row-exact."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16_weights: bool = False,
                  bf16_dot: bool = False, fp16_dot: bool = False, int8_dot: bool = False, q4_1: bool = False,
@@ -50,10 +50,9 @@ class PanelLinear:
             raise RuntimeError("float16 products need a CPU with AVX512_FP16 (and the kernels built for it)")
         if int8_dot and not build.int8_dot_available():
             raise RuntimeError("int8 products need a CPU with AVX512_VNNI (and the kernels built for it)")
-        if q4_1 and not build.bf16_dot_available():
-            raise RuntimeError("Q4_1 weights need a CPU with AVX512_BF16 (and the kernels built for it)")
-        if q8_0 and not build.int8_dot_available():
-            raise RuntimeError("Q8_0 weights need a CPU with AVX512_VNNI (and the kernels built for it)")
+        if (q4_1 or q8_0) and not build.int8_dot_available():
+            raise RuntimeError(f"{'Q4_1' if q4_1 else 'Q8_0'} weights need a CPU with AVX512_VNNI (and the kernels built "
+                               "for it)")
         if bf16_weights + bf16_dot + fp16_dot + int8_dot + q4_1 + q8_0 > 1:
             raise ValueError("ask for one of bf16_weights, bf16_dot, fp16_dot, int8_dot, q4_1 and q8_0")
         self.bf16_weights, self.bf16_dot, self.fp16_dot, self.int8_dot = bf16_weights, bf16_dot, fp16_dot, int8_dot
@@ -139,19 +138,11 @@ class PanelLinear:
         values = F.pad(blocks.values, (0, 0, 0, 0, 0, padded))  # padding features: q = d = m = 0
         scale, minimum = F.pad(blocks.scale, (0, 0, 0, padded)), F.pad(blocks.minimum, (0, 0, 0, padded))
         panels, count = values.shape[0] // build.PANEL, self.in_features // BLOCK
-        # words[p, b, t, 2 f + j]: the weight of feature f, input feature 2 t + j of block b (t: the pair).
-        words = values.view(panels, build.PANEL, count, BLOCK // 2, 2).permute(0, 2, 3, 1, 4).reshape(panels, count, 16, 32)
-        # Line g of a block: 32 16-bit words; word w holds, from its low nibble up, word w of pairs
-        # 4 g, 4 g + 1, 4 g + 2 and 4 g + 3 (the kernel takes each out with a shift and a mask).
-        # Little-endian: the word's low byte holds pairs 4 g and 4 g + 1, its high byte the other two.
-        quads = words.view(panels, count, 4, 4, 32)  # [panel, block, line, pair in line, word]
-        low_byte, high_byte = quads[:, :, :, 0] | (quads[:, :, :, 1] << 4), quads[:, :, :, 2] | (quads[:, :, :, 3] << 4)
-        nibbles = torch.stack([low_byte, high_byte], dim=-1).reshape(panels, count, 256)
-
-        def by_block(half: torch.Tensor) -> torch.Tensor:  # [features, blocks] float16 -> [panel, block, 32 bytes]
-            return half.view(panels, build.PANEL, count).transpose(1, 2).contiguous().view(torch.uint8)
-
-        self.panels = torch.cat([nibbles, by_block(scale), by_block(minimum)], dim=-1).contiguous()
+        # Byte 4 f + t of line g: feature f's q of input feature 8 g + t (low nibble) and of 8 g + 4 + t
+        # (high nibble), the unsigned operands of two vpdpbusd.
+        q = values.view(panels, build.PANEL, count, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # [p, b, g, f, half, t]
+        nibbles = (q[..., 0, :] | (q[..., 1, :] << 4)).reshape(panels, count, 256)
+        self.panels = torch.cat([nibbles, _by_block(scale, count), _by_block(minimum, count)], dim=-1).contiguous()
         self.bias = None if bias is None else F.pad(bias.detach().float(), (0, padded)).contiguous()
 
     def _init_q8_0(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -171,12 +162,8 @@ class PanelLinear:
         # lines[p, b, j, f, t]: feature f's weight of input feature 4 j + t of block b.
         lines = values.view(panels, build.PANEL, count, BLOCK // 4, 4).permute(0, 2, 3, 1, 4)
         sums = values.to(torch.int32).sum(-1).to(torch.int16)  # |sum| <= 32 * 127
-
-        def by_block(half: torch.Tensor) -> torch.Tensor:  # [features, blocks] 16-bit -> [panel, block, 32 bytes]
-            return half.view(panels, build.PANEL, count).transpose(1, 2).contiguous().view(torch.uint8)
-
-        self.panels = torch.cat([lines.reshape(panels, count, 512).view(torch.uint8), by_block(scale),
-                                 by_block(sums)], dim=-1).contiguous()
+        self.panels = torch.cat([lines.reshape(panels, count, 512).view(torch.uint8), _by_block(scale, count),
+                                 _by_block(sums, count)], dim=-1).contiguous()
         self.bias = None if bias is None else F.pad(bias.detach().float(), (0, padded)).contiguous()
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
@@ -191,6 +178,12 @@ class PanelLinear:
                                             threads or torch.get_num_threads()):
             raise MemoryError("panel kernel: no memory for the input's rounded copy")
         return out.view(*shape[:-1], self.out_features)
+
+
+def _by_block(values: torch.Tensor, count: int) -> torch.Tensor:
+    """A block form's 16-bit value per output feature and block, ``[features, count]`` (features
+    padded to panels), as each panel's block stores them: ``[panel, block, 32 bytes]``."""
+    return values.view(-1, build.PANEL, count).transpose(1, 2).contiguous().view(torch.uint8)
 
 
 class _LinearArgs(ctypes.Structure):

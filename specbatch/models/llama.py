@@ -95,14 +95,6 @@ class _TorchRope:
         return q
 
 
-def _head_form(weights: str | None) -> str | None:
-    """The output head's form under the layers' ``weights``: under "q4_1" GGUF's Q8_0 blocks where
-    the CPU has AVX512_VNNI (every AVX512_BF16 CPU has so far), else bf16 dot products."""
-    if weights != "q4_1":
-        return weights
-    return "q8_0" if build.int8_dot_available() else "bf16-dot"
-
-
 class _Layer:
     def __init__(self, layer, weights: str | None):
         attn, mlp = layer.self_attn, layer.mlp
@@ -125,7 +117,8 @@ class LlamaForward:
     the model has them; "bf16", rounded to bfloat16 for a float32 forward; "bf16-dot", the weights
     and the layers' inputs rounded to bfloat16 for a float32 forward; "fp16-dot", to float16 with
     float16 products; "int8" (drafts only); "q4_1", the decoder layers' weights in GGUF's Q4_1
-    blocks, the output head in its Q8_0 blocks (``_head_form``)."""
+    blocks, the output head in its Q8_0 blocks, the inputs of both quantized to 8 bits as llama.cpp
+    does."""
 
     def __init__(self, model, weights: str | None = None):
         if not supports(model):
@@ -143,7 +136,7 @@ class LlamaForward:
         self.norm, self.eps = base.norm.weight, base.norm.variance_epsilon
         # Under "q4_1" the head is Q8_0, as the embedded GGUF holds it (256 levels a block, which 4-bit
         # blocks would coarsen): the file's own weights in under 60 % of bf16's bytes.
-        self.head = linear(model.get_output_embeddings().weight, None, _head_form(weights))
+        self.head = linear(model.get_output_embeddings().weight, None, "q8_0" if weights == "q4_1" else weights)
         # PyTorch's CPU SDPA in bf16 is slow with one query row per head: folding the query heads
         # of each KV head into one head of as many query rows makes it several times faster. In
         # fp32 folding is slower.

@@ -23,13 +23,13 @@ void panel_sgemm_bf16w(const float *x, int64_t M, int64_t K, const uint16_t *pac
 #ifdef __AVX512BF16__
 int panel_dpbf16(const float *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N, const float *bias, float *y,
                  int threads);
-int panel_q4_1(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
-               int threads);
 #endif
 #ifdef __AVX512VNNI__
 int panel_int8(const float *x, int64_t M, int64_t K, const int8_t *packed, const float *w_scale,
                const int32_t *offset, int64_t N, const float *bias, float *y, int threads);
 int panel_q8_0(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
+               int threads);
+int panel_q4_1(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
                int threads);
 #endif
 #ifdef __AVX512FP16__
@@ -80,8 +80,6 @@ int panel_linear_multiply(const panel_linear *l, const float *x, int64_t M, floa
 #ifdef __AVX512BF16__
     case FORM_BF16_DOT:
         return panel_dpbf16(x, M, l->in_features, (const uint16_t *)l->packed, l->out_features, l->bias, y, threads);
-    case FORM_Q4_1:
-        return panel_q4_1(x, M, l->in_features, (const uint8_t *)l->packed, l->out_features, l->bias, y, threads);
 #endif
 #ifdef __AVX512VNNI__
     case FORM_INT8_DOT:
@@ -89,6 +87,8 @@ int panel_linear_multiply(const panel_linear *l, const float *x, int64_t M, floa
                           l->out_features, l->bias, y, threads);
     case FORM_Q8_0:
         return panel_q8_0(x, M, l->in_features, (const uint8_t *)l->packed, l->out_features, l->bias, y, threads);
+    case FORM_Q4_1:
+        return panel_q4_1(x, M, l->in_features, (const uint8_t *)l->packed, l->out_features, l->bias, y, threads);
 #endif
 #ifdef __AVX512FP16__
     case FORM_FP16_DOT:

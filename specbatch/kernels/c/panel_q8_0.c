@@ -29,7 +29,6 @@
  */
 #ifdef __AVX512VNNI__
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -41,6 +40,7 @@
 #define Q8_SPLIT_ROWS 8
 #define Q8_PANEL_GROUP 4
 
+void q8_quantize_rows(const float *x, int64_t M, int64_t K, uint32_t *quads, float *xd, float *xs); /* panel_q4_1.c */
 typedef void (*panel_rows)(const void *call, int64_t panel, int64_t row, int64_t rows, int64_t valid);
 void panel_blocks(int64_t M, int64_t N, int64_t max_rows, int64_t split_rows, int64_t group, int threads,
                   panel_rows run, const void *call); /* panel_blocks.c */
@@ -122,27 +122,6 @@ static void q8_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, i
                     c->bias ? c->bias + p * PANEL : 0);
 }
 
-/* Each row's blocks of 32 quantized as Q8_0 (d = max|x| / 127 in float32, q = x * (1 / d) rounded
- * to nearest even; d = 0 and q = 0 for a block of zeros), stored offset by 128 as bytes. */
-static void q8_quantize_rows(const float *x, int64_t M, int64_t K, uint32_t *quads, float *xscale) {
-    int64_t blocks = K / Q8_BLOCK;
-    const __m512i bias = _mm512_set1_epi32(128);
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < blocks; b++) {
-            const float *v = x + m * K + b * Q8_BLOCK;
-            __m512 lo = _mm512_loadu_ps(v), hi = _mm512_loadu_ps(v + 16);
-            float largest = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-            float d = largest / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
-            __m512 scale = _mm512_set1_ps(inverse);
-            __m512i qlo = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale)), bias);
-            __m512i qhi = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale)), bias);
-            uint8_t *out = (uint8_t *)(quads + m * (K / 4) + b * Q8_QUADS);
-            _mm_storeu_si128((__m128i *)out, _mm512_cvtusepi32_epi8(qlo));
-            _mm_storeu_si128((__m128i *)(out + 16), _mm512_cvtusepi32_epi8(qhi));
-            xscale[m * blocks + b] = d;
-        }
-}
-
 /* y [M, N] = x [M, K] @ W^T (+ bias), W packed as the header says (K a multiple of 32); the bias (or
  * NULL) padded with zeros to the panels' width. Nonzero: K is not a multiple of 32, or no memory
  * for the quantized input. */
@@ -155,7 +134,10 @@ int panel_q8_0(const float *x, int64_t M, int64_t K, const uint8_t *packed, int6
     if (!quads)
         return 1;
     float *xscale = (float *)(quads + M * Kq);
-    q8_quantize_rows(x, M, K, quads, xscale);
+    q8_quantize_rows(x, M, K, quads, xscale, NULL);
+    /* vpdpbusd's unsigned operand: each byte offset by 128 (flipping its sign bit adds 128). */
+    for (int64_t i = 0; i < M * Kq; i++)
+        quads[i] ^= 0x80808080u;
     q8_call call = {quads, xscale, Kq, blocks, packed, N, bias, y};
     panel_blocks(M, N, Q8_MAX_ROWS, Q8_SPLIT_ROWS, Q8_PANEL_GROUP, threads, q8_call_rows, &call);
     free(quads);
