@@ -51,8 +51,8 @@ class PanelLinear:
         if int8_dot and not build.int8_dot_available():
             raise RuntimeError("int8 products need a CPU with AVX512_VNNI (and the kernels built for it)")
         if (q4_1 or q8_0) and not build.int8_dot_available():
-            raise RuntimeError(f"{'Q4_1' if q4_1 else 'Q8_0'} weights need a CPU with AVX512_VNNI (and the kernels built "
-                               "for it)")
+            raise RuntimeError(f"{'Q4_1' if q4_1 else 'Q8_0'} weights need a CPU with AVX512_VNNI (and the kernels "
+                               "built for it)")
         if bf16_weights + bf16_dot + fp16_dot + int8_dot + q4_1 + q8_0 > 1:
             raise ValueError("ask for one of bf16_weights, bf16_dot, fp16_dot, int8_dot, q4_1 and q8_0")
         self.bf16_weights, self.bf16_dot, self.fp16_dot, self.int8_dot = bf16_weights, bf16_dot, fp16_dot, int8_dot
