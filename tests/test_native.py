@@ -134,6 +134,9 @@ needs_fp16 = pytest.mark.skipif(not build.fp16_dot_available(), reason="the CPU 
 needs_int8_dot = pytest.mark.skipif(not build.int8_dot_available(), reason="the CPU lacks AVX512_VNNI")
 
 
+needs_blocks = pytest.mark.skipif(not build.blocks_available(), reason="the GGUF block kernels did not build here")
+
+
 @needs_int8_dot
 @pytest.mark.parametrize("out_features,in_features", SHAPES)
 @pytest.mark.parametrize("threads", [1, 2])
@@ -203,7 +206,7 @@ def test_float16_products_take_any_row_scale():
 @pytest.mark.parametrize("form, weights, available, flag", [
     ("bf16_dot", "bf16-dot", "bf16_dot_available", "AVX512_BF16"),
     ("fp16_dot", "fp16-dot", "fp16_dot_available", "AVX512_FP16"),
-    ("q4_1", "q4_1", "int8_dot_available", "AVX512_VNNI")])
+    ("q4_1", "q4_1", "blocks_available", "F16C")])
 def test_dot_product_forms_are_refused_where_the_cpu_lacks_them(monkeypatch, form, weights, available, flag):
     weight = torch.randn(32, 16)
     monkeypatch.setattr(build, available, lambda: False)
@@ -620,17 +623,18 @@ def test_argmax_is_torchs_on_ties_nans_infinities_and_signed_zeros():
 @pytest.mark.skipif(not cpu.has("avx512f"), reason="this CPU builds the AVX2 kernels already")
 def test_an_avx2_only_build_passes_these_tests_and_speculates_exactly(tmp_path):
     """The kernels built as an AVX2-only CPU builds them (SPECBATCH_CPU_WITHOUT=avx512,amx: 256-bit
-    attention, no dot-product forms), in a process of its own: this file's tests, and speculation on
-    bf16 weights (the embedded target's form there) token for token its own target-only decoding."""
+    attention and GGUF block multiplies, no dot-product forms), in a process of its own: this file's
+    tests and test_q4_1.py's (the block kernels' AVX2 code, the embedded target's form there), and
+    speculation on bf16 weights token for token its own target-only decoding."""
     check = ("import sys, pytest; from specbatch.kernels import build; "
              "assert '-mavx512f' not in build.flags() and build.available() and not build.bf16_dot_available(); "
-             "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-x', sys.argv[1], sys.argv[2], '-k', "
-             "'not avx2_only']))")
+             "assert build.blocks_available(); "
+             "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-x', *sys.argv[1:], '-k', 'not avx2_only']))")
     env = {**os.environ, "SPECBATCH_CPU_WITHOUT": "avx512,amx", "SPECBATCH_CACHE": str(tmp_path)}
     here = Path(__file__)
     speculation = (str(here.parent / "test_eagle.py")
                    + "::test_bf16_weights_speculate_exactly_against_their_own_target_only_decoding[bf16]")
-    done = subprocess.run([sys.executable, "-c", check, str(here), speculation], env=env, capture_output=True,
-                          text=True, cwd=here.parents[1], timeout=900)
+    done = subprocess.run([sys.executable, "-c", check, str(here), str(here.parent / "test_q4_1.py"), speculation],
+                          env=env, capture_output=True, text=True, cwd=here.parents[1], timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and " failed" not in done.stdout

@@ -115,16 +115,18 @@ def test_stop_is_clean(tmp_path_factory, target_model, tokenizer):
     assert [p.returncode for p in children] == [0, 0]  # SIGTERM → graceful exit, not killed
 
 
-def _on_a_cpu(monkeypatch, dot=True, kernels=True, native_bf16=True, cores=None) -> None:
+def _on_a_cpu(monkeypatch, dot=True, kernels=True, native_bf16=True, cores=None, blocks=None) -> None:
     """The machine as the stack's decisions see it: the engine's kernels built (``kernels``), dot
     products as ``dot`` says (True: bf16 and int8, as on AVX512_BF16 and AVX512_VNNI; "fp16":
-    float16 too; False: neither, as on AVX2), ``cores`` cores."""
+    float16 too; False: neither, as on AVX2), the GGUF block multiplies with the kernels unless
+    ``blocks`` is False (a CPU without F16C), ``cores`` cores."""
     from specbatch.kernels import cpu
 
     monkeypatch.setattr(cpu, "multiplies_bf16", lambda: native_bf16)
     monkeypatch.setattr(cpu, "kernels_expected", lambda: kernels)
     monkeypatch.setattr(cpu, "bf16_dot_expected", lambda: kernels and bool(dot))
     monkeypatch.setattr(cpu, "int8_dot_expected", lambda: kernels and bool(dot))
+    monkeypatch.setattr(cpu, "blocks_expected", lambda: kernels and blocks is not False)
     monkeypatch.setattr(cpu, "fp16_dot_expected", lambda: kernels and dot == "fp16")
     if cores is not None:
         import specbatch.stack.defaults
@@ -230,8 +232,9 @@ def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatc
 @pytest.mark.parametrize("machine, options, target, draft", [
     ({"dot": "fp16"}, {}, "fp16-dot", "int8"),
     ({"dot": True}, {}, "q4_1", "int8"),
-    ({"dot": False}, {}, "bf16", "int8"),
-    ({"dot": False, "native_bf16": False}, {}, "bf16", "int8"),
+    ({"dot": False}, {}, "q4_1", "int8"),
+    ({"dot": False, "native_bf16": False}, {}, "q4_1", "int8"),
+    ({"dot": False, "blocks": False}, {}, "bf16", "int8"),
     ({"dot": True}, {"weights": "bf16-dot"}, "bf16-dot", "int8"),
     ({"kernels": False}, {}, "model", "model"),
     ({"kernels": False, "native_bf16": False}, {}, "model", "int8"),
@@ -246,7 +249,7 @@ def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatc
     ({"dot": True}, {"device": "cuda"}, "model", "model")])
 def test_the_machine_decides_the_weight_forms(monkeypatch, machine, options, target, draft):
     """The embedded pair on a CPU where the kernels build: the target on float16 products where the
-    CPU has AVX512_FP16, else on the GGUF's own blocks where it has AVX512_VNNI, else on bf16
+    CPU has AVX512_FP16, else on the GGUF's own blocks (AVX512_VNNI, or AVX2 with F16C), else on bf16
     weights; the draft int8 wherever the target runs float32 arithmetic; another pair or a GPU as
     loaded unless a form is named."""
     spawned = _spawned(monkeypatch, options, **machine)
@@ -254,22 +257,24 @@ def test_the_machine_decides_the_weight_forms(monkeypatch, machine, options, tar
     assert _flag(spawned["draft_service"][0], "--weights") == draft
 
 
-@pytest.mark.parametrize("form, dot, kv_bf16", [("bf16-dot", True, True), ("fp16-dot", "fp16", True),
-                                                ("q4_1", True, True), ("bf16", False, False), ("model", True, False),
-                                                ("int8", True, True), ("int8", False, False)])
-def test_keys_and_values_are_bf16_beside_sixteen_bit_forms(monkeypatch, form, dot, kv_bf16):
-    """Where the layers' inputs are rounded to 16 bits, keys and values are kept in bf16 too; an int8
-    draft keeps them so where its target runs such a form."""
+@pytest.mark.parametrize("form, machine, kv_bf16", [
+    ("bf16-dot", {}, True), ("fp16-dot", {"dot": "fp16"}, True), ("q4_1", {}, True), ("q4_1", {"dot": False}, True),
+    ("bf16", {"dot": False}, False), ("model", {}, False), ("int8", {}, True), ("int8", {"dot": False}, True),
+    ("int8", {"dot": False, "blocks": False}, False)])
+def test_keys_and_values_are_bf16_beside_sixteen_bit_forms(monkeypatch, form, machine, kv_bf16):
+    """Where the layers' inputs are rounded to 16 bits or fewer, keys and values are kept in bf16 too;
+    an int8 draft keeps them so where its target runs such a form."""
     from specbatch.kernels import forms
 
-    _on_a_cpu(monkeypatch, dot=dot)
+    _on_a_cpu(monkeypatch, **machine)
     assert forms.kv_bf16(form) is kv_bf16
 
 
 @pytest.mark.parametrize("machine, dtype, profile", [
     ({"dot": "fp16"}, None, "embedded-cpu-fp16dot.json"),
-    ({"dot": True}, None, "embedded-cpu-q4_1.json"), ({"dot": False}, None, "embedded-cpu-bf16w.json"),
-    ({"dot": False, "native_bf16": False}, None, "embedded-cpu-bf16w.json"),
+    ({"dot": True}, None, "embedded-cpu-q4_1.json"), ({"dot": False}, None, "embedded-cpu-q4_1.json"),
+    ({"dot": False, "blocks": False}, None, "embedded-cpu-bf16w.json"),
+    ({"dot": False, "blocks": False, "native_bf16": False}, None, "embedded-cpu-bf16w.json"),
     ({"dot": True}, "auto", "embedded-cpu-q4_1.json"),
     ({"kernels": False}, None, "embedded-cpu.json"), ({"kernels": False, "native_bf16": False}, None,
                                                        "embedded-cpu-fp32.json"),

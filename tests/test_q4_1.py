@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 import torch
-from test_native import layer_and_rows, needs_int8_dot, rows_alone_and_beside_others
+from test_native import layer_and_rows, needs_blocks, rows_alone_and_beside_others
 from tiny import greedy_mixed_batch, tiny_llama
 
 from specbatch.config.options import UP, add_options
@@ -58,7 +58,7 @@ def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return d_x, (xb * torch.where(d_x > 0, 1 / torch.where(d_x > 0, d_x, 1.0), 0.0)[..., None]).round()
 
 
-@needs_int8_dot
+@needs_blocks
 @pytest.mark.parametrize("out_features,in_features", [(40, 64), (33, 96), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_q4_1_products_are_row_exact_products_of_the_quantized_input(out_features, in_features, threads):
@@ -85,12 +85,12 @@ def test_q4_1_products_are_row_exact_products_of_the_quantized_input(out_feature
     assert (alone.double() - product - bias.double()).norm() < 0.02 * product.norm()
 
 
-@needs_int8_dot
+@needs_blocks
 def test_q4_1_refuses_what_it_cannot_pack_or_combine():
     with pytest.raises(ValueError, match="multiple of 32"):
         linear(torch.randn(16, 40), weights="q4_1")
     with pytest.raises(ValueError, match="one of"):
-        PanelLinear(torch.randn(16, 64), q4_1=True, bf16_dot=True)
+        PanelLinear(torch.randn(16, 64), q4_1=True, bf16_weights=True)
     with pytest.raises(ValueError, match="one of"):
         PanelLinear(torch.randn(16, 64), q4_1=True, q8_0=True)
     with pytest.raises(ValueError, match="unknown weight form"):
@@ -99,7 +99,7 @@ def test_q4_1_refuses_what_it_cannot_pack_or_combine():
         Engine(tiny_llama(1, seed=0).to(torch.bfloat16), weights="q4_1")
 
 
-@needs_int8_dot
+@needs_blocks
 def test_the_engine_puts_the_head_in_q8_0_blocks():
     engine = Engine(tiny_llama(2, seed=3), weights="q4_1")
     layer = engine.forward.layers[0]
@@ -137,7 +137,7 @@ def test_other_weights_are_quantized_to_q8_0_as_llama_cpp_does():
         q8_0_blocks(torch.randn(4, 48))
 
 
-@needs_int8_dot
+@needs_blocks
 @pytest.mark.parametrize("out_features,in_features", [(40, 64), (33, 96), (4099, 576), (576, 1536)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_q8_0_products_are_row_exact_products_of_the_quantized_input(out_features, in_features, threads):
@@ -163,7 +163,7 @@ def test_q8_0_products_are_row_exact_products_of_the_quantized_input(out_feature
     assert (alone.double() - product - bias.double()).norm() < 0.02 * product.norm()
 
 
-@needs_int8_dot
+@needs_blocks
 def test_speculation_on_q4_1_layers_is_its_own_target_only_decoding(target_model, draft_model, tokenizer):
     """A target in the q4_1 form (bf16 keys and values, as `specbatch up` runs it) and a draft in int8:
     greedy output at k = 3 with leaves, in one mixed batch, is token for token the same stack's
@@ -205,21 +205,21 @@ def test_the_launcher_refuses_q4_1_where_it_cannot_run(flags, message):
         stack_options(parser.parse_args(["--weights", "q4_1", *flags]))
 
 
-def test_the_launcher_refuses_q4_1_without_avx512_vnni(monkeypatch):
+def test_the_launcher_refuses_q4_1_where_its_kernels_cannot_build(monkeypatch):
     from specbatch.kernels import cpu
 
-    monkeypatch.setattr(cpu, "int8_dot_expected", lambda: False)
+    monkeypatch.setattr(cpu, "blocks_expected", lambda: False)
     parser = add_options(argparse.ArgumentParser(), UP)
-    with pytest.raises(SystemExit, match="AVX512_VNNI"):
+    with pytest.raises(SystemExit, match="F16C"):
         stack_options(parser.parse_args(["--weights", "q4_1", "--device", "cpu"]))
 
 
-def test_q8_0_is_refused_where_the_cpu_lacks_avx512_vnni(monkeypatch):
+def test_q8_0_is_refused_where_its_kernels_did_not_build(monkeypatch):
     """(q4_1's refusals: test_native.test_dot_product_forms_are_refused_where_the_cpu_lacks_them.)"""
     from specbatch.kernels import build
 
-    monkeypatch.setattr(build, "int8_dot_available", lambda: False)
-    with pytest.raises(RuntimeError, match="AVX512_VNNI"):
+    monkeypatch.setattr(build, "blocks_available", lambda: False)
+    with pytest.raises(RuntimeError, match="F16C"):
         PanelLinear(torch.randn(32, 64), q8_0=True)
-    with pytest.raises(ValueError, match="AVX512_VNNI"):
+    with pytest.raises(ValueError, match="F16C"):
         linear(torch.randn(32, 64), weights="q8_0")

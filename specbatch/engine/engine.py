@@ -66,8 +66,8 @@ WEIGHT_FORMS = {
                  "a CPU with AVX512_BF16 where the panel kernel builds"),
     "fp16-dot": ("float16 products", lambda: build.fp16_dot_available(),
                  "a CPU with AVX512_FP16 where the panel kernel builds"),
-    "q4_1": ("Q4_1 weights", lambda: build.int8_dot_available(),
-             "a CPU with AVX512_VNNI where the panel kernel builds"),
+    "q4_1": ("Q4_1 weights", lambda: build.blocks_available(),
+             "a CPU with AVX512_VNNI, or AVX2 with F16C, where the panel kernel builds"),
 }
 
 

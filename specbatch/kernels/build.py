@@ -48,7 +48,7 @@ SOURCES = tuple(Path(__file__).parent / "c" / name
                              "panel_int8.c", "panel_q8_0.c", "attention.c", "layer_ops.c", "decoder.c"))
 
 
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
 
 
 # Where the CPU has AVX-512, the same code compiled for it: 32 vector registers instead of 16, so
@@ -191,6 +191,13 @@ def fp16_dot_available() -> bool:
     AVX512_FP16."""
     library = _library()
     return library is not None and hasattr(library, "panel_fp16")
+
+
+def blocks_available() -> bool:
+    """Whether the multiplies of GGUF's blocks (``panel_q4_1.c``, ``panel_q8_0.c``) run here: the
+    kernels built (on AVX512_VNNI, else on AVX2 with F16C)."""
+    library = _library()
+    return library is not None and hasattr(library, "panel_q4_1")
 
 
 def int8_dot_available() -> bool:

@@ -90,9 +90,15 @@ def bf16_dot_expected() -> bool:
 
 
 def int8_dot_expected() -> bool:
-    """Whether the int8 kernels (a draft's int8 layers, GGUF's Q4_1 and Q8_0 blocks) should build
-    here: the kernels and AVX512_VNNI."""
+    """Whether the int8 dot-product kernels (``vpdpbusd``) should build here: the kernels and
+    AVX512_VNNI."""
     return kernels_expected() and has("avx512_vnni")
+
+
+def blocks_expected() -> bool:
+    """Whether the multiplies of GGUF's blocks should build here: the kernels, and AVX512_VNNI or
+    F16C (every AVX2 CPU has it)."""
+    return kernels_expected() and (has("avx512_vnni") or has("f16c"))
 
 
 def fp16_dot_expected() -> bool:

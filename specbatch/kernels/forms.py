@@ -10,7 +10,7 @@ decoding):
 - ``bf16-dot``: weights and inputs rounded to bfloat16, pairs summed in float32 on AVX512_BF16;
 - ``bf16``: weights rounded to bfloat16, float32 arithmetic (any CPU with AVX2);
 - ``q4_1``: the embedded GGUF's own blocks (Q4_1 layers, a Q8_0 head), each input row quantized
-  to 8 bits as llama.cpp does, int32 sums on AVX512_VNNI;
+  to 8 bits as llama.cpp does, exact integer sums (AVX512_VNNI, or AVX2: the same bits);
 - ``int8``: a draft's layers in int8 (its proposals move a little; the output does not);
 - ``model``: the model as loaded, in ``--dtype`` (a GPU, another model, or no kernels here).
 
@@ -45,11 +45,11 @@ def dtype_for(form: str, dtype: str | None) -> str | None:
 
 def machine_target_form() -> str:
     """The embedded target's form on this CPU: float16 products where it has AVX512_FP16, else the
-    GGUF's own blocks where it has AVX512_VNNI, else bf16 weights where the kernels build, else the
-    model as loaded."""
+    GGUF's own blocks where their kernels build (AVX512_VNNI, or AVX2 with F16C), else bf16 weights
+    where the kernels build, else the model as loaded."""
     if cpu.fp16_dot_expected():
         return "fp16-dot"
-    if cpu.int8_dot_expected():
+    if cpu.blocks_expected():
         return "q4_1"
     return "bf16" if cpu.kernels_expected() else "model"
 
@@ -71,7 +71,7 @@ def decide(weights: str, embedded: bool, device: str, dtype: str | None) -> Form
 # What each CPU form needs of the machine, torch-free: the check and how a refusal names it.
 NEEDS = {"bf16": ("kernels_expected", "the engine's kernels (an x86 CPU with AVX2 and a C compiler)"),
          "bf16-dot": ("bf16_dot_expected", "a CPU with AVX512_BF16"),
-         "q4_1": ("int8_dot_expected", "a CPU with AVX512_VNNI"),
+         "q4_1": ("blocks_expected", "a CPU with AVX512_VNNI, or AVX2 with F16C"),
          "fp16-dot": ("fp16_dot_expected", "a CPU with AVX512_FP16"),
          "int8": (None, "a CPU")}
 

@@ -172,17 +172,17 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weights: str 
     row-exact); "int8" (a draft's choice): int8 weights and inputs, on the panel kernel where the CPU
     has AVX512_VNNI (each input row its own scale: row-exact), else ``Int8Linear`` (fbgemm); "q4_1":
     the weight in GGUF's Q4_1 blocks (``specbatch.kernels.gguf_blocks``: exactly the file's values where the
-    weight came from them) and each input row quantized to Q8_1 blocks of its own, on AVX512_VNNI
-    (row-exact); "q8_0" (the q4_1 form's output head): the weight in GGUF's Q8_0 blocks and each
-    input row quantized to Q8_0 blocks of its own, on AVX512_VNNI (row-exact)."""
+    weight came from them) and each input row quantized to Q8_1 blocks of its own, exact integer sums
+    on AVX512_VNNI or AVX2 (row-exact, the same bits on both); "q8_0" (the q4_1 form's output head):
+    the weight in GGUF's Q8_0 blocks and each input row quantized to Q8_0 blocks of its own, likewise."""
     if weights == "int8":
         if panel_kernel_takes(weight) and build.int8_dot_available():  # row-exact, and one C call a layer
             return PanelLinear(weight, bias, int8_dot=True)
         return Int8Linear(weight, bias)
     if weights in ("q4_1", "q8_0"):
-        if not panel_kernel_takes(weight) or not build.int8_dot_available():
-            raise ValueError(f"{weights} weights are for float32 weights on a CPU with AVX512_VNNI where the panel "
-                             "kernel builds")
+        if not panel_kernel_takes(weight) or not build.blocks_available():
+            raise ValueError(f"{weights} weights are for float32 weights on a CPU with AVX512_VNNI, or AVX2 with F16C, "
+                             "where the panel kernel builds")
         return PanelLinear(weight, bias, q4_1=weights == "q4_1", q8_0=weights == "q8_0")
     if weights in ("bf16", "bf16-dot", "fp16-dot"):
         if not panel_kernel_takes(weight):

@@ -33,10 +33,10 @@ class PanelLinear:
     own, the products summed exactly in int32 on AVX512_VNNI (``panel_int8.c``: a draft's layers).
     ``q4_1``: the weight in GGUF's Q4_1 blocks (``specbatch.kernels.gguf_blocks``: the file's own
     values where the weight was dequantized from them), each input row quantized to Q8_1 blocks of
-    its own, the products summed exactly in int32 on AVX512_VNNI (``panel_q4_1.c``: under a third of
-    bf16's bytes; llama.cpp's arithmetic). ``q8_0``: the weight in GGUF's Q8_0 blocks and each input
-    row quantized to Q8_0 blocks of its own, likewise (``panel_q8_0.c``: the embedded model's output
-    head, as its file holds it). All are row-exact."""
+    its own, the products summed exactly in int32 on AVX512_VNNI or AVX2 (the same bits on both;
+    ``panel_q4_1.c``: under a third of bf16's bytes; llama.cpp's arithmetic). ``q8_0``: the weight
+    in GGUF's Q8_0 blocks and each input row quantized to Q8_0 blocks of its own, likewise
+    (``panel_q8_0.c``: the embedded model's output head, as its file holds it). All are row-exact."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16_weights: bool = False,
                  bf16_dot: bool = False, fp16_dot: bool = False, int8_dot: bool = False, q4_1: bool = False,
@@ -50,9 +50,9 @@ class PanelLinear:
             raise RuntimeError("float16 products need a CPU with AVX512_FP16 (and the kernels built for it)")
         if int8_dot and not build.int8_dot_available():
             raise RuntimeError("int8 products need a CPU with AVX512_VNNI (and the kernels built for it)")
-        if (q4_1 or q8_0) and not build.int8_dot_available():
-            raise RuntimeError(f"{'Q4_1' if q4_1 else 'Q8_0'} weights need a CPU with AVX512_VNNI (and the kernels "
-                               "built for it)")
+        if (q4_1 or q8_0) and not build.blocks_available():
+            raise RuntimeError(f"{'Q4_1' if q4_1 else 'Q8_0'} weights need the kernels built for AVX512_VNNI or for "
+                               "AVX2 with F16C")
         if bf16_weights + bf16_dot + fp16_dot + int8_dot + q4_1 + q8_0 > 1:
             raise ValueError("ask for one of bf16_weights, bf16_dot, fp16_dot, int8_dot, q4_1 and q8_0")
         self.bf16_weights, self.bf16_dot, self.fp16_dot, self.int8_dot = bf16_weights, bf16_dot, fp16_dot, int8_dot

@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* The kernels (panel_sgemm.c, panel_dpbf16.c, panel_q4_1.c, panel_fp16.c, panel_int8.c, panel_q8_0.c,
+/* The kernels (panel_sgemm.c, panel_dpbf16.c, panel_fp16.c, panel_int8.c, panel_q4_1.c, panel_q8_0.c,
  * attention.c, layer_ops.c). */
 void panel_sgemm(const float *x, int64_t M, int64_t K, const float *packed, int64_t N, const float *bias, float *y,
                  int threads);
@@ -27,6 +27,8 @@ int panel_dpbf16(const float *x, int64_t M, int64_t K, const uint16_t *packed, i
 #ifdef __AVX512VNNI__
 int panel_int8(const float *x, int64_t M, int64_t K, const int8_t *packed, const float *w_scale,
                const int32_t *offset, int64_t N, const float *bias, float *y, int threads);
+#endif
+#if defined(__AVX512VNNI__) || defined(__F16C__)
 int panel_q8_0(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
                int threads);
 int panel_q4_1(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
@@ -85,6 +87,8 @@ int panel_linear_multiply(const panel_linear *l, const float *x, int64_t M, floa
     case FORM_INT8_DOT:
         return panel_int8(x, M, l->in_features, (const int8_t *)l->packed, l->weight_scale, l->weight_offset,
                           l->out_features, l->bias, y, threads);
+#endif
+#if defined(__AVX512VNNI__) || defined(__F16C__)
     case FORM_Q8_0:
         return panel_q8_0(x, M, l->in_features, (const uint8_t *)l->packed, l->out_features, l->bias, y, threads);
     case FORM_Q4_1:

@@ -2,7 +2,8 @@
  * n: w = d * q + m, q a 4-bit integer, d and m float16) and each input row quantized to Q8_1 blocks
  * of its own (per block of 32: d_x = max|x| / 127, q_x = round(x / d_x), and s_x = d_x * sum q_x),
  * the products summed exactly in int32 by AVX512_VNNI's vpdpbusd: llama.cpp's own Q4_1 x Q8_1 dot
- * product. Compiled only where the CPU has AVX512_VNNI (specbatch.kernels.build.int8_dot_available()).
+ * product. Without AVX512_VNNI the same sums by AVX2's vpmaddubsw (below), with bitwise the same
+ * results (specbatch.kernels.build.blocks_available()).
  *
  * Why: a step at the few rows of a decode or verify reads every weight once and waits on memory; the
  * embedded model's layers are Q4_1 in its GGUF file, 5 bits a weight here (nibbles, and each block's
@@ -29,7 +30,6 @@
  * + m_b * s_x,b, in that order, from the row's own quantized input: never dependent on the other
  * rows, their block or the thread (row-exact), so speculation on it stays bitwise exact.
  */
-#ifdef __AVX512VNNI__
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -45,6 +45,8 @@
 typedef void (*panel_rows)(const void *call, int64_t panel, int64_t row, int64_t rows, int64_t valid);
 void panel_blocks(int64_t M, int64_t N, int64_t max_rows, int64_t split_rows, int64_t group, int threads,
                   panel_rows run, const void *call); /* panel_blocks.c */
+
+#ifdef __AVX512VNNI__
 
 /* One block's eight vpdpbusd against R rows (quantized quads q, Kq apart): acc[i] = S_b of row i. */
 #define Q4_BLOCK_SUMS(R, acc, w, q)                                                                     \
@@ -169,6 +171,124 @@ int panel_q4_1(const float *x, int64_t M, int64_t K, const uint8_t *packed, int6
     q8_quantize_rows(x, M, K, quads, xd, xs);
     q4_call call = {quads, xd, xs, Kq, blocks, packed, N, bias, y};
     panel_blocks(M, N, Q4_MAX_ROWS, Q4_SPLIT_ROWS, Q4_PANEL_GROUP, threads, q4_call_rows, &call);
+    free(quads);
+    return 0;
+}
+
+#elif defined(__F16C__)
+/* AVX2 (no VNNI): the same integer sums by vpmaddubsw (pairs of unsigned nibble x signed input,
+ * each at most 2 * 15 * 127 in magnitude, so the eight of a block add up in int16 without
+ * overflow) and one vpmaddwd with ones a block; then the same float32 operations in the same
+ * order, so the results are bitwise the AVX512_VNNI kernel's. A panel's 16 features are two
+ * halves of eight, each its own pass over the panel (the second reads it from the cache). */
+#define Q4_AVX2_ROWS 4
+
+/* One half (h: features 8 h .. 8 h + 7) of one panel against R rows. */
+#define Q4_AVX2(R)                                                                                      \
+    static void q4_half_##R(const uint32_t *x, const float *xd, const float *xs, int64_t Kq, int64_t blocks, \
+                            const uint8_t *panel, int h, float *y, int64_t N, int64_t valid, const float *bias) { \
+        const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                      \
+        __m256 sum[R];                                                                                  \
+        for (int i = 0; i < R; i++) sum[i] = _mm256_setzero_ps();                                       \
+        for (int64_t b = 0; b < blocks; b++) {                                                          \
+            const uint8_t *w = panel + b * Q4_BLOCK_BYTES;                                              \
+            const uint32_t *q = x + b * Q4_QUADS;                                                       \
+            __m256i acc[R];                                                                             \
+            for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_si256();                                \
+            for (int g = 0; g < 4; g++) {                                                               \
+                __m256i line = _mm256_loadu_si256((const __m256i *)(w + 64 * g + 32 * h));              \
+                __m256i low = _mm256_and_si256(line, nibble);                                           \
+                __m256i high = _mm256_and_si256(_mm256_srli_epi16(line, 4), nibble);                    \
+                for (int i = 0; i < R; i++) {                                                           \
+                    acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(low, _mm256_set1_epi32((int)q[i * Kq + 2 * g]))); \
+                    acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(high, _mm256_set1_epi32((int)q[i * Kq + 2 * g + 1]))); \
+                }                                                                                       \
+            }                                                                                           \
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 256 + 16 * h)));           \
+            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 288 + 16 * h)));           \
+            for (int i = 0; i < R; i++) {                                                               \
+                __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[i * blocks + b]));                    \
+                sum[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i], ones)), scale, sum[i]); \
+                sum[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[i * blocks + b]), sum[i]);                \
+            }                                                                                           \
+        }                                                                                               \
+        for (int i = 0; i < R; i++) {                                                                   \
+            float out[8];                                                                               \
+            _mm256_storeu_ps(out, sum[i]);                                                              \
+            for (int f = 8 * h; f < valid && f < 8 * h + 8; f++)                                        \
+                y[i * N + f] = out[f - 8 * h] + (bias ? bias[f] : 0.0f);                                \
+        }                                                                                               \
+    }
+
+Q4_AVX2(1) Q4_AVX2(2) Q4_AVX2(3) Q4_AVX2(4)
+
+typedef void (*q4_half)(const uint32_t *, const float *, const float *, int64_t, int64_t, const uint8_t *, int,
+                        float *, int64_t, int64_t, const float *);
+static const q4_half q4_halves[Q4_AVX2_ROWS + 1] = {0, q4_half_1, q4_half_2, q4_half_3, q4_half_4};
+
+typedef struct {
+    const uint32_t *quads;
+    const float *xd, *xs;
+    int64_t Kq, blocks;
+    const uint8_t *packed;
+    int64_t N;
+    const float *bias;
+    float *y;
+} q4_call;
+
+static void q4_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, int64_t valid) {
+    const q4_call *c = call;
+    for (int h = 0; h < 2 && 8 * h < valid; h++)
+        q4_halves[rows](c->quads + m * c->Kq, c->xd + m * c->blocks, c->xs + m * c->blocks, c->Kq, c->blocks,
+                        c->packed + p * c->blocks * Q4_BLOCK_BYTES, h, c->y + m * c->N + p * PANEL, c->N, valid,
+                        c->bias ? c->bias + p * PANEL : 0);
+}
+
+/* As the AVX-512 quantizer: the same float32 operations, element by element. */
+void q8_quantize_rows(const float *x, int64_t M, int64_t K, uint32_t *quads, float *xd, float *xs) {
+    int64_t blocks = K / Q4_BLOCK;
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const float *v = x + m * K + b * Q4_BLOCK;
+            __m256 a0 = _mm256_loadu_ps(v), a1 = _mm256_loadu_ps(v + 8), a2 = _mm256_loadu_ps(v + 16),
+                   a3 = _mm256_loadu_ps(v + 24);
+            __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(a0, magnitude), _mm256_and_ps(a1, magnitude)),
+                                       _mm256_max_ps(_mm256_and_ps(a2, magnitude), _mm256_and_ps(a3, magnitude)));
+            __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+            top4 = _mm_max_ss(top4, _mm_movehdup_ps(top4));
+            float d = _mm_cvtss_f32(top4) / 127.0f, inverse = d != 0.0f ? 1.0f / d : 0.0f;
+            __m256 scale = _mm256_set1_ps(inverse);
+            __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(a0, scale)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(a1, scale));
+            __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(a2, scale)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(a3, scale));
+            /* packs interleave the 128-bit lanes: the permutation puts the 32 bytes back in order. */
+            __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+            bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(quads + m * (K / 4) + b * Q4_QUADS), bytes);
+            xd[m * blocks + b] = d;
+            if (xs) {
+                __m256i s = _mm256_add_epi32(_mm256_add_epi32(q0, q1), _mm256_add_epi32(q2, q3));
+                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+                xs[m * blocks + b] = d * (float)_mm_cvtsi128_si32(s4);
+            }
+        }
+}
+
+int panel_q4_1(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
+               int threads) {
+    if (K % Q4_BLOCK)
+        return -1;
+    int64_t Kq = K / 4, blocks = K / Q4_BLOCK;
+    uint32_t *quads = malloc((size_t)(M * Kq) * sizeof(uint32_t) + 2 * (size_t)(M * blocks) * sizeof(float));
+    if (!quads)
+        return 1;
+    float *xd = (float *)(quads + M * Kq), *xs = xd + M * blocks;
+    q8_quantize_rows(x, M, K, quads, xd, xs);
+    q4_call call = {quads, xd, xs, Kq, blocks, packed, N, bias, y};
+    panel_blocks(M, N, Q4_AVX2_ROWS, Q4_AVX2_ROWS, Q4_PANEL_GROUP, threads, q4_call_rows, &call);
     free(quads);
     return 0;
 }

@@ -1,8 +1,8 @@
 /* y = x @ W^T (+ bias) with W in GGUF's Q8_0 blocks (each 32 input features of an output feature
  * n: w = d * q, q an int8 in [-127, 127], d float16) and each input row quantized the same way
  * (per block of 32: d_x = max|x| / 127, q_x = round(x / d_x)), the products summed exactly in int32
- * by AVX512_VNNI's vpdpbusd: llama.cpp's own Q8_0 x Q8_0 dot product. Compiled only where the CPU
- * has AVX512_VNNI.
+ * by AVX512_VNNI's vpdpbusd: llama.cpp's own Q8_0 x Q8_0 dot product. Without AVX512_VNNI the same
+ * sums by AVX2's vpmaddubsw (below), with bitwise the same results.
  *
  * Why: the embedded model's output head (its tied embedding, 49,152 x 576) is Q8_0 in its GGUF
  * file. A one-row step reads the whole head, so the head's bytes are a large share of every step:
@@ -27,7 +27,6 @@
  * Exactness: each output depends only on its own row's input (its own block scales), the weights
  * and the fixed block order: never on the other rows, their block or the thread (row-exact).
  */
-#ifdef __AVX512VNNI__
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,14 +35,28 @@
 #define Q8_BLOCK 32        /* input features a d covers (GGUF's QK8_0) */
 #define Q8_QUADS 8         /* quads of input features a block holds: one vpdpbusd each */
 #define Q8_BLOCK_BYTES 576 /* a panel's block: 8 lines of int8, then 16 d (float16) and 16 sums (int16) */
-#define Q8_MAX_ROWS 12
-#define Q8_SPLIT_ROWS 8
 #define Q8_PANEL_GROUP 4
 
 void q8_quantize_rows(const float *x, int64_t M, int64_t K, uint32_t *quads, float *xd, float *xs); /* panel_q4_1.c */
 typedef void (*panel_rows)(const void *call, int64_t panel, int64_t row, int64_t rows, int64_t valid);
 void panel_blocks(int64_t M, int64_t N, int64_t max_rows, int64_t split_rows, int64_t group, int threads,
                   panel_rows run, const void *call); /* panel_blocks.c */
+
+/* One call's operands, for panel_blocks. */
+typedef struct {
+    const uint32_t *quads;
+    const float *xscale;
+    int64_t Kq, blocks;
+    const uint8_t *packed;
+    int64_t N;
+    const float *bias;
+    float *y;
+} q8_call;
+
+#ifdef __AVX512VNNI__
+#define Q8_OFFSET_INPUTS 1 /* vpdpbusd's unsigned operand: the inputs offset by 128 */
+#define Q8_MAX_ROWS 12
+#define Q8_SPLIT_ROWS 8
 
 /* One block's eight vpdpbusd against R rows: acc[i] = the block's offset sum of row i. */
 #define Q8_BLOCK_SUMS(R, acc, w, q)                                                                     \
@@ -105,16 +118,6 @@ static const q8_block q8_blocks[Q8_MAX_ROWS + 1] = {
     0, q8_rows_1, q8_rows_2, q8_rows_3, q8_rows_4, q8_rows_5, q8_rows_6,
     q8_rows_7, q8_rows_8, q8_rows_9, q8_rows_10, q8_rows_11, q8_rows_12};
 
-typedef struct {
-    const uint32_t *quads;
-    const float *xscale;
-    int64_t Kq, blocks;
-    const uint8_t *packed;
-    int64_t N;
-    const float *bias;
-    float *y;
-} q8_call;
-
 static void q8_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, int64_t valid) {
     const q8_call *c = call;
     q8_blocks[rows](c->quads + m * c->Kq, c->xscale + m * c->blocks, c->Kq, c->blocks,
@@ -122,6 +125,65 @@ static void q8_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, i
                     c->bias ? c->bias + p * PANEL : 0);
 }
 
+
+#elif defined(__F16C__)
+/* AVX2 (no VNNI): vpmaddubsw needs an unsigned operand, and offset inputs would overflow its int16
+ * pair sums, so as llama.cpp does: |q_x| times the weight with q_x's sign (vpsignb), each pair at
+ * most 2 * 127 * 127, widened to int32 by vpmaddwd with ones a quad. The same exact S_b and the
+ * same float32 operations in the same order as the AVX512_VNNI kernel: bitwise its results. A
+ * panel's 16 features are two halves of eight, each its own pass. */
+#define Q8_OFFSET_INPUTS 0
+#define Q8_MAX_ROWS 4
+#define Q8_SPLIT_ROWS 4
+
+#define Q8_AVX2(R)                                                                                      \
+    static void q8_half_##R(const uint32_t *x, const float *xscale, int64_t Kq, int64_t blocks,          \
+                            const uint8_t *panel, int h, float *y, int64_t N, int64_t valid, const float *bias) { \
+        const __m256i ones = _mm256_set1_epi16(1);                                                      \
+        __m256 sum[R];                                                                                  \
+        for (int i = 0; i < R; i++) sum[i] = _mm256_setzero_ps();                                       \
+        for (int64_t b = 0; b < blocks; b++) {                                                          \
+            const uint8_t *w = panel + b * Q8_BLOCK_BYTES;                                              \
+            const uint32_t *q = x + b * Q8_QUADS;                                                       \
+            __m256i acc[R];                                                                             \
+            for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_si256();                                \
+            for (int j = 0; j < Q8_QUADS; j++) {                                                        \
+                __m256i line = _mm256_loadu_si256((const __m256i *)(w + 64 * j + 32 * h));              \
+                for (int i = 0; i < R; i++) {                                                           \
+                    __m256i xq = _mm256_set1_epi32((int)q[i * Kq + j]);                                 \
+                    __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(xq, xq), _mm256_sign_epi8(line, xq)); \
+                    acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(pairs, ones));                  \
+                }                                                                                       \
+            }                                                                                           \
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 512 + 16 * h)));           \
+            for (int i = 0; i < R; i++)                                                                 \
+                sum[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]),                                    \
+                                         _mm256_mul_ps(d, _mm256_set1_ps(xscale[i * blocks + b])), sum[i]); \
+        }                                                                                               \
+        for (int i = 0; i < R; i++) {                                                                   \
+            float out[8];                                                                               \
+            _mm256_storeu_ps(out, sum[i]);                                                              \
+            for (int f = 8 * h; f < valid && f < 8 * h + 8; f++)                                        \
+                y[i * N + f] = out[f - 8 * h] + (bias ? bias[f] : 0.0f);                                \
+        }                                                                                               \
+    }
+
+Q8_AVX2(1) Q8_AVX2(2) Q8_AVX2(3) Q8_AVX2(4)
+
+typedef void (*q8_half)(const uint32_t *, const float *, int64_t, int64_t, const uint8_t *, int, float *, int64_t,
+                        int64_t, const float *);
+static const q8_half q8_halves[Q8_MAX_ROWS + 1] = {0, q8_half_1, q8_half_2, q8_half_3, q8_half_4};
+
+static void q8_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, int64_t valid) {
+    const q8_call *c = call;
+    for (int h = 0; h < 2 && 8 * h < valid; h++)
+        q8_halves[rows](c->quads + m * c->Kq, c->xscale + m * c->blocks, c->Kq, c->blocks,
+                        c->packed + p * c->blocks * Q8_BLOCK_BYTES, h, c->y + m * c->N + p * PANEL, c->N, valid,
+                        c->bias ? c->bias + p * PANEL : 0);
+}
+#endif
+
+#if defined(__AVX512VNNI__) || defined(__F16C__)
 /* y [M, N] = x [M, K] @ W^T (+ bias), W packed as the header says (K a multiple of 32); the bias (or
  * NULL) padded with zeros to the panels' width. Nonzero: K is not a multiple of 32, or no memory
  * for the quantized input. */
@@ -135,9 +197,9 @@ int panel_q8_0(const float *x, int64_t M, int64_t K, const uint8_t *packed, int6
         return 1;
     float *xscale = (float *)(quads + M * Kq);
     q8_quantize_rows(x, M, K, quads, xscale, NULL);
-    /* vpdpbusd's unsigned operand: each byte offset by 128 (flipping its sign bit adds 128). */
-    for (int64_t i = 0; i < M * Kq; i++)
-        quads[i] ^= 0x80808080u;
+    if (Q8_OFFSET_INPUTS) /* each byte offset by 128: flipping its sign bit adds 128 */
+        for (int64_t i = 0; i < M * Kq; i++)
+            quads[i] ^= 0x80808080u;
     q8_call call = {quads, xscale, Kq, blocks, packed, N, bias, y};
     panel_blocks(M, N, Q8_MAX_ROWS, Q8_SPLIT_ROWS, Q8_PANEL_GROUP, threads, q8_call_rows, &call);
     free(quads);
