@@ -31,3 +31,10 @@ void panel_blocks(int64_t M, int64_t N, int64_t max_rows, int64_t split_rows, in
         }
     }
 }
+
+/* An AVX2 kernel's eight outputs `out` of half h (features 8 h .. 8 h + 7) of a panel, plus their
+ * bias (or none), stored where the panel's first `valid` outputs exist (y: the panel's row). */
+void panel_store_half(const float *out, int h, int64_t valid, const float *bias, float *y) {
+    for (int f = 8 * h; f < valid && f < 8 * h + 8; f++)
+        y[f] = out[f - 8 * h] + (bias ? bias[f] : 0.0f);
+}

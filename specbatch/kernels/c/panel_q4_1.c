@@ -38,15 +38,27 @@
 #define Q4_BLOCK 32        /* input features a d and m cover (GGUF's QK4_1) */
 #define Q4_QUADS 8         /* quads of input features a block holds: one vpdpbusd each */
 #define Q4_BLOCK_BYTES 320 /* a panel's block: 4 lines of nibbles, then 16 d and 16 m (float16) */
-#define Q4_MAX_ROWS 12
-#define Q4_SPLIT_ROWS 8
 #define Q4_PANEL_GROUP 4
 
 typedef void (*panel_rows)(const void *call, int64_t panel, int64_t row, int64_t rows, int64_t valid);
 void panel_blocks(int64_t M, int64_t N, int64_t max_rows, int64_t split_rows, int64_t group, int threads,
                   panel_rows run, const void *call); /* panel_blocks.c */
+void panel_store_half(const float *out, int h, int64_t valid, const float *bias, float *y); /* panel_blocks.c */
+
+/* One call's operands, for panel_blocks. */
+typedef struct {
+    const uint32_t *quads;
+    const float *xd, *xs;
+    int64_t Kq, blocks;
+    const uint8_t *packed;
+    int64_t N;
+    const float *bias;
+    float *y;
+} q4_call;
 
 #ifdef __AVX512VNNI__
+#define Q4_MAX_ROWS 12
+#define Q4_SPLIT_ROWS 8
 
 /* One block's eight vpdpbusd against R rows (quantized quads q, Kq apart): acc[i] = S_b of row i. */
 #define Q4_BLOCK_SUMS(R, acc, w, q)                                                                     \
@@ -114,16 +126,6 @@ static const q4_block q4_blocks[Q4_MAX_ROWS + 1] = {
     0, q4_rows_1, q4_rows_2, q4_rows_3, q4_rows_4, q4_rows_5, q4_rows_6,
     q4_rows_7, q4_rows_8, q4_rows_9, q4_rows_10, q4_rows_11, q4_rows_12};
 
-/* One call's operands, for panel_blocks. */
-typedef struct {
-    const uint32_t *quads;
-    const float *xd, *xs;
-    int64_t Kq, blocks;
-    const uint8_t *packed;
-    int64_t N;
-    const float *bias;
-    float *y;
-} q4_call;
 
 static void q4_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, int64_t valid) {
     const q4_call *c = call;
@@ -156,32 +158,14 @@ void q8_quantize_rows(const float *x, int64_t M, int64_t K, uint32_t *quads, flo
         }
 }
 
-/* y [M, N] = x [M, K] @ W^T (+ bias), W packed as the header says (K a multiple of 32); the bias (or
- * NULL) padded with zeros to the panels' width. Nonzero: K is not a multiple of 32, or no memory
- * for the quantized input. */
-int panel_q4_1(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
-               int threads) {
-    if (K % Q4_BLOCK)
-        return -1;
-    int64_t Kq = K / 4, blocks = K / Q4_BLOCK;
-    uint32_t *quads = malloc((size_t)(M * Kq) * sizeof(uint32_t) + 2 * (size_t)(M * blocks) * sizeof(float));
-    if (!quads)
-        return 1;
-    float *xd = (float *)(quads + M * Kq), *xs = xd + M * blocks;
-    q8_quantize_rows(x, M, K, quads, xd, xs);
-    q4_call call = {quads, xd, xs, Kq, blocks, packed, N, bias, y};
-    panel_blocks(M, N, Q4_MAX_ROWS, Q4_SPLIT_ROWS, Q4_PANEL_GROUP, threads, q4_call_rows, &call);
-    free(quads);
-    return 0;
-}
-
 #elif defined(__F16C__)
 /* AVX2 (no VNNI): the same integer sums by vpmaddubsw (pairs of unsigned nibble x signed input,
  * each at most 2 * 15 * 127 in magnitude, so the eight of a block add up in int16 without
  * overflow) and one vpmaddwd with ones a block; then the same float32 operations in the same
  * order, so the results are bitwise the AVX512_VNNI kernel's. A panel's 16 features are two
  * halves of eight, each its own pass over the panel (the second reads it from the cache). */
-#define Q4_AVX2_ROWS 4
+#define Q4_MAX_ROWS 4
+#define Q4_SPLIT_ROWS 4
 
 /* One half (h: features 8 h .. 8 h + 7) of one panel against R rows. */
 #define Q4_AVX2(R)                                                                                      \
@@ -215,8 +199,7 @@ int panel_q4_1(const float *x, int64_t M, int64_t K, const uint8_t *packed, int6
         for (int i = 0; i < R; i++) {                                                                   \
             float out[8];                                                                               \
             _mm256_storeu_ps(out, sum[i]);                                                              \
-            for (int f = 8 * h; f < valid && f < 8 * h + 8; f++)                                        \
-                y[i * N + f] = out[f - 8 * h] + (bias ? bias[f] : 0.0f);                                \
+            panel_store_half(out, h, valid, bias, y + i * N);                                           \
         }                                                                                               \
     }
 
@@ -224,17 +207,7 @@ Q4_AVX2(1) Q4_AVX2(2) Q4_AVX2(3) Q4_AVX2(4)
 
 typedef void (*q4_half)(const uint32_t *, const float *, const float *, int64_t, int64_t, const uint8_t *, int,
                         float *, int64_t, int64_t, const float *);
-static const q4_half q4_halves[Q4_AVX2_ROWS + 1] = {0, q4_half_1, q4_half_2, q4_half_3, q4_half_4};
-
-typedef struct {
-    const uint32_t *quads;
-    const float *xd, *xs;
-    int64_t Kq, blocks;
-    const uint8_t *packed;
-    int64_t N;
-    const float *bias;
-    float *y;
-} q4_call;
+static const q4_half q4_halves[Q4_MAX_ROWS + 1] = {0, q4_half_1, q4_half_2, q4_half_3, q4_half_4};
 
 static void q4_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, int64_t valid) {
     const q4_call *c = call;
@@ -277,6 +250,12 @@ void q8_quantize_rows(const float *x, int64_t M, int64_t K, uint32_t *quads, flo
         }
 }
 
+#endif
+
+#if defined(__AVX512VNNI__) || defined(__F16C__)
+/* y [M, N] = x [M, K] @ W^T (+ bias), W packed as the header says (K a multiple of 32); the bias (or
+ * NULL) padded with zeros to the panels' width. Nonzero: K is not a multiple of 32, or no memory
+ * for the quantized input. */
 int panel_q4_1(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
                int threads) {
     if (K % Q4_BLOCK)
@@ -288,7 +267,7 @@ int panel_q4_1(const float *x, int64_t M, int64_t K, const uint8_t *packed, int6
     float *xd = (float *)(quads + M * Kq), *xs = xd + M * blocks;
     q8_quantize_rows(x, M, K, quads, xd, xs);
     q4_call call = {quads, xd, xs, Kq, blocks, packed, N, bias, y};
-    panel_blocks(M, N, Q4_AVX2_ROWS, Q4_AVX2_ROWS, Q4_PANEL_GROUP, threads, q4_call_rows, &call);
+    panel_blocks(M, N, Q4_MAX_ROWS, Q4_SPLIT_ROWS, Q4_PANEL_GROUP, threads, q4_call_rows, &call);
     free(quads);
     return 0;
 }

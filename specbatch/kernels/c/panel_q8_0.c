@@ -41,6 +41,7 @@ void q8_quantize_rows(const float *x, int64_t M, int64_t K, uint32_t *quads, flo
 typedef void (*panel_rows)(const void *call, int64_t panel, int64_t row, int64_t rows, int64_t valid);
 void panel_blocks(int64_t M, int64_t N, int64_t max_rows, int64_t split_rows, int64_t group, int threads,
                   panel_rows run, const void *call); /* panel_blocks.c */
+void panel_store_half(const float *out, int h, int64_t valid, const float *bias, float *y); /* panel_blocks.c */
 
 /* One call's operands, for panel_blocks. */
 typedef struct {
@@ -163,8 +164,7 @@ static void q8_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, i
         for (int i = 0; i < R; i++) {                                                                   \
             float out[8];                                                                               \
             _mm256_storeu_ps(out, sum[i]);                                                              \
-            for (int f = 8 * h; f < valid && f < 8 * h + 8; f++)                                        \
-                y[i * N + f] = out[f - 8 * h] + (bias ? bias[f] : 0.0f);                                \
+            panel_store_half(out, h, valid, bias, y + i * N);                                           \
         }                                                                                               \
     }
 
