@@ -108,9 +108,9 @@ OPTIONS: tuple[Option, ...] = (
            group="engine"),
     Option("--weights", "how the linear layers keep their weights: auto (the machine decides: on a CPU where the "
            "engine's kernels build, the embedded target on float16 products where the CPU has AVX512_FP16, else "
-           "on its GGUF's own 4-bit blocks where it has AVX512_BF16, else on bf16 weights; the embedded draft in "
-           "int8), model (as loaded, in --dtype), bf16, bf16-dot, fp16-dot, q4_1 (the embedded GGUF's 4-bit "
-           "blocks) or int8 (a draft's)", default="auto",
+           "on its GGUF's own blocks (AVX512_VNNI or AVX2), else on bf16 weights; the embedded draft in int8), "
+           "model (as loaded, in --dtype), bf16, bf16-dot, fp16-dot, q4_1 (the embedded GGUF's own blocks, "
+           "computed as llama.cpp does) or int8 (a draft's)", default="auto",
            programs=SERVICES | {UP}, group="engine", choices=WEIGHT_FORMS),
     Option("--kv-cache-gb", "the KV pool's budget of each model service, GiB", default=8.0, type=float,
            programs=SERVICES | {UP}, group="engine"),
