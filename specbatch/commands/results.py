@@ -265,7 +265,7 @@ RENDERERS = {
     "call-overhead": _rows("rows"), "step-split": _rows("rows"), "sdpa-backends": _rows("rows"),
     "rpc-gap": _rows("rows"), "threads": _rows("rows"),
     "kv-cache": _rows("verify", "quality"), "prefill-chunk": _rows("rows", "comparisons"),
-    "kv-memory": _rows("rows"), "vs-llamacpp": _rows("rows", "mismatches"),
+    "kv-memory": _rows("rows"), "vs-llamacpp": _rows("rows", "mismatches"), "form-fidelity": _rows("rows"),
 }
 STAMP_KEYS = ("kind", "variant", "machine", "hardware", "date", "commit", "dirty", "note", "_name")
 
