@@ -117,15 +117,14 @@ def test_stop_is_clean(tmp_path_factory, target_model, tokenizer):
 
 def _on_a_cpu(monkeypatch, dot=True, kernels=True, native_bf16=True, cores=None, blocks=None) -> None:
     """The machine as the stack's decisions see it: the engine's kernels built (``kernels``), dot
-    products as ``dot`` says (True: bf16 and int8, as on AVX512_BF16 and AVX512_VNNI; "fp16":
-    float16 too; False: neither, as on AVX2), the GGUF block multiplies with the kernels unless
+    products as ``dot`` says (True: bf16, as on AVX512_BF16; "fp16": float16 too; False: neither,
+    as on AVX2), the GGUF block multiplies with the kernels unless
     ``blocks`` is False (a CPU without F16C), ``cores`` cores."""
     from specbatch.kernels import cpu
 
     monkeypatch.setattr(cpu, "multiplies_bf16", lambda: native_bf16)
     monkeypatch.setattr(cpu, "kernels_expected", lambda: kernels)
     monkeypatch.setattr(cpu, "bf16_dot_expected", lambda: kernels and bool(dot))
-    monkeypatch.setattr(cpu, "int8_dot_expected", lambda: kernels and bool(dot))
     monkeypatch.setattr(cpu, "blocks_expected", lambda: kernels and blocks is not False)
     monkeypatch.setattr(cpu, "fp16_dot_expected", lambda: kernels and dot == "fp16")
     if cores is not None:

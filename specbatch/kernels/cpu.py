@@ -89,12 +89,6 @@ def bf16_dot_expected() -> bool:
     return kernels_expected() and has("avx512_bf16")
 
 
-def int8_dot_expected() -> bool:
-    """Whether the int8 dot-product kernels (``vpdpbusd``) should build here: the kernels and
-    AVX512_VNNI."""
-    return kernels_expected() and has("avx512_vnni")
-
-
 def blocks_expected() -> bool:
     """Whether the multiplies of GGUF's blocks should build here: the kernels, and AVX512_VNNI or
     F16C (every AVX2 CPU has it)."""

@@ -60,7 +60,7 @@ class PanelLinear:
         # Which kernel reads the packed weight (decoder.c's FORM_* codes).
         self.form = (6 if q8_0 else 5 if q4_1 else 4 if int8_dot else 3 if fp16_dot else 2 if bf16_dot
                      else 1 if bf16_weights else 0)
-        self.recovered_blocks = None  # the block forms': blocks that were Q4_1 (Q8_0) already (_init_q4_1)
+        self.recovered_blocks = None  # the block forms': blocks already Q4_1 (Q8_0) (_init_q4_1, _init_q8_0)
         self.weight_unscale = 1.0  # the float16 form's power of two (_init_fp16)
         self.weight_scale = self.weight_offset = None  # the int8 form's (_init_int8)
         self._multiply = library.panel_linear_multiply
