@@ -50,6 +50,19 @@ def test_other_weights_are_quantized_as_llama_cpp_does():
         q4_1_blocks(torch.randn(4, 48))
 
 
+def assert_row_exact_sums_of(terms: torch.Tensor, layer, weight, bias, x, threads: int) -> None:
+    """``layer``'s rows are the sums of ``terms`` ([rows, outputs, blocks], exact in float64) plus the
+    bias, within float32's rounding of one multiply-add a term; each row the same bits alone or beside
+    others (1-12 rows one block, 13, 16, 17 and 40 split) on ``threads`` threads; and within 8 bits'
+    error of the float32 product."""
+    exact = terms.sum(-1) + bias.double()
+    bound = 1e-6 * terms.shape[-1] * (terms.abs().sum(-1) + bias.double().abs() + 1e-6)
+    alone = rows_alone_and_beside_others(layer, x, threads, list(range(1, 14)) + [16, 17, 40])
+    assert ((alone.double() - exact).abs() <= bound).all()
+    product = x.double() @ weight.double().T
+    assert (alone.double() - product - bias.double()).norm() < 0.02 * product.norm()
+
+
 def quantized_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's blocks of 32 as the kernels quantize them (llama.cpp's Q8_0 and Q8_1), in float32:
     d_x = max|x| / 127 and q_x = round(x * (1 / d_x)), half to even. Returns (d_x, q_x)."""
@@ -77,12 +90,7 @@ def test_q4_1_products_are_row_exact_products_of_the_quantized_input(out_feature
     s_x = (d_x * q_x.sum(-1)).double()  # in float32 as the kernel computes it, then exact
     terms = (sums * (blocks.scale.float()[None] * d_x[:, None]).double()  # d_w d_x rounded to float32
              + blocks.minimum.double()[None] * s_x[:, None])
-    exact = terms.sum(-1) + bias.double()
-    bound = 1e-6 * (in_features // BLOCK) * (terms.abs().sum(-1) + bias.double().abs() + 1e-6)
-    alone = rows_alone_and_beside_others(layer, x, threads, list(range(1, 14)) + [16, 17, 40])
-    assert ((alone.double() - exact).abs() <= bound).all()
-    product = x.double() @ weight.double().T
-    assert (alone.double() - product - bias.double()).norm() < 0.02 * product.norm()
+    assert_row_exact_sums_of(terms, layer, weight, bias, x, threads)
 
 
 @needs_blocks
@@ -155,12 +163,7 @@ def test_q8_0_products_are_row_exact_products_of_the_quantized_input(out_feature
     sums = torch.einsum("mbk,nbk->mnb", q_x.double(), blocks.values.double())  # exact integers
     scales = (blocks.scale.float()[None] * d_x[:, None]).double()  # d_w d_x, rounded to float32 as the kernel does
     terms = sums * scales
-    exact = terms.sum(-1) + bias.double()
-    bound = 1e-6 * (in_features // BLOCK) * (terms.abs().sum(-1) + bias.double().abs() + 1e-6)
-    alone = rows_alone_and_beside_others(layer, x, threads, list(range(1, 14)) + [16, 17, 40])
-    assert ((alone.double() - exact).abs() <= bound).all()
-    product = x.double() @ weight.double().T
-    assert (alone.double() - product - bias.double()).norm() < 0.02 * product.norm()
+    assert_row_exact_sums_of(terms, layer, weight, bias, x, threads)
 
 
 @needs_blocks
