@@ -31,6 +31,7 @@ def worker() -> None:
     import numpy as np
     from ik_llama_cpp import _ctypes_api as C
     from ik_llama_cpp._internals import IkContext, IkModel
+    from vs_llamacpp import batch_of
 
     os.dup2(2, 1)  # llama.cpp logs to stdout from C
     request = json.loads(sys.stdin.readline())
@@ -40,10 +41,7 @@ def worker() -> None:
     for text in request["texts"]:
         context.kv_cache_clear()
         for position, token in enumerate(text):
-            batch = C.llama_batch_init(1, 0, 1)
-            batch.n_tokens = 1
-            batch.token[0], batch.pos[0], batch.n_seq_id[0], batch.logits[0] = token, position, 1, 1
-            batch.seq_id[0][0] = 0
+            batch = batch_of([(token, position, 0, True)])
             if context.decode(batch):
                 raise RuntimeError("llama_decode failed")
             rows.append(np.ctypeslib.as_array(C.llama_get_logits_ith(context.ctx, 0), shape=(model.n_vocab,)).copy())
@@ -123,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run([args.llamacpp_python, __file__, "--worker"], input=json.dumps(request) + "\n", text=True,
                            check=True)
             rows.append(compared("llama.cpp", torch.from_numpy(np.load(out)).double()))
-        print(rows[-1], flush=True)
+            print(rows[-1], flush=True)
     print(results.table(rows))
     results.write("form-fidelity", {"prompts": len(texts), "answer_tokens": args.answer_tokens, "rows": rows},
                   args.out, args.variant)

@@ -54,6 +54,19 @@ CODE_PROMPTS = [
 
 # ---- the llama.cpp worker (runs in .venv-llamacpp: numpy and ik_llama_cpp only) ---------------------
 
+def batch_of(entries: list[tuple[int, int, int, bool]]):
+    """A llama_batch of (token, position, sequence, wants logits); free it with llama_batch_free.
+    (Also benchmarks/form_fidelity.py's.)"""
+    from ik_llama_cpp import _ctypes_api as C
+
+    batch = C.llama_batch_init(len(entries), 0, 1)
+    batch.n_tokens = len(entries)
+    for i, (token, pos, seq, logits) in enumerate(entries):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, int(logits)
+        batch.seq_id[i][0] = seq
+    return batch
+
+
 def worker() -> None:
     """Reads one JSON request a line ({"prompts", "new_tokens", "concurrency"}), decodes them
     greedily (``concurrency`` sequences a batch) and answers {"tokens", "seconds"}."""
@@ -68,15 +81,6 @@ def worker() -> None:
     model = IkModel(gguf)
     vocab = model.n_vocab
     contexts: dict[int, IkContext] = {}
-
-    def batch_of(entries: list[tuple[int, int, int, bool]]):
-        """A llama_batch of (token, position, sequence, wants logits)."""
-        batch = C.llama_batch_init(len(entries), 0, 1)
-        batch.n_tokens = len(entries)
-        for i, (token, pos, seq, logits) in enumerate(entries):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, int(logits)
-            batch.seq_id[i][0] = seq
-        return batch
 
     def argmax(ctx, i: int) -> int:
         return int(np.argmax(np.ctypeslib.as_array(C.llama_get_logits_ith(ctx.ctx, i), shape=(vocab,))))
