@@ -22,11 +22,14 @@ class DraftServicer(CacheServicer, pb_grpc.DraftServicer):
         check(items)  # before the call waits for the model
         drafts, seconds = self.observed("Propose", len(items), proposals, self.engine, items)
         return pb.ProposeResponse(
-            proposals=[
-                pb.Proposal(seq_id=item.seq.seq_id, tokens=proposal.tokens, cached_len=self.engine.length(item.seq.seq_id),
-                            distributions=[distribution_to_proto(d) for d in proposal.distributions],
-                            leaves=[pb.Leaves(tokens=at) for at in proposal.leaves])
-                for item, proposal in zip(items, drafts)
-            ],
+            proposals=[proposal_to_proto(item.seq.seq_id, proposal, self.engine.length(item.seq.seq_id))
+                       for item, proposal in zip(items, drafts)],
             compute_seconds=seconds,
         )
+
+
+def proposal_to_proto(seq_id: str, proposal, cached_len: int) -> pb.Proposal:
+    """A proposer.Proposal as the Proposal message (a Propose's, or a hosted draft's inside a Verify)."""
+    return pb.Proposal(seq_id=seq_id, tokens=proposal.tokens, cached_len=cached_len,
+                       distributions=[distribution_to_proto(d) for d in proposal.distributions],
+                       leaves=[pb.Leaves(tokens=at) for at in proposal.leaves])

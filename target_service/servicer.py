@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import logging
+import time
 
+from draft_service.servicer import proposal_to_proto
+from specbatch.engine.batch import SequenceInput
 from specbatch.models.eagle import target_feature_size
 from specbatch.protocol.emulation import describe
+from specbatch.protocol.errors import InvalidRequest
 from specbatch.rpc.server import engine_errors_to_status
 from specbatch.service.servicer import (
     CacheServicer,
     distribution_from_proto,
+    features_from_bytes,
     features_to_bytes,
     sampling_from_proto,
     sequence_inputs,
@@ -17,6 +22,8 @@ from specbatch.service.servicer import (
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 
+from . import drafting
+from .drafting import NextDraft
 from .verifier import VerifyItem, check, verify
 
 log = logging.getLogger(__name__)
@@ -26,9 +33,13 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
     add_to_server = staticmethod(pb_grpc.add_TargetServicer_to_server)
     service_name = "specbatch.v1.Target"
 
-    def __init__(self, engine, model_name: str, metrics=None, emulated_acceptance: tuple[float, ...] | None = None):
-        """``emulated_acceptance``: --emulate-acceptance's rates (for timing only; None: off)."""
+    def __init__(self, engine, model_name: str, metrics=None, emulated_acceptance: tuple[float, ...] | None = None,
+                 draft=None, draft_name: str = ""):
+        """``emulated_acceptance``: --emulate-acceptance's rates (for timing only; None: off).
+        ``draft``: the Engine of a draft hosted in this process (--with-draft), on this engine's
+        model thread; a Verify item's propose_next drafts with it (target_service/drafting.py)."""
         super().__init__(engine, model_name, metrics)
+        self.draft, self.draft_name = draft, draft_name
         self.emulated = tuple(emulated_acceptance) if emulated_acceptance else None
         if self.emulated is not None:
             # Loud, because its output is not the target's: it must never pass unnoticed.
@@ -40,8 +51,8 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
 
     @classmethod
     def serve_on(cls, server, engine, model_name: str, metrics=None,
-                 emulated_acceptance: tuple[float, ...] | None = None) -> TargetServicer:
-        servicer = cls(engine, model_name, metrics, emulated_acceptance)
+                 emulated_acceptance: tuple[float, ...] | None = None, draft=None, draft_name: str = "") -> TargetServicer:
+        servicer = cls(engine, model_name, metrics, emulated_acceptance, draft, draft_name)
         server.add(cls.add_to_server, servicer, cls.service_name)
         return servicer
 
@@ -52,21 +63,61 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
                             [distribution_from_proto(d) for d in item.draft_distributions],
                             [list(at.tokens) for at in item.leaves])
                  for seq, item in zip(seqs, request.items)]
+        nexts = [self._next_draft(item) for item in request.items]
         check(items)  # before the call waits for the model
-        verdicts, seconds = self.observed("Verify", len(items), verify, self.engine, items, request.create,
-                                          request.return_features, self.emulated)
+        if not any(nexts):
+            verdicts, seconds = self.observed("Verify", len(items), verify, self.engine, items, request.create,
+                                              request.return_features, self.emulated)
+            proposals, draft_seconds = [None] * len(items), 0.0
+        else:
+            (verdicts, proposals, draft_seconds), seconds = self.observed(
+                "Verify", len(items), self._verify_and_propose, items, nexts, request.create,
+                request.return_features)
         return pb.VerifyResponse(
             verdicts=[
                 pb.Verdict(seq_id=item.seq.seq_id, accepted=v.accepted, next_token=v.next_token, cached_len=v.cached_len,
-                           features=features_to_bytes(v.features), leaf=v.leaf)
-                for item, v in zip(items, verdicts)
+                           features=features_to_bytes(v.features) if request.return_features else b"", leaf=v.leaf,
+                           proposal=None if p is None else proposal_to_proto(item.seq.seq_id, p,
+                                                                             self.draft.length(item.seq.seq_id)))
+                for item, v, p in zip(items, verdicts, proposals)
             ],
             compute_seconds=seconds,
+            draft_compute_seconds=draft_seconds,
         )
+
+    def _next_draft(self, item) -> NextDraft | None:
+        """A Verify item's propose_next, checked on the calling thread (None: not asked)."""
+        if not item.HasField("propose_next"):
+            return None
+        seq_id = item.sequence.seq_id
+        if self.draft is None:
+            raise InvalidRequest(f"sequence {seq_id!r}: propose_next, but this target hosts no draft "
+                                 "(python -m target_service --with-draft)")
+        if self.emulated is not None:
+            raise InvalidRequest(f"sequence {seq_id!r}: propose_next under --emulate-acceptance (its verdicts are "
+                                 "not the target's to draft after)")
+        message = item.propose_next.draft
+        features = features_from_bytes(seq_id, message.features, self.draft.feature_size)
+        if features is not None and features.dim() != 2:
+            raise InvalidRequest(f"sequence {seq_id!r}: propose_next's features are not rows of "
+                                 f"{self.draft.feature_size} values")
+        return NextDraft(item.propose_next.k, SequenceInput(seq_id, message.keep_len, list(message.tokens), features),
+                         list(item.propose_next.leaves))
+
+    def _verify_and_propose(self, items: list[VerifyItem], nexts: list[NextDraft | None], create: bool,
+                            return_features: bool):
+        """On the model thread: the draft's part checked, the Verify, then the hosted draft's
+        proposals (with the target's features of this forward, whether or not they are returned)."""
+        drafting.check(self.draft, items, nexts)
+        verdicts = verify(self.engine, items, create, return_features or bool(self.draft.feature_size))
+        started = time.perf_counter()
+        proposals = drafting.propose_after(self.draft, items, verdicts, nexts)
+        return verdicts, proposals, time.perf_counter() - started
 
     def CacheStats(self, request, context):
         stats = super().CacheStats(request, context)
         stats.emulated_acceptance = describe(self.emulated)
+        stats.hosted_draft = self.draft_name if self.draft is not None else ""
         return stats
 
     def feature_size(self) -> int:

@@ -44,6 +44,32 @@ def engine_settings(kind: str, args) -> dict:
             "wide_threads": wide if threads and wide > threads else 0}
 
 
+def new_engine(model, args, settings: dict, **shared) -> Engine:
+    """The engine over ``model`` with the service's flags and what ``engine_settings`` decided;
+    ``shared``: the model thread and lock of an engine it shares them with."""
+    return Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,
+                  max_cache_bytes=int(args.kv_cache_gb * 2**30), captured_steps=args.cuda_graphs,
+                  weights=settings["weights"], kv_bf16=settings["kv_bf16"] and settings["device"] == "cpu",
+                  wide_threads=settings["wide_threads"], wide_from_rows=1, **shared)
+
+
+def hosted_draft(args, settings: dict, engine: Engine) -> tuple[Engine, str] | None:
+    """The target's --with-draft: the draft's engine on the target's model thread and lock (one
+    forward at a time, one OpenMP team), in the form the machine decides for the pair."""
+    if not getattr(args, "with_draft", None):
+        return None
+    spec = ModelSpec.parse(args.with_draft, None, args.trust_remote_code, args.random_weights)
+    embedded = settings["spec"].name == EMBEDDED and spec.name == EMBEDDED_DRAFT and not (
+        settings["spec"].num_layers or args.random_weights)
+    form = forms.decide(args.weights, embedded, settings["device"], args.dtype).draft
+    draft_settings = {**settings, "spec": spec, "weights": None if form == "model" else form,
+                      "dtype": forms.dtype_for(form, args.dtype), "kv_bf16": forms.kv_bf16(form)}
+    model = load_model(spec, settings["device"], draft_settings["dtype"])
+    draft = new_engine(model, args, draft_settings, model_thread=engine.model_thread, lock=engine.lock)
+    log.info("target service: hosts the draft %s, weights %s", spec.describe(), draft.weights or "as loaded")
+    return draft, spec.describe()
+
+
 def run_model_service(kind: str, add_servicer, argv=None) -> None:
     """Parse flags, load the model, serve until SIGTERM/SIGINT."""
     parser = parser_for(kind, description=f"specbatch {kind} service")
@@ -72,10 +98,7 @@ def run_model_service(kind: str, add_servicer, argv=None) -> None:
             from specbatch.models.eagle import fuse_target_features, parse_feature_layers
 
             fuse_target_features(model, parse_feature_layers(args.feature_layers))
-        engine = Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,
-                        max_cache_bytes=int(args.kv_cache_gb * 2**30), captured_steps=args.cuda_graphs,
-                        weights=settings["weights"], kv_bf16=settings["kv_bf16"] and settings["device"] == "cpu",
-                        wide_threads=settings["wide_threads"], wide_from_rows=1)
+        engine = new_engine(model, args, settings)
         wide = f", calls wide on {settings['wide_threads']}" if settings["wide_threads"] else ""
         log.info("%s service: loaded %s in %.1fs on %s/%s, weights %s, keys and values %s, %d threads%s, "
                  "captured steps %s", kind, spec.describe(), time.perf_counter() - started, engine.device,
@@ -90,14 +113,21 @@ def run_model_service(kind: str, add_servicer, argv=None) -> None:
         # The target's --emulate-acceptance (checked when parsed; its servicer warns that it is on).
         emulated = getattr(args, "emulate_acceptance", None)
         extra = {"emulated_acceptance": parse_rates(emulated)} if emulated else {}
+        hosted = hosted_draft(args, settings, engine)
+        if hosted is not None:  # its Draft service on the same server, for the coordinator's other calls
+            from draft_service.servicer import DraftServicer
+
+            extra.update(draft=hosted[0], draft_name=hosted[1])
+            DraftServicer.serve_on(server, hosted[0], hosted[1], metrics=metrics)
         add_servicer(server, engine, spec.describe(), metrics=metrics, **extra)
-        leases = SequenceLeases(engine, args.sequence_lease_seconds, metrics) if args.sequence_lease_seconds > 0 else None
+        leases = [SequenceLeases(e, args.sequence_lease_seconds, metrics)
+                  for e in (engine, *(hosted[:1] if hosted else ())) if args.sequence_lease_seconds > 0]
         if args.local_socket_dir:  # each call's metrics as the gRPC interceptor records them
             server.serve_locally(args.local_socket_dir, kind, observe=metrics.observe_request)
         server.start()
-        if leases is not None:
-            leases.start()
-        server.run_until_signal(on_stop=leases.stop if leases is not None else None)
+        for lease in leases:
+            lease.start()
+        server.run_until_signal(on_stop=lambda: [lease.stop() for lease in leases])
     finally:
         if metrics_server is not None:
             metrics_server.stop()

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!specbatch/v1/model_services.proto\x12\x0cspecbatch.v1\"S\n\rSequenceInput\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08keep_len\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0c\"4\n\x0eSequenceLength\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\ncached_len\x18\x02 \x01(\r\"@\n\x0ePrefillRequest\x12.\n\tsequences\x18\x01 \x03(\x0b\x32\x1b.specbatch.v1.SequenceInput\"B\n\x0fPrefillResponse\x12/\n\tsequences\x18\x01 \x03(\x0b\x32\x1c.specbatch.v1.SequenceLength\"B\n\x0fRollbackRequest\x12/\n\tsequences\x18\x01 \x03(\x0b\x32\x1c.specbatch.v1.SequenceLength\"\x12\n\x10RollbackResponse\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x13\n\x11\x43\x61\x63heStatsRequest\"\x94\x02\n\x12\x43\x61\x63heStatsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tsequences\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\x04\x12\x15\n\rmax_sequences\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x07 \x01(\r\x12\x19\n\x11sequences_created\x18\x08 \x01(\x04\x12\x14\n\x0clocal_socket\x18\t \x01(\t\x12\x10\n\x08hardware\x18\n \x01(\t\x12\x0f\n\x07weights\x18\x0b \x01(\t\x12\x1b\n\x13\x65mulated_acceptance\x18\x0c \x01(\t\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"5\n\x11\x44raftDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x18\n\x06Leaves\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"\x95\x01\n\x0bProposeItem\x12-\n\x08sequence\x18\x01 \x01(\x0b\x32\x1b.specbatch.v1.SequenceInput\x12\t\n\x01k\x18\x02 \x01(\r\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.specbatch.v1.Sampling\x12\x0e\n\x06leaves\x18\x04 \x03(\rJ\x04\x08\x05\x10\x06R\x0cunsure_below\":\n\x0eProposeRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.specbatch.v1.ProposeItem\"\x9c\x01\n\x08Proposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x12\n\ncached_len\x18\x03 \x01(\r\x12\x36\n\rdistributions\x18\x04 \x03(\x0b\x32\x1f.specbatch.v1.DraftDistribution\x12$\n\x06leaves\x18\x05 \x03(\x0b\x32\x14.specbatch.v1.Leaves\"U\n\x0fProposeResponse\x12)\n\tproposals\x18\x01 \x03(\x0b\x32\x16.specbatch.v1.Proposal\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\"\xdf\x01\n\nVerifyItem\x12-\n\x08sequence\x18\x01 \x01(\x0b\x32\x1b.specbatch.v1.SequenceInput\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.specbatch.v1.Sampling\x12<\n\x13\x64raft_distributions\x18\x04 \x03(\x0b\x32\x1f.specbatch.v1.DraftDistribution\x12$\n\x06leaves\x18\x05 \x03(\x0b\x32\x14.specbatch.v1.Leaves\"a\n\rVerifyRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.specbatch.v1.VerifyItem\x12\x0e\n\x06\x63reate\x18\x02 \x01(\x08\x12\x17\n\x0freturn_features\x18\x03 \x01(\x08\"\x81\x01\n\x07Verdict\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12\x12\n\ncached_len\x18\x04 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0c\x12\x11\n\x04leaf\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\x07\n\x05_leaf\"R\n\x0eVerifyResponse\x12\'\n\x08verdicts\x18\x01 \x03(\x0b\x32\x15.specbatch.v1.Verdict\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x32\xfb\x02\n\x05\x44raft\x12\x46\n\x07Prefill\x12\x1c.specbatch.v1.PrefillRequest\x1a\x1d.specbatch.v1.PrefillResponse\x12\x46\n\x07Propose\x12\x1c.specbatch.v1.ProposeRequest\x1a\x1d.specbatch.v1.ProposeResponse\x12I\n\x08Rollback\x12\x1d.specbatch.v1.RollbackRequest\x1a\x1e.specbatch.v1.RollbackResponse\x12\x46\n\x07Release\x12\x1c.specbatch.v1.ReleaseRequest\x1a\x1d.specbatch.v1.ReleaseResponse\x12O\n\nCacheStats\x12\x1f.specbatch.v1.CacheStatsRequest\x1a .specbatch.v1.CacheStatsResponse2\xf9\x02\n\x06Target\x12\x46\n\x07Prefill\x12\x1c.specbatch.v1.PrefillRequest\x1a\x1d.specbatch.v1.PrefillResponse\x12\x43\n\x06Verify\x12\x1b.specbatch.v1.VerifyRequest\x1a\x1c.specbatch.v1.VerifyResponse\x12I\n\x08Rollback\x12\x1d.specbatch.v1.RollbackRequest\x1a\x1e.specbatch.v1.RollbackResponse\x12\x46\n\x07Release\x12\x1c.specbatch.v1.ReleaseRequest\x1a\x1d.specbatch.v1.ReleaseResponse\x12O\n\nCacheStats\x12\x1f.specbatch.v1.CacheStatsRequest\x1a .specbatch.v1.CacheStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!specbatch/v1/model_services.proto\x12\x0cspecbatch.v1\"S\n\rSequenceInput\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08keep_len\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x10\n\x08\x66\x65\x61tures\x18\x04 \x01(\x0c\"4\n\x0eSequenceLength\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x12\n\ncached_len\x18\x02 \x01(\r\"@\n\x0ePrefillRequest\x12.\n\tsequences\x18\x01 \x03(\x0b\x32\x1b.specbatch.v1.SequenceInput\"B\n\x0fPrefillResponse\x12/\n\tsequences\x18\x01 \x03(\x0b\x32\x1c.specbatch.v1.SequenceLength\"B\n\x0fRollbackRequest\x12/\n\tsequences\x18\x01 \x03(\x0b\x32\x1c.specbatch.v1.SequenceLength\"\x12\n\x10RollbackResponse\"!\n\x0eReleaseRequest\x12\x0f\n\x07seq_ids\x18\x01 \x03(\t\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\r\"\x13\n\x11\x43\x61\x63heStatsRequest\"\xaa\x02\n\x12\x43\x61\x63heStatsResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\tsequences\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\x04\x12\x15\n\rmax_sequences\x18\x04 \x01(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x12\n\nvocab_size\x18\x06 \x01(\r\x12\x14\n\x0c\x66\x65\x61ture_size\x18\x07 \x01(\r\x12\x19\n\x11sequences_created\x18\x08 \x01(\x04\x12\x14\n\x0clocal_socket\x18\t \x01(\t\x12\x10\n\x08hardware\x18\n \x01(\t\x12\x0f\n\x07weights\x18\x0b \x01(\t\x12\x1b\n\x13\x65mulated_acceptance\x18\x0c \x01(\t\x12\x14\n\x0chosted_draft\x18\r \x01(\t\"K\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"5\n\x11\x44raftDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x18\n\x06Leaves\x12\x0e\n\x06tokens\x18\x01 \x03(\x05\"\x95\x01\n\x0bProposeItem\x12-\n\x08sequence\x18\x01 \x01(\x0b\x32\x1b.specbatch.v1.SequenceInput\x12\t\n\x01k\x18\x02 \x01(\r\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.specbatch.v1.Sampling\x12\x0e\n\x06leaves\x18\x04 \x03(\rJ\x04\x08\x05\x10\x06R\x0cunsure_below\":\n\x0eProposeRequest\x12(\n\x05items\x18\x01 \x03(\x0b\x32\x19.specbatch.v1.ProposeItem\"\x9c\x01\n\x08Proposal\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\x05\x12\x12\n\ncached_len\x18\x03 \x01(\r\x12\x36\n\rdistributions\x18\x04 \x03(\x0b\x32\x1f.specbatch.v1.DraftDistribution\x12$\n\x06leaves\x18\x05 \x03(\x0b\x32\x14.specbatch.v1.Leaves\"U\n\x0fProposeResponse\x12)\n\tproposals\x18\x01 \x03(\x0b\x32\x16.specbatch.v1.Proposal\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\"T\n\x0bProposeNext\x12\t\n\x01k\x18\x01 \x01(\r\x12\x0e\n\x06leaves\x18\x02 \x03(\r\x12*\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x1b.specbatch.v1.SequenceInput\"\x90\x02\n\nVerifyItem\x12-\n\x08sequence\x18\x01 \x01(\x0b\x32\x1b.specbatch.v1.SequenceInput\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\x05\x12(\n\x08sampling\x18\x03 \x01(\x0b\x32\x16.specbatch.v1.Sampling\x12<\n\x13\x64raft_distributions\x18\x04 \x03(\x0b\x32\x1f.specbatch.v1.DraftDistribution\x12$\n\x06leaves\x18\x05 \x03(\x0b\x32\x14.specbatch.v1.Leaves\x12/\n\x0cpropose_next\x18\x06 \x01(\x0b\x32\x19.specbatch.v1.ProposeNext\"a\n\rVerifyRequest\x12\'\n\x05items\x18\x01 \x03(\x0b\x32\x18.specbatch.v1.VerifyItem\x12\x0e\n\x06\x63reate\x18\x02 \x01(\x08\x12\x17\n\x0freturn_features\x18\x03 \x01(\x08\"\xab\x01\n\x07Verdict\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\r\x12\x12\n\nnext_token\x18\x03 \x01(\x05\x12\x12\n\ncached_len\x18\x04 \x01(\r\x12\x10\n\x08\x66\x65\x61tures\x18\x05 \x01(\x0c\x12\x11\n\x04leaf\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12(\n\x08proposal\x18\x07 \x01(\x0b\x32\x16.specbatch.v1.ProposalB\x07\n\x05_leaf\"q\n\x0eVerifyResponse\x12\'\n\x08verdicts\x18\x01 \x03(\x0b\x32\x15.specbatch.v1.Verdict\x12\x17\n\x0f\x63ompute_seconds\x18\x02 \x01(\x01\x12\x1d\n\x15\x64raft_compute_seconds\x18\x03 \x01(\x01\x32\xfb\x02\n\x05\x44raft\x12\x46\n\x07Prefill\x12\x1c.specbatch.v1.PrefillRequest\x1a\x1d.specbatch.v1.PrefillResponse\x12\x46\n\x07Propose\x12\x1c.specbatch.v1.ProposeRequest\x1a\x1d.specbatch.v1.ProposeResponse\x12I\n\x08Rollback\x12\x1d.specbatch.v1.RollbackRequest\x1a\x1e.specbatch.v1.RollbackResponse\x12\x46\n\x07Release\x12\x1c.specbatch.v1.ReleaseRequest\x1a\x1d.specbatch.v1.ReleaseResponse\x12O\n\nCacheStats\x12\x1f.specbatch.v1.CacheStatsRequest\x1a .specbatch.v1.CacheStatsResponse2\xf9\x02\n\x06Target\x12\x46\n\x07Prefill\x12\x1c.specbatch.v1.PrefillRequest\x1a\x1d.specbatch.v1.PrefillResponse\x12\x43\n\x06Verify\x12\x1b.specbatch.v1.VerifyRequest\x1a\x1c.specbatch.v1.VerifyResponse\x12I\n\x08Rollback\x12\x1d.specbatch.v1.RollbackRequest\x1a\x1e.specbatch.v1.RollbackResponse\x12\x46\n\x07Release\x12\x1c.specbatch.v1.ReleaseRequest\x1a\x1d.specbatch.v1.ReleaseResponse\x12O\n\nCacheStats\x12\x1f.specbatch.v1.CacheStatsRequest\x1a .specbatch.v1.CacheStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -50,31 +50,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CACHESTATSREQUEST']._serialized_start=484
   _globals['_CACHESTATSREQUEST']._serialized_end=503
   _globals['_CACHESTATSRESPONSE']._serialized_start=506
-  _globals['_CACHESTATSRESPONSE']._serialized_end=782
-  _globals['_SAMPLING']._serialized_start=784
-  _globals['_SAMPLING']._serialized_end=859
-  _globals['_DRAFTDISTRIBUTION']._serialized_start=861
-  _globals['_DRAFTDISTRIBUTION']._serialized_end=914
-  _globals['_LEAVES']._serialized_start=916
-  _globals['_LEAVES']._serialized_end=940
-  _globals['_PROPOSEITEM']._serialized_start=943
-  _globals['_PROPOSEITEM']._serialized_end=1092
-  _globals['_PROPOSEREQUEST']._serialized_start=1094
-  _globals['_PROPOSEREQUEST']._serialized_end=1152
-  _globals['_PROPOSAL']._serialized_start=1155
-  _globals['_PROPOSAL']._serialized_end=1311
-  _globals['_PROPOSERESPONSE']._serialized_start=1313
-  _globals['_PROPOSERESPONSE']._serialized_end=1398
-  _globals['_VERIFYITEM']._serialized_start=1401
-  _globals['_VERIFYITEM']._serialized_end=1624
-  _globals['_VERIFYREQUEST']._serialized_start=1626
-  _globals['_VERIFYREQUEST']._serialized_end=1723
-  _globals['_VERDICT']._serialized_start=1726
-  _globals['_VERDICT']._serialized_end=1855
-  _globals['_VERIFYRESPONSE']._serialized_start=1857
-  _globals['_VERIFYRESPONSE']._serialized_end=1939
-  _globals['_DRAFT']._serialized_start=1942
-  _globals['_DRAFT']._serialized_end=2321
-  _globals['_TARGET']._serialized_start=2324
-  _globals['_TARGET']._serialized_end=2701
+  _globals['_CACHESTATSRESPONSE']._serialized_end=804
+  _globals['_SAMPLING']._serialized_start=806
+  _globals['_SAMPLING']._serialized_end=881
+  _globals['_DRAFTDISTRIBUTION']._serialized_start=883
+  _globals['_DRAFTDISTRIBUTION']._serialized_end=936
+  _globals['_LEAVES']._serialized_start=938
+  _globals['_LEAVES']._serialized_end=962
+  _globals['_PROPOSEITEM']._serialized_start=965
+  _globals['_PROPOSEITEM']._serialized_end=1114
+  _globals['_PROPOSEREQUEST']._serialized_start=1116
+  _globals['_PROPOSEREQUEST']._serialized_end=1174
+  _globals['_PROPOSAL']._serialized_start=1177
+  _globals['_PROPOSAL']._serialized_end=1333
+  _globals['_PROPOSERESPONSE']._serialized_start=1335
+  _globals['_PROPOSERESPONSE']._serialized_end=1420
+  _globals['_PROPOSENEXT']._serialized_start=1422
+  _globals['_PROPOSENEXT']._serialized_end=1506
+  _globals['_VERIFYITEM']._serialized_start=1509
+  _globals['_VERIFYITEM']._serialized_end=1781
+  _globals['_VERIFYREQUEST']._serialized_start=1783
+  _globals['_VERIFYREQUEST']._serialized_end=1880
+  _globals['_VERDICT']._serialized_start=1883
+  _globals['_VERDICT']._serialized_end=2054
+  _globals['_VERIFYRESPONSE']._serialized_start=2056
+  _globals['_VERIFYRESPONSE']._serialized_end=2169
+  _globals['_DRAFT']._serialized_start=2172
+  _globals['_DRAFT']._serialized_end=2551
+  _globals['_TARGET']._serialized_start=2554
+  _globals['_TARGET']._serialized_end=2931
 # @@protoc_insertion_point(module_scope)

@@ -65,7 +65,7 @@ class CacheStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CacheStatsResponse(_message.Message):
-    __slots__ = ("model", "sequences", "cached_tokens", "max_sequences", "max_context", "vocab_size", "feature_size", "sequences_created", "local_socket", "hardware", "weights", "emulated_acceptance")
+    __slots__ = ("model", "sequences", "cached_tokens", "max_sequences", "max_context", "vocab_size", "feature_size", "sequences_created", "local_socket", "hardware", "weights", "emulated_acceptance", "hosted_draft")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,7 @@ class CacheStatsResponse(_message.Message):
     HARDWARE_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     EMULATED_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    HOSTED_DRAFT_FIELD_NUMBER: _ClassVar[int]
     model: str
     sequences: int
     cached_tokens: int
@@ -90,7 +91,8 @@ class CacheStatsResponse(_message.Message):
     hardware: str
     weights: str
     emulated_acceptance: str
-    def __init__(self, model: _Optional[str] = ..., sequences: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., sequences_created: _Optional[int] = ..., local_socket: _Optional[str] = ..., hardware: _Optional[str] = ..., weights: _Optional[str] = ..., emulated_acceptance: _Optional[str] = ...) -> None: ...
+    hosted_draft: str
+    def __init__(self, model: _Optional[str] = ..., sequences: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_sequences: _Optional[int] = ..., max_context: _Optional[int] = ..., vocab_size: _Optional[int] = ..., feature_size: _Optional[int] = ..., sequences_created: _Optional[int] = ..., local_socket: _Optional[str] = ..., hardware: _Optional[str] = ..., weights: _Optional[str] = ..., emulated_acceptance: _Optional[str] = ..., hosted_draft: _Optional[str] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed")
@@ -158,19 +160,31 @@ class ProposeResponse(_message.Message):
     compute_seconds: float
     def __init__(self, proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
 
+class ProposeNext(_message.Message):
+    __slots__ = ("k", "leaves", "draft")
+    K_FIELD_NUMBER: _ClassVar[int]
+    LEAVES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    k: int
+    leaves: _containers.RepeatedScalarFieldContainer[int]
+    draft: SequenceInput
+    def __init__(self, k: _Optional[int] = ..., leaves: _Optional[_Iterable[int]] = ..., draft: _Optional[_Union[SequenceInput, _Mapping]] = ...) -> None: ...
+
 class VerifyItem(_message.Message):
-    __slots__ = ("sequence", "draft_tokens", "sampling", "draft_distributions", "leaves")
+    __slots__ = ("sequence", "draft_tokens", "sampling", "draft_distributions", "leaves", "propose_next")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
+    PROPOSE_NEXT_FIELD_NUMBER: _ClassVar[int]
     sequence: SequenceInput
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     draft_distributions: _containers.RepeatedCompositeFieldContainer[DraftDistribution]
     leaves: _containers.RepeatedCompositeFieldContainer[Leaves]
-    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_distributions: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ..., leaves: _Optional[_Iterable[_Union[Leaves, _Mapping]]] = ...) -> None: ...
+    propose_next: ProposeNext
+    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_distributions: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ..., leaves: _Optional[_Iterable[_Union[Leaves, _Mapping]]] = ..., propose_next: _Optional[_Union[ProposeNext, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("items", "create", "return_features")
@@ -183,25 +197,29 @@ class VerifyRequest(_message.Message):
     def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., create: _Optional[bool] = ..., return_features: _Optional[bool] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("seq_id", "accepted", "next_token", "cached_len", "features", "leaf")
+    __slots__ = ("seq_id", "accepted", "next_token", "cached_len", "features", "leaf", "proposal")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     NEXT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     CACHED_LEN_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     LEAF_FIELD_NUMBER: _ClassVar[int]
+    PROPOSAL_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     accepted: int
     next_token: int
     cached_len: int
     features: bytes
     leaf: int
-    def __init__(self, seq_id: _Optional[str] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cached_len: _Optional[int] = ..., features: _Optional[bytes] = ..., leaf: _Optional[int] = ...) -> None: ...
+    proposal: Proposal
+    def __init__(self, seq_id: _Optional[str] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cached_len: _Optional[int] = ..., features: _Optional[bytes] = ..., leaf: _Optional[int] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("verdicts", "compute_seconds")
+    __slots__ = ("verdicts", "compute_seconds", "draft_compute_seconds")
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
     compute_seconds: float
-    def __init__(self, verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., compute_seconds: _Optional[float] = ...) -> None: ...
+    draft_compute_seconds: float
+    def __init__(self, verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ...) -> None: ...
