@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .chain import DRAFT, SHARED, Chain
+from .proposers import kept
 from .stats import StepStats
 
 
@@ -78,9 +79,14 @@ def _accept(chain: Chain, tally: Tally) -> None:
     request.proposed += len(tokens)
     request.accepted += accepted + len(leaf)
     request.take(tokens[:accepted] + leaf + [verdict.next_token])
+    request.ahead = None
+    if verdict.HasField("proposal"):  # the hosted draft drafted the next step after this verdict
+        request.ahead, request.ahead_at = verdict.proposal, len(request.history)
+        request.draft_len = verdict.proposal.cached_len
     tally.ks.append(len(tokens))
     if tokens:  # the chain's: what per-position acceptance counts
         outcome = (len(tokens), accepted)
         (tally.outcomes if chain.source == DRAFT else tally.lookup_outcomes).append(outcome)
+        kept(request, chain.source, accepted)
         if chain.source == SHARED:
             tally.shared_lookup_outcomes.append(outcome)

@@ -183,7 +183,8 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
         for replicas in filter(None, (targets, drafts)):
             replicas.close()
         raise
-    deployment = Deployment.from_stats(target_stats, draft_stats if drafts is not None else None)
+    deployment = Deployment.from_stats(target_stats, draft_stats if drafts is not None else None,
+                                       draft_address or "", target_address)
     k_policy = fit_policy(k_policy, profile_file, deployment, MAX_K, speculation.leaves, max_batch_size)
     keeper = None
     if isinstance(k_policy, Learning):  # what it learns is kept for the next start, and served by Info

@@ -180,15 +180,20 @@ class TargetClient(ServiceClient):
     def verify(self, calls: list[Call], drafts: list[list[int]], sampling: list[SamplingParams],
                create: bool = False, return_features: bool = False,
                distributions: list | None = None, leaves: list | None = None,
-               timeout: float | None = None) -> pb.VerifyResponse:
+               timeout: float | None = None, propose_next: list | None = None) -> pb.VerifyResponse:
         """``distributions``: per sequence, the draft's q' of each draft token (the Proposal's
         DraftDistribution messages, passed through untouched); needed where sampling is not greedy.
-        ``leaves``: per sequence, the leaves to verify at each of its first drafted positions."""
+        ``leaves``: per sequence, the leaves to verify at each of its first drafted positions.
+        ``propose_next``: per sequence, None or (k, leaves, the draft's Call) for a target that
+        hosts the draft: it drafts the next step after the verdict (Verdict.proposal)."""
         distributions = distributions or [()] * len(calls)
         leaves = leaves or [()] * len(calls)
+        propose_next = propose_next or [None] * len(calls)
         items = [pb.VerifyItem(sequence=_seq(c), draft_tokens=d, sampling=_sampling_to_proto(s), draft_distributions=q,
-                               leaves=[pb.Leaves(tokens=tokens) for tokens in at])
-                 for c, d, s, q, at in zip(calls, drafts, sampling, distributions, leaves)]
+                               leaves=[pb.Leaves(tokens=tokens) for tokens in at],
+                               propose_next=None if n is None else pb.ProposeNext(k=n[0], leaves=n[1],
+                                                                                 draft=_seq(n[2])))
+                 for c, d, s, q, at, n in zip(calls, drafts, sampling, distributions, leaves, propose_next)]
         return self._call("Verify", pb.VerifyRequest(items=items, create=create,
                                                              return_features=return_features), timeout)
 

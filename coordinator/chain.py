@@ -38,6 +38,9 @@ class Chain:
     next_best: list[list[int]] = field(default_factory=list)  # the draft's leaves, per drafted position
     draft_cached: int = 0  # tokens of the history the draft holds after proposing
     draft_read: int = 0  # tokens of the history the draft read before drafting (it had not cached them)
+    # Where the draft is hosted in the target's process: the tokens it drafts for the next step
+    # inside this step's Verify, after the verdict (0: none).
+    next_k: int = 0
     verdict: object | None = None  # the target's (specbatch.v1.Verdict); None: its replica failed
 
     def found(self, tokens: list[int], source: str) -> None:

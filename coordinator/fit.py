@@ -25,18 +25,24 @@ class Deployment:
     hardware: dict = field(default_factory=dict)  # the target's (specbatch.engine.device.describe)
     target_weights: str = ""
     draft_weights: str = ""
+    # The draft hosted in the target's process, drafting inside each Verify (--with-draft): a
+    # speculative step is then one call, and costs less beside k = 0 than with a draft apart.
+    draft_in_target: bool = False
 
     @classmethod
-    def from_stats(cls, target, draft=None) -> "Deployment":
-        """From the target's and the draft's CacheStats replies."""
+    def from_stats(cls, target, draft=None, draft_address: str = "", target_address: str = "") -> "Deployment":
+        """From the target's and the draft's CacheStats replies (and the addresses they were asked
+        at: one address, and a target that says it hosts a draft, is a draft in the target's process)."""
+        hosted = (draft is not None and bool(target.hosted_draft) and bool(draft_address)
+                  and draft_address == target_address)
         return cls(target.model, draft.model if draft is not None else "none", _json(target.hardware),
-                   target.weights, draft.weights if draft is not None else "")
+                   target.weights, draft.weights if draft is not None else "", hosted)
 
     def about(self) -> dict:
         """What a profile learned here records: ``Profile``'s hardware, target and draft."""
         return {"hardware": dict(self.hardware),
                 "target": {"model": self.target_model, "weights": self.target_weights},
-                "draft": {"model": self.draft_model, "weights": self.draft_weights}}
+                "draft": {"model": self.draft_model, "weights": self.draft_weights, "in_target": self.draft_in_target}}
 
     def describe(self) -> str:
         where = self.hardware.get("name") or self.hardware.get("device") or "unknown hardware"
@@ -78,6 +84,8 @@ def mismatches(profile: Profile, deployment: Deployment) -> list[str]:
     compare("draft", profile.draft.get("model"), deployment.draft_model)
     compare("target weights", profile.target.get("weights"), deployment.target_weights)
     compare("draft weights", profile.draft.get("weights"), deployment.draft_weights)
+    if deployment.draft_model != "none":
+        compare("draft in the target's process", profile.draft.get("in_target"), deployment.draft_in_target)
     device = lambda hardware: str(hardware.get("device", "")).split(":")[0] or None  # noqa: E731
     compare("device", device(profile.hardware), device(deployment.hardware))
     compare("hardware", _name(profile.hardware), _name(deployment.hardware))

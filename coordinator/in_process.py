@@ -42,6 +42,13 @@ class InProcess:
 class InProcessTarget(InProcess, TargetClient):
     """A TargetClient over a target_service.servicer.TargetServicer in this process."""
 
+    def __init__(self, servicer, address: str = "in-process target", timeout: float = 600.0):
+        super().__init__(servicer, address, timeout)
+
 
 class InProcessDraft(InProcess, DraftClient):
-    """A DraftClient over a draft_service.servicer.DraftServicer in this process."""
+    """A DraftClient over a draft_service.servicer.DraftServicer in this process (the address of
+    its target's, for a draft hosted there: the coordinator then drafts inside each Verify)."""
+
+    def __init__(self, servicer, address: str = "in-process draft", timeout: float = 600.0):
+        super().__init__(servicer, address, timeout)

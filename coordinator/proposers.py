@@ -1,7 +1,8 @@
 """Where a step's drafts come from. Each proposer fills the chains (coordinator/chain.py) that no
 proposer asked before it filled, and the step asks them in order: the request's own history
-(prompt lookup), then the texts of requests that finished before it (shared lookup), then the
-draft service for the rest.
+(prompt lookup), the proposal a draft hosted in the target's process made inside the last Verify
+(free by now: it takes lookup's place where it has kept more), then the texts of requests that
+finished before it (shared lookup), then the draft service for the rest.
 
 Prompt lookup (``prompt_lookup`` > 0): where the history's last tokens occurred before in the
 request, the tokens that followed them are the step's drafts, and the request needs no Propose
@@ -30,6 +31,41 @@ def lookup_budget(chain: Chain, batch_size: int, prompt_lookup: int) -> int:
     policy chose (docs/decisions/prompt-lookup.md)."""
     setting = prompt_lookup if chain.request.prompt_lookup is None else chain.request.prompt_lookup
     return min(setting, (2 if batch_size == 1 else 1) * chain.k, chain.room)
+
+
+# How fast a request's average of drafts kept per chain follows its latest chains.
+KEPT_WEIGHT = 0.2
+
+
+def kept(request: Request, source: str, accepted: int) -> None:
+    """A chain from ``source`` kept ``accepted`` drafts: the request's average for it moves."""
+    before = request.kept.get(source)
+    request.kept[source] = accepted if before is None else (1 - KEPT_WEIGHT) * before + KEPT_WEIGHT * accepted
+
+
+def prefers_draft(request: Request) -> bool:
+    """Whether the draft's chains have kept more drafts for this request than prompt lookup's."""
+    return request.kept.get(DRAFT, 0.0) > request.kept.get(LOOKUP, 0.0)
+
+
+class AheadProposer:
+    """The draft's proposals made inside the last Verify, after its verdict, by a draft hosted in
+    the target's process. They cost the step nothing more, so prompt lookup's chain (asked first,
+    for it spares a Propose elsewhere) gives way to one where the draft's chains have kept more
+    for this request than lookup's (chat, where short matches copy the wrong words); where
+    lookup's have kept more (code, where long runs repeat), lookup's stays."""
+
+    def propose(self, chains: list[Chain], batch_size: int) -> float:
+        for chain in chains:
+            if not chain.k or not _ahead(chain.request):
+                continue
+            if chain.source == LOOKUP:
+                if not prefers_draft(chain.request):
+                    continue
+                chain.source, chain.tokens, chain.distributions = None, [], []
+            if chain.source is None:
+                _drafted_ahead(chain)
+        return 0.0
 
 
 class PromptLookupProposer:
@@ -94,6 +130,26 @@ class DraftProposer:
                 chain.next_best = [list(at.tokens) for at in proposal.leaves]
                 chain.draft_cached, chain.source = proposal.cached_len, DRAFT
         return compute
+
+
+def _ahead(request: Request):
+    """The proposal the request's last Verify made for its history as it is (a draft hosted in
+    the target's process), if any."""
+    ahead = request.ahead
+    return ahead if ahead is not None and request.ahead_at == len(request.history) and ahead.tokens else None
+
+
+def _drafted_ahead(chain: Chain) -> bool:
+    """Fill the chain from the proposal made ahead for this history (``_ahead``), cut to the
+    chain's k; False where there is none."""
+    ahead = _ahead(chain.request)
+    if ahead is None:
+        return False
+    k = min(chain.k, len(ahead.tokens))
+    chain.tokens, chain.distributions = list(ahead.tokens[:k]), list(ahead.distributions[:k])
+    chain.next_best = [list(at.tokens) for at in ahead.leaves[:k]]
+    chain.draft_cached, chain.source = ahead.cached_len, DRAFT
+    return True
 
 
 def _can_draft(request: Request) -> bool:

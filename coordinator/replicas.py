@@ -286,9 +286,13 @@ class ReplicaSet:
         """The healthy replicas that may take a new sequence (not crowded)."""
         return [r for r in self.healthy() if r.crowded is None]
 
-    def pick(self) -> Replica | None:
-        """The open replica holding the fewest sequences: new sequences balance the load."""
-        return min(self.open(), key=lambda r: (len(r.assigned), r.address), default=None)
+    def pick(self, prefer: str | None = None) -> Replica | None:
+        """The open replica holding the fewest sequences: new sequences balance the load. With
+        ``prefer``: the open one at that address, where there is one (a draft hosted in the
+        target's process, to draft inside its Verify)."""
+        open_ = self.open()
+        chosen = next((r for r in open_ if r.address == prefer), None) if prefer else None
+        return chosen or min(open_, key=lambda r: (len(r.assigned), r.address), default=None)
 
     def attach(self, replica: Replica, seq_id: str) -> None:
         replica.assigned.add(seq_id)

@@ -136,6 +136,14 @@ class Request:
     # race with another coordinator's release, twice means it does not fit even alone.
     refused_alone: int = 0
     draft_len: int = 0  # tokens of history cached on its draft replica
+    # The draft's proposal for the next step, made inside the last Verify by a draft hosted in the
+    # target's process (specbatch.v1.Proposal), valid while the history is ``ahead_at`` tokens long.
+    ahead: object | None = None
+    ahead_at: int = 0
+    # Drafts kept per chain, a moving average for each source (coordinator/proposers.py,
+    # ``Kept``): where both prompt lookup and a proposal made ahead offer a chain, the one
+    # that has kept more for this request is verified.
+    kept: dict = field(default_factory=dict)
     # Prompt lookup's index of this request's history (coordinator/lookup.py), made on first use.
     lookup: PromptLookup | None = None
     # The replicas its caches live on (replicas.Replica), for its life unless one fails.

@@ -72,6 +72,9 @@ class Services:
         # The last step's Verify per target replica, wall milliseconds: what a policy per replica
         # prices that replica's steps by (coordinator/policy.py, PerReplica).
         self.verify_ms: dict[Replica, float] = {}
+        # The last step's drafting inside its Verify calls (drafts hosted in the targets' processes),
+        # compute seconds of the slowest replica: the draft's, though no Propose was made.
+        self.ahead_compute = 0.0
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
@@ -89,7 +92,8 @@ class Services:
             request.target_replica = self._elsewhere(self.target_replicas, request.target_replica, request)
         if self.draft_replicas is not None:
             if not _usable(request.draft_replica):
-                request.draft_replica = self._move(self.draft_replicas, request.draft_replica, request)
+                request.draft_replica = self._move(self.draft_replicas, request.draft_replica, request,
+                                                   prefer=request.target_replica and request.target_replica.address)
                 request.draft_len = 0
             elif request.draft_len == 0 and request.draft_replica.crowded is not None:  # target-only until room
                 request.draft_replica = self._elsewhere(self.draft_replicas, request.draft_replica, request)
@@ -118,15 +122,16 @@ class Services:
         replicas.crowd(replica, stats, ours)
         return True
 
-    def _move(self, replicas: ReplicaSet, replica: Replica | None, request: Request) -> Replica | None:
+    def _move(self, replicas: ReplicaSet, replica: Replica | None, request: Request,
+              prefer: str | None = None) -> Replica | None:
         """Detach the request from ``replica`` (down, or None: not placed yet) and attach it to a
-        healthy one of ``replicas``, if any."""
+        healthy one of ``replicas`` (the one at ``prefer``, where that is healthy), if any."""
         if replica is not None:
             replicas.detach(replica, request.seq_id)
             log.info("moving off %s replica %s", replicas.service, replica.address, **log_fields(request))
             if self.metrics:
                 self.metrics.count_failover(replicas.service, 1)
-        replica = replicas.pick()
+        replica = replicas.pick(prefer)
         if replica is not None:
             replicas.attach(replica, request.seq_id)
         return replica
@@ -265,24 +270,28 @@ class Services:
             finally:
                 self.verify_ms[replica] = 1e3 * (time.perf_counter() - started)
 
-        self.verify_ms = {}
+        self.verify_ms, self.ahead_compute = {}, 0.0
         return self._each(requests, by_replica(requests, "target"), verify_on, "verdicts", self._verify_failed)
 
     def _verify_on(self, replica: Replica, group: list[Request], calls: list[Call], chains: list[Chain] | None = None,
                    timeout: float | None = None):
-        """One Verify of ``calls``: with the chains' drafts and leaves, or without any (a prefill)."""
+        """One Verify of ``calls``: with the chains' drafts and leaves, or without any (a prefill);
+        where the draft is hosted in the target's process, with the next step's drafting asked."""
         return replica.client.verify(
             calls, [c.tokens for c in chains] if chains else [[] for _ in group], [r.sampling for r in group],
             create=any(r.target_len == 0 for r in group), return_features=self.reads_features,
             distributions=[c.distributions for c in chains] if chains else None,
             leaves=[c.leaves_to_verify for c in chains] if chains else None,
-            timeout=call_timeout(group, replica.client.timeout)[0] if timeout is None else timeout)
+            timeout=call_timeout(group, replica.client.timeout)[0] if timeout is None else timeout,
+            propose_next=[_propose_next(c) for c in chains] if chains else None)
 
     def _verify_failed(self, replica: Replica, group: list[Request], error: grpc.RpcError) -> None:
         log.warning("verify on %s failed: %s %s", replica.address, error.code().name, error.details())
         if lost_state(error):  # it restarted: rebuild these sequences from history next step
             for request in group:
                 request.target_len = 0
+                if hosted_draft(request):  # the draft it hosts restarted with it
+                    request.draft_len = 0
         elif unreachable(error):  # the next step moves them to a healthy replica, or they wait
             self.replica_failed(self.target_replicas, replica, group, error)
         elif (error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and any(r.target_len == 0 for r in group)
@@ -310,7 +319,10 @@ class Services:
             if isinstance(result, grpc.RpcError):
                 failed(replica, [requests[i] for i in idx], result)
                 continue
-            compute = max(compute, result.compute_seconds)  # replicas run side by side
+            # Replicas run side by side; a hosted draft's part of a Verify is the draft's compute.
+            compute = max(compute, result.compute_seconds - getattr(result, "draft_compute_seconds", 0.0))
+            if getattr(result, "draft_compute_seconds", 0.0):
+                self.ahead_compute = max(self.ahead_compute, result.draft_compute_seconds)
             for i, item in zip(idx, getattr(result, items)):
                 out[i] = item
         return out, compute
@@ -348,6 +360,26 @@ def _draft_call(request: Request) -> Call:
     start, end = request.draft_len, len(request.history)
     features = request.features.for_tokens(start, end) if request.features is not None else b""
     return Call(request.seq_id, start, request.history[start:], features)
+
+
+def hosted_draft(request: Request) -> bool:
+    """Whether the request's draft is hosted in its target's process (both services on one
+    address: python -m target_service --with-draft), so its Verify can draft the next step."""
+    draft, target = request.draft_replica, request.target_replica
+    return draft is not None and target is not None and draft.healthy and draft.address == target.address
+
+
+def _propose_next(chain: Chain):
+    """(k, leaves, the draft's Call) for a Verify that also drafts the chain's next step: what the
+    draft has not cached of the history, with the target's features for those of its tokens at or
+    before the target's cached length (the Verify supplies the rest). None: not asked."""
+    request = chain.request
+    if not chain.next_k or not hosted_draft(request):
+        return None
+    start, held = request.draft_len, request.target_len + 1
+    features = request.features.for_tokens(start, held) if request.features is not None and start < held else b""
+    return chain.next_k, [chain.leaves] if chain.leaves else [], Call(request.seq_id, start, request.history[start:],
+                                                                     features)
 
 
 def _usable(replica: Replica | None) -> bool:

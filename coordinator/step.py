@@ -1,8 +1,9 @@
 """One speculative decode step over the running batch: propose -> verify -> accept.
 
 The policy chooses each request's k (and the leaves beside its first draft); the proposers fill
-the chains, in order: prompt lookup in the request's own history, the shared index of finished
-requests' texts, then the draft service for the rest (coordinator/proposers.py); the target
+the chains, in order: prompt lookup in the request's own history, the proposal a draft hosted in
+the target's process made in the last Verify, the shared index of finished requests' texts, then
+the draft service for the rest (coordinator/proposers.py); the target
 verifies every chain in one Verify per replica (coordinator/services.py); each verdict is applied
 to its request's history and counted (coordinator/accept.py); the policy learns from what the
 step kept and took.
@@ -16,9 +17,16 @@ from collections import Counter
 from specbatch.config.speculation import SpeculationConfig
 
 from .accept import Tally, accept
-from .chain import DRAFT, Chain, room
+from .chain import DRAFT, LOOKUP, Chain, room
 from .policy import PerReplica, StepTimes
-from .proposers import DraftProposer, PromptLookupProposer, Proposer, SharedLookupProposer
+from .proposers import (
+    AheadProposer,
+    DraftProposer,
+    PromptLookupProposer,
+    Proposer,
+    SharedLookupProposer,
+    prefers_draft,
+)
 from .requests import Request
 from .stats import StepStats
 
@@ -34,8 +42,8 @@ class DecodeStep:
         # Where a request's own history has no match, finished requests' texts (if kept).
         self.shared = (SharedLookupProposer(self.speculation.shared_lookup, self.speculation.prompt_lookup)
                        if self.speculation.shared_lookup else None)
-        self.lookups: list[Proposer] = ([PromptLookupProposer(self.speculation.prompt_lookup)]
-                                        + ([self.shared] if self.shared else []))
+        self.first_proposers: list[Proposer] = ([PromptLookupProposer(self.speculation.prompt_lookup), AheadProposer()]
+                                                + ([self.shared] if self.shared else []))
         self.draft = DraftProposer(services)
 
     def run(self, batch: list[Request]) -> StepStats:
@@ -44,12 +52,20 @@ class DecodeStep:
         # A policy per target replica chooses for its replica's share of the batch.
         shares = Counter(request.target_replica for request in batch) if self.per_replica else None
         chains = [self.chain(request, shares[request.target_replica] if shares else len(batch)) for request in batch]
-        for lookup in self.lookups:
-            lookup.propose(chains, len(batch))
+        for proposer in self.first_proposers:
+            proposer.propose(chains, len(batch))
         proposing = time.perf_counter()  # the choices above are the step's own work, not the draft's
         draft_compute = self.draft.propose(chains, len(batch))
+        for chain in chains:  # a draft hosted in the target's process drafts the next step in this Verify:
+            # as many as this step's k, within the context were every draft kept (the next step's
+            # own room cuts the proposal as a Propose of its k would draft it: the same tokens);
+            # none after a lookup chain where lookup's chains keep more (its next will be used)
+            lookup_leads = chain.source == LOOKUP and not prefers_draft(chain.request)
+            chain.next_k = 0 if lookup_leads else min(
+                chain.k, max(self.max_context - len(chain.request.history) - len(chain.tokens) - 2, 0))
         drafted = time.perf_counter()
         verdicts, target_compute = self.services.verify(chains)
+        draft_compute += self.services.ahead_compute  # a hosted draft drafted the next step in the Verify
         for chain, verdict in zip(chains, verdicts):
             chain.verdict = verdict
         verified = time.perf_counter()

@@ -345,7 +345,7 @@ def run_profile(args) -> int:
         # What the services report of themselves, as a coordinator compares it with the profile
         # (coordinator/fit.py): the pair, its weight forms, the hardware.
         target_stats = target.cache_stats()
-        deployment = Deployment.from_stats(target_stats, draft.cache_stats())
+        deployment = Deployment.from_stats(target_stats, draft.cache_stats(), draft.address, target.address)
         # A target under --emulate-acceptance keeps drafts at given rates: the profile says so.
         emulated = target_stats.emulated_acceptance or None
         names = (deployment.target_model, deployment.draft_model)
@@ -387,7 +387,8 @@ def run_profile(args) -> int:
         hardware=hardware,
         target={"model": names[0], "dtype": dtype or "unknown", **engines["target"],
                 "weights": deployment.target_weights},
-        draft={"model": names[1], "dtype": dtype or "unknown", **engines["draft"], "weights": deployment.draft_weights},
+        draft={"model": names[1], "dtype": dtype or "unknown", **engines["draft"], "weights": deployment.draft_weights,
+               "in_target": deployment.draft_in_target},
         workload=workload,
     )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
