@@ -83,6 +83,9 @@ OPTIONS: tuple[Option, ...] = (
            programs=SERVICES, group="model", metavar="N"),
     Option("--draft-layers", "the draft is the target's first N layers", type=int, programs=frozenset({UP}),
            group="model", metavar="N"),
+    Option("--separate-draft", "run the draft in a service process of its own even where it runs on the target's "
+           "device (default there: the target's process hosts it, and each Verify also drafts the next step)",
+           type=None, programs=frozenset({UP}), group="model"),
     Option("--random-weights", "only the models' shapes (a config folder, or opt-6.7b, opt-125m, llama-3-8b, "
            "llama-3.2-1b, llama-3-8b-eagle, smollm2-135m) with random weights built on the device: no download",
            type=None,
@@ -90,6 +93,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("--feature-layers", "also return these decoder layers' outputs (0-based, e.g. 2,15) with the final "
            "hidden state, for a draft distilled with the same --feature-layers", default="",
            programs=frozenset({TARGET}), group="model"),
+    Option("--with-draft", "also host this draft (as the draft service's --model) in this process, serving its "
+           "Draft service on this address, so that a Verify also drafts each sequence's next step (specbatch up does "
+           "this where the draft runs on the target's device: docs/decisions/draft-in-target.md)",
+           programs=frozenset({TARGET}), group="model", metavar="MODEL"),
     Option("--emulate-acceptance", "FOR TIMING ONLY, output is then not the target's: the target keeps drafts "
            "by seeded draws at these conditional rates per position instead of checking them (0.8,0.7,0.6, the "
            "last repeating; 0.7: i.i.d.), or at a profile's acceptance_by_position (a path); for random-weight "

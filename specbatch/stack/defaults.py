@@ -82,6 +82,17 @@ def no_draft(options: StackOptions) -> bool:
     return options.draft_model == "none"
 
 
+def draft_in_target(options: StackOptions) -> bool:
+    """Whether the target's process hosts the draft (``--with-draft``): on a CPU, unless
+    ``--separate-draft``. Hosted, a speculative step is one call: each Verify also drafts the next
+    step (docs/decisions/draft-in-target.md). A draft cut from the target's layers
+    (``--draft-layers``) keeps a process of its own, and so does a draft on a GPU, where hosting
+    is not measured yet."""
+    if no_draft(options) or options.separate_draft or options.draft_layers:
+        return False
+    return services_device(options) == "cpu" and draft_device(options) == "cpu"
+
+
 def embedded_pair(options: StackOptions) -> bool:
     """Whether the stack serves the embedded target with the embedded draft (no other model, no
     layers cut, no random weights, not target alone)."""
@@ -136,6 +147,9 @@ PROFILES = Path(__file__).resolve().parents[1] / "profiles"
 EMBEDDED_CPU_PROFILES = {"fp16-dot": "embedded-cpu-fp16dot.json", "bf16-dot": "embedded-cpu-bf16dot.json",
                          "q4_1": "embedded-cpu-q4_1.json", "bf16": "embedded-cpu-bf16w.json",
                          "bfloat16": "embedded-cpu.json", "float32": "embedded-cpu-fp32.json"}
+# Measured with the draft hosted in the target's process (``draft_in_target``): its speculative
+# steps cost less than a draft apart's. The other forms' profiles were measured with the draft apart.
+EMBEDDED_CPU_PROFILES_IN_TARGET = {"q4_1": "embedded-cpu-q4_1-in-target.json"}
 EMBEDDED_CPU_POLICY = "goodput"
 # The embedded pair on a GPU in bf16: learn, starting from its profile. Served steps there cost more
 # than the profile priced, enough to lose at c = 8 (docs/decisions/k-policy-default.md): learn
@@ -155,7 +169,9 @@ def shipped_profile(options: StackOptions) -> tuple[str, Path] | None:
     if device != "cpu":
         return None
     target = weight_forms(options).target
-    name = EMBEDDED_CPU_PROFILES.get(services_dtype(options) if target == "model" else target)
+    form = services_dtype(options) if target == "model" else target
+    name = (EMBEDDED_CPU_PROFILES_IN_TARGET.get(form) if draft_in_target(options) else None) or \
+        EMBEDDED_CPU_PROFILES.get(form)
     return (EMBEDDED_CPU_POLICY, PROFILES / name) if name else None
 
 

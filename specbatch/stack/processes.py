@@ -23,7 +23,7 @@ from specbatch.config.options import (
     parser_for,
     pass_on,
 )
-from specbatch.models.embedded import EMBEDDED
+from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
 from specbatch.rpc.local import STACK_SOCKET_DIR_PREFIX
 from specbatch.rpc.server import check_port, wait_until_serving
 from specbatch.stack.defaults import (
@@ -32,6 +32,7 @@ from specbatch.stack.defaults import (
     available_cores,
     default_k_policy,
     draft_device,
+    draft_in_target,
     no_draft,
     ports,
     threads_per_service,
@@ -133,9 +134,12 @@ class LocalProcesses:
         draft_model = None if no_draft(o) else o.draft_model or o.target_model
         if not no_draft(o) and draft_model is None and o.draft_layers:
             draft_model = EMBEDDED
+        hosted = ["--with-draft", draft_model or EMBEDDED_DRAFT] if draft_in_target(o) else []
         self._spawn("target", "target_service", self._service_flags(TARGET, o.target_model, None, self.forms.target)
-                    + _feature_layer_flags(None if no_draft(o) else o.draft_model))
-        if not no_draft(o):
+                    + _feature_layer_flags(None if no_draft(o) else o.draft_model) + hosted)
+        if hosted:  # its Draft service is on the target's address
+            self.draft_address = self.target_address
+        elif not no_draft(o):
             self._spawn("draft", "draft_service", self._service_flags(DRAFT, draft_model, o.draft_layers,
                                                                       self.forms.draft))
             self.draft_address = f"{o.host}:{self.ports['draft']}"
