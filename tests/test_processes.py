@@ -137,11 +137,12 @@ def _on_a_cpu(monkeypatch, dot=True, kernels=True, native_bf16=True, cores=None,
 
 def _spawned(monkeypatch, options: dict, **machine) -> dict:
     """The processes `specbatch up` would start with ``options`` on that machine, recorded instead
-    of started: module -> (its command-line flags, its environment)."""
+    of started: module -> (its command-line flags, its environment). The draft in a process of its
+    own (``--separate-draft``) unless ``options`` say otherwise, so that its flags can be read."""
     _on_a_cpu(monkeypatch, **machine)
     monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
     spawned = {}
-    stack = LocalProcesses(StackOptions(**{"k_policy": "fixed:3", "device": "cpu", **options}),
+    stack = LocalProcesses(StackOptions(**{"k_policy": "fixed:3", "device": "cpu", "separate_draft": True, **options}),
                            lambda module, args, env: spawned.setdefault(module, (args, env))).start()
     if stack.socket_dir:  # nothing started, so nothing stops and removes it
         os.rmdir(stack.socket_dir)
@@ -271,10 +272,11 @@ def test_keys_and_values_are_bf16_beside_sixteen_bit_forms(monkeypatch, form, ma
 
 @pytest.mark.parametrize("machine, dtype, profile", [
     ({"dot": "fp16"}, None, "embedded-cpu-fp16dot.json"),
-    ({"dot": True}, None, "embedded-cpu-q4_1.json"), ({"dot": False}, None, "embedded-cpu-q4_1.json"),
+    ({"dot": True}, None, "embedded-cpu-q4_1-in-target.json"),
+    ({"dot": False}, None, "embedded-cpu-q4_1-in-target.json"),
     ({"dot": False, "blocks": False}, None, "embedded-cpu-bf16w.json"),
     ({"dot": False, "blocks": False, "native_bf16": False}, None, "embedded-cpu-bf16w.json"),
-    ({"dot": True}, "auto", "embedded-cpu-q4_1.json"),
+    ({"dot": True}, "auto", "embedded-cpu-q4_1-in-target.json"),
     ({"kernels": False}, None, "embedded-cpu.json"), ({"kernels": False, "native_bf16": False}, None,
                                                        "embedded-cpu-fp32.json"),
     ({"dot": True}, "float32", "embedded-cpu-fp32.json"), ({"dot": False, "native_bf16": False}, "bf16",
@@ -282,10 +284,13 @@ def test_keys_and_values_are_bf16_beside_sixteen_bit_forms(monkeypatch, form, ma
 def test_embedded_default_takes_the_profile_of_the_form_the_services_run(monkeypatch, machine, dtype, profile):
     """Step times with bf16 weights, in bf16 and in fp32 differ by 1.5-2x and more, so the best k
     does too: `specbatch up` gives the coordinator the shipped profile measured in the form the
-    services will run."""
+    services will run, and with the draft where it runs (in the target's process, where a profile
+    was measured so; with --separate-draft, the form's profile measured with the draft apart)."""
     _on_a_cpu(monkeypatch, **machine)
     policy, path = default_k_policy(StackOptions(dtype=dtype, device="cpu"))
     assert policy == "goodput" and Path(path).name == profile and Path(path).exists()
+    policy, path = default_k_policy(StackOptions(dtype=dtype, device="cpu", separate_draft=True))
+    assert Path(path).name == profile.replace("-in-target", "") and Path(path).exists()
     assert default_k_policy(StackOptions(dtype=dtype, device="cpu", draft_model="none")) == ("learn", None)
 
 
@@ -380,3 +385,25 @@ def test_up_passes_on_what_it_shares_with_each_program(monkeypatch):
     parser_for("coordinator").parse_args(coordinator)  # every flag is one the coordinator takes
     for service in (target, draft):
         parser_for("target").parse_args(service)
+
+
+@pytest.mark.parametrize("options, hosted", [({}, True), ({"separate_draft": True}, False),
+                                             ({"draft_layers": 4}, False), ({"draft_model": "none"}, None),
+                                             ({"device": "cuda", "draft_device": "cuda:1", "weights": "model"}, False),
+                                             ({"device": "cuda", "draft_device": "same", "weights": "model"}, False)])
+def test_the_target_hosts_the_draft_where_it_runs_on_the_targets_device(monkeypatch, options, hosted):
+    """By default the target's process hosts the draft (--with-draft) and the coordinator calls
+    both services at the target's address, so each Verify also drafts the next step; a draft on
+    another device, one cut from the target's layers, or --separate-draft gets a process of its own."""
+    spawned = _spawned(monkeypatch, {"separate_draft": False, **options})
+    target, coordinator = spawned["target_service"][0], spawned["coordinator"][0]
+    if hosted is None:
+        assert "draft_service" not in spawned and "--with-draft" not in target
+        assert _flag(coordinator, "--draft") == "none"
+    elif hosted:
+        assert "draft_service" not in spawned
+        assert _flag(target, "--with-draft") == (options.get("draft_model") or "smollm2-135m-instruct-draft")
+        assert _flag(coordinator, "--draft") == _flag(coordinator, "--target")
+    else:
+        assert "--with-draft" not in target and "draft_service" in spawned
+        assert _flag(coordinator, "--draft") != _flag(coordinator, "--target")

@@ -44,7 +44,7 @@ class FakeTarget(FakeClient):
         self.released: list[str] = []
 
     def verify(self, calls, drafts, sampling, create=False, return_features=False, distributions=(), leaves=(),
-               timeout=None):
+               timeout=None, propose_next=None):
         if self.down:
             raise Unreachable()
         self.calls.append(calls)

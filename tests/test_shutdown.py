@@ -62,7 +62,8 @@ def test_stop_signals_the_services_only_once_the_coordinators_have_drained(monke
     timeout beyond it); only then are the services signalled."""
     monkeypatch.setattr(LocalProcesses, "_wait_until_serving", lambda self, addresses, timeout: None)
     events: list = []
-    stack = LocalProcesses(StackOptions(k_policy="fixed:3", device="cpu", drain_seconds=45.0, local_sockets=False),
+    stack = LocalProcesses(StackOptions(k_policy="fixed:3", device="cpu", drain_seconds=45.0, local_sockets=False,
+                                        separate_draft=True),
                            lambda module, args, env: FakeProcess(module, events)).start()
     stack.add_coordinator("fixed:2", 1, extra_flags=("--drain-seconds", "70"))
     stack.stop(timeout=15.0)
