@@ -28,7 +28,8 @@ def hosted_stack(target_model, eagle_draft, tokenizer):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """How many Propose calls the draft servicers answered (the hosted draft's too)."""
+    """The sequences of each Propose the draft servicers answered (the hosted draft's too), for
+    servicers made after it (a server binds their methods when it starts)."""
     calls = []
     propose = DraftServicer.Propose
 
@@ -40,19 +41,20 @@ def counted(monkeypatch):
     return calls
 
 
-def test_greedy_output_is_the_targets_with_one_call_a_step(hosted_stack, target_model, counted):
+def test_greedy_output_is_the_targets_with_one_call_a_step(counted, hosted_stack, target_model):
     """A mixed batch at k = 3 with a leaf: token for token the same stack's k = 0 output and the
-    model's own greedy decoding; drafts are accepted, and after each request's first step they come
-    from inside the Verify: the draft service's own Propose is called only to start a request."""
+    model's own greedy decoding; drafts are accepted, and most come from inside the Verify: the
+    draft service's own Propose drafts for a sequence only to start it, or after steps that prompt
+    lookup drafted (its chains keep more than the draft's on these prompts)."""
     speculative = greedy_mixed_batch(hosted_stack, seed=21, k=3)
-    proposes = len(counted)
+    proposed = sum(counted)
     prompts = random_prompts(21, 6)
     assert [r.token_ids for r in speculative] == [greedy_reference(target_model, p, 30) for p in prompts]
     assert [r.token_ids for r in greedy_mixed_batch(hosted_stack, seed=21, k=0)] == [r.token_ids for r in speculative]
     accepted = sum(r.stats.draft_tokens_accepted for r in speculative)
     steps = sum(r.stats.steps for r in speculative)
     assert accepted > 0
-    assert proposes <= len(prompts) < steps
+    assert 0 < proposed and 3 * proposed < steps
 
 
 def test_sampled_output_is_the_same_whichever_process_drafts(target_model, eagle_draft, tokenizer):
@@ -130,3 +132,19 @@ def test_propose_next_is_refused_clearly_and_changes_nothing(target_model, draft
     # The plain draft read the prompt and the next token, and keeps its own first proposal's keys.
     assert verdict.proposal.cached_len == draft.length("a") and draft.length("a") >= 4
     assert reply.draft_compute_seconds > 0 and reply.compute_seconds >= reply.draft_compute_seconds
+
+
+def test_each_target_replica_drafts_with_the_draft_it_hosts(target_model, eagle_draft, tokenizer, counted):
+    """Two target replicas, each hosting a draft: a request's draft is placed in its target's process
+    (the same address), so every replica drafts inside its own Verify calls; output stays exact."""
+    stack = start_local_stack(target_model, eagle_draft, tokenizer, max_batch_size=8, max_new_tokens=64,
+                              target_replicas=2, draft_in_target=True)
+    try:
+        results = greedy_mixed_batch(stack, seed=25, k=2)
+        assert [r.token_ids for r in results] == [greedy_reference(target_model, p, 30) for p in random_prompts(25, 6)]
+        for target_engine, draft_engine in zip(stack.target_engines, stack.draft_engines):
+            assert target_engine.sequences_created > 0 and draft_engine.sequences_created > 0
+            assert draft_engine.model_thread is target_engine.model_thread
+        assert 3 * sum(counted) < sum(r.stats.steps for r in results)  # most drafted inside the Verify calls
+    finally:
+        stack.stop()
