@@ -45,6 +45,7 @@ class DecodeStep:
         self.first_proposers: list[Proposer] = ([PromptLookupProposer(self.speculation.prompt_lookup), AheadProposer()]
                                                 + ([self.shared] if self.shared else []))
         self.draft = DraftProposer(services)
+        self.drafted_last = False  # whether the step before this one speculated (any k > 0)
 
     def run(self, batch: list[Request]) -> StepStats:
         """One propose -> verify -> accept step over ``batch`` (every request placed on a target)."""
@@ -56,13 +57,17 @@ class DecodeStep:
             proposer.propose(chains, len(batch))
         proposing = time.perf_counter()  # the choices above are the step's own work, not the draft's
         draft_compute = self.draft.propose(chains, len(batch))
-        for chain in chains:  # a draft hosted in the target's process drafts the next step in this Verify:
-            # as many as this step's k, within the context were every draft kept (the next step's
-            # own room cuts the proposal as a Propose of its k would draft it: the same tokens);
-            # none after a lookup chain where lookup's chains keep more (its next will be used)
+        # A draft hosted in the target's process drafts the next step in this Verify: as many as
+        # this step's k, within the context were every draft kept (the next step's own room cuts
+        # the proposal as a Propose of its k would draft it: the same tokens). None after a lookup
+        # chain where lookup's chains keep more (its next will be used), nor at a step that follows
+        # one at k = 0 (a policy's probe, mostly: the next step is likely k = 0 again).
+        speculating = any(chain.k for chain in chains)
+        for chain in chains:
             lookup_leads = chain.source == LOOKUP and not prefers_draft(chain.request)
-            chain.next_k = 0 if lookup_leads else min(
+            chain.next_k = 0 if lookup_leads or not self.drafted_last else min(
                 chain.k, max(self.max_context - len(chain.request.history) - len(chain.tokens) - 2, 0))
+        self.drafted_last = speculating
         drafted = time.perf_counter()
         verdicts, target_compute = self.services.verify(chains)
         draft_compute += self.services.ahead_compute  # a hosted draft drafted the next step in the Verify
