@@ -51,7 +51,8 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
 
     @classmethod
     def serve_on(cls, server, engine, model_name: str, metrics=None,
-                 emulated_acceptance: tuple[float, ...] | None = None, draft=None, draft_name: str = "") -> TargetServicer:
+                 emulated_acceptance: tuple[float, ...] | None = None, draft=None,
+                 draft_name: str = "") -> TargetServicer:
         servicer = cls(engine, model_name, metrics, emulated_acceptance, draft, draft_name)
         server.add(cls.add_to_server, servicer, cls.service_name)
         return servicer
