@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from draft_service.servicer import proposal_to_proto
+from draft_service.servicer import DraftServicer, proposal_to_proto
 from specbatch.engine.batch import SequenceInput
 from specbatch.models.eagle import target_feature_size
 from specbatch.protocol.emulation import describe
@@ -53,6 +53,10 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
     def serve_on(cls, server, engine, model_name: str, metrics=None,
                  emulated_acceptance: tuple[float, ...] | None = None, draft=None,
                  draft_name: str = "") -> TargetServicer:
+        """With ``draft``: the hosted draft's own Draft service on the same server too, for the
+        coordinator's other calls to it (its first Propose, Release, CacheStats)."""
+        if draft is not None:
+            DraftServicer.serve_on(server, draft, draft_name, metrics)
         servicer = cls(engine, model_name, metrics, emulated_acceptance, draft, draft_name)
         server.add(cls.add_to_server, servicer, cls.service_name)
         return servicer

@@ -114,11 +114,8 @@ def run_model_service(kind: str, add_servicer, argv=None) -> None:
         emulated = getattr(args, "emulate_acceptance", None)
         extra = {"emulated_acceptance": parse_rates(emulated)} if emulated else {}
         hosted = hosted_draft(args, settings, engine)
-        if hosted is not None:  # its Draft service on the same server, for the coordinator's other calls
-            from draft_service.servicer import DraftServicer
-
+        if hosted is not None:
             extra.update(draft=hosted[0], draft_name=hosted[1])
-            DraftServicer.serve_on(server, hosted[0], hosted[1], metrics=metrics)
         add_servicer(server, engine, spec.describe(), metrics=metrics, **extra)
         leases = [SequenceLeases(e, args.sequence_lease_seconds, metrics)
                   for e in (engine, *(hosted[:1] if hosted else ())) if args.sequence_lease_seconds > 0]

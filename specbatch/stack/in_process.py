@@ -23,11 +23,7 @@ def serve_engine(engine: Engine, add_servicer, name: str, address: str = "127.0.
     """``socket_dir``: its calls on a Unix socket there too (the coordinator then uses it).
     ``hosted_draft``: a target's server also hosts this draft engine (``--with-draft``)."""
     server = Server(address, max_workers=8)
-    if hosted_draft is None:
-        add_servicer(server, engine, name)
-    else:
-        DraftServicer.serve_on(server, hosted_draft, "draft")
-        add_servicer(server, engine, name, draft=hosted_draft, draft_name="draft")
+    add_servicer(server, engine, name, **({"draft": hosted_draft, "draft_name": "draft"} if hosted_draft else {}))
     if socket_dir:
         server.serve_locally(socket_dir, name)
     return server.start()
