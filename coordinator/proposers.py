@@ -57,14 +57,15 @@ class AheadProposer:
 
     def propose(self, chains: list[Chain], batch_size: int) -> float:
         for chain in chains:
-            if not chain.k or not _ahead(chain.request):
+            ahead = _ahead(chain.request) if chain.k else None
+            if ahead is None:
                 continue
             if chain.source == LOOKUP:
                 if not prefers_draft(chain.request):
                     continue
                 chain.source, chain.tokens, chain.distributions = None, [], []
             if chain.source is None:
-                _drafted_ahead(chain)
+                _fill_from(chain, ahead)
         return 0.0
 
 
@@ -139,17 +140,12 @@ def _ahead(request: Request):
     return ahead if ahead is not None and request.ahead_at == len(request.history) and ahead.tokens else None
 
 
-def _drafted_ahead(chain: Chain) -> bool:
-    """Fill the chain from the proposal made ahead for this history (``_ahead``), cut to the
-    chain's k; False where there is none."""
-    ahead = _ahead(chain.request)
-    if ahead is None:
-        return False
+def _fill_from(chain: Chain, ahead) -> None:
+    """The chain's drafts from a proposal made ahead (``_ahead``), cut to its k."""
     k = min(chain.k, len(ahead.tokens))
     chain.tokens, chain.distributions = list(ahead.tokens[:k]), list(ahead.distributions[:k])
     chain.next_best = [list(at.tokens) for at in ahead.leaves[:k]]
     chain.draft_cached, chain.source = ahead.cached_len, DRAFT
-    return True
 
 
 def _can_draft(request: Request) -> bool:

@@ -141,7 +141,7 @@ class Request:
     ahead: object | None = None
     ahead_at: int = 0
     # Drafts kept per chain, a moving average for each source (coordinator/proposers.py,
-    # ``Kept``): where both prompt lookup and a proposal made ahead offer a chain, the one
+    # ``kept``): where both prompt lookup and a proposal made ahead offer a chain, the one
     # that has kept more for this request is verified.
     kept: dict = field(default_factory=dict)
     # Prompt lookup's index of this request's history (coordinator/lookup.py), made on first use.

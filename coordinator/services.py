@@ -72,9 +72,9 @@ class Services:
         # The last step's Verify per target replica, wall milliseconds: what a policy per replica
         # prices that replica's steps by (coordinator/policy.py, PerReplica).
         self.verify_ms: dict[Replica, float] = {}
-        # The last step's drafting inside its Verify calls (drafts hosted in the targets' processes),
-        # compute seconds of the slowest replica: the draft's, though no Propose was made.
-        self.ahead_compute = 0.0
+        # The last step's drafting inside its Verify calls per target replica (a draft hosted in its
+        # process), compute seconds: the draft's, though no Propose was made.
+        self.ahead_compute: dict[Replica, float] = {}
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
@@ -266,11 +266,13 @@ class Services:
                      for c in group]
             started = time.perf_counter()
             try:
-                return self._verify_on(replica, [c.request for c in group], calls, group)
+                reply = self._verify_on(replica, [c.request for c in group], calls, group)
+                self.ahead_compute[replica] = reply.draft_compute_seconds
+                return reply
             finally:
                 self.verify_ms[replica] = 1e3 * (time.perf_counter() - started)
 
-        self.verify_ms, self.ahead_compute = {}, 0.0
+        self.verify_ms, self.ahead_compute = {}, {}
         return self._each(requests, by_replica(requests, "target"), verify_on, "verdicts", self._verify_failed)
 
     def _verify_on(self, replica: Replica, group: list[Request], calls: list[Call], chains: list[Chain] | None = None,
@@ -319,10 +321,7 @@ class Services:
             if isinstance(result, grpc.RpcError):
                 failed(replica, [requests[i] for i in idx], result)
                 continue
-            # Replicas run side by side; a hosted draft's part of a Verify is the draft's compute.
-            compute = max(compute, result.compute_seconds - getattr(result, "draft_compute_seconds", 0.0))
-            if getattr(result, "draft_compute_seconds", 0.0):
-                self.ahead_compute = max(self.ahead_compute, result.draft_compute_seconds)
+            compute = max(compute, result.compute_seconds)  # replicas run side by side
             for i, item in zip(idx, getattr(result, items)):
                 out[i] = item
         return out, compute
@@ -355,10 +354,11 @@ class Services:
         replicas.mark_down(replica, f"{error.code().name}: {error.details()}", cooldown)
 
 
-def _draft_call(request: Request) -> Call:
-    """What the draft has not cached of the history, with the target's features of it."""
-    start, end = request.draft_len, len(request.history)
-    features = request.features.for_tokens(start, end) if request.features is not None else b""
+def _draft_call(request: Request, featured: int | None = None) -> Call:
+    """What the draft has not cached of the history, with the target's features of it (of its
+    tokens before position ``featured`` only, where given: the rest are not computed yet)."""
+    start, end = request.draft_len, len(request.history) if featured is None else featured
+    features = request.features.for_tokens(start, end) if request.features is not None and start < end else b""
     return Call(request.seq_id, start, request.history[start:], features)
 
 
@@ -373,13 +373,10 @@ def _propose_next(chain: Chain):
     """(k, leaves, the draft's Call) for a Verify that also drafts the chain's next step: what the
     draft has not cached of the history, with the target's features for those of its tokens at or
     before the target's cached length (the Verify supplies the rest). None: not asked."""
-    request = chain.request
-    if not chain.next_k or not hosted_draft(request):
+    if not chain.next_k or not hosted_draft(chain.request):
         return None
-    start, held = request.draft_len, request.target_len + 1
-    features = request.features.for_tokens(start, held) if request.features is not None and start < held else b""
-    return chain.next_k, [chain.leaves] if chain.leaves else [], Call(request.seq_id, start, request.history[start:],
-                                                                     features)
+    return chain.next_k, [chain.leaves] if chain.leaves else [], _draft_call(chain.request,
+                                                                            chain.request.target_len + 1)
 
 
 def _usable(replica: Replica | None) -> bool:

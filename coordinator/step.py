@@ -70,7 +70,8 @@ class DecodeStep:
         self.drafted_last = speculating
         drafted = time.perf_counter()
         verdicts, target_compute = self.services.verify(chains)
-        draft_compute += self.services.ahead_compute  # a hosted draft drafted the next step in the Verify
+        # A hosted draft drafted the next step inside the Verify (replicas side by side: the slowest).
+        draft_compute += max(self.services.ahead_compute.values(), default=0.0)
         for chain, verdict in zip(chains, verdicts):
             chain.verdict = verdict
         verified = time.perf_counter()

@@ -86,7 +86,7 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
                                                                              self.draft.length(item.seq.seq_id)))
                 for item, v, p in zip(items, verdicts, proposals)
             ],
-            compute_seconds=seconds,
+            compute_seconds=seconds - draft_seconds,
             draft_compute_seconds=draft_seconds,
         )
 

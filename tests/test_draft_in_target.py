@@ -131,7 +131,7 @@ def test_propose_next_is_refused_clearly_and_changes_nothing(target_model, draft
     assert verdict.cached_len == 3 and len(verdict.proposal.tokens) == 2
     # The plain draft read the prompt and the next token, and keeps its own first proposal's keys.
     assert verdict.proposal.cached_len == draft.length("a") and draft.length("a") >= 4
-    assert reply.draft_compute_seconds > 0 and reply.compute_seconds >= reply.draft_compute_seconds
+    assert reply.draft_compute_seconds > 0 and reply.compute_seconds > 0  # the draft's part reported apart
 
 
 def test_each_target_replica_drafts_with_the_draft_it_hosts(target_model, eagle_draft, tokenizer, counted):

@@ -58,7 +58,7 @@ class FakeTarget(FakeClient):
             verdicts.append(SimpleNamespace(accepted=accepted, next_token=next_token, features=b"",
                                             cached_len=call.keep_len + len(call.tokens) + accepted,
                                             HasField=lambda name: False))  # no leaf kept
-        return SimpleNamespace(verdicts=verdicts, compute_seconds=0.001)
+        return SimpleNamespace(verdicts=verdicts, compute_seconds=0.001, draft_compute_seconds=0.0)
 
     def release(self, seq_ids, timeout=None):
         self.released.extend(seq_ids)
