@@ -98,9 +98,6 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
         if self.draft is None:
             raise InvalidRequest(f"sequence {seq_id!r}: propose_next, but this target hosts no draft "
                                  "(python -m target_service --with-draft)")
-        if self.emulated is not None:
-            raise InvalidRequest(f"sequence {seq_id!r}: propose_next under --emulate-acceptance (its verdicts are "
-                                 "not the target's to draft after)")
         message = item.propose_next.draft
         features = features_from_bytes(seq_id, message.features, self.draft.feature_size)
         if features is not None and features.dim() != 2:
@@ -114,7 +111,8 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
         """On the model thread: the draft's part checked, the Verify, then the hosted draft's
         proposals (with the target's features of this forward, whether or not they are returned)."""
         drafting.check(self.draft, items, nexts)
-        verdicts = verify(self.engine, items, create, return_features or bool(self.draft.feature_size))
+        verdicts = verify(self.engine, items, create, return_features or bool(self.draft.feature_size),
+                          self.emulated)
         started = time.perf_counter()
         proposals = drafting.propose_after(self.draft, items, verdicts, nexts)
         return verdicts, proposals, time.perf_counter() - started

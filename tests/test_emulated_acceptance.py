@@ -183,6 +183,32 @@ def test_reported_in_cache_stats_info_metrics_and_bench_results(target_model, dr
         target.stop(grace=1)
 
 
+def test_a_hosted_draft_drafts_after_emulated_verdicts(target_model, draft_model, tokenizer):
+    """Where the target hosts the draft (--with-draft, as ``specbatch up`` places it on a CPU), each
+    Verify's emulated verdict is followed by the next step's proposal, as with real verdicts: the
+    request streams to its end, keeping drafts at the given rates."""
+    target_engine = Engine(target_model, max_sequences=8)
+    draft_engine = Engine(draft_model, max_sequences=8, model_thread=target_engine.model_thread,
+                          lock=target_engine.lock)
+    target = Server("127.0.0.1:0", max_workers=4)
+    TargetServicer.serve_on(target, target_engine, "tiny-target", emulated_acceptance=(0.9, 0.8),
+                            draft=draft_engine, draft_name="tiny-draft")
+    target.start()
+    address = f"127.0.0.1:{target.port}"
+    coordinator = build_coordinator(address, address, tokenizer, max_batch_size=4, max_new_tokens=64)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{coordinator.port}") as channel:
+            responses = list(gpb_grpc.GenerationStub(channel).Generate(
+                gpb.GenerateRequest(token_ids=gpb.TokenIds(ids=[1, 5, 6, 7]), max_new_tokens=32, k=3,
+                                    ignore_eos=True), timeout=60))
+        stats = responses[-1].stats
+        assert sum(len(r.token_ids) for r in responses) == stats.generated_tokens == 32
+        assert stats.draft_tokens_accepted > stats.steps  # more than one kept a step: 0.9, 0.8, 0.8
+    finally:
+        coordinator.stop(grace=1)
+        target.stop(grace=1)
+
+
 def test_the_warning_at_start(target_model, caplog):
     with caplog.at_level("WARNING"):
         TargetServicer(Engine(target_model), "tiny-target", emulated_acceptance=(0.7,))
