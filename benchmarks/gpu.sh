@@ -31,7 +31,7 @@
 #
 #   benchmarks/gpu.sh                      # the serve group, cuda, bfloat16
 #   STEPS=engine benchmarks/gpu.sh         # the engine group; STEPS=all: both; STEPS=serve-opt,kv-memory: those
-#   QUICK=1 benchmarks/gpu.sh              # smaller grids and fewer requests: about half the time
+#   QUICK=1 benchmarks/gpu.sh              # smaller grids and fewer requests: the serve group in ~9 min on an H100
 #   DEVICE=cpu benchmarks/gpu.sh           # the same commands with tiny shapes and grids on the CPU: a dry check
 #                                          # of the script (its results go under $OUT, not benchmarks/results)
 #   BUNDLE=.gpu benchmarks/gpu.sh          # a machine with PyTorch but no package index (below)
@@ -260,7 +260,8 @@ if want serve-embedded serve; then
     if [[ $REAL == 0 ]]; then
         EMBEDDED_EMULATED+=(--emulate-acceptance "$ACCEPTANCE_SMOLLM2")
     fi
-    step 75 "${SPECBATCH[@]}" bench --device "$DEVICE" --dtype "$DTYPE" "${SMOLLM2[@]}" "${EMBEDDED_EMULATED[@]}" \
+    # 120 s: each service's CUDA-graph capture alone takes 30 to 40 s on an H100.
+    step 120 "${SPECBATCH[@]}" bench --device "$DEVICE" --dtype "$DTYPE" "${SMOLLM2[@]}" "${EMBEDDED_EMULATED[@]}" \
         "${EMBEDDED_SERVE[@]}" --variant serve-embedded | tee "$OUT/serve-embedded.txt"
 fi
 

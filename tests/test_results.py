@@ -97,6 +97,25 @@ def test_two_machines_render_into_two_pages_and_the_readme_table(tmp_path):
     assert readme.read_text().count("<!-- results:begin -->") == 1
 
 
+def test_the_readme_headline_is_the_embedded_pairs_bench():
+    """A bench of another pair (random weights, emulated acceptance) sorts first by name but is
+    left to the machine's page: the README row is the embedded pair's, or dashes where none ran."""
+    real = fake_result("m", "bench", _name="bench", default_policy="learn", args={"target_model": None},
+                       rows=[bench_row("k=0 (target only)", 1, 100.0), bench_row("learn", 1, 120.0)])
+    emulated = fake_result("m", "bench", _name="bench-a-serve-opt", default_policy="learn",
+                           args={"target_model": "opt-6.7b", "random_weights": True, "emulate_acceptance": "0.7"},
+                           rows=[bench_row("k=0 (target only)", 1, 50.0), bench_row("learn", 1, 90.0)])
+    assert results.headline([emulated, real])[:3] == ["100.0", "120.0 (learn)", "1.20×"]
+    assert results.headline([emulated]) == ["–"] * 6
+
+
+def test_a_named_commit_is_the_copys_own(monkeypatch):
+    """A tree copied to another machine may carry a .git that is not its own: SPECBATCH_COMMIT wins."""
+    monkeypatch.setenv("SPECBATCH_COMMIT", "feedface" * 5)
+    stamp = results.stamp("cpu")
+    assert stamp["commit"] == "feedface" * 5 and stamp["dirty"] is None
+
+
 def test_a_readme_without_the_markers_is_left_alone(tmp_path, capsys):
     (tmp_path / "results" / "m").mkdir(parents=True)
     (tmp_path / "results" / "m" / "soak.json").write_text(json.dumps(fake_result("m", "soak")))

@@ -8,8 +8,8 @@ one before; git keeps the history), and one command renders them into a page per
 commit) and a section per result, with plots beside it (``docs/results/<machine>/``); the README's
 block between ``<!-- results:begin -->`` and ``<!-- results:end -->`` gets one table, a row per
 machine with its headline numbers. ``SPECBATCH_RESULTS`` moves the results folder (the tests point
-it away from the checkout); ``SPECBATCH_COMMIT`` names the commit where the tree is no git checkout
-(a copy sent to another machine).
+it away from the checkout); ``SPECBATCH_COMMIT`` names the commit of a tree copied to another
+machine, whose ``.git`` (if any came along) need not be the tree's.
 """
 
 from __future__ import annotations
@@ -85,7 +85,9 @@ def machine_slug(info: dict) -> str:
 
 
 def _commit() -> tuple[str, bool | None]:
-    """This checkout's HEAD and whether its tracked files differ from it."""
+    """This checkout's HEAD and whether its tracked files differ from it; SPECBATCH_COMMIT where set."""
+    if os.environ.get("SPECBATCH_COMMIT"):
+        return os.environ["SPECBATCH_COMMIT"], None
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, check=True,
                               timeout=30).stdout.strip()
@@ -93,7 +95,7 @@ def _commit() -> tuple[str, bool | None]:
     try:
         return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("SPECBATCH_COMMIT") or "unknown", None
+        return "unknown", None
 
 
 def stamp(device: str | None = None) -> dict:
@@ -321,8 +323,12 @@ def _default_mode(result: dict) -> str | None:
 
 
 def headline(results: list[dict]) -> list[str]:
-    """Per concurrency 1 and 8: the bench's target-only tok/s, the default's, and their ratio."""
-    bench = next((r for r in sorted(results, key=lambda r: r["_name"]) if r.get("kind") == "bench"), None)
+    """Per concurrency 1 and 8: the embedded pair's bench, its target-only tok/s, the default's, and
+    their ratio (benches of other pairs, random weights or emulated acceptance are on the page only)."""
+    bench = next((r for r in sorted(results, key=lambda r: r["_name"]) if r.get("kind") == "bench"
+                  and not any((r.get("args") or {}).get(key) for key in ("target_model", "draft_model",
+                                                                       "random_weights", "emulate_acceptance"))),
+                 None)
     cells = []
     for concurrency in (1, 8):
         try:
