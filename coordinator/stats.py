@@ -73,8 +73,8 @@ class StepTotals:
     steps: int = 0
     sequence_steps: int = 0  # sum of batch sizes over steps
     step_seconds: float = 0.0  # whole decode steps, as the coordinator sees them
-    draft_seconds: float = 0.0  # Propose calls, RPC included
-    target_seconds: float = 0.0  # Verify calls, RPC included
+    draft_seconds: float = 0.0  # Propose calls, RPC included, and a hosted draft's drafting inside Verify
+    target_seconds: float = 0.0  # Verify calls, RPC included, less a hosted draft's drafting
     draft_compute_seconds: float = 0.0  # of which the draft service reports computing
     target_compute_seconds: float = 0.0  # of which the target service reports computing
     prefill_seconds: float = 0.0

@@ -70,8 +70,11 @@ class DecodeStep:
         self.drafted_last = speculating
         drafted = time.perf_counter()
         verdicts, target_compute = self.services.verify(chains)
-        # A hosted draft drafted the next step inside the Verify (replicas side by side: the slowest).
-        draft_compute += max(self.services.ahead_compute.values(), default=0.0)
+        # A hosted draft drafted the next step inside the Verify (replicas side by side: the
+        # slowest): its time is the draft's part of the step, not the target's (so that a verify
+        # row, a leaf's price, is the target's own).
+        ahead = self.services.ahead_compute
+        draft_compute += max(ahead.values(), default=0.0)
         for chain, verdict in zip(chains, verdicts):
             chain.verdict = verdict
         verified = time.perf_counter()
@@ -84,10 +87,13 @@ class DecodeStep:
         for replica, part in parts.items():
             if tallies[replica].ks:  # what the step's parts took, for a policy that learns step times
                 # (its replica's own Verify under PerReplica; else, replica None, the step's)
-                verify_ms = self.services.verify_ms.get(replica, 1e3 * (verified - drafted))
-                self.policy_of(replica).observe_times(_step_times(part, 1e3 * (drafted - proposing), verify_ms,
-                                                                  1e3 * (ended - start)))
-        return tally.stats(drafted - start, verified - drafted, ended - start, draft_compute, target_compute)
+                ahead_ms = 1e3 * ahead.get(replica, max(ahead.values(), default=0.0))
+                verify_ms = self.services.verify_ms.get(replica, 1e3 * (verified - drafted)) - ahead_ms
+                self.policy_of(replica).observe_times(_step_times(part, 1e3 * (drafted - proposing) + ahead_ms,
+                                                                  verify_ms, 1e3 * (ended - start)))
+        slowest = max(ahead.values(), default=0.0)
+        return tally.stats(drafted - start + slowest, verified - drafted - slowest, ended - start, draft_compute,
+                           target_compute)
 
     @property
     def per_replica(self) -> bool:

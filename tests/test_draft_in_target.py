@@ -86,6 +86,18 @@ def test_a_hosted_draft_that_loses_its_sequences_is_rebuilt(hosted_stack, target
     assert len(forget.responses) > 6
 
 
+def test_the_hosted_drafting_is_the_drafts_part_of_a_step(hosted_stack):
+    """The draft's compute inside each Verify counts as the step's draft part, not the target's:
+    what a policy prices a verify row (a leaf) at is the target's own time."""
+    for prompt in random_prompts(25, 2):
+        generate(hosted_stack.client(), make_request(prompt, 30, k=2, ignore_eos=True, prompt_lookup=0))
+    totals = hosted_stack.coordinator.scheduler.totals
+    assert totals.draft_compute_seconds > 0
+    assert totals.draft_seconds >= totals.draft_compute_seconds
+    assert totals.target_seconds >= totals.target_compute_seconds > 0
+    assert totals.step_seconds >= totals.draft_seconds + totals.target_seconds
+
+
 def test_a_plain_draft_hosted_in_the_target(target_model, draft_model, tokenizer):
     """A draft that reads no target features (the target's first layers) drafts inside the Verify too."""
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=64,
