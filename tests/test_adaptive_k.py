@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 from test_exactness import prompts_of_lengths, run_staggered_and_check
@@ -19,6 +20,7 @@ from specbatch.commands import cli
 from specbatch.config.speculation import SpeculationConfig
 from specbatch.rpc.client import generate, make_request
 from specbatch.stack.in_process import start_local_stack
+from specbatch.stack.processes import LocalProcesses
 from specbatch.v1 import generation_pb2 as pb
 
 HIGH = [0.9, 0.85, 0.8, 0.75, 0.7, 0.65]
@@ -125,6 +127,8 @@ def test_a_profile_of_another_deployment_is_flagged_and_learned_over(target_mode
     try:
         assert "measured for another deployment" in caplog.text and "device: the profile's 'cuda'" in caplog.text
         assert stack.client().Info(pb.InfoRequest()).k_policy == "learn"
+        # `specbatch up` reads the policy in force the same way, to say it learns instead.
+        assert LocalProcesses.k_policy_in_force(SimpleNamespace(address=stack.address)) == "learn"
         prompt = [1, 9, 17, 30]
         result = generate(stack.client(), make_request(prompt, 24, ignore_eos=True))
         assert list(result.token_ids) == greedy_reference(target_model, prompt, 24)

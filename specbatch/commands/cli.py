@@ -43,6 +43,9 @@ def cmd_up(args) -> int:
         serving = True
         options = processes.options
         policy = options.k_policy + (f" over the profile {options.profile}" if options.profile else "")
+        in_force = processes.k_policy_in_force() if options.coordinator else options.k_policy
+        if in_force and in_force != options.k_policy:  # the coordinator found the profile another deployment's
+            policy = f"{in_force}: the profile {options.profile} describes another deployment"
         print(f"serving on {processes.address} (k policy {policy}); Ctrl-C stops everything", flush=True)
         while not stop.wait(1.0):
             processes.check_alive()

@@ -200,6 +200,20 @@ class LocalProcesses:
                     if time.monotonic() > deadline:
                         raise
 
+    def k_policy_in_force(self) -> str | None:
+        """The coordinator's k policy as it serves (``Info``): ``learn`` where it set the profile
+        aside as another deployment's. None where it does not answer."""
+        import grpc
+
+        from specbatch.v1 import generation_pb2, generation_pb2_grpc
+
+        try:
+            with grpc.insecure_channel(self.address) as channel:
+                stub = generation_pb2_grpc.GenerationStub(channel)
+                return stub.Info(generation_pb2.InfoRequest(), timeout=5).k_policy
+        except grpc.RpcError:
+            return None
+
     def check_alive(self) -> None:
         for name, process in self.processes:
             if process.poll() is not None:
