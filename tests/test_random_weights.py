@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from specbatch.config.options import parser_for
 from specbatch.engine.batch import SequenceInput
 from specbatch.engine.engine import Engine
 from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
-from specbatch.models.loading import ModelSpec, load_model, load_tokenizer
+from specbatch.models.loading import ModelSpec, chat_token_ids, load_model, load_tokenizer
 from specbatch.models.random_weights import KNOWN_CONFIGS, fit_vocab, random_config, random_model, tokenizer_source
 from specbatch.protocol.profile import best_k_of, expected_tokens, load_profile
 from specbatch.rpc.client import connect, generate, make_request
@@ -240,3 +241,21 @@ def test_profile_of_random_shapes(random_processes, tmp_path):
     assert profile.acceptance_by_position == (0.8, 0.6)
     assert profile.target["model"].endswith("[random weights]")
     assert "random" in profile.workload["weights"]
+
+
+def test_bench_folds_prompts_into_a_smaller_vocabulary(tmp_path, tokenizer):
+    """`specbatch bench --random-weights` with a shape whose vocabulary is smaller than its
+    tokenizer's sends each prompt as chat-template ids modulo that vocabulary (the coordinator would
+    refuse the others); where the tokenizer fits, the prompts go as text."""
+    from specbatch.commands.bench.run import fitted_prompts
+
+    fits = tiny_shape(tmp_path / "fits", tokenizer=tokenizer)
+    options = StackOptions(random_weights=True, target_model=fits, draft_model=fits)
+    assert fitted_prompts(["w1 w2"], options) == ["w1 w2"]
+    small = tiny_shape(tmp_path / "small", tokenizer=tokenizer)
+    config = json.loads((Path(small) / "config.json").read_text())
+    config["vocab_size"] = VOCAB // 4
+    (Path(small) / "config.json").write_text(json.dumps(config))
+    (folded,) = fitted_prompts(["w1 w2 w90"], StackOptions(random_weights=True, target_model=fits, draft_model=small))
+    expected = chat_token_ids(tokenizer, [{"role": "user", "content": "w1 w2 w90"}])
+    assert folded == [t % (VOCAB // 4) for t in expected] and max(expected) >= VOCAB // 4

@@ -106,6 +106,23 @@ def mode_request(mode: Mode, prompt: str, max_new_tokens: int):
                         leaves=None if mode.k is None else mode.leaves)
 
 
+def fitted_prompts(prompts: list[str], options) -> list[str] | list[list[int]]:
+    """Random-weight shapes whose vocabulary is smaller than the tokenizer's: each prompt in the
+    chat template as token ids modulo the smaller of the two models' vocabularies (as the profiler
+    folds them), since the coordinator would refuse ids past it. Others: as they are."""
+    from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
+    from specbatch.models.loading import ModelSpec, chat_token_ids, load_tokenizer
+    from specbatch.models.random_weights import fit_vocab, random_config, tokenizer_source
+
+    target = options.target_model or EMBEDDED
+    names = [target] + ([] if options.draft_model in (None, "none") else [options.draft_model or EMBEDDED_DRAFT])
+    vocab = min(random_config(name).vocab_size for name in names)
+    tokenizer = load_tokenizer(ModelSpec(tokenizer_source(target)))
+    if len(tokenizer) <= vocab:
+        return prompts
+    return [fit_vocab(chat_token_ids(tokenizer, [{"role": "user", "content": p}]), vocab) for p in prompts]
+
+
 def run_one(load: Load, mode: Mode, prompts: list[str], args, round_: int = 0) -> Run:
     count = max(args.requests, int(load.value)) if load.kind == "uniform" else len(load.arrivals) or 100_000
     order = prompt_order(count, len(prompts), args.seed + round_)
@@ -134,7 +151,7 @@ def run_rounds(load: Load, modes: list[Mode], prompts: list[str], args) -> dict[
         for mode in modes[round_ % len(modes):] + modes[: round_ % len(modes)]:
             # Its coordinator's path warmed just before (untimed): a policy's coordinator sits idle
             # while the others run, and a cold one serves identical decisions measurably slower.
-            generate(mode.stub, make_request("warm up", 4, chat=True, k=mode.k))
+            generate(mode.stub, make_request(prompts[0], 4, chat=True, k=mode.k))
             runs[mode.name].append(run_one(load, mode, prompts, args, round_))
     return runs
 
@@ -270,6 +287,8 @@ def run_bench(args) -> int:
             modes.append(Mode(CONTROL, main_stub, 0))
         modes += [Mode(p, connect(address), None) for p, address in addresses.items()]
         info = main_stub.Info(pb.InfoRequest())
+        if args.random_weights and not args.address:
+            prompts = fitted_prompts(prompts, processes.options)
         print(f"target {info.target_model} | draft {info.draft_model} | modes: {', '.join(m.name for m in modes)} | "
               f"{args.max_new_tokens} new tokens per request, greedy, {args.prompts} prompts\n", flush=True)
         if info.emulated_acceptance:
