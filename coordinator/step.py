@@ -74,7 +74,8 @@ class DecodeStep:
         # slowest): its time is the draft's part of the step, not the target's (so that a verify
         # row, a leaf's price, is the target's own).
         ahead = self.services.ahead_compute
-        draft_compute += max(ahead.values(), default=0.0)
+        slowest = max(ahead.values(), default=0.0)
+        draft_compute += slowest
         for chain, verdict in zip(chains, verdicts):
             chain.verdict = verdict
         verified = time.perf_counter()
@@ -87,11 +88,10 @@ class DecodeStep:
         for replica, part in parts.items():
             if tallies[replica].ks:  # what the step's parts took, for a policy that learns step times
                 # (its replica's own Verify under PerReplica; else, replica None, the step's)
-                ahead_ms = 1e3 * ahead.get(replica, max(ahead.values(), default=0.0))
+                ahead_ms = 1e3 * ahead.get(replica, slowest)
                 verify_ms = self.services.verify_ms.get(replica, 1e3 * (verified - drafted)) - ahead_ms
                 self.policy_of(replica).observe_times(_step_times(part, 1e3 * (drafted - proposing) + ahead_ms,
                                                                   verify_ms, 1e3 * (ended - start)))
-        slowest = max(ahead.values(), default=0.0)
         return tally.stats(drafted - start + slowest, verified - drafted - slowest, ended - start, draft_compute,
                            target_compute)
 
