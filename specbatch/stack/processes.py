@@ -205,12 +205,11 @@ class LocalProcesses:
         aside as another deployment's. None where it does not answer."""
         import grpc
 
-        from specbatch.v1 import generation_pb2, generation_pb2_grpc
+        from specbatch.rpc.client import connect
+        from specbatch.v1 import generation_pb2
 
         try:
-            with grpc.insecure_channel(self.address) as channel:
-                stub = generation_pb2_grpc.GenerationStub(channel)
-                return stub.Info(generation_pb2.InfoRequest(), timeout=5).k_policy
+            return connect(self.address).Info(generation_pb2.InfoRequest(), timeout=5).k_policy
         except grpc.RpcError:
             return None
 
