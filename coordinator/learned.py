@@ -4,8 +4,9 @@ pair or a machine no profile was made for.
 It starts at k = 0, which is never slower than target-only decoding, and spends a bounded share
 of steps (one in ``probe_every``) on a neighbour of the k it serves: the nearest k not yet measured
 at this batch size, else, one probe in four, the neighbour measured least among those priced near
-the best. It serves
-only ks measured at the batch size at hand (and k = 0). Each
+the best. While a neighbour is not yet measured, the probes come ``trusted`` steps back to back
+every ``probe_every`` (``_probe_step``), so that it climbs one k per ``probe_every`` steps, not per
+``trusted × probe_every``. It serves only ks measured at the batch size at hand (and k = 0). Each
 step's parts are kept per (batch size, k), as ``specbatch profile`` measures them, in windows of
 the last ``window`` steps; a (size, k) measured ``trusted`` times is priced by its medians. A k
 not trusted at a size is priced from those that are (the two nearest: linear in k; one: the slope
@@ -46,6 +47,7 @@ from .policy import Goodput, StepTimes
 # measurement.
 PRIOR_VERIFY_SLOPE = 0.1
 PRIOR_DRAFT_PER_TOKEN = 0.3
+
 
 
 def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
@@ -325,7 +327,7 @@ class Learning(Goodput):
         if batch_size not in self._chosen:
             self._chosen[batch_size] = self._best(batch_size, self.acceptance.rates)
         choice = self._chosen[batch_size]
-        if self.steps % self.probe_every == self.probe_every - 1:
+        if self._probe_step(batch_size, choice):
             # decided once a step: it is asked for each sequence's k and leaves
             if self._probes.get(batch_size, (None,))[0] != self.steps:
                 self._probes[batch_size] = (self.steps, *self._probe(batch_size, choice))
@@ -333,6 +335,21 @@ class Learning(Goodput):
             if probe is not None and self._one_row != (self.steps, batch_size):
                 return probe, 0
         return choice
+
+    def _probe_step(self, batch_size: int, choice: tuple[int, int]) -> bool:
+        """Whether this step probes: one in ``probe_every``; and while a neighbour of the chosen k
+        is not yet trusted at this size, the last ``trusted`` steps of every ``probe_every``, so
+        that the choice made next can already serve it. Otherwise a new pair (or batch size)
+        climbs one k per ``trusted × probe_every`` steps, longer than a short burst of traffic
+        lasts. The probes run back to back: only the first reads what the draft missed at k = 0
+        (a step that alternated would fold that catch-up into every drafting time it keeps)."""
+        if self.steps % self.probe_every == self.probe_every - 1:
+            return True
+        if self.steps % self.probe_every < self.probe_every - self.learned_times.trusted:
+            return False
+        times = self.learned_times
+        return any(times.measured(batch_size, k) < times.trusted
+                   for k in (choice[0] + 1, choice[0] - 1) if 0 <= k <= self.max_k)
 
     def k_for(self, batch_size: int) -> int:
         k = self._choice(batch_size)[0]

@@ -96,6 +96,22 @@ def test_it_starts_at_k0_and_loses_little_while_it_learns(b):
     assert rate >= 0.9 * deployment.tokens_per_ms(b, 0)
 
 
+GPU_LIKE = dict(verify_per_row=0.02, draft_per_token=0.6, acceptance=0.7)  # a Verify row nearly free
+
+
+@pytest.mark.parametrize("b", [1, 16])
+def test_cold_it_climbs_to_a_deep_k_within_a_short_burst(b):
+    """Where the best k is deep (a GPU's Verify rows cost little), a new pair climbs to it within
+    the first 64 steps: probes come back to back while a neighbour is untrusted. At one probe in
+    eight it served at 0.69 (b = 1) and 0.78 (b = 16) of the best k's rate over those steps."""
+    deployment = Deployment(**GPU_LIKE, seed=b)
+    policy = Learning(max_k=8, max_batch_size=32)
+    first = [deployment.step(policy, b) for _ in range(64)]
+    rate = sum(tokens for _, _, tokens in first) / sum(ms for _, ms, _ in first)
+    best = deployment.tokens_per_ms(b, deployment.best_k(b, 8))
+    assert rate >= 0.88 * best, (b, rate / best)
+
+
 def test_where_drafts_miss_it_stays_at_k0_but_for_bounded_probes():
     deployment = Deployment(verify_per_row=0.6, draft_per_token=1.5, acceptance=0.05)
     policy = Learning(max_k=16, max_batch_size=16)
