@@ -5,8 +5,9 @@ A model service at batch 1 sleeps between its calls (the other service or the ta
 runs meanwhile). This measures an empty unary call (a Verify whose handler only stamps the
 time) from a client process to a server process started as the services are (a sync gRPC server,
 a thread pool), calls ``gap`` ms apart: the time to reach the handler and the reply's way back;
-over the local socket also with the stamp taken on a model thread, as the services' calls run
-(``Engine.run``): what that hand-over adds.
+over the local socket also with the stamp taken on a model thread, handed over to it (``Engine.run``
+from another thread: what that hand-over adds), and on a socket that the model thread serves
+itself, as the services' sockets are (``LocalServer(loop=…)``).
 Beside it, a pipe round trip between two processes after the same gap: what waking a sleeping
 process costs on this machine without gRPC's threads.
 
@@ -25,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent import futures
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 
 from specbatch.commands import results  # noqa: E402
-from specbatch.rpc.local import LocalChannel  # noqa: E402
+from specbatch.engine.model_thread import ModelThread  # noqa: E402
+from specbatch.rpc.local import LocalChannel, LocalServer  # noqa: E402
 from specbatch.rpc.server import Server  # noqa: E402
 from specbatch.stack.defaults import free_port  # noqa: E402
 from specbatch.v1 import model_services_pb2 as pb  # noqa: E402
@@ -41,21 +42,27 @@ from specbatch.v1 import model_services_pb2_grpc as pb_grpc  # noqa: E402
 
 
 class StampingTarget(pb_grpc.TargetServicer):
-    # A Verify whose first item keeps 1 token stamps on a model thread, as the services' calls
-    # run (``Engine.run``: handed to one worker thread and its result handed back).
-    model_thread = futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+    # A Verify whose first item keeps 1 token stamps on the model thread, as the services' calls
+    # run (``Engine.run``: handed over to it where the call arrived on another thread).
+    model_thread = ModelThread()
 
     def Verify(self, request, context):
         # perf_counter is CLOCK_MONOTONIC: the same clock in both processes.
-        if request.items and request.items[0].sequence.keep_len == 1:
+        if request.items and request.items[0].sequence.keep_len == 1 and not self.model_thread.on_thread():
             return self.model_thread.submit(lambda: pb.VerifyResponse(compute_seconds=time.perf_counter())).result()
         return pb.VerifyResponse(compute_seconds=time.perf_counter())
 
 
 def serve(port: int, socket_dir: str) -> None:
     server = Server(f"127.0.0.1:{port}", max_workers=8)
-    server.add(pb_grpc.add_TargetServicer_to_server, StampingTarget(), "specbatch.v1.Target")
+    servicer = StampingTarget()
+    server.add(pb_grpc.add_TargetServicer_to_server, servicer, "specbatch.v1.Target")
     server.serve_locally(socket_dir, "stamping")  # the same servicer on a Unix socket (local_rpc.py)
+    # … and on a second one that the model thread serves itself, as the services' sockets are.
+    (Path(socket_dir) / "served").mkdir()
+    served = LocalServer(Path(socket_dir) / "served", "stamping", loop=servicer.model_thread)
+    served.add(servicer, "specbatch.v1.Target")
+    served.start()
     server.start()
     server.grpc_server.wait_for_termination()
 
@@ -107,6 +114,7 @@ def main() -> None:
         grpc.channel_ready_future(channel).result(timeout=30)
         stub = pb_grpc.TargetStub(channel)
         local = LocalChannel(next(Path(socket_dir).glob("*.sock")).as_posix())
+        served = LocalChannel(next(Path(socket_dir, "served").glob("*.sock")).as_posix())
         def request(keep_len: int):
             return pb.VerifyRequest(items=[pb.VerifyItem(sequence=pb.SequenceInput(seq_id="a", keep_len=keep_len,
                                                                                    tokens=[1, 2, 3]))])
@@ -114,7 +122,10 @@ def main() -> None:
         plain, hopping = request(100), request(1)
         calls = {"gRPC": lambda: stub.Verify(plain),
                  "local socket": lambda: local.call("/specbatch.v1.Target/Verify", plain, 10.0),
-                 "local socket, model thread": lambda: local.call("/specbatch.v1.Target/Verify", hopping, 10.0)}
+                 "local socket, handed to the model thread": lambda: local.call("/specbatch.v1.Target/Verify",
+                                                                                  hopping, 10.0),
+                 "local socket served by the model thread": lambda: served.call("/specbatch.v1.Target/Verify",
+                                                                                 hopping, 10.0)}
         for call in calls.values():
             for _ in range(20):
                 call()
@@ -140,6 +151,7 @@ def main() -> None:
                                                   for name in calls for i, way in enumerate(("to the handler", "back"))},
                          "pipe round trip ms": pipes[gap] * 1e3})
         local.close()
+        served.close()
         channel.close()
     finally:
         server.kill()

@@ -109,10 +109,14 @@ def test_a_request_over_the_message_cap_is_refused_as_grpc_refuses_it(socket_sta
     local.close()
 
 
-def test_a_call_in_flight_replies_when_the_socket_stops(tmp_path):
+@pytest.mark.parametrize("on_a_loop", [False, True], ids=["thread per connection", "model thread"])
+def test_a_call_in_flight_replies_when_the_socket_stops(tmp_path, on_a_loop):
     """Stopping (a draining service) closes the idle connections at once, but a call already
-    running sends its reply first, as gRPC's graceful stop lets it; then the socket is gone."""
+    running sends its reply first, as gRPC's graceful stop lets it; then the socket is gone. The
+    same where one thread (an engine's ModelThread) serves every connection."""
     import threading
+
+    from specbatch.engine.model_thread import ModelThread
 
     started, release = threading.Event(), threading.Event()
 
@@ -125,7 +129,7 @@ def test_a_call_in_flight_replies_when_the_socket_stops(tmp_path):
         def Release(self, request, context):
             return pb.ReleaseResponse(released=len(request.seq_ids))
 
-    server = LocalServer(tmp_path, "slow")
+    server = LocalServer(tmp_path, "slow", loop=ModelThread() if on_a_loop else None)
     server.add(Slow(), "specbatch.v1.Target")
     server.start()
     busy, idle = LocalChannel(server.path), LocalChannel(server.path)
@@ -145,3 +149,25 @@ def test_a_call_in_flight_replies_when_the_socket_stops(tmp_path):
     with pytest.raises(LocalRpcError) as gone:
         busy.call("/specbatch.v1.Target/CacheStats", pb.CacheStatsRequest(), 10.0)
     assert gone.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_local_calls_run_on_the_model_thread_with_no_hand_over(socket_stack):
+    """A call on the local socket is read, run and answered by the engine's model thread itself
+    (two fewer thread wake-ups a call); a call through gRPC is handed to that thread."""
+    import threading
+
+    engine = socket_stack.target_engines[0]
+    seen, handle = [], socket_stack.target.local._handle
+
+    def recording(name, body, seconds_left):
+        seen.append(threading.current_thread())
+        return handle(name, body, seconds_left)
+
+    socket_stack.target.local._handle = recording
+    local = LocalChannel(socket_stack.target.local.path)
+    assert local.call("/specbatch.v1.Target/Release", pb.ReleaseRequest(seq_ids=["nobody"]), 10.0).released == 0
+    assert engine.model_thread.on_thread() is False
+    assert seen and all(thread is engine.model_thread._thread for thread in seen)
+    ran_on = engine.run(threading.current_thread)  # from here: handed over
+    assert ran_on is engine.model_thread._thread
+    local.close()

@@ -30,7 +30,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +39,7 @@ from specbatch.engine.batch import RaggedBatch, SequenceInput, length_groups
 from specbatch.engine.buckets import resolve_mode
 from specbatch.engine.captured import CapturedForward
 from specbatch.engine.kv_pool import KVPool, SequenceCache
+from specbatch.engine.model_thread import ModelThread
 from specbatch.kernels import build
 from specbatch.kernels.linear import int8_linears_available
 from specbatch.models import llama, opt
@@ -83,11 +83,8 @@ class Engine:
     sequences_created: int = 0  # since start: how many sequences were ever placed here
     # One call at a time on one model: `run` holds it around every call.
     lock: threading.RLock = field(default_factory=threading.RLock)
-    # Forwards always run on this one thread: each thread that calls into torch gets its own
-    # OpenMP team, and teams left behind by gRPC's worker threads spin and steal the cores
-    # (steps run markedly slower when calls hop between threads: docs/decisions/threads.md).
-    model_thread: futures.ThreadPoolExecutor = field(
-        default_factory=lambda: futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="model"))
+    # Forwards always run on this one thread (specbatch/engine/model_thread.py says why).
+    model_thread: ModelThread = field(default_factory=ModelThread)
     # Which forward runs the model: "specbatch" (the engine's own, weights prepacked:
     # specbatch.models.llama for Llama-family models and the EAGLE draft, specbatch.models.opt for OPT; see
     # OWN_FORWARDS), "transformers" (the model's own forward, any model), or "auto": the own one
@@ -195,6 +192,8 @@ class Engine:
                     self.release([seq_id for seq_id in self.sequences if seq_id not in before])
                     raise
 
+        if self.model_thread.on_thread():  # a call this thread read itself (ModelThread.watch)
+            return locked()
         return self.model_thread.submit(locked).result()
 
     @torch.inference_mode()

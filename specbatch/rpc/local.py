@@ -49,6 +49,9 @@ REQUEST = struct.Struct("<IHd")
 # The most connections served at once. A coordinator holds one per thread calling at a time;
 # past this a new connection is closed at once, and its client goes back to gRPC.
 MAX_CONNECTIONS = 64
+# Served on a loop's thread (``LocalServer(loop=…)``): how long a frame's rest may take to arrive,
+# and its reply to leave, before the connection is dropped.
+FRAME_SECONDS = 10.0
 REPLY = struct.Struct("<IB")
 CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -116,13 +119,16 @@ class LocalContext:
 
 
 class LocalServer:
-    """Serves servicers' methods on a Unix socket in ``directory``: a thread per connection, at most ``MAX_CONNECTIONS``.
-    ``observe(method, code name, seconds)`` ("Verify", "OK", …): each call, as the gRPC server's
-    metrics interceptor sees its own."""
+    """Serves servicers' methods on a Unix socket in ``directory``, at most ``MAX_CONNECTIONS``
+    connections: each on a thread of its own, or, given a ``loop`` (the engine's ModelThread), all
+    on the loop's thread, so that a call runs where its forward runs, with no hand-over between
+    threads. ``observe(method, code name, seconds)`` ("Verify", "OK", …): each call, as the gRPC
+    server's metrics interceptor sees its own."""
 
-    def __init__(self, directory: str | Path, kind: str, observe=None):
+    def __init__(self, directory: str | Path, kind: str, observe=None, loop=None):
         self.path = str(Path(directory) / f"specbatch-{kind}-{uuid.uuid4().hex[:12]}.sock")
         self.observe = observe
+        self.loop = loop  # where given (an engine's ModelThread): its thread serves every connection
         self.handlers: dict[str, tuple] = {}  # full method name -> (bound method, request class)
         self.listener: socket.socket | None = None
         self.idle: set[socket.socket] = set()  # connections waiting for their next call
@@ -179,40 +185,74 @@ class LocalServer:
             if not self.connections.acquire(blocking=False):
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="local-rpc-call", daemon=True).start()
+            if self.loop is None:
+                threading.Thread(target=self._serve, args=(conn,), name="local-rpc-call", daemon=True).start()
+                continue
+            # A frame's rest is read, and its reply sent, on the loop's thread: a peer that stalls
+            # mid-frame holds it this long at most, then loses its connection.
+            conn.settimeout(FRAME_SECONDS)
+            with self.lock:
+                self.idle.add(conn)
+            self.loop.watch(conn, functools.partial(self._serve_watched, conn))
 
     def _serve(self, conn: socket.socket) -> None:
+        """A connection's calls on a thread of its own, until it closes."""
         try:
-            while True:
+            while self._serve_one(conn):
+                pass
+        finally:
+            self._closed(conn)
+
+    def _serve_watched(self, conn: socket.socket) -> None:
+        """One call of a connection the loop watches (it is readable)."""
+        with self.lock:
+            self.idle.discard(conn)
+        if self._serve_one(conn, waiting=False):
+            with self.lock:
+                if self.listener is not None:  # else stop has shut the idle ones: this one closes here
+                    self.idle.add(conn)
+                    return
+        self.loop.unwatch(conn)
+        self._closed(conn)
+
+    def _closed(self, conn: socket.socket) -> None:
+        with self.lock:
+            self.idle.discard(conn)
+        conn.close()
+        self.connections.release()
+
+    def _serve_one(self, conn: socket.socket, waiting: bool = True) -> bool:
+        """Read one request from ``conn``, answer it; False where the connection ended (closed,
+        failed, or the server stopped). ``waiting``: the connection is idle until its request
+        comes (stop may shut it meanwhile)."""
+        try:
+            if waiting:
                 with self.lock:  # (stop shuts what is idle under the same lock)
                     if self.listener is None:
-                        return  # stopped
+                        return False  # stopped
                     self.idle.add(conn)
-                head = _read(conn, REQUEST.size)
+            head = _read(conn, REQUEST.size)
+            if waiting:
                 with self.lock:
                     self.idle.discard(conn)
-                if head is None:
-                    return
-                size, name_size, seconds_left = REQUEST.unpack(head)
-                if size > MAX_MESSAGE_BYTES:  # gRPC's cap too: the frame is read past, never held
-                    if not _skip(conn, name_size + size):
-                        return
-                    refusal = f"a request of {size} bytes: the cap is {MAX_MESSAGE_BYTES}".encode()
-                    conn.sendall(REPLY.pack(len(refusal), grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]) + refusal)
-                    continue
-                name, body = _read(conn, name_size), _read(conn, size)
-                if name is None or body is None:
-                    return
-                # (a name that is not UTF-8 names no method: UNIMPLEMENTED, as gRPC answers it)
-                status, reply = self._call(name.decode(errors="replace"), body, seconds_left)
-                conn.sendall(REPLY.pack(len(reply), status) + reply)
+            if head is None:
+                return False
+            size, name_size, seconds_left = REQUEST.unpack(head)
+            if size > MAX_MESSAGE_BYTES:  # gRPC's cap too: the frame is read past, never held
+                if not _skip(conn, name_size + size):
+                    return False
+                refusal = f"a request of {size} bytes: the cap is {MAX_MESSAGE_BYTES}".encode()
+                conn.sendall(REPLY.pack(len(refusal), grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]) + refusal)
+                return True
+            name, body = _read(conn, name_size), _read(conn, size)
+            if name is None or body is None:
+                return False
+            # (a name that is not UTF-8 names no method: UNIMPLEMENTED, as gRPC answers it)
+            status, reply = self._call(name.decode(errors="replace"), body, seconds_left)
+            conn.sendall(REPLY.pack(len(reply), status) + reply)
+            return True
         except OSError:
-            return  # the client went away, or the server stopped
-        finally:
-            with self.lock:
-                self.idle.discard(conn)
-            conn.close()
-            self.connections.release()
+            return False  # the client went away, or the server stopped
 
     def _call(self, name: str, body: bytes, seconds_left: float) -> tuple[int, bytes]:
         started = time.perf_counter()

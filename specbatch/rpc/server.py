@@ -209,10 +209,11 @@ class Server:
         """Health says NOT_SERVING (probes and clients go elsewhere) while calls still run."""
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    def serve_locally(self, directory: str, kind: str, observe=None) -> LocalServer:
+    def serve_locally(self, directory: str, kind: str, observe=None, loop=None) -> LocalServer:
         """Its servicers' calls on a Unix socket in ``directory`` too (specbatch/rpc/local.py), for
-        clients on this host: named in their CacheStats, stopped with the server."""
-        self.local = LocalServer(directory, kind, observe)
+        clients on this host: named in their CacheStats, stopped with the server. ``loop``: the
+        engine's ModelThread, whose thread then serves the socket's connections itself."""
+        self.local = LocalServer(directory, kind, observe, loop)
         for servicer, name in self.servicers:
             self.local.add(servicer, name)
             if hasattr(servicer, "local_socket"):

@@ -120,7 +120,7 @@ def run_model_service(kind: str, add_servicer, argv=None) -> None:
         leases = [SequenceLeases(e, args.sequence_lease_seconds, metrics)
                   for e in (engine, *(hosted[:1] if hosted else ())) if args.sequence_lease_seconds > 0]
         if args.local_socket_dir:  # each call's metrics as the gRPC interceptor records them
-            server.serve_locally(args.local_socket_dir, kind, observe=metrics.observe_request)
+            server.serve_locally(args.local_socket_dir, kind, observe=metrics.observe_request, loop=engine.model_thread)
         server.start()
         for lease in leases:
             lease.start()

@@ -25,7 +25,7 @@ def serve_engine(engine: Engine, add_servicer, name: str, address: str = "127.0.
     server = Server(address, max_workers=8)
     add_servicer(server, engine, name, **({"draft": hosted_draft, "draft_name": "draft"} if hosted_draft else {}))
     if socket_dir:
-        server.serve_locally(socket_dir, name)
+        server.serve_locally(socket_dir, name, loop=engine.model_thread)
     return server.start()
 
 
