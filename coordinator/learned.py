@@ -168,7 +168,9 @@ class LearnedTimes:
     def __init__(self, sizes: tuple[int, ...], window: int = 32, trusted: int = 4):
         self.sizes, self.trusted = sizes, trusted
         self.draft, self.target = Windows(window, trusted), Windows(window, trusted)
-        self.rest: dict[int, deque] = {}
+        # (size, whether the draft was asked) -> ms outside the two calls: a step that asks the
+        # draft makes one more call, and relays features, beside a k = 0 step.
+        self.rest: dict[tuple[int, bool], deque] = {}
         self.window = window
         self.steps = 0
         self._cache: dict = {}
@@ -189,7 +191,8 @@ class LearnedTimes:
         if t.draft_k and t.draft_rows and not t.caught_up:
             self.draft.add(self.size(t.draft_rows), t.draft_k, t.draft_ms)
         self.target.add(size, t.verify_k, t.target_ms)
-        self.rest.setdefault(size, deque(maxlen=self.window)).append(max(0.0, t.step_ms - t.draft_ms - t.target_ms))
+        self.rest.setdefault((size, bool(t.draft_k and t.draft_rows)), deque(maxlen=self.window)).append(
+            max(0.0, t.step_ms - t.draft_ms - t.target_ms))
         self.steps += 1
         self._cache.clear()
 
@@ -202,8 +205,8 @@ class LearnedTimes:
                 self.target.add(size, k, cell.target_ms)
                 if k:
                     self.draft.add(size, k, cell.draft_ms)
-                if not k:
-                    self.rest.setdefault(size, deque(maxlen=self.window)).append(
+                if k <= 1:
+                    self.rest.setdefault((size, bool(k)), deque(maxlen=self.window)).append(
                         max(0.0, cell.step_ms - cell.draft_ms - cell.target_ms))
         self._cache.clear()
 
@@ -244,18 +247,38 @@ class LearnedTimes:
             return self.target_ms(batch_size, 0) * PRIOR_DRAFT_PER_TOKEN * k
         return self._part(self.draft, size, k, None)
 
-    def rest_ms(self, batch_size: float) -> float:
-        """What a step takes outside its two calls: the median at the nearest size measured."""
-        if not self.rest:
-            return 0.0
-        size = self.size(batch_size)
-        key = ("rest", size)
+    def rest_ms(self, batch_size: float, k: int = 0) -> float:
+        """What a step at k takes outside its two calls, from the steps that asked the draft (for
+        k > 0) or did not (k = 0): their median at this size; else the other kind's here plus
+        what asking the draft added where both were measured; else the nearest size's."""
+        size, drafting = self.size(batch_size), k > 0
+        key = ("rest", size, drafting)
         if key not in self._cache:
-            self._cache[key] = statistics.median(self.rest[min(self.rest, key=lambda b: (abs(math.log(b / size)), b))])
+            self._cache[key] = self._rest(size, drafting)
         return self._cache[key]
 
+    def _rest(self, size: int, drafting: bool) -> float:
+        def median(at: int, kind: bool) -> float:
+            return statistics.median(self.rest[(at, kind)])
+
+        def nearest(kind: bool, among=None) -> int | None:
+            sizes = [b for b, d in self.rest if d == kind and (among is None or among(b))]
+            return min(sizes, key=lambda b: (abs(math.log(b / size)), b)) if sizes else None
+
+        if (size, drafting) in self.rest:
+            return median(size, drafting)
+        both = nearest(True, lambda b: (b, False) in self.rest)
+        added = 0.0 if both is None else median(both, True) - median(both, False)
+        if (size, not drafting) in self.rest:
+            return max(0.0, median(size, not drafting) + (added if drafting else -added))
+        if (at := nearest(drafting)) is not None:
+            return median(at, drafting)
+        if (at := nearest(not drafting)) is not None:
+            return max(0.0, median(at, not drafting) + (added if drafting else -added))
+        return 0.0
+
     def step_ms(self, batch_size: float, k: int) -> float:
-        return self.draft_ms(batch_size, k) + self.target_ms(batch_size, k) + self.rest_ms(batch_size)
+        return self.draft_ms(batch_size, k) + self.target_ms(batch_size, k) + self.rest_ms(batch_size, k)
 
     def profile(self, acceptance: list[float], max_k: int, **about) -> Profile | None:
         """What has been learned as a profile: every kept size with a trusted Verify, every k to

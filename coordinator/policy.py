@@ -153,13 +153,16 @@ class LiveStepTimes:
     or with one trusted k, at the nearest one's ratio; with none, the profile's time). So where
     verifying a row costs less than profiled, the k above those measured gets cheaper too, and
     ``Goodput``'s probes of neighbouring ks walk the measurements there one k at a time. What
-    lies outside the two calls (the coordinator's work) is the median of its own window, per size. It answers the questions ``Profile`` answers that
+    lies outside the two calls (the coordinator's work) is the median of its own window, per size
+    and per whether the step asked the draft. It answers the questions ``Profile`` answers that
     ``Goodput`` asks."""
 
     def __init__(self, profile, window: int = 32, trusted: int = 8):
         self.profile, self.window, self.trusted = profile, window, trusted
         self.ratios: dict[tuple[str, int], dict[int, deque]] = {}  # (part, size) -> {k: measured / profiled}
-        self.rest: dict[int, deque] = {}  # size -> ms outside the two calls
+        # (size, whether the draft was asked) -> ms outside the two calls: asking it is one more
+        # call, which a k = 0 step does not make (one window for both priced each as the k served).
+        self.rest: dict[tuple[int, bool], deque] = {}
         self._priced: dict[tuple, float] = {}  # what was asked since the last step
         self._medians: dict[tuple[str, int], dict[int, float]] = {}  # (part, size) -> trusted ratios, this step
 
@@ -170,13 +173,15 @@ class LiveStepTimes:
     def _record(self, table: dict, key, value: float) -> None:
         table.setdefault(key, deque(maxlen=self.window)).append(value)
 
-    def _rest_ms(self, size: int) -> float:
-        """What a step at ``size`` takes outside its two calls: measured, else the profile's."""
-        key = ("rest", size)
+    def _rest_ms(self, size: int, drafting: bool) -> float:
+        """What a step at ``size`` that asks the draft (or not) takes outside its two calls:
+        measured, else the profile's (at k = 1, or 0)."""
+        key = ("rest", size, drafting)
         if key not in self._priced:
-            rest, p = self.rest.get(size, ()), self.profile
+            rest, p = self.rest.get((size, drafting), ()), self.profile
+            k = 1 if drafting and p.max_k >= 1 else 0
             self._priced[key] = (statistics.median(rest) if len(rest) >= self.trusted
-                                 else max(0.0, p.step_ms(size, 0) - p.target_ms(size, 0)))
+                                 else max(0.0, p.step_ms(size, k) - p.draft_ms(size, k) - p.target_ms(size, k)))
         return self._priced[key]
 
     def observe(self, t: StepTimes) -> None:
@@ -189,7 +194,7 @@ class LiveStepTimes:
                          t.draft_ms / p.draft_ms(t.draft_rows, t.draft_k))
         self._record(self.ratios.setdefault(("target", size), {}), t.verify_k,
                      t.target_ms / p.target_ms(t.batch_size, t.verify_k))
-        self._record(self.rest, size, max(0.0, t.step_ms - t.draft_ms - t.target_ms))
+        self._record(self.rest, (size, bool(t.draft_k and t.draft_rows)), max(0.0, t.step_ms - t.draft_ms - t.target_ms))
         self._priced.clear()
         self._medians.clear()
 
@@ -230,7 +235,7 @@ class LiveStepTimes:
         key = ("step", batch_size, k)
         if key not in self._priced:
             draft = self._part_ms("draft", self.profile.draft_ms, batch_size, k) if k else 0.0
-            self._priced[key] = draft + self.target_ms(batch_size, k) + self._rest_ms(self._size(batch_size))
+            self._priced[key] = draft + self.target_ms(batch_size, k) + self._rest_ms(self._size(batch_size), k > 0)
         return self._priced[key]
 
 

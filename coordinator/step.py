@@ -85,13 +85,17 @@ class DecodeStep:
             self._learn(self.policy_of(replica), tally)
         tally = Tally.joined(list(tallies.values()))
         ended = time.perf_counter()
+        verify_wall = 1e3 * (verified - drafted)
         for replica, part in parts.items():
             if tallies[replica].ks:  # what the step's parts took, for a policy that learns step times
-                # (its replica's own Verify under PerReplica; else, replica None, the step's)
+                # (its replica's own Verify under PerReplica; else, replica None, the step's). The
+                # step as its replica's: another replica's slower Verify, waited for side by side,
+                # is not this one's time outside its calls.
+                call_ms = self.services.verify_ms.get(replica, verify_wall)
                 ahead_ms = 1e3 * ahead.get(replica, slowest)
-                verify_ms = self.services.verify_ms.get(replica, 1e3 * (verified - drafted)) - ahead_ms
-                self.policy_of(replica).observe_times(_step_times(part, 1e3 * (drafted - proposing) + ahead_ms,
-                                                                  verify_ms, 1e3 * (ended - start)))
+                self.policy_of(replica).observe_times(_step_times(
+                    part, 1e3 * (drafted - proposing) + ahead_ms, call_ms - ahead_ms,
+                    1e3 * (ended - start) - verify_wall + call_ms))
         return tally.stats(drafted - start + slowest, verified - drafted - slowest, ended - start, draft_compute,
                            target_compute)
 

@@ -221,6 +221,17 @@ def test_live_step_times_price_unmeasured_ks_from_the_measured_slope():
     assert times.measured(4, 2) == 5 and times.measured(4, 3) == 0
 
 
+def test_live_step_times_keep_what_asking_the_draft_costs_outside_the_calls_apart():
+    """A step that asks the draft spends more outside both calls than a k = 0 step (one more
+    call): each kind is priced by its own window, so the k served does not set the other's."""
+    times = LiveStepTimes(overpriced(), window=16, trusted=4)
+    for _ in range(4):
+        times.observe(StepTimes(4, 0, 0, 0, 0.0, 9.9, 10.9))  # k = 0: 1 ms besides
+        times.observe(StepTimes(4, 4, 2, 2, 0.4, 11.5, 14.9))  # k = 2: 3 ms besides
+    assert times.step_ms(4, 0) == pytest.approx(10.9)
+    assert times.step_ms(4, 2) == pytest.approx(14.9)
+
+
 def test_goodput_live_drafts_more_once_served_steps_prove_cheaper_than_profiled(tmp_path):
     """The profile prices a verified row 6× what it costs served: goodput picks k = 2 from it, and
     with live step times, serving steps at what they cost (its probes of a neighbouring k
