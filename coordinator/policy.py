@@ -194,7 +194,8 @@ class LiveStepTimes:
                          t.draft_ms / p.draft_ms(t.draft_rows, t.draft_k))
         self._record(self.ratios.setdefault(("target", size), {}), t.verify_k,
                      t.target_ms / p.target_ms(t.batch_size, t.verify_k))
-        self._record(self.rest, (size, bool(t.draft_k and t.draft_rows)), max(0.0, t.step_ms - t.draft_ms - t.target_ms))
+        asked = bool(t.draft_k and t.draft_rows)
+        self._record(self.rest, (size, asked), max(0.0, t.step_ms - t.draft_ms - t.target_ms))
         self._priced.clear()
         self._medians.clear()
 
