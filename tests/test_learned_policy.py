@@ -9,7 +9,8 @@ import statistics
 
 import pytest
 
-from coordinator.learned import LearnedTimes, Learning, bucket_sizes
+from coordinator.learned import Learning
+from coordinator.learned_times import LearnedTimes, bucket_sizes
 from coordinator.policy import Goodput, StepTimes
 from specbatch.protocol.profile import Profile, build_profile, expected_tokens
 
