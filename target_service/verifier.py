@@ -26,6 +26,8 @@ from specbatch.protocol.emulation import rate_at
 from specbatch.protocol.errors import InvalidRequest
 from specbatch.protocol.speculation import MAX_K, MAX_LEAVES
 
+FLOAT16_MAX = torch.finfo(torch.float16).max
+
 
 @dataclass
 class VerifyItem:
@@ -146,8 +148,9 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
     batch.commit(keep, paths if any(hit is not None for _, hit, _ in decisions) else None)
     features = [None] * len(items)
     if return_features:
-        # On the host at once: one copy from a GPU, not one (and a wait) per row.
-        hidden = batch.last_hidden().to("cpu", torch.float16)
+        # On the host at once: one copy from a GPU, not one (and a wait) per row; in float16's
+        # range, as they cross the wire (a hosted draft reads what a draft elsewhere would).
+        hidden = batch.last_hidden().clamp(-FLOAT16_MAX, FLOAT16_MAX).to("cpu", torch.float16)
         columns = hidden.shape[1]
         for row, (item, path) in enumerate(zip(items, paths)):
             first = columns - len(item.seq.tokens) - len(item.drafts) - leaf_counts[row]  # right-aligned

@@ -421,3 +421,5 @@ def test_features_cross_the_wire_finite():
     data = features_to_bytes(torch.tensor([[1e6, -1e6, 0.5]]))
     assert np.isfinite(np.frombuffer(data, dtype="<f2")).all()
     assert features_from_bytes("s", data, 3).tolist() == [[65504.0, -65504.0, 0.5]]
+    # A Verify's features are float16 on the host already: sent as they are, an inf as the largest.
+    assert features_to_bytes(torch.tensor([[1e6, -1e6, 0.5]]).to(torch.float16)) == data

@@ -35,8 +35,11 @@ def features_to_bytes(features: torch.Tensor | None) -> bytes:
     to float16's range, so that a reader can refuse any that are not finite."""
     if features is None:
         return b""
-    half = features.detach().to("cpu", torch.float32).clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16)
-    return half.numpy().astype("<f2", copy=False).tobytes()
+    if features.dtype == torch.float16 and features.device.type == "cpu":  # a Verify's: no copy but this
+        half = features.detach().clamp(-FLOAT16_MAX, FLOAT16_MAX)
+    else:
+        half = features.detach().to("cpu", torch.float32).clamp(-FLOAT16_MAX, FLOAT16_MAX).to(torch.float16)
+    return half.contiguous().numpy().astype("<f2", copy=False).tobytes()
 
 
 def features_from_bytes(seq_id: str, data: bytes, width: int) -> torch.Tensor | None:
