@@ -171,3 +171,37 @@ def test_local_calls_run_on_the_model_thread_with_no_hand_over(socket_stack):
     ran_on = engine.run(threading.current_thread)  # from here: handed over
     assert ran_on is engine.model_thread._thread
     local.close()
+
+
+def test_a_peer_stalled_mid_frame_loses_its_connection_and_holds_the_model_thread_briefly(tmp_path, monkeypatch):
+    """Where the model thread serves the socket, a peer that sends part of a frame and stalls holds
+    it for at most FRAME_SECONDS: then its connection is dropped, and the others' calls go on."""
+    import socket
+    import time
+
+    from specbatch.engine.model_thread import ModelThread
+    from specbatch.rpc import local as local_rpc
+
+    monkeypatch.setattr(local_rpc, "FRAME_SECONDS", 0.3)
+
+    class Releasing:
+        def Release(self, request, context):
+            return pb.ReleaseResponse(released=len(request.seq_ids))
+
+    loop = ModelThread()
+    server = LocalServer(tmp_path, "stall", loop=loop)
+    server.add(Releasing(), "specbatch.v1.Target")
+    server.start()
+    stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stalled.connect(server.path)
+    stalled.sendall(b"\x05\x00")  # two bytes of a header, then nothing
+    other = LocalChannel(server.path)
+    started = time.monotonic()
+    assert other.call("/specbatch.v1.Target/Release", pb.ReleaseRequest(seq_ids=["a", "b"]), 10.0).released == 2
+    assert time.monotonic() - started < 5.0
+    stalled.settimeout(5.0)
+    assert stalled.recv(16) == b""  # dropped
+    assert loop.submit(lambda: "the model thread goes on").result(5) == "the model thread goes on"
+    stalled.close()
+    other.close()
+    server.stop()
