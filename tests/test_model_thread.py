@@ -52,3 +52,26 @@ def test_a_watched_socket_is_served_on_the_thread_between_jobs():
     assert ours.recv(64) == b"unseen"  # still there: nobody read it
     ours.close()
     theirs.close()
+
+
+def test_a_watched_connection_that_fails_is_dropped_and_the_thread_serves_on(caplog):
+    loop = ModelThread()
+    ours, theirs = socket.socketpair()
+    failed, calls = threading.Event(), []
+
+    def on_readable():
+        calls.append(ours.recv(64))
+        failed.set()
+        raise RuntimeError("a handler bug")
+
+    loop.watch(ours, on_readable)
+    theirs.sendall(b"x")
+    assert failed.wait(5)
+    assert loop.submit(lambda: 1).result(5) == 1
+    assert "a handler bug" in caplog.text
+    theirs.sendall(b"y")  # no longer watched: left unread
+    assert loop.submit(lambda: 2).result(5) == 2
+    assert calls == [b"x"] and ours.recv(64) == b"y"
+    assert loop.submit(lambda: "still serving").result(5) == "still serving"
+    ours.close()
+    theirs.close()

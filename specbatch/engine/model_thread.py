@@ -13,10 +13,13 @@ Jobs run before connections are looked at again, one at a time, in the order sub
 from __future__ import annotations
 
 import collections
+import logging
 import selectors
 import socket
 import threading
 from concurrent import futures
+
+log = logging.getLogger(__name__)
 
 
 class ModelThread:
@@ -109,4 +112,8 @@ class ModelThread:
                     except BlockingIOError:
                         pass
                 else:
-                    key.data()
+                    try:
+                        key.data()
+                    except Exception:  # noqa: BLE001 - one connection's failure: the thread serves on
+                        log.exception("serving a watched connection failed: no longer watched")
+                        self._selector_unregister(key.fileobj)

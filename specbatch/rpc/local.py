@@ -207,7 +207,12 @@ class LocalServer:
         """One call of a connection the loop watches (it is readable)."""
         with self.lock:
             self.idle.discard(conn)
-        if self._serve_one(conn, waiting=False):
+        try:
+            served = self._serve_one(conn, waiting=False)
+        except Exception:  # noqa: BLE001 - a bug here ends this connection, never the model thread
+            log.exception("local connection failed")
+            served = False
+        if served:
             with self.lock:
                 if self.listener is not None:  # else stop has shut the idle ones: this one closes here
                     self.idle.add(conn)
