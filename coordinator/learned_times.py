@@ -23,6 +23,12 @@ PRIOR_DRAFT_PER_TOKEN = 0.3
 
 
 
+def nearest_size(sizes, size: float) -> int:
+    """Of ``sizes``, the one nearest ``size`` by ratio (3 is nearer 4 than 2; a tie goes to the
+    smaller)."""
+    return min(sizes, key=lambda b: (abs(math.log(b / max(size, 1.0))), b))
+
+
 def bucket_sizes(max_batch_size: int) -> tuple[int, ...]:
     """The batch sizes a learned profile keeps: 1, 2, 3, 4, 6, 8, 12, 16, 24 … (the powers of two and
     the points halfway between) up to the coordinator's batch. A step's times are kept at the size
@@ -108,7 +114,7 @@ class LearnedTimes:
 
     def size(self, batch_size: float) -> int:
         """The kept size nearest ``batch_size`` (by ratio: 3 is nearer 4 than 2)."""
-        return min(self.sizes, key=lambda b: (abs(math.log(b / max(batch_size, 1.0))), b))
+        return nearest_size(self.sizes, batch_size)
 
     def observe(self, t: StepTimes, mixed: bool = False) -> None:
         """``mixed``: a step whose sequences drafted different ks for the policy's own reasons
@@ -154,12 +160,11 @@ class LearnedTimes:
             medians = windows.medians(size)
             if not medians:  # nothing at this size: the nearest size that has some
                 sizes = windows.sizes()
-                medians = windows.medians(min(sizes, key=lambda b: (abs(math.log(b / size)), b)))
+                medians = windows.medians(nearest_size(sizes, size))
             slopes = [s for s in (_slope(windows.medians(b)) for b in windows.sizes()) if s is not None]
             other = None
             if len(medians) == 1 and slopes:  # another size's slope, scaled to this size's time
-                nearest = min((b for b in windows.sizes() if _slope(windows.medians(b)) is not None),
-                              key=lambda b: (abs(math.log(b / size)), b))
+                nearest = nearest_size([b for b in windows.sizes() if _slope(windows.medians(b)) is not None], size)
                 at = windows.medians(nearest)
                 (k0,) = medians
                 reference = at.get(k0) or min(at.values())
@@ -194,7 +199,7 @@ class LearnedTimes:
 
         def nearest(kind: bool, among=None) -> int | None:
             sizes = [b for b, d in self.rest if d == kind and (among is None or among(b))]
-            return min(sizes, key=lambda b: (abs(math.log(b / size)), b)) if sizes else None
+            return nearest_size(sizes, size) if sizes else None
 
         if (size, drafting) in self.rest:
             return median(size, drafting)
