@@ -50,7 +50,7 @@ class ModelThread:
         """Serve ``sock`` here: ``on_readable()`` runs on this thread each time it is readable (and
         blocks this thread while it runs: it should read what is there and answer)."""
         if self.on_thread():
-            self._selector.register(sock, selectors.EVENT_READ, on_readable)
+            self._selector_register(sock, on_readable)
         else:
             self.submit(self._selector_register, sock, on_readable)
 
