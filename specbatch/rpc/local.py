@@ -4,7 +4,9 @@ The same protobuf messages, servicer methods and status codes as gRPC; only the 
 differs. Why: a service idles between its calls while the other service computes, and gRPC's
 Python server hands each call across threads that were asleep, so an empty call after such a gap
 takes far longer to reach its handler and come back than over a Unix socket read by a thread
-blocked in ``recv`` (docs/decisions/local-sockets.md). A speculative step makes two such calls.
+waiting on it: in the services, the engine's model thread itself (``LocalServer(loop=…)``), so a
+call runs where it arrives (docs/decisions/local-sockets.md). A speculative step makes two such
+calls (one, where the target hosts the draft).
 
 A service started with ``--local-socket-dir DIR`` listens on a socket of its own in DIR (named
 with a fresh id, so a restarted service's socket is a new path and a coordinator elsewhere never
