@@ -673,26 +673,26 @@ def test_fp32_linears_give_each_row_what_it_gets_alone(threads):
         torch.set_num_threads(before)
 
 
-def test_int8_linears_approximate_the_product_and_are_refused_where_inexact_or_unsupported(target_model):
-    """Int8Linear (a draft's choice on a CPU) is the float32 product within int8's error; an engine
-    asked for int8 weights where they cannot run (bf16, transformers' forward) refuses at start."""
-    from specbatch.kernels.linear import Int8Linear, int8_linears_available
+def test_q8_0_linears_approximate_the_product_and_are_refused_where_unsupported(target_model):
+    """Q8_0 blocks (the embedded draft's form on a CPU) give the float32 product within 8-bit error;
+    an engine asked for them where they cannot run (bf16, transformers' forward) refuses at start."""
+    import copy
 
-    if not int8_linears_available():
-        pytest.skip("no fbgemm in this PyTorch build (not x86)")
+    from specbatch.kernels import build
+    from specbatch.kernels.linear import linear
+
+    if not build.blocks_available():
+        pytest.skip("the GGUF block kernels did not build here")
     generator = torch.Generator().manual_seed(2)
     weight, bias = torch.randn(96, 64, generator=generator), torch.randn(96, generator=generator)
     x = torch.randn(3, 5, 64, generator=generator)
     exact = torch.nn.functional.linear(x, weight, bias)
-    approx = Int8Linear(weight, bias)(x)
+    approx = linear(weight, bias, "q8_0")(x)
     assert approx.shape == exact.shape
-    assert 0 < (approx - exact).norm() / exact.norm() < 0.05
-    engine = Engine(target_model, weights="int8")
-    qkv = engine.forward.layers[0].qkv  # the panel kernel's int8 form where the CPU has AVX512_VNNI, else fbgemm's
-    assert getattr(qkv, "int8_dot", False) or type(qkv).__name__ == "Int8Linear"
-    with pytest.raises(ValueError, match="int8"):
-        Engine(target_model, weights="int8", implementation="transformers")
-    import copy
-
-    with pytest.raises(ValueError, match="int8"):
-        Engine(copy.deepcopy(target_model).to(torch.bfloat16), weights="int8")
+    assert 0 < (approx - exact).norm() / exact.norm() < 0.02
+    engine = Engine(target_model, weights="q8_0")
+    assert engine.forward.layers[0].qkv.q8_0 and engine.forward.decoder_layers is not None
+    with pytest.raises(ValueError, match="Q8_0"):
+        Engine(target_model, weights="q8_0", implementation="transformers")
+    with pytest.raises(ValueError, match="Q8_0"):
+        Engine(copy.deepcopy(target_model).to(torch.bfloat16), weights="q8_0")

@@ -131,43 +131,9 @@ def test_bf16_dot_products_are_row_exact_products_of_the_rounded_operands(out_fe
 
 
 needs_fp16 = pytest.mark.skipif(not build.fp16_dot_available(), reason="the CPU lacks AVX512_FP16")
-needs_int8_dot = pytest.mark.skipif(not build.int8_dot_available(), reason="the CPU lacks AVX512_VNNI")
 
 
 needs_blocks = pytest.mark.skipif(not build.blocks_available(), reason="the GGUF block kernels did not build here")
-
-
-@needs_int8_dot
-@pytest.mark.parametrize("out_features,in_features", SHAPES)
-@pytest.mark.parametrize("threads", [1, 2])
-def test_int8_products_are_row_exact_products_of_the_quantized_operands(out_features, in_features, threads):
-    """Weights quantized per output feature and each input row per row, to [-127, 127]: the
-    result is the exact integer product scaled back (within float32 rounding), each row the same
-    bits alone or beside others on any thread count, and within int8's error of the float32
-    product."""
-    weight, bias, layer, x = layer_and_rows(out_features, in_features, out_features * in_features + 2, int8_dot=True)
-    x[3] = 0  # a row of zeros has no scale
-    assert layer.panels.dtype == torch.int8 and layer.int8_dot and layer.form == 4
-    # The operands quantized as the layer (weights, in PyTorch) and the kernel (inputs, in C) do
-    # it, in float32, rounding half to even; the integer product is exact.
-    w_scale = weight.abs().amax(dim=1, keepdim=True) / 127
-    q_w = (weight / w_scale).round().double()
-    largest = x.abs().amax(dim=1, keepdim=True)
-    x_scale = largest / 127
-    q_x = (x * torch.where(largest > 0, 127 / largest, torch.zeros_like(largest))).round().double()
-    exact = (q_x @ q_w.T) * x_scale.double() * w_scale.double().T + bias.double()
-    alone = rows_alone_and_beside_others(layer, x, threads, list(range(1, 10)) + [16, 17, 40])
-    # The int32 sum converted to float32 and scaled twice: a few float32 roundings of the product.
-    assert ((alone.double() - exact).abs() <= 1e-6 * (exact - bias.double()).abs() + 1e-6).all()
-    product = x.double() @ weight.double().T
-    assert (alone.double() - product - bias.double()).norm() < 0.02 * product.norm()
-
-
-def test_int8_weights_run_on_the_panel_kernel_where_the_cpu_has_vnni():
-    """A draft's int8 layers: the panel kernel's row-exact int8 form where AVX512_VNNI is, else
-    fbgemm's dynamic layer."""
-    layer = linear(torch.randn(32, 16), weights="int8")
-    assert type(layer).__name__ == ("PanelLinear" if build.int8_dot_available() else "Int8Linear")
 
 
 @needs_fp16
@@ -349,7 +315,7 @@ def test_a_prompt_prefills_to_the_same_bits_alone_or_beside_a_longer_one(other_l
 FORMS = [pytest.param({}, id="float32"), pytest.param({"weights": "bf16"}, id="bf16-weights"),
          pytest.param({"weights": "bf16-dot"}, id="bf16-dot", marks=needs_bf16_dot),
          pytest.param({"weights": "fp16-dot"}, id="fp16-dot", marks=needs_fp16),
-         pytest.param({"weights": "int8"}, id="int8-dot", marks=needs_int8_dot),
+         pytest.param({"weights": "q8_0"}, id="q8_0", marks=needs_blocks),
          pytest.param({"weights": "q4_1"}, id="q4_1", marks=needs_bf16_dot)]
 
 
@@ -420,11 +386,9 @@ def test_the_layers_in_one_call_refuse_a_pool_that_does_not_match():
             forward.decoder_layers(x.clone(), rope, attention, wrong)
 
 
-def test_projections_off_the_panel_kernel_keep_the_python_loop(monkeypatch):
-    """fbgemm's int8 layers (a CPU without AVX512_VNNI) and bf16 on oneDNN are not the kernels'."""
+def test_projections_off_the_panel_kernel_keep_the_python_loop():
+    """bf16 on oneDNN is not the kernels'."""
     assert Engine(tiny_llama(1, seed=0).to(torch.bfloat16)).forward.decoder_layers is None
-    monkeypatch.setattr(build, "int8_dot_available", lambda: False)
-    assert Engine(tiny_llama(1, seed=0), weights="int8").forward.decoder_layers is None
 
 
 # ---- a layer's small operations (layer_ops.c) ---------------------------------------------------------

@@ -230,28 +230,29 @@ def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatc
 
 
 @pytest.mark.parametrize("machine, options, target, draft", [
-    ({"dot": "fp16"}, {}, "fp16-dot", "int8"),
-    ({"dot": True}, {}, "q4_1", "int8"),
-    ({"dot": False}, {}, "q4_1", "int8"),
-    ({"dot": False, "native_bf16": False}, {}, "q4_1", "int8"),
-    ({"dot": False, "blocks": False}, {}, "bf16", "int8"),
-    ({"dot": True}, {"weights": "bf16-dot"}, "bf16-dot", "int8"),
+    ({"dot": "fp16"}, {}, "fp16-dot", "q8_0"),
+    ({"dot": True}, {}, "q4_1", "q8_0"),
+    ({"dot": False}, {}, "q4_1", "q8_0"),
+    ({"dot": False, "native_bf16": False}, {}, "q4_1", "q8_0"),
+    ({"dot": False, "blocks": False}, {}, "bf16", "model"),
+    ({"dot": True}, {"weights": "bf16-dot"}, "bf16-dot", "q8_0"),
     ({"kernels": False}, {}, "model", "model"),
-    ({"kernels": False, "native_bf16": False}, {}, "model", "int8"),
-    ({"dot": True}, {"dtype": "float32"}, "model", "int8"),
+    ({"kernels": False, "native_bf16": False}, {}, "model", "model"),
+    ({"dot": True}, {"dtype": "float32"}, "model", "q8_0"),
     ({"dot": True}, {"dtype": "bf16"}, "model", "model"),
-    ({"dot": "fp16"}, {"weights": "bf16-dot"}, "bf16-dot", "int8"),
-    ({"dot": True}, {"weights": "q4_1"}, "q4_1", "int8"),
+    ({"dot": "fp16"}, {"weights": "bf16-dot"}, "bf16-dot", "q8_0"),
+    ({"dot": True}, {"weights": "q4_1"}, "q4_1", "q8_0"),
     ({"dot": True}, {"weights": "model"}, "model", "model"),
     ({"dot": True}, {"target_model": "some/target", "draft_model": "some/draft"}, "model", "model"),
     ({"dot": True}, {"target_model": "some/target", "draft_model": "some/draft", "weights": "bf16-dot"},
      "bf16-dot", "bf16-dot"),
+    ({"dot": False}, {"target_model": "some/target", "draft_model": "some/draft", "weights": "q8_0"}, "q8_0", "q8_0"),
     ({"dot": True}, {"device": "cuda"}, "model", "model")])
 def test_the_machine_decides_the_weight_forms(monkeypatch, machine, options, target, draft):
     """The embedded pair on a CPU where the kernels build: the target on float16 products where the
     CPU has AVX512_FP16, else on the GGUF's own blocks (AVX512_VNNI, or AVX2 with F16C), else on bf16
-    weights; the draft int8 wherever the target runs float32 arithmetic; another pair or a GPU as
-    loaded unless a form is named."""
+    weights; the draft in Q8_0 blocks wherever the target runs float32 arithmetic and the block
+    kernels build; another pair or a GPU as loaded unless a form is named."""
     spawned = _spawned(monkeypatch, options, **machine)
     assert _flag(spawned["target_service"][0], "--weights") == target
     assert _flag(spawned["draft_service"][0], "--weights") == draft
@@ -259,11 +260,9 @@ def test_the_machine_decides_the_weight_forms(monkeypatch, machine, options, tar
 
 @pytest.mark.parametrize("form, machine, kv_bf16", [
     ("bf16-dot", {}, True), ("fp16-dot", {"dot": "fp16"}, True), ("q4_1", {}, True), ("q4_1", {"dot": False}, True),
-    ("bf16", {"dot": False}, False), ("model", {}, False), ("int8", {}, True), ("int8", {"dot": False}, True),
-    ("int8", {"dot": False, "blocks": False}, False)])
+    ("bf16", {"dot": False}, False), ("model", {}, False), ("q8_0", {}, True), ("q8_0", {"dot": False}, True)])
 def test_keys_and_values_are_bf16_beside_sixteen_bit_forms(monkeypatch, form, machine, kv_bf16):
-    """Where the layers' inputs are rounded to 16 bits or fewer, keys and values are kept in bf16 too;
-    an int8 draft keeps them so where its target runs such a form."""
+    """Where the layers' inputs are rounded to 16 bits or fewer, keys and values are kept in bf16 too."""
     from specbatch.kernels import forms
 
     _on_a_cpu(monkeypatch, **machine)

@@ -168,14 +168,14 @@ def test_q8_0_products_are_row_exact_products_of_the_quantized_input(out_feature
 
 @needs_blocks
 def test_speculation_on_q4_1_layers_is_its_own_target_only_decoding(target_model, draft_model, tokenizer):
-    """A target in the q4_1 form (bf16 keys and values, as `specbatch up` runs it) and a draft in int8:
+    """A target in the q4_1 form (bf16 keys and values, as `specbatch up` runs it) and a draft in Q8_0:
     greedy output at k = 3 with leaves, in one mixed batch, is token for token the same stack's
     target-only (k = 0) output."""
     from specbatch.stack.in_process import start_local_stack
 
     stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=8, max_new_tokens=64,
                               target_engine_options={"weights": "q4_1", "kv_bf16": True},
-                              draft_engine_options={"weights": "int8", "kv_bf16": True})
+                              draft_engine_options={"weights": "q8_0", "kv_bf16": True})
     try:
         speculative = greedy_mixed_batch(stack, seed=13, k=3)
         assert sum(r.stats.draft_tokens_accepted for r in speculative) > 0
@@ -187,14 +187,14 @@ def test_speculation_on_q4_1_layers_is_its_own_target_only_decoding(target_model
 @pytest.mark.parametrize("dot", [True, "fp16"])
 def test_the_launcher_gives_the_target_q4_1_and_keeps_the_draft(monkeypatch, dot):
     """`specbatch up --weights q4_1`: the target service gets q4_1 (float32, bf16 keys and values),
-    the embedded draft its usual int8, and the profile looked up is the Q4_1 form's."""
+    the embedded draft its usual Q8_0, and the profile looked up is the Q4_1 form's."""
     from test_processes import _flag, _spawned
 
     from specbatch.stack.defaults import StackOptions, default_k_policy
 
     spawned = _spawned(monkeypatch, {"weights": "q4_1"}, dot=dot)
     assert _flag(spawned["target_service"][0], "--weights") == "q4_1"
-    assert _flag(spawned["draft_service"][0], "--weights") == "int8"
+    assert _flag(spawned["draft_service"][0], "--weights") == "q8_0"
     policy, path = default_k_policy(StackOptions(weights="q4_1", device="cpu"))
     assert policy == "goodput" and path.endswith("embedded-cpu-q4_1-in-target.json")
     policy, path = default_k_policy(StackOptions(weights="q4_1", device="cpu", separate_draft=True))

@@ -113,7 +113,7 @@ def test_bf16_output_leaves_target_only_decoding_only_at_near_ties(real, bf16_st
 @pytest.mark.parametrize("form", ["bf16-dot", "fp16-dot", "q4_1"])
 def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real, form):
     """The embedded services' default where the CPU has AVX512_BF16 (AVX512_FP16): float32 with the
-    linear layers on bf16 dot products (float16 products), the draft int8; and `--q4-1`'s target, its
+    linear layers on bf16 dot products (float16 products), the draft in Q8_0 blocks; and `--q4-1`'s target, its
     decoder layers in the GGUF's Q4_1 blocks. Row-exact multiplies and attention make speculative
     output equal target-only decoding on the same engine token for token, with prompts of different
     lengths prefilled together and k 1-4 in one batch. (Differences show only at near-ties, which
@@ -127,7 +127,7 @@ def test_bf16_dot_products_speculate_exactly_in_mixed_batches(real, form):
         pytest.skip(f"the CPU lacks {'AVX512_FP16' if form == 'fp16-dot' else 'AVX512_BF16'}")
     target, draft, tokenizer = real
     stack = start_local_stack(target, draft, tokenizer, max_batch_size=4, target_engine_options={"weights": form},
-                              draft_engine_options={"weights": "int8"})
+                              draft_engine_options={"weights": "q8_0"})
     try:
         prompts = [chat_ids(tokenizer, c) for c in CHATS]
         assert len({len(p) for p in prompts}) > 1

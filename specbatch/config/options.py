@@ -29,7 +29,7 @@ DEFAULT_METRICS_PORTS = {COORDINATOR: 9090, TARGET: 9091, DRAFT: 9092}
 EMBEDDED_TARGET, EMBEDDED_DRAFT = "smollm2-135m-instruct", "smollm2-135m-instruct-draft"
 # The services' weight forms (specbatch.kernels.forms): auto, the model as loaded, or one of the
 # CPU kernels' forms.
-WEIGHT_FORMS = ("auto", "model", "bf16", "bf16-dot", "fp16-dot", "q4_1", "int8")
+WEIGHT_FORMS = ("auto", "model", "bf16", "bf16-dot", "fp16-dot", "q4_1", "q8_0")
 CUDA_GRAPH_MODES = ("auto", "on", "lazy", "static", "off")
 K_POLICIES = "fixed:K, profile, goodput, goodput:live, learn"
 # Set by ``specbatch up`` for the model services it starts, not an operator's: within a step the
@@ -115,9 +115,9 @@ OPTIONS: tuple[Option, ...] = (
            group="engine"),
     Option("--weights", "how the linear layers keep their weights: auto (the machine decides: on a CPU where the "
            "engine's kernels build, the embedded target on float16 products where the CPU has AVX512_FP16, else "
-           "on its GGUF's own blocks (AVX512_VNNI or AVX2), else on bf16 weights; the embedded draft in int8), "
-           "model (as loaded, in --dtype), bf16, bf16-dot, fp16-dot, q4_1 (the embedded GGUF's own blocks, "
-           "computed as llama.cpp does) or int8 (a draft's)", default="auto",
+           "on its GGUF's own blocks (AVX512_VNNI or AVX2), else on bf16 weights; the embedded draft in Q8_0 "
+           "blocks), model (as loaded, in --dtype), bf16, bf16-dot, fp16-dot, q4_1 (the embedded GGUF's own blocks, "
+           "computed as llama.cpp does) or q8_0 (8-bit blocks, as llama.cpp computes them)", default="auto",
            programs=SERVICES | {UP}, group="engine", choices=WEIGHT_FORMS),
     Option("--kv-cache-gb", "the KV pool's budget of each model service, GiB", default=8.0, type=float,
            programs=SERVICES | {UP}, group="engine"),

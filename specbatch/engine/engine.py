@@ -41,7 +41,6 @@ from specbatch.engine.captured import CapturedForward
 from specbatch.engine.kv_pool import KVPool, SequenceCache
 from specbatch.engine.model_thread import ModelThread
 from specbatch.kernels import build
-from specbatch.kernels.linear import int8_linears_available
 from specbatch.models import llama, opt
 from specbatch.models.eagle import reads_target_features
 from specbatch.models.transformers_forward import TransformersForward
@@ -60,13 +59,14 @@ def own_forward(model):
 # The own forward's weight forms (``Engine.weights``; specbatch.kernels.forms says which the machine
 # picks): how messages name each, whether this CPU runs it, and what it needs.
 WEIGHT_FORMS = {
-    "int8": ("int8 weights", lambda: int8_linears_available(), "an x86 CPU (fbgemm)"),
     "bf16": ("bf16 weights", lambda: build.available(), "a CPU where the panel kernel builds"),
     "bf16-dot": ("bf16 dot products", lambda: build.bf16_dot_available(),
                  "a CPU with AVX512_BF16 where the panel kernel builds"),
     "fp16-dot": ("float16 products", lambda: build.fp16_dot_available(),
                  "a CPU with AVX512_FP16 where the panel kernel builds"),
     "q4_1": ("Q4_1 weights", lambda: build.blocks_available(),
+             "a CPU with AVX512_VNNI, or AVX2 with F16C, where the panel kernel builds"),
+    "q8_0": ("Q8_0 weights", lambda: build.blocks_available(),
              "a CPU with AVX512_VNNI, or AVX2 with F16C, where the panel kernel builds"),
 }
 
@@ -93,9 +93,9 @@ class Engine:
     # The own forward's weight form on the CPU kernels (None: the model's weights as loaded):
     # "bf16" (weights rounded to bfloat16, float32 arithmetic), "bf16-dot" (inputs rounded too,
     # pairs summed on AVX512_BF16), "fp16-dot" (float16 weights and inputs, AVX512_FP16), "q4_1"
-    # (the GGUF's own 4-bit blocks; Llama only) and "int8" (a draft's: the results move ~2 % and
-    # depend on the other rows of a call, so never a target's). All but int8 are row-exact: a
-    # target running one speculates exactly against its own target-only decoding.
+    # (the GGUF's own 4-bit blocks; Llama only) and "q8_0" (8-bit blocks: the embedded draft's).
+    # All are row-exact: a target running one speculates exactly against its own target-only
+    # decoding.
     weights: str | None = None
     # Keys and values kept in bfloat16 (rounded to nearest as they are written; attention widens
     # them back and computes in float32): the own Llama forward in float32 on the engine's CPU
@@ -127,9 +127,8 @@ class Engine:
         llama_only = self.weights == "q4_1"  # the GGUF's blocks are the Llama layers'
         if (own is None or (llama_only and own is not llama.LlamaForward) or self.device.type != "cpu"
                 or self.dtype != torch.float32 or not available()):
-            reason = "" if self.weights == "int8" else f" ({build.unavailable_reason() or 'it does'})"
             raise ValueError(f"{described} need the engine's own {'Llama ' if llama_only else ''}forward, in float32 "
-                             f"on {where}{reason}")
+                             f"on {where} ({build.unavailable_reason() or 'it does'})")
 
     def __post_init__(self):
         self.model.eval()

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "c" / name
                 for name in ("panel_blocks.c", "panel_sgemm.c", "panel_dpbf16.c", "panel_q4_1.c", "panel_fp16.c",
-                             "panel_int8.c", "panel_q8_0.c", "attention.c", "layer_ops.c", "decoder.c"))
+                             "panel_q8_0.c", "attention.c", "layer_ops.c", "decoder.c"))
 
 
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC")
@@ -65,9 +65,9 @@ BF16_DOT_FLAGS = ("-mavx512bf16",)
 FP16_DOT_FLAGS = ("-mavx512fp16",)
 
 
-# Where the CPU has AVX512_VNNI besides: panel_int8.c, int8 products summed exactly (a draft's
-# layers; compiled only then).
-INT8_DOT_FLAGS = ("-mavx512vnni",)
+# Where the CPU has AVX512_VNNI besides: panel_q4_1.c and panel_q8_0.c sum their blocks on vpdpbusd
+# (elsewhere on AVX2's vpmaddubsw, the same bits).
+VNNI_FLAGS = ("-mavx512vnni",)
 
 
 PANEL = 16  # output features a panel holds: panel_sgemm.c's PANEL
@@ -102,7 +102,7 @@ def flags(fp16: bool = True) -> tuple[str, ...]:
     if torch.backends.cpu.get_cpu_capability() != "AVX512" or not cpu.has("avx512f"):
         return FLAGS
     return (FLAGS + AVX512_FLAGS + (BF16_DOT_FLAGS if cpu.has("avx512_bf16") else ())
-            + (INT8_DOT_FLAGS if cpu.has("avx512_vnni") else ()) + (FP16_DOT_FLAGS if fp16 and cpu.has("avx512_fp16") else ()))
+            + (VNNI_FLAGS if cpu.has("avx512_vnni") else ()) + (FP16_DOT_FLAGS if fp16 and cpu.has("avx512_fp16") else ()))
 
 
 def build(directory: Path | None = None, build_flags: tuple[str, ...] | None = None) -> Path:
@@ -198,13 +198,6 @@ def blocks_available() -> bool:
     kernels built (on AVX512_VNNI, else on AVX2 with F16C)."""
     library = _library()
     return library is not None and hasattr(library, "panel_q4_1")
-
-
-def int8_dot_available() -> bool:
-    """Whether the int8 multiply (``panel_int8.c``) runs here: the kernels built for a CPU with
-    AVX512_VNNI."""
-    library = _library()
-    return library is not None and hasattr(library, "panel_int8")
 
 
 def unavailable_reason() -> str | None:

@@ -11,10 +11,11 @@ decoding):
 - ``bf16``: weights rounded to bfloat16, float32 arithmetic (any CPU with AVX2);
 - ``q4_1``: the embedded GGUF's own blocks (Q4_1 layers, a Q8_0 head), each input row quantized
   to 8 bits as llama.cpp does, exact integer sums (AVX512_VNNI, or AVX2: the same bits);
-- ``int8``: a draft's layers in int8 (its proposals move a little; the output does not);
+- ``q8_0``: every weight in GGUF's Q8_0 blocks, each input row quantized to 8 bits likewise (the
+  embedded draft's form: half of bf16's bytes; its proposals move a little, the output does not);
 - ``model``: the model as loaded, in ``--dtype`` (a GPU, another model, or no kernels here).
 
-Why each default is what it is: docs/decisions/weights-auto.md and int8-draft.md.
+Why each default is what it is: docs/decisions/weights-auto.md and q8_0-draft.md.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from specbatch.kernels import cpu
 
 # The forms whose layers round their inputs to 16 bits or fewer: keys and values are kept in bf16
 # beside them (docs/decisions/kv-bf16.md).
-SIXTEEN_BIT_FORMS = frozenset({"bf16-dot", "fp16-dot", "q4_1"})
-CPU_FORMS = frozenset({"bf16", "int8"}) | SIXTEEN_BIT_FORMS
+SIXTEEN_BIT_FORMS = frozenset({"bf16-dot", "fp16-dot", "q4_1", "q8_0"})
+CPU_FORMS = frozenset({"bf16"}) | SIXTEEN_BIT_FORMS
 
 
 @dataclass(frozen=True)
@@ -57,15 +58,16 @@ def machine_target_form() -> str:
 def decide(weights: str, embedded: bool, device: str, dtype: str | None) -> Forms:
     """The forms for ``--weights`` (auto or a form) of a pair. The embedded pair on a CPU takes the
     machine's form where the kernels build (another form where one is named), with the draft in
-    int8 wherever the target runs float32 arithmetic; any other pair (another model, a GPU) runs
-    as loaded unless a form is named, and then both take it where they can."""
+    Q8_0 blocks wherever the target runs float32 arithmetic and their kernels build; any other
+    pair (another model, a GPU) runs as loaded unless a form is named, and then both take it where
+    they can (the draft not Q4_1, which the embedded GGUF's layers are)."""
     embedded_cpu = embedded and device == "cpu"
     if weights == "auto":
         weights = machine_target_form() if embedded_cpu and dtype in (None, "auto") else "model"
     if not embedded_cpu:
-        return Forms(weights, weights if weights not in ("q4_1", "int8") else "model")
+        return Forms(weights, weights if weights != "q4_1" else "model")
     float32 = weights != "model" or dtype in ("float32", "fp32") or (dtype in (None, "auto") and not cpu.multiplies_bf16())
-    return Forms(weights, "int8" if float32 else "model")
+    return Forms(weights, "q8_0" if float32 and cpu.blocks_expected() else "model")
 
 
 # What each CPU form needs of the machine, torch-free: the check and how a refusal names it.
@@ -73,7 +75,7 @@ NEEDS = {"bf16": ("kernels_expected", "the engine's kernels (an x86 CPU with AVX
          "bf16-dot": ("bf16_dot_expected", "a CPU with AVX512_BF16"),
          "q4_1": ("blocks_expected", "a CPU with AVX512_VNNI, or AVX2 with F16C"),
          "fp16-dot": ("fp16_dot_expected", "a CPU with AVX512_FP16"),
-         "int8": (None, "a CPU")}
+         "q8_0": ("blocks_expected", "a CPU with AVX512_VNNI, or AVX2 with F16C")}
 
 
 def problem(form: str, device: str, dtype: str | None) -> str | None:
@@ -85,12 +87,12 @@ def problem(form: str, device: str, dtype: str | None) -> str | None:
         return f"--weights {form} is for the CPU (not {device})"
     if dtype not in (None, "auto", "float32", "fp32"):
         return f"--weights {form} computes in float32: drop --dtype {dtype}"
-    if check is not None and not getattr(cpu, check)():
+    if not getattr(cpu, check)():
         return f"--weights {form} needs {needs}, which this machine lacks"
     return None
 
 
 def kv_bf16(form: str) -> bool:
     """Whether a service keeps its keys and values in bf16: beside the forms that round their
-    inputs to 16 bits, and beside an int8 draft where its target would run one of them."""
-    return form in SIXTEEN_BIT_FORMS or (form == "int8" and machine_target_form() in SIXTEEN_BIT_FORMS)
+    inputs to 16 bits or fewer."""
+    return form in SIXTEEN_BIT_FORMS

@@ -13,9 +13,7 @@ as it is with ``F.linear``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -104,51 +102,7 @@ class PackedLinear:
         return y.view(*shape[:-1], self.out_features)
 
 
-class Int8Linear:
-    """``x @ weight.T (+ bias)`` with the weight in int8 (one scale per output row) and each call's
-    input quantized to 8 bits on the fly: fbgemm's dynamic quantized linear, for a draft on a CPU.
-
-    A draft's forward is bound by reading its weights, so int8's quarter of float32's bytes makes
-    it much cheaper (docs/decisions/int8-draft.md). Its results are not the float32 ones (about
-    2 % relative error a multiply), and, the input's scale being one per call, a row's result
-    depends on the other rows of the call: fine for a draft, whose tokens the target accepts or
-    rejects, so the output stays the target's; never for a target.
-    One scale for the whole input also means an input with a few huge features (a model's raw
-    hidden states) keeps no resolution for the rest: layers reading normalized inputs suit it.
-    """
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        weight = weight.detach().float()
-        self.out_features, self.in_features = weight.shape
-        scales = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        with warnings.catch_warnings():  # quantized tensors are deprecated; the prepacked form is what is used
-            warnings.simplefilter("ignore", UserWarning)
-            qweight = torch.quantize_per_channel(weight, scales.double(), torch.zeros(len(scales), dtype=torch.long),
-                                                 0, torch.qint8)
-        with quantized_engine("fbgemm"):  # fbgemm's kernels: faster than the x86 engine's for a draft
-            self.packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.detach().float())
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # reduce_range: 7-bit inputs, as fbgemm needs on CPUs without VNNI (its 16-bit sums saturate).
-        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
-
-
-def int8_linears_available() -> bool:
-    return "fbgemm" in torch.backends.quantized.supported_engines
-
-
-@contextlib.contextmanager
-def quantized_engine(name: str):
-    """PyTorch's quantized engine set to ``name`` for the block (it is process-wide)."""
-    before = torch.backends.quantized.engine
-    torch.backends.quantized.engine = name
-    try:
-        yield
-    finally:
-        torch.backends.quantized.engine = before
-
-
-Linear = PackedLinear | PanelLinear | Int8Linear
+Linear = PackedLinear | PanelLinear
 
 
 def panel_kernel_takes(weight: torch.Tensor) -> bool:
@@ -157,8 +111,8 @@ def panel_kernel_takes(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype == torch.float32 and build.available()
 
 
-# Besides None (the weights as the model has them); "q8_0" is the q4_1 form's head.
-WEIGHT_FORMATS = ("bf16", "bf16-dot", "fp16-dot", "int8", "q4_1", "q8_0")
+# Besides None (the weights as the model has them).
+WEIGHT_FORMATS = ("bf16", "bf16-dot", "fp16-dot", "q4_1", "q8_0")
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weights: str | None = None) -> Linear:
@@ -169,16 +123,12 @@ def linear(weight: torch.Tensor, bias: torch.Tensor | None = None, weights: str 
     summed in float32 on AVX512_BF16 (``build.bf16_dot_available``; row-exact too); "fp16-dot":
     the weight and each input (scaled by a power of two) rounded to float16, products summed in
     float16 in runs of 32, the runs in float32, on AVX512_FP16 (``build.fp16_dot_available``;
-    row-exact); "int8" (a draft's choice): int8 weights and inputs, on the panel kernel where the CPU
-    has AVX512_VNNI (each input row its own scale: row-exact), else ``Int8Linear`` (fbgemm); "q4_1":
+    row-exact); "q4_1":
     the weight in GGUF's Q4_1 blocks (``specbatch.kernels.gguf_blocks``: exactly the file's values where the
     weight came from them) and each input row quantized to Q8_1 blocks of its own, exact integer sums
-    on AVX512_VNNI or AVX2 (row-exact, the same bits on both); "q8_0" (the q4_1 form's output head):
-    the weight in GGUF's Q8_0 blocks and each input row quantized to Q8_0 blocks of its own, likewise."""
-    if weights == "int8":
-        if panel_kernel_takes(weight) and build.int8_dot_available():  # row-exact, and one C call a layer
-            return PanelLinear(weight, bias, int8_dot=True)
-        return Int8Linear(weight, bias)
+    on AVX512_VNNI or AVX2 (row-exact, the same bits on both); "q8_0" (the q4_1 form's output head,
+    and a draft's layers): the weight in GGUF's Q8_0 blocks and each input row quantized to Q8_0
+    blocks of its own, likewise."""
     if weights in ("q4_1", "q8_0"):
         if not panel_kernel_takes(weight) or not build.blocks_available():
             raise ValueError(f"{weights} weights are for float32 weights on a CPU with AVX512_VNNI, or AVX2 with F16C, "

@@ -1,6 +1,6 @@
 """A linear layer on the kernels' matrix multiply: ``PanelLinear``, its weight packed once into panels
-of output features (float32, bf16, bf16 dot products, float16 products, int8, or GGUF's Q4_1 and
-Q8_0 blocks), read once at the memory's speed for every row of a call, each row summed in one fixed
+of output features (float32, bf16, bf16 dot products, float16 products, or GGUF's Q4_1 and Q8_0
+blocks), read once at the memory's speed for every row of a call, each row summed in one fixed
 order whatever the other rows are (so a row's bits never depend on them)."""
 
 from __future__ import annotations
@@ -28,19 +28,17 @@ class PanelLinear:
     cost again, so a verify step's rows ride along further). ``fp16_dot``: the weight in float16,
     each input row scaled by a power of two and rounded to float16, products summed in float16 in
     runs of 32 and the runs in float32 on AVX512_FP16 (``panel_fp16.c``: half the arithmetic of
-    bf16 dot products on a CPU that has both, and closer to float32). ``int8_dot``: the weight in
-    int8 with a scale per output feature, each input row quantized to int8 with a scale of its
-    own, the products summed exactly in int32 on AVX512_VNNI (``panel_int8.c``: a draft's layers).
+    bf16 dot products on a CPU that has both, and closer to float32).
     ``q4_1``: the weight in GGUF's Q4_1 blocks (``specbatch.kernels.gguf_blocks``: the file's own
     values where the weight was dequantized from them), each input row quantized to Q8_1 blocks of
     its own, the products summed exactly in int32 on AVX512_VNNI or AVX2 (the same bits on both;
     ``panel_q4_1.c``: under a third of bf16's bytes; llama.cpp's arithmetic). ``q8_0``: the weight
     in GGUF's Q8_0 blocks and each input row quantized to Q8_0 blocks of its own, likewise
-    (``panel_q8_0.c``: the embedded model's output head, as its file holds it). All are row-exact."""
+    (``panel_q8_0.c``: the embedded model's output head, as its file holds it, and a draft's layers).
+    All are row-exact."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, bf16_weights: bool = False,
-                 bf16_dot: bool = False, fp16_dot: bool = False, int8_dot: bool = False, q4_1: bool = False,
-                 q8_0: bool = False):
+                 bf16_dot: bool = False, fp16_dot: bool = False, q4_1: bool = False, q8_0: bool = False):
         library = build._library()
         if library is None:
             raise RuntimeError(f"the panel kernel is unavailable: {build.unavailable_reason()}")
@@ -48,26 +46,21 @@ class PanelLinear:
             raise RuntimeError("bf16 dot products need a CPU with AVX512_BF16 (and the kernels built for it)")
         if fp16_dot and not build.fp16_dot_available():
             raise RuntimeError("float16 products need a CPU with AVX512_FP16 (and the kernels built for it)")
-        if int8_dot and not build.int8_dot_available():
-            raise RuntimeError("int8 products need a CPU with AVX512_VNNI (and the kernels built for it)")
         if (q4_1 or q8_0) and not build.blocks_available():
             raise RuntimeError(f"{'Q4_1' if q4_1 else 'Q8_0'} weights need the kernels built for AVX512_VNNI or for "
                                "AVX2 with F16C")
-        if bf16_weights + bf16_dot + fp16_dot + int8_dot + q4_1 + q8_0 > 1:
-            raise ValueError("ask for one of bf16_weights, bf16_dot, fp16_dot, int8_dot, q4_1 and q8_0")
-        self.bf16_weights, self.bf16_dot, self.fp16_dot, self.int8_dot = bf16_weights, bf16_dot, fp16_dot, int8_dot
+        if bf16_weights + bf16_dot + fp16_dot + q4_1 + q8_0 > 1:
+            raise ValueError("ask for one of bf16_weights, bf16_dot, fp16_dot, q4_1 and q8_0")
+        self.bf16_weights, self.bf16_dot, self.fp16_dot = bf16_weights, bf16_dot, fp16_dot
         self.q4_1, self.q8_0 = q4_1, q8_0
         # Which kernel reads the packed weight (decoder.c's FORM_* codes).
-        self.form = (6 if q8_0 else 5 if q4_1 else 4 if int8_dot else 3 if fp16_dot else 2 if bf16_dot
+        self.form = (6 if q8_0 else 5 if q4_1 else 3 if fp16_dot else 2 if bf16_dot
                      else 1 if bf16_weights else 0)
         self.recovered_blocks = None  # the block forms': blocks already Q4_1 (Q8_0) (_init_q4_1, _init_q8_0)
         self.weight_unscale = 1.0  # the float16 form's power of two (_init_fp16)
-        self.weight_scale = self.weight_offset = None  # the int8 form's (_init_int8)
         self._multiply = library.panel_linear_multiply
         if fp16_dot:
             self._init_fp16(weight, bias)
-        elif int8_dot:
-            self._init_int8(weight, bias)
         elif q4_1:
             self._init_q4_1(weight, bias)
         elif q8_0:
@@ -108,22 +101,6 @@ class PanelLinear:
         scaled = F.pad(scaled, (0, 0, 0, -self.out_features % build.FP16_PANEL))
         self.panels = scaled.view(-1, build.FP16_PANEL, self.in_features).transpose(1, 2).contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
-
-    def _init_int8(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-        """The int8 form: each output feature scaled to [-127, 127] and rounded, packed
-        [panels, quads of input features, build.PANEL, 4]; its scale and 128 times its quantized sum
-        (panel_int8.c's offset), padded to the panels' width."""
-        weight = weight.detach().float()
-        self.out_features, self.in_features = weight.shape
-        scale = weight.abs().amax(dim=1) / 127
-        quantized = torch.where(scale[:, None] > 0, weight / scale.clamp(min=torch.finfo(torch.float32).tiny)[:, None],
-                                torch.zeros_like(weight)).round().clamp(-127, 127).to(torch.int8)
-        padded = -self.out_features % build.PANEL
-        quantized = F.pad(quantized, (0, -self.in_features % 4, 0, padded))
-        self.panels = quantized.view(-1, build.PANEL, quantized.shape[1] // 4, 4).transpose(1, 2).contiguous()
-        self.weight_scale = F.pad(scale, (0, padded)).contiguous()
-        self.weight_offset = (128 * quantized.to(torch.int32).sum(dim=1)).to(torch.int32).contiguous()
-        self.bias = None if bias is None else F.pad(bias.detach().float(), (0, padded)).contiguous()
 
     def _init_q4_1(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         """The Q4_1 form: per panel of build.PANEL output features and block of 32 input features, 320
@@ -189,8 +166,7 @@ def _by_block(values: torch.Tensor, count: int) -> torch.Tensor:
 class _LinearArgs(ctypes.Structure):
     """decoder.c's panel_linear: one PanelLinear's packed weight and the kernel that reads it."""
     _fields_ = [("form", ctypes.c_int32), ("weight_unscale", ctypes.c_float), ("packed", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64),
-                ("weight_scale", ctypes.c_void_p), ("weight_offset", ctypes.c_void_p)]
+                ("bias", ctypes.c_void_p), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64)]
 
     @classmethod
     def of(cls, linear: PanelLinear) -> "_LinearArgs":
@@ -198,5 +174,4 @@ class _LinearArgs(ctypes.Structure):
             return None if tensor is None else tensor.data_ptr()
 
         return cls(linear.form, linear.weight_unscale, linear.panels.data_ptr(), address(linear.bias),
-                   linear.in_features, linear.out_features, address(linear.weight_scale),
-                   address(linear.weight_offset))
+                   linear.in_features, linear.out_features)

@@ -116,20 +116,20 @@ class LlamaForward:
     ``weights``: how the linear layers keep their weights (``specbatch.kernels.linear.linear``): None, as
     the model has them; "bf16", rounded to bfloat16 for a float32 forward; "bf16-dot", the weights
     and the layers' inputs rounded to bfloat16 for a float32 forward; "fp16-dot", to float16 with
-    float16 products; "int8" (drafts only); "q4_1", the decoder layers' weights in GGUF's Q4_1
-    blocks, the output head in its Q8_0 blocks, the inputs of both quantized to 8 bits as llama.cpp
-    does."""
+    float16 products; "q4_1", the decoder layers' weights in GGUF's Q4_1 blocks, the output head
+    in its Q8_0 blocks, the inputs of both quantized to 8 bits as llama.cpp does; "q8_0" (the
+    embedded draft's), every weight in Q8_0 blocks."""
 
     def __init__(self, model, weights: str | None = None):
         if not supports(model):
             raise ValueError(f"{type(model).__name__} is not a Llama-family model this forward covers")
         base = model.get_decoder()
         self.embed = base.embed_tokens.weight
-        # The EAGLE draft's fusing layer stays in the model's dtype under ``int8``: it reads the
-        # target's raw hidden states, whose few huge features leave an input scaled to 8 bits for
-        # one call no resolution for the rest: int8 there cost many accepted tokens a step, int8
-        # everywhere else next to none (docs/decisions/int8-draft.md).
-        self.fuse = (linear(base.fc.weight, None, None if weights == "int8" else weights)
+        # The EAGLE draft's fusing layer stays in the model's dtype under ``q8_0``: it reads the
+        # target's raw hidden states, whose few huge features leave an input quantized to 8 bits
+        # little resolution for the rest: 8 bits there cost many accepted tokens a step, 8 bits
+        # everywhere else next to none (docs/decisions/q8_0-draft.md).
+        self.fuse = (linear(base.fc.weight, None, None if weights == "q8_0" else weights)
                      if reads_target_features(model) else None)
         self.rotary = base.rotary_emb
         self.layers = [_Layer(layer, weights) for layer in base.layers]
@@ -173,7 +173,7 @@ class LlamaForward:
         first = layers[0]
         if not all(isinstance(linear, PanelLinear)
                    for layer in layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)):
-            return None  # a draft's int8 projections, say
+            return None  # projections on oneDNN, say
         if any((layer.head_dim, layer.q_size, layer.kv_size, layer.intermediate)
                != (first.head_dim, first.q_size, first.kv_size, first.intermediate) for layer in layers):
             return None

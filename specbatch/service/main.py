@@ -35,8 +35,6 @@ def engine_settings(kind: str, args) -> dict:
     form = args.weights
     if form == "auto":
         form = getattr(forms.decide("auto", embedded, device, args.dtype), kind)
-    if kind == "target" and form == "int8":
-        raise ValueError("--weights int8 is a draft's: a target's results would depend on the other rows of a call")
     wide = int(os.environ.get(WIDE_THREADS_ENV) or 0)
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or None
     return {"spec": spec, "device": device, "dtype": forms.dtype_for(form, args.dtype),

@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* The kernels (panel_sgemm.c, panel_dpbf16.c, panel_fp16.c, panel_int8.c, panel_q4_1.c, panel_q8_0.c,
+/* The kernels (panel_sgemm.c, panel_dpbf16.c, panel_fp16.c, panel_q4_1.c, panel_q8_0.c,
  * attention.c, layer_ops.c). */
 void panel_sgemm(const float *x, int64_t M, int64_t K, const float *packed, int64_t N, const float *bias, float *y,
                  int threads);
@@ -23,10 +23,6 @@ void panel_sgemm_bf16w(const float *x, int64_t M, int64_t K, const uint16_t *pac
 #ifdef __AVX512BF16__
 int panel_dpbf16(const float *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N, const float *bias, float *y,
                  int threads);
-#endif
-#ifdef __AVX512VNNI__
-int panel_int8(const float *x, int64_t M, int64_t K, const int8_t *packed, const float *w_scale,
-               const int32_t *offset, int64_t N, const float *bias, float *y, int threads);
 #endif
 #if defined(__AVX512VNNI__) || defined(__F16C__)
 int panel_q8_0(const float *x, int64_t M, int64_t K, const uint8_t *packed, int64_t N, const float *bias, float *y,
@@ -49,8 +45,7 @@ int rope_write(float *qkv, int64_t B, int64_t W, int64_t H, int64_t KVH, int64_t
                int64_t kv_b, int64_t kv_h, int kv_bf16, int threads);
 
 /* One linear layer as specbatch.native.PanelLinear packs it; `form` says which kernel reads it. */
-enum { FORM_F32 = 0, FORM_BF16_WEIGHTS = 1, FORM_BF16_DOT = 2, FORM_FP16_DOT = 3, FORM_INT8_DOT = 4, FORM_Q4_1 = 5,
-       FORM_Q8_0 = 6 };
+enum { FORM_F32 = 0, FORM_BF16_WEIGHTS = 1, FORM_BF16_DOT = 2, FORM_FP16_DOT = 3, FORM_Q4_1 = 5, FORM_Q8_0 = 6 };
 
 typedef struct {
     int32_t form;
@@ -58,8 +53,6 @@ typedef struct {
     const void *packed;
     const float *bias; /* or NULL */
     int64_t in_features, out_features;
-    const float *weight_scale;   /* FORM_INT8_DOT only: each output feature's scale */
-    const int32_t *weight_offset; /* FORM_INT8_DOT only: 128 times each output feature's quantized sum */
 } panel_linear;
 
 typedef struct {
@@ -82,11 +75,6 @@ int panel_linear_multiply(const panel_linear *l, const float *x, int64_t M, floa
 #ifdef __AVX512BF16__
     case FORM_BF16_DOT:
         return panel_dpbf16(x, M, l->in_features, (const uint16_t *)l->packed, l->out_features, l->bias, y, threads);
-#endif
-#ifdef __AVX512VNNI__
-    case FORM_INT8_DOT:
-        return panel_int8(x, M, l->in_features, (const int8_t *)l->packed, l->weight_scale, l->weight_offset,
-                          l->out_features, l->bias, y, threads);
 #endif
 #if defined(__AVX512VNNI__) || defined(__F16C__)
     case FORM_Q8_0:

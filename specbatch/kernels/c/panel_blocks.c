@@ -1,5 +1,5 @@
 /* How a multiply's rows and output panels are shared out, for the kernels that run a block of rows
- * against one panel of 16 output features at a time (panel_dpbf16.c, panel_q4_1.c, panel_int8.c).
+ * against one panel of 16 output features at a time (panel_dpbf16.c, panel_q4_1.c, panel_q8_0.c).
  *
  * Panels go to the threads in groups of `group` (a thread's panels stay together in its cache
  * while it runs each block of rows over them). Within a group the rows run in blocks: all of them
