@@ -46,6 +46,7 @@ void panel_store_half(const float *out, int h, int64_t valid, const float *bias,
 /* One call's operands, for panel_blocks. */
 typedef struct {
     const uint32_t *quads;
+    const uint32_t *magnitudes; /* AVX2 only: |q_x|, as the quads (vpmaddubsw's unsigned operand) */
     const float *xscale;
     int64_t Kq, blocks;
     const uint8_t *packed;
@@ -130,29 +131,32 @@ static void q8_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, i
 #elif defined(__F16C__)
 /* AVX2 (no VNNI): vpmaddubsw needs an unsigned operand, and offset inputs would overflow its int16
  * pair sums, so as llama.cpp does: |q_x| times the weight with q_x's sign (vpsignb), each pair at
- * most 2 * 127 * 127, widened to int32 by vpmaddwd with ones a quad. The same exact S_b and the
- * same float32 operations in the same order as the AVX512_VNNI kernel: bitwise its results. A
- * panel's 16 features are two halves of eight, each its own pass. */
+ * most 2 * 127 * 127, widened to int32 by vpmaddwd with ones a quad. |q_x| is taken once a call
+ * (`magnitudes`), not once a panel. The same exact S_b and the same float32 operations in the same
+ * order as the AVX512_VNNI kernel: bitwise its results. A panel's 16 features are two halves of
+ * eight, each its own pass. */
 #define Q8_OFFSET_INPUTS 0
 #define Q8_MAX_ROWS 4
 #define Q8_SPLIT_ROWS 4
 
 #define Q8_AVX2(R)                                                                                      \
-    static void q8_half_##R(const uint32_t *x, const float *xscale, int64_t Kq, int64_t blocks,          \
-                            const uint8_t *panel, int h, float *y, int64_t N, int64_t valid, const float *bias) { \
+    static void q8_half_##R(const uint32_t *x, const uint32_t *xa, const float *xscale, int64_t Kq,      \
+                            int64_t blocks, const uint8_t *panel, int h, float *y, int64_t N, int64_t valid,   \
+                            const float *bias) {                                                        \
         const __m256i ones = _mm256_set1_epi16(1);                                                      \
         __m256 sum[R];                                                                                  \
         for (int i = 0; i < R; i++) sum[i] = _mm256_setzero_ps();                                       \
         for (int64_t b = 0; b < blocks; b++) {                                                          \
             const uint8_t *w = panel + b * Q8_BLOCK_BYTES;                                              \
-            const uint32_t *q = x + b * Q8_QUADS;                                                       \
+            const uint32_t *q = x + b * Q8_QUADS, *a = xa + b * Q8_QUADS;                               \
             __m256i acc[R];                                                                             \
             for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_si256();                                \
             for (int j = 0; j < Q8_QUADS; j++) {                                                        \
                 __m256i line = _mm256_loadu_si256((const __m256i *)(w + 64 * j + 32 * h));              \
                 for (int i = 0; i < R; i++) {                                                           \
                     __m256i xq = _mm256_set1_epi32((int)q[i * Kq + j]);                                 \
-                    __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(xq, xq), _mm256_sign_epi8(line, xq)); \
+                    __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi32((int)a[i * Kq + j]),         \
+                                                         _mm256_sign_epi8(line, xq));                   \
                     acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(pairs, ones));                  \
                 }                                                                                       \
             }                                                                                           \
@@ -170,14 +174,14 @@ static void q8_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, i
 
 Q8_AVX2(1) Q8_AVX2(2) Q8_AVX2(3) Q8_AVX2(4)
 
-typedef void (*q8_half)(const uint32_t *, const float *, int64_t, int64_t, const uint8_t *, int, float *, int64_t,
-                        int64_t, const float *);
+typedef void (*q8_half)(const uint32_t *, const uint32_t *, const float *, int64_t, int64_t, const uint8_t *, int,
+                        float *, int64_t, int64_t, const float *);
 static const q8_half q8_halves[Q8_MAX_ROWS + 1] = {0, q8_half_1, q8_half_2, q8_half_3, q8_half_4};
 
 static void q8_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, int64_t valid) {
     const q8_call *c = call;
     for (int h = 0; h < 2 && 8 * h < valid; h++)
-        q8_halves[rows](c->quads + m * c->Kq, c->xscale + m * c->blocks, c->Kq, c->blocks,
+        q8_halves[rows](c->quads + m * c->Kq, c->magnitudes + m * c->Kq, c->xscale + m * c->blocks, c->Kq, c->blocks,
                         c->packed + p * c->blocks * Q8_BLOCK_BYTES, h, c->y + m * c->N + p * PANEL, c->N, valid,
                         c->bias ? c->bias + p * PANEL : 0);
 }
@@ -192,15 +196,21 @@ int panel_q8_0(const float *x, int64_t M, int64_t K, const uint8_t *packed, int6
     if (K % Q8_BLOCK)
         return -1;
     int64_t Kq = K / 4, blocks = K / Q8_BLOCK;
-    uint32_t *quads = malloc((size_t)(M * Kq) * sizeof(uint32_t) + (size_t)(M * blocks) * sizeof(float));
+    int64_t arrays = Q8_OFFSET_INPUTS ? 1 : 2; /* the quads, and on AVX2 their magnitudes */
+    uint32_t *quads = malloc((size_t)(arrays * M * Kq) * sizeof(uint32_t) + (size_t)(M * blocks) * sizeof(float));
     if (!quads)
         return 1;
-    float *xscale = (float *)(quads + M * Kq);
+    uint32_t *magnitudes = Q8_OFFSET_INPUTS ? NULL : quads + M * Kq;
+    float *xscale = (float *)(quads + arrays * M * Kq);
     q8_quantize_rows(x, M, K, quads, xscale, NULL);
-    if (Q8_OFFSET_INPUTS) /* each byte offset by 128: flipping its sign bit adds 128 */
-        for (int64_t i = 0; i < M * Kq; i++)
-            quads[i] ^= 0x80808080u;
-    q8_call call = {quads, xscale, Kq, blocks, packed, N, bias, y};
+#if Q8_OFFSET_INPUTS
+    for (int64_t i = 0; i < M * Kq; i++) /* each byte offset by 128: flipping its sign bit adds 128 */
+        quads[i] ^= 0x80808080u;
+#else
+    for (int64_t i = 0; i < M * Kq; i += 8) /* Kq is a multiple of 8 */
+        _mm256_storeu_si256((__m256i *)(magnitudes + i), _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(quads + i))));
+#endif
+    q8_call call = {quads, magnitudes, xscale, Kq, blocks, packed, N, bias, y};
     panel_blocks(M, N, Q8_MAX_ROWS, Q8_SPLIT_ROWS, Q8_PANEL_GROUP, threads, q8_call_rows, &call);
     free(quads);
     return 0;
