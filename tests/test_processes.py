@@ -284,12 +284,21 @@ def test_embedded_default_takes_the_profile_of_the_form_the_services_run(monkeyp
     """Step times with bf16 weights, in bf16 and in fp32 differ by 1.5-2x and more, so the best k
     does too: `specbatch up` gives the coordinator the shipped profile measured in the form the
     services will run, and with the draft where it runs (in the target's process, where a profile
-    was measured so; with --separate-draft, the form's profile measured with the draft apart)."""
+    was measured so; with --separate-draft, the form's profile measured with the draft apart).
+    A profile that names its weight forms names the ones the services run (else the coordinator
+    would set it aside for `learn`)."""
+    from specbatch.kernels import forms
+    from specbatch.stack.defaults import weight_forms
+
     _on_a_cpu(monkeypatch, **machine)
-    policy, path = default_k_policy(StackOptions(dtype=dtype, device="cpu"))
-    assert policy == "goodput" and Path(path).name == profile and Path(path).exists()
-    policy, path = default_k_policy(StackOptions(dtype=dtype, device="cpu", separate_draft=True))
-    assert Path(path).name == profile.replace("-in-target", "") and Path(path).exists()
+    for separate, name in ((False, profile), (True, profile.replace("-in-target", ""))):
+        options = StackOptions(dtype=dtype, device="cpu", separate_draft=separate)
+        policy, path = default_k_policy(options)
+        assert policy == "goodput" and Path(path).name == name and Path(path).exists()
+        shipped, served = json.loads(Path(path).read_text()), weight_forms(options)
+        assert shipped["target"].get("weights") in (None, served.target), (name, served)
+        assert shipped["draft"].get("weights") in (None, served.draft), (name, served)
+        assert served.draft in ("q8_0", "model") and forms.kv_bf16(served.draft) == (served.draft == "q8_0")
     assert default_k_policy(StackOptions(dtype=dtype, device="cpu", draft_model="none")) == ("learn", None)
 
 
