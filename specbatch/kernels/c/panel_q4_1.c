@@ -163,58 +163,66 @@ void q8_quantize_rows(const float *x, int64_t M, int64_t K, uint32_t *quads, flo
  * each at most 2 * 15 * 127 in magnitude, so the eight of a block add up in int16 without
  * overflow) and one vpmaddwd with ones a block; then the same float32 operations in the same
  * order, so the results are bitwise the AVX512_VNNI kernel's. A panel's 16 features are two
- * halves of eight, each its own pass over the panel (the second reads it from the cache). */
+ * halves of eight in one pass over the panel, so each line is read once and each row's quads are
+ * broadcast once for both (two passes, the second from the cache, were slower). */
 #define Q4_MAX_ROWS 4
 #define Q4_SPLIT_ROWS 4
 
-/* One half (h: features 8 h .. 8 h + 7) of one panel against R rows. */
+/* One panel against R rows in one pass: each line's two halves (features 0-7 and 8-15) side by
+ * side, each row's quad broadcast once for both. */
 #define Q4_AVX2(R)                                                                                      \
-    static void q4_half_##R(const uint32_t *x, const float *xd, const float *xs, int64_t Kq, int64_t blocks, \
-                            const uint8_t *panel, int h, float *y, int64_t N, int64_t valid, const float *bias) { \
+    static void q4_rows_##R(const uint32_t *x, const float *xd, const float *xs, int64_t Kq, int64_t blocks, \
+                            const uint8_t *panel, float *y, int64_t N, int64_t valid, const float *bias) { \
         const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                      \
-        __m256 sum[R];                                                                                  \
-        for (int i = 0; i < R; i++) sum[i] = _mm256_setzero_ps();                                       \
+        __m256 sum[R][2];                                                                               \
+        for (int i = 0; i < R; i++) sum[i][0] = sum[i][1] = _mm256_setzero_ps();                        \
         for (int64_t b = 0; b < blocks; b++) {                                                          \
             const uint8_t *w = panel + b * Q4_BLOCK_BYTES;                                              \
             const uint32_t *q = x + b * Q4_QUADS;                                                       \
-            __m256i acc[R];                                                                             \
-            for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_si256();                                \
-            for (int g = 0; g < 4; g++) {                                                               \
-                __m256i line = _mm256_loadu_si256((const __m256i *)(w + 64 * g + 32 * h));              \
-                __m256i low = _mm256_and_si256(line, nibble);                                           \
-                __m256i high = _mm256_and_si256(_mm256_srli_epi16(line, 4), nibble);                    \
+            __m256i acc[R][2];                                                                          \
+            for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();                 \
+            for (int g = 0; g < 4; g++)                                                                 \
+                for (int h = 0; h < 2; h++) {                                                           \
+                    __m256i line = _mm256_loadu_si256((const __m256i *)(w + 64 * g + 32 * h));          \
+                    __m256i low = _mm256_and_si256(line, nibble);                                       \
+                    __m256i high = _mm256_and_si256(_mm256_srli_epi16(line, 4), nibble);                \
+                    for (int i = 0; i < R; i++) {                                                       \
+                        __m256i pairs = _mm256_add_epi16(                                               \
+                            _mm256_maddubs_epi16(low, _mm256_set1_epi32((int)q[i * Kq + 2 * g])),       \
+                            _mm256_maddubs_epi16(high, _mm256_set1_epi32((int)q[i * Kq + 2 * g + 1]))); \
+                        acc[i][h] = _mm256_add_epi16(acc[i][h], pairs);                                 \
+                    }                                                                                   \
+                }                                                                                       \
+            for (int h = 0; h < 2; h++) {                                                               \
+                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 256 + 16 * h)));       \
+                __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 288 + 16 * h)));       \
                 for (int i = 0; i < R; i++) {                                                           \
-                    acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(low, _mm256_set1_epi32((int)q[i * Kq + 2 * g]))); \
-                    acc[i] = _mm256_add_epi16(acc[i], _mm256_maddubs_epi16(high, _mm256_set1_epi32((int)q[i * Kq + 2 * g + 1]))); \
+                    __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[i * blocks + b]));                \
+                    sum[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i][h], ones)), scale, \
+                                                sum[i][h]);                                             \
+                    sum[i][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[i * blocks + b]), sum[i][h]);      \
                 }                                                                                       \
             }                                                                                           \
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 256 + 16 * h)));           \
-            __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 288 + 16 * h)));           \
-            for (int i = 0; i < R; i++) {                                                               \
-                __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xd[i * blocks + b]));                    \
-                sum[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i], ones)), scale, sum[i]); \
-                sum[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[i * blocks + b]), sum[i]);                \
+        }                                                                                               \
+        for (int i = 0; i < R; i++)                                                                     \
+            for (int h = 0; h < 2 && 8 * h < valid; h++) {                                              \
+                float out[8];                                                                           \
+                _mm256_storeu_ps(out, sum[i][h]);                                                       \
+                panel_store_half(out, h, valid, bias, y + i * N);                                       \
             }                                                                                           \
-        }                                                                                               \
-        for (int i = 0; i < R; i++) {                                                                   \
-            float out[8];                                                                               \
-            _mm256_storeu_ps(out, sum[i]);                                                              \
-            panel_store_half(out, h, valid, bias, y + i * N);                                           \
-        }                                                                                               \
     }
 
 Q4_AVX2(1) Q4_AVX2(2) Q4_AVX2(3) Q4_AVX2(4)
 
-typedef void (*q4_half)(const uint32_t *, const float *, const float *, int64_t, int64_t, const uint8_t *, int,
-                        float *, int64_t, int64_t, const float *);
-static const q4_half q4_halves[Q4_MAX_ROWS + 1] = {0, q4_half_1, q4_half_2, q4_half_3, q4_half_4};
+typedef void (*q4_block)(const uint32_t *, const float *, const float *, int64_t, int64_t, const uint8_t *, float *,
+                         int64_t, int64_t, const float *);
+static const q4_block q4_blocks[Q4_MAX_ROWS + 1] = {0, q4_rows_1, q4_rows_2, q4_rows_3, q4_rows_4};
 
 static void q4_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, int64_t valid) {
     const q4_call *c = call;
-    for (int h = 0; h < 2 && 8 * h < valid; h++)
-        q4_halves[rows](c->quads + m * c->Kq, c->xd + m * c->blocks, c->xs + m * c->blocks, c->Kq, c->blocks,
-                        c->packed + p * c->blocks * Q4_BLOCK_BYTES, h, c->y + m * c->N + p * PANEL, c->N, valid,
-                        c->bias ? c->bias + p * PANEL : 0);
+    q4_blocks[rows](c->quads + m * c->Kq, c->xd + m * c->blocks, c->xs + m * c->blocks, c->Kq, c->blocks,
+                    c->packed + p * c->blocks * Q4_BLOCK_BYTES, c->y + m * c->N + p * PANEL, c->N, valid,
+                    c->bias ? c->bias + p * PANEL : 0);
 }
 
 /* As the AVX-512 quantizer: the same float32 operations, element by element. */

@@ -133,57 +133,63 @@ static void q8_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, i
  * pair sums, so as llama.cpp does: |q_x| times the weight with q_x's sign (vpsignb), each pair at
  * most 2 * 127 * 127, widened to int32 by vpmaddwd with ones a quad. |q_x| is taken once a call
  * (`magnitudes`), not once a panel. The same exact S_b and the same float32 operations in the same
- * order as the AVX512_VNNI kernel: bitwise its results. A panel's 16 features are two halves of
- * eight, each its own pass. */
+ * order as the AVX512_VNNI kernel: bitwise its results. */
 #define Q8_OFFSET_INPUTS 0
 #define Q8_MAX_ROWS 4
 #define Q8_SPLIT_ROWS 4
 
+/* One panel against R rows in one pass: each line's two halves (features 0-7 and 8-15) side by
+ * side, each row's quad and its magnitude broadcast once for both. */
 #define Q8_AVX2(R)                                                                                      \
-    static void q8_half_##R(const uint32_t *x, const uint32_t *xa, const float *xscale, int64_t Kq,      \
-                            int64_t blocks, const uint8_t *panel, int h, float *y, int64_t N, int64_t valid,   \
+    static void q8_rows_##R(const uint32_t *x, const uint32_t *xa, const float *xscale, int64_t Kq,      \
+                            int64_t blocks, const uint8_t *panel, float *y, int64_t N, int64_t valid,   \
                             const float *bias) {                                                        \
         const __m256i ones = _mm256_set1_epi16(1);                                                      \
-        __m256 sum[R];                                                                                  \
-        for (int i = 0; i < R; i++) sum[i] = _mm256_setzero_ps();                                       \
+        __m256 sum[R][2];                                                                               \
+        for (int i = 0; i < R; i++) sum[i][0] = sum[i][1] = _mm256_setzero_ps();                        \
         for (int64_t b = 0; b < blocks; b++) {                                                          \
             const uint8_t *w = panel + b * Q8_BLOCK_BYTES;                                              \
             const uint32_t *q = x + b * Q8_QUADS, *a = xa + b * Q8_QUADS;                               \
-            __m256i acc[R];                                                                             \
-            for (int i = 0; i < R; i++) acc[i] = _mm256_setzero_si256();                                \
+            __m256i acc[R][2];                                                                          \
+            for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();                 \
             for (int j = 0; j < Q8_QUADS; j++) {                                                        \
-                __m256i line = _mm256_loadu_si256((const __m256i *)(w + 64 * j + 32 * h));              \
+                __m256i lines[2] = {_mm256_loadu_si256((const __m256i *)(w + 64 * j)),                  \
+                                    _mm256_loadu_si256((const __m256i *)(w + 64 * j + 32))};            \
                 for (int i = 0; i < R; i++) {                                                           \
                     __m256i xq = _mm256_set1_epi32((int)q[i * Kq + j]);                                 \
-                    __m256i pairs = _mm256_maddubs_epi16(_mm256_set1_epi32((int)a[i * Kq + j]),         \
-                                                         _mm256_sign_epi8(line, xq));                   \
-                    acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(pairs, ones));                  \
+                    __m256i xm = _mm256_set1_epi32((int)a[i * Kq + j]);                                 \
+                    for (int h = 0; h < 2; h++)                                                         \
+                        acc[i][h] = _mm256_add_epi32(                                                   \
+                            acc[i][h],                                                                  \
+                            _mm256_madd_epi16(_mm256_maddubs_epi16(xm, _mm256_sign_epi8(lines[h], xq)), ones)); \
                 }                                                                                       \
             }                                                                                           \
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 512 + 16 * h)));           \
-            for (int i = 0; i < R; i++)                                                                 \
-                sum[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i]),                                    \
-                                         _mm256_mul_ps(d, _mm256_set1_ps(xscale[i * blocks + b])), sum[i]); \
+            for (int h = 0; h < 2; h++) {                                                               \
+                __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 512 + 16 * h)));       \
+                for (int i = 0; i < R; i++)                                                             \
+                    sum[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[i][h]),                          \
+                                                _mm256_mul_ps(d, _mm256_set1_ps(xscale[i * blocks + b])), sum[i][h]); \
+            }                                                                                           \
         }                                                                                               \
-        for (int i = 0; i < R; i++) {                                                                   \
-            float out[8];                                                                               \
-            _mm256_storeu_ps(out, sum[i]);                                                              \
-            panel_store_half(out, h, valid, bias, y + i * N);                                           \
-        }                                                                                               \
+        for (int i = 0; i < R; i++)                                                                     \
+            for (int h = 0; h < 2 && 8 * h < valid; h++) {                                              \
+                float out[8];                                                                           \
+                _mm256_storeu_ps(out, sum[i][h]);                                                       \
+                panel_store_half(out, h, valid, bias, y + i * N);                                       \
+            }                                                                                           \
     }
 
 Q8_AVX2(1) Q8_AVX2(2) Q8_AVX2(3) Q8_AVX2(4)
 
-typedef void (*q8_half)(const uint32_t *, const uint32_t *, const float *, int64_t, int64_t, const uint8_t *, int,
-                        float *, int64_t, int64_t, const float *);
-static const q8_half q8_halves[Q8_MAX_ROWS + 1] = {0, q8_half_1, q8_half_2, q8_half_3, q8_half_4};
+typedef void (*q8_block)(const uint32_t *, const uint32_t *, const float *, int64_t, int64_t, const uint8_t *, float *,
+                         int64_t, int64_t, const float *);
+static const q8_block q8_blocks[Q8_MAX_ROWS + 1] = {0, q8_rows_1, q8_rows_2, q8_rows_3, q8_rows_4};
 
 static void q8_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, int64_t valid) {
     const q8_call *c = call;
-    for (int h = 0; h < 2 && 8 * h < valid; h++)
-        q8_halves[rows](c->quads + m * c->Kq, c->magnitudes + m * c->Kq, c->xscale + m * c->blocks, c->Kq, c->blocks,
-                        c->packed + p * c->blocks * Q8_BLOCK_BYTES, h, c->y + m * c->N + p * PANEL, c->N, valid,
-                        c->bias ? c->bias + p * PANEL : 0);
+    q8_blocks[rows](c->quads + m * c->Kq, c->magnitudes + m * c->Kq, c->xscale + m * c->blocks, c->Kq, c->blocks,
+                    c->packed + p * c->blocks * Q8_BLOCK_BYTES, c->y + m * c->N + p * PANEL, c->N, valid,
+                    c->bias ? c->bias + p * PANEL : 0);
 }
 #endif
 
