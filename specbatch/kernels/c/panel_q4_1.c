@@ -24,7 +24,7 @@
  * operand of one vpdpbusd (specbatch.kernels.panel.PanelLinear packs them so).
  *
  * Blocks of rows: up to 12 rows in one block (the nibbles are unpacked once for the block's rows),
- * more in blocks of at most 8 (panel_blocks.c).
+ * more in blocks of at most 8 (panel_blocks.c); on AVX2 up to 6 (below).
  *
  * Exactness: each output is sum over blocks b = 0, 1, ... of float(S_b) * (d_b * d_x,b), then
  * + m_b * s_x,b, in that order, from the row's own quantized input: never dependent on the other
@@ -164,9 +164,11 @@ void q8_quantize_rows(const float *x, int64_t M, int64_t K, uint32_t *quads, flo
  * overflow) and one vpmaddwd with ones a block; then the same float32 operations in the same
  * order, so the results are bitwise the AVX512_VNNI kernel's. A panel's 16 features are two
  * halves of eight in one pass over the panel, so each line is read once and each row's quads are
- * broadcast once for both (two passes, the second from the cache, were slower). */
-#define Q4_MAX_ROWS 4
-#define Q4_SPLIT_ROWS 4
+ * broadcast once for both (two passes, the second from the cache, were slower). Up to six rows a
+ * block: five or six rows in one block beat two blocks of them by an eighth; blocks of eight
+ * spilled registers and gained nothing. */
+#define Q4_MAX_ROWS 6
+#define Q4_SPLIT_ROWS 6
 
 /* One panel against R rows in one pass: each line's two halves (features 0-7 and 8-15) side by
  * side, each row's quad broadcast once for both. */
@@ -212,11 +214,11 @@ void q8_quantize_rows(const float *x, int64_t M, int64_t K, uint32_t *quads, flo
             }                                                                                           \
     }
 
-Q4_AVX2(1) Q4_AVX2(2) Q4_AVX2(3) Q4_AVX2(4)
+Q4_AVX2(1) Q4_AVX2(2) Q4_AVX2(3) Q4_AVX2(4) Q4_AVX2(5) Q4_AVX2(6)
 
 typedef void (*q4_block)(const uint32_t *, const float *, const float *, int64_t, int64_t, const uint8_t *, float *,
                          int64_t, int64_t, const float *);
-static const q4_block q4_blocks[Q4_MAX_ROWS + 1] = {0, q4_rows_1, q4_rows_2, q4_rows_3, q4_rows_4};
+static const q4_block q4_blocks[Q4_MAX_ROWS + 1] = {0, q4_rows_1, q4_rows_2, q4_rows_3, q4_rows_4, q4_rows_5, q4_rows_6};
 
 static void q4_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, int64_t valid) {
     const q4_call *c = call;
