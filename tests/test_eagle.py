@@ -235,7 +235,7 @@ def test_q8_0_eagle_draft_keeps_the_output_exact(target_model, eagle_draft, toke
         assert sum(r.stats.draft_tokens_accepted for r in results) > 0
         forward = stack.draft_engines[0].forward
         assert forward.layers[0].down.q8_0 and forward.head.q8_0 and forward.decoder_layers is not None
-        assert not forward.fuse.q8_0 and forward.fuse.form == 0  # float32: it reads the raw features
+        assert forward.fuse.bf16_weights  # float32 inputs: it reads the raw features
     finally:
         stack.stop()
 

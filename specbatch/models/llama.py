@@ -125,11 +125,11 @@ class LlamaForward:
             raise ValueError(f"{type(model).__name__} is not a Llama-family model this forward covers")
         base = model.get_decoder()
         self.embed = base.embed_tokens.weight
-        # The EAGLE draft's fusing layer stays in the model's dtype under ``q8_0``: it reads the
-        # target's raw hidden states, whose few huge features leave an input quantized to 8 bits
-        # little resolution for the rest: 8 bits there cost many accepted tokens a step, 8 bits
-        # everywhere else next to none (docs/decisions/q8_0-draft.md).
-        self.fuse = (linear(base.fc.weight, None, None if weights == "q8_0" else weights)
+        # The EAGLE draft's fusing layer keeps float32 inputs under ``q8_0`` (its weights in bf16):
+        # it reads the target's raw hidden states, whose few huge features leave an input quantized
+        # to 8 bits little resolution for the rest: 8 bits there cost many accepted tokens a step,
+        # 8 bits everywhere else and bf16 weights here next to none (docs/decisions/q8_0-draft.md).
+        self.fuse = (linear(base.fc.weight, None, "bf16" if weights == "q8_0" else weights)
                      if reads_target_features(model) else None)
         self.rotary = base.rotary_emb
         self.layers = [_Layer(layer, weights) for layer in base.layers]
