@@ -8,6 +8,7 @@
  * as every kernel sums each output in one order whatever the block (row-exact): it only sets how
  * often the weights are read.
  */
+#include <immintrin.h>
 #include <stdint.h>
 
 #define PANEL 16
@@ -32,9 +33,13 @@ void panel_blocks(int64_t M, int64_t N, int64_t max_rows, int64_t split_rows, in
     }
 }
 
-/* An AVX2 kernel's eight outputs `out` of half h (features 8 h .. 8 h + 7) of a panel, plus their
- * bias (or none), stored where the panel's first `valid` outputs exist (y: the panel's row). */
-void panel_store_half(const float *out, int h, int64_t valid, const float *bias, float *y) {
-    for (int f = 8 * h; f < valid && f < 8 * h + 8; f++)
-        y[f] = out[f - 8 * h] + (bias ? bias[f] : 0.0f);
+/* An AVX2 kernel's sums of one row against a panel, its two halves of eight features (`low`, `high`),
+ * plus their bias (or none), stored where the panel's first `valid` outputs exist (y: the panel's
+ * part of the row). */
+void panel_store_halves(__m256 low, __m256 high, int64_t valid, const float *bias, float *y) {
+    float out[PANEL];
+    _mm256_storeu_ps(out, low);
+    _mm256_storeu_ps(out + 8, high);
+    for (int f = 0; f < valid; f++)
+        y[f] = out[f] + (bias ? bias[f] : 0.0f);
 }

@@ -43,7 +43,7 @@
 typedef void (*panel_rows)(const void *call, int64_t panel, int64_t row, int64_t rows, int64_t valid);
 void panel_blocks(int64_t M, int64_t N, int64_t max_rows, int64_t split_rows, int64_t group, int threads,
                   panel_rows run, const void *call); /* panel_blocks.c */
-void panel_store_half(const float *out, int h, int64_t valid, const float *bias, float *y); /* panel_blocks.c */
+void panel_store_halves(__m256 low, __m256 high, int64_t valid, const float *bias, float *y); /* panel_blocks.c */
 
 /* One call's operands, for panel_blocks. */
 typedef struct {
@@ -207,11 +207,7 @@ void q8_quantize_rows(const float *x, int64_t M, int64_t K, uint32_t *quads, flo
             }                                                                                           \
         }                                                                                               \
         for (int i = 0; i < R; i++)                                                                     \
-            for (int h = 0; h < 2 && 8 * h < valid; h++) {                                              \
-                float out[8];                                                                           \
-                _mm256_storeu_ps(out, sum[i][h]);                                                       \
-                panel_store_half(out, h, valid, bias, y + i * N);                                       \
-            }                                                                                           \
+            panel_store_halves(sum[i][0], sum[i][1], valid, bias, y + i * N);                           \
     }
 
 Q4_AVX2(1) Q4_AVX2(2) Q4_AVX2(3) Q4_AVX2(4) Q4_AVX2(5) Q4_AVX2(6)
