@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from specbatch.commands.bench.engine import (
     limit_ms,
 )
 from specbatch.engine.engine import Engine
+from specbatch.kernels import build
 from specbatch.models.loading import ModelSpec, load_model
 
 
@@ -93,6 +95,37 @@ def test_command_writes_json_with_every_cell_and_markdown(shapes, tmp_path, caps
     printed = capsys.readouterr().out
     assert "| batch \\ tokens per sequence | 1 | 3 |" in printed and "| batch \\ k | 1 | 2 |" in printed
     assert (out / "bench-engine.md").read_text().strip() == printed.strip()
+
+
+@pytest.mark.skipif(not build.blocks_available(), reason="the GGUF block kernels did not build here")
+def test_on_a_cpu_the_engines_are_built_as_the_services_build_them(shapes, tmp_path):
+    """A named CPU form (here Q8_0 blocks) runs on both engines, with keys and values in bf16 and
+    the draft on the target's model thread; the bandwidth limit counts the packed weights a
+    forward reads; the caller's thread count is left as it was."""
+    threads = torch.get_num_threads()
+    built = []
+    original = Engine.__post_init__
+
+    def spy(engine):
+        original(engine)
+        built.append(engine)
+
+    with mock.patch.object(Engine, "__post_init__", spy):
+        code = cli.main(["bench-engine", "--target-model", shapes[1], "--draft-model", shapes[1], "--random-weights",
+                         "--device", "cpu", "--weights", "q8_0", "--batch-sizes", "1", "--tokens", "1,2", "--ks", "1",
+                         "--context", "8", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)])
+    assert code == 0 and torch.get_num_threads() == threads
+    target, draft = built
+    assert target.weights == draft.weights == "q8_0" and target.kv_bf16 and draft.kv_bf16
+    assert draft.model_thread is target.model_thread and target.forward.wide_threads >= 1
+    report = json.loads((tmp_path / "bench-engine.json").read_text())
+    assert report["target"]["weights"] == report["draft_model"]["weights"] == "q8_0"
+    float32_bytes = 4 * sum(p.numel() for p in target.model.parameters())
+    assert 0 < report["target"]["weight_bytes_read"] < float32_bytes / 3  # 9 bits a weight, not 32
+    assert "weights q8_0" in (tmp_path / "bench-engine.md").read_text()
+    # a form the model cannot run is refused, as the services refuse it
+    assert cli.main(["bench-engine", "--target-model", shapes[0], "--random-weights", "--device", "cpu",
+                     "--weights", "q4_1", "--batch-sizes", "1", "--tokens", "1", "--context", "8"]) == 2
 
 
 def test_command_skips_batch_sizes_over_the_kv_budget(shapes, tmp_path, capsys):

@@ -17,6 +17,13 @@ except an input embedding that is not also the output head, of which only a few 
 plus the keys and values of every cached and new token of every row) over ``--bandwidth-gbs``.
 A draft call of k tokens runs k forwards, so its limit per token is the mean of theirs.
 
+On a CPU the engines are built as the model services build them: the weight forms the machine
+decides (``--weights``, ``specbatch.kernels.forms``), keys and values in bf16 beside them, the draft
+on the target's model thread (as a draft hosted in the target's process), half the cores a call
+and every call wide on all of them, and the main thread, which loads the models, on one thread:
+a second OpenMP team in the process makes libgomp cut every team's spin, which doubles a
+one-row step (docs/cpu-kernels.md#threads-and-wide-calls).
+
 Prompt token ids are a seeded pseudo-random draw below each model's vocabulary: step times do
 not depend on the text, and random-weights shapes have no tokenizer of their own."""
 
@@ -97,16 +104,39 @@ class Traffic:
     @classmethod
     def of(cls, engine: Engine) -> "Traffic":
         model = engine.model
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: listed once
-        embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
-        if head is None or head.weight is not embedding:  # a lookup reads only the rows it needs
-            weights -= embedding.numel() * embedding.element_size()
+        if engine.weights:  # a CPU kernel form: what its multiplies read, packed
+            weights = sum(linear.panels.numel() * linear.panels.element_size() for linear in _panels(engine.forward))
+        else:
+            weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied: listed once
+            embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+            if head is None or head.weight is not embedding:  # a lookup reads only the rows it needs
+                weights -= embedding.numel() * embedding.element_size()
         layers, kv_heads, head_dim = engine.kv_shape
         return cls(weights, 2 * layers * kv_heads * head_dim * engine.pool.kv.element_size())
 
     def forward_bytes(self, batch: int, attended: float) -> float:
         """One forward of ``batch`` rows, each attending over ``attended`` tokens."""
         return self.weight_bytes + batch * attended * self.kv_bytes_per_token
+
+
+def _panels(forward) -> list:
+    """Every packed linear layer of an own forward (its layers', its head, a draft's fusing layer)."""
+    from specbatch.kernels.panel import PanelLinear
+
+    found: dict[int, PanelLinear] = {}
+
+    def visit(value, depth: int) -> None:
+        if isinstance(value, PanelLinear):
+            found[id(value)] = value
+        elif isinstance(value, (list, tuple)) and depth < 3:
+            for item in value:
+                visit(item, depth + 1)
+        elif hasattr(value, "__dict__") and not isinstance(value, (torch.nn.Module, torch.Tensor)) and depth < 3:
+            for item in vars(value).values():
+                visit(item, depth + 1)
+
+    visit(forward, 0)
+    return list(found.values())
 
 
 def limit_ms(nbytes: float, bandwidth_gbs: float | None) -> float | None:
@@ -230,6 +260,7 @@ def add_bench_engine_flags(parser) -> None:
     parser.add_argument("--kv-cache-gb", type=float, default=32.0,
                         help="KV budget of each model in GiB (default 32); batch sizes that do not fit are skipped")
     add_option(parser, "cuda_graphs")
+    add_option(parser, "weights")
     parser.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)))
     parser.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKENS)), help="tokens fed per sequence in a verify step")
     parser.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)), help="drafted tokens per sequence in a propose call")
@@ -249,8 +280,19 @@ def _fitting(sizes: tuple[int, ...], need_per_sequence: int, budget: int) -> tup
 
 
 def run_bench_engine(args) -> int:
+    before = torch.get_num_threads()  # set as the services run on a CPU; the caller's, after
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(args) -> int:
     from specbatch.commands.profiler import describe_hardware
+    from specbatch.kernels import forms
+    from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
     from specbatch.models.loading import ModelSpec, default_device, load_model
+    from specbatch.stack.defaults import available_cores
 
     try:
         grid = Grid(_sizes(args.batch_sizes, "--batch-sizes"), _sizes(args.tokens, "--tokens"), _sizes(args.ks, "--ks"),
@@ -264,28 +306,42 @@ def run_bench_engine(args) -> int:
     device = args.device or default_device()
     budget = int(args.kv_cache_gb * 2**30)
     longest = grid.context + max(max(grid.tokens), max(grid.ks))  # the most a timed call reaches
+    on_cpu = device == "cpu"
+    embedded = (args.target_model == EMBEDDED and args.draft_model in (None, EMBEDDED_DRAFT)
+                and not (args.random_weights or args.draft_layers))
+    problem = forms.problem(args.weights, device, args.dtype) if args.weights != "auto" else None
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    chosen = forms.decide(args.weights, embedded, device, args.dtype)
+    if on_cpu:  # as the services run (the module docstring)
+        torch.set_num_threads(max(1, available_cores() // 2))
 
-    def engine_for(spec: ModelSpec) -> Engine:
+    def engine_for(spec: ModelSpec, form: str, **shared) -> Engine:
         started = time.perf_counter()
-        model = load_model(spec, device, args.dtype)
+        model = load_model(spec, device, forms.dtype_for(form, args.dtype))
         positions = getattr(model.config, "max_position_embeddings", None)
         if positions and longest > positions:
             raise ValueError(f"{spec.describe()} takes {positions} positions; --context {grid.context} with "
                              f"{longest - grid.context} more tokens needs {longest}")
         engine = Engine(model, max_sequences=max(grid.batch_sizes), max_context=longest,
-                        max_cache_bytes=budget, captured_steps=args.cuda_graphs)
+                        max_cache_bytes=budget, captured_steps=args.cuda_graphs,
+                        weights=None if form == "model" else form, kv_bf16=on_cpu and forms.kv_bf16(form),
+                        wide_threads=available_cores() if on_cpu else 0, wide_from_rows=1, **shared)
         print(f"loaded {spec.describe()} in {time.perf_counter() - started:.1f}s on {engine.device}/{engine.dtype}, "
-              f"captured steps {engine.captured_steps}", file=sys.stderr, flush=True)
+              f"weights {engine.weights or 'as loaded'}, captured steps {engine.captured_steps}", file=sys.stderr,
+              flush=True)
         if engine.capture_report:
             print(f"captured {spec.describe()}: {json.dumps(engine.capture_report)}", file=sys.stderr, flush=True)
         return engine
 
     try:
-        target = engine_for(ModelSpec(args.target_model, random_weights=args.random_weights))
+        target = engine_for(ModelSpec(args.target_model, random_weights=args.random_weights), chosen.target)
         draft = None
         if args.draft_model:
             draft = engine_for(ModelSpec(args.draft_model, num_layers=args.draft_layers,
-                                         random_weights=args.random_weights))
+                                         random_weights=args.random_weights), chosen.draft,
+                               **({"model_thread": target.model_thread, "lock": target.lock} if on_cpu else {}))
     except ValueError as error:
         print(error, file=sys.stderr)
         return 2
@@ -308,7 +364,8 @@ def run_bench_engine(args) -> int:
 
     def about(engine: Engine, name: str) -> dict:
         traffic = Traffic.of(engine)
-        return {"model": name, "dtype": str(engine.dtype).removeprefix("torch."), "random_weights": args.random_weights,
+        return {"model": name, "dtype": str(engine.dtype).removeprefix("torch."), "weights": engine.weights or "model",
+                "random_weights": args.random_weights,
                 "parameters": sum(p.numel() for p in engine.model.parameters()),
                 "weight_bytes_read": traffic.weight_bytes, "kv_bytes_per_token": traffic.kv_bytes_per_token,
                 "captured_steps": engine.captured_steps, "capture": engine.capture_report or None}

@@ -24,14 +24,21 @@ def _table(title: str, rows: list[dict], column: str, header: str, columns: list
     return lines
 
 
+def _form(about: dict) -> str:
+    """The model's dtype, and its weight form where the CPU kernels run one (older reports name none)."""
+    weights = about.get("weights")
+    return about["dtype"] + (f", weights {weights}" if weights not in (None, "model") else "")
+
+
 def markdown(report: dict) -> str:
     grid = report["grid"]
     target = report["target"]
     lines = _table(f"ms per verify step (bandwidth limit), context {grid['context']}, target {target['model']} "
-                   f"({target['dtype']}):", report["verify"], "tokens", "tokens per sequence", grid["tokens"], grid["batch_sizes"],
+                   f"({_form(target)}):", report["verify"], "tokens", "tokens per sequence", grid["tokens"], grid["batch_sizes"],
                    "ms", "limit_ms")
     if report["draft"]:
-        lines += [""] + _table(f"ms per drafted token (bandwidth limit), draft {report['draft_model']['model']}:",
+        draft = report["draft_model"]
+        lines += [""] + _table(f"ms per drafted token (bandwidth limit), draft {draft['model']} ({_form(draft)}):",
                                report["draft"], "k", "k", grid["ks"], grid["batch_sizes"], "ms_per_token",
                                "limit_ms_per_token")
     lines += ["", f"bandwidth: {report['bandwidth_gbs']} GB/s ({report['bandwidth_source']}); median of "
