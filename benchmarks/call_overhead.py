@@ -75,7 +75,6 @@ def main() -> None:
     prompts = chat_prompts(tokenizer, sharegpt_prompts(args.batch, 0), 200)
     options = StackOptions(coordinator=False, metrics_ports=dict(DEFAULT_METRICS_PORTS), local_sockets=not args.grpc_only,
                            device=args.device, dtype=args.dtype)
-    ports = {name: DEFAULT_METRICS_PORTS[name] for name in ("target", "draft")}
     print(f"batch {args.batch}, the calls over {'gRPC' if args.grpc_only else 'local sockets'}, {args.steps} steps a k "
           "(medians; coordinator: the step less its two calls' walls; handler − compute: means from the services' "
           "metrics), ms:")
@@ -84,6 +83,9 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     rows = []
     with LocalProcesses(options) as processes:
+        # A draft hosted in the target's process (on a CPU) is served, and measured, by the target's.
+        hosted = processes.draft_address == processes.target_address
+        ports = {"target": DEFAULT_METRICS_PORTS["target"], "draft": DEFAULT_METRICS_PORTS["target" if hosted else "draft"]}
         target = TargetClient(processes.target_address, timeout=600)
         draft = DraftClient(processes.draft_address, timeout=600)
         feature_size = draft.cache_stats().feature_size
