@@ -117,7 +117,7 @@ def sampling_from_request(message: pb.SamplingParameters) -> SamplingParams:
     return params
 
 
-def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Request:
+def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits, stream_interval: int = 1) -> Request:
     # Every bound that is cheap to check comes first, the prompt's size before its tokens: a
     # request costs little more than its message to refuse.
     if len(message.request_id) > MAX_REQUEST_ID_CHARS:
@@ -162,6 +162,7 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits) -> Req
         fixed_leaves=fixed_leaves,
         prompt_lookup=prompt_lookup,
         shared_lookup=in_shared_lookup(message),
+        stream_interval=stream_interval,
     )
 
 

@@ -113,7 +113,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
                       tokenizer_name: str = "", profile_poll_seconds: float = 2.0, credentials=None,
                       tls_server_name: str | None = None, server_credentials=None, refresh_seconds: float = 10.0,
                       wait_seconds: float = 30.0, metrics_host: str = "127.0.0.1", metrics_port: int | None = 0,
-                      prefill_chunk: int = 0) -> Coordinator:
+                      prefill_chunk: int = 0, stream_interval: int = 1) -> Coordinator:
     """``target_address``/``draft_address``: one address, a comma-separated list of replicas, or
     ``dns:NAME:PORT`` (re-resolved every ``refresh_seconds``). ``speculation``: how the decode step
     speculates (its profile is read now and re-read when it changes, unless ``profile_file`` is that
@@ -121,7 +121,8 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
     name their certificates carry, when replicas are dialled by IP; default: a ``dns:NAME:PORT``
     spec's NAME); ``server_credentials``: TLS for the coordinator's own port. ``metrics_port``: Prometheus /metrics (0: none; None: the default
     port, skipped if taken). ``prefill_chunk``: the most prompt tokens prefilled between two decode
-    steps (0: each admitted prompt whole; coordinator/scheduler.py). A profile that cannot be used,
+    steps (0: each admitted prompt whole; coordinator/scheduler.py). ``stream_interval``: the tokens
+    a stream sends at once after its first (coordinator/requests.py). A profile that cannot be used,
     or services that do not fit together, raise ValueError before serving; a port in use,
     ``specbatch.rpc.server.PortUnavailable``."""
     speculation = speculation.check().resolved()
@@ -206,7 +207,7 @@ def build_coordinator(target_address: str, draft_address: str | None, tokenizer,
         log.warning("the target EMULATES acceptance at rates %s (drafts kept by seeded draws, not verified): "
                     "output is not the target's, for timing only", target_stats.emulated_acceptance)
     servicer = GenerationServicer(scheduler, tokenizer, limits, target_stats.model, draft_model, tokenizer_name,
-                                  keeper or profile_file, target_stats.emulated_acceptance)
+                                  keeper or profile_file, target_stats.emulated_acceptance, stream_interval)
     server.add(pb_grpc.add_GenerationServicer_to_server, servicer, "specbatch.v1.Generation")
     metrics_server = serve_metrics(metrics.registry, "coordinator", metrics_host, metrics_port)
     return Coordinator(server.start(), scheduler, targets, drafts, profile_file, metrics_server, keeper)
@@ -223,6 +224,8 @@ def main(argv=None) -> None:
         parse_policy(speculation.k_policy, MAX_K, profile_file, max_batch_size=args.max_batch_size)
         if args.prefill_chunk < 0:
             raise ValueError(f"--prefill-chunk must be 0 (off) or a number of tokens (got {args.prefill_chunk})")
+        if args.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be 1 or more (got {args.stream_interval})")
     except ValueError as error:
         parser.error(str(error))
     server_credentials = server_credentials_from_args(args, parser)
@@ -240,7 +243,7 @@ def main(argv=None) -> None:
             tokenizer_name=spec.describe(), credentials=credentials, tls_server_name=args.service_tls_server_name,
             server_credentials=server_credentials, refresh_seconds=args.discovery_seconds,
             wait_seconds=args.wait_for_services, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
-            prefill_chunk=args.prefill_chunk)
+            prefill_chunk=args.prefill_chunk, stream_interval=args.stream_interval)
     except PortUnavailable as error:  # taken while it waited for the services
         raise SystemExit(str(error)) from None
     log.info("coordinator serving on %s:%d (k policy %s)", args.host, coordinator.port, speculation.k_policy)

@@ -143,6 +143,9 @@ class Request:
     fixed_leaves: int | None = None  # its own leaves beside the first draft (else the coordinator's --leaves)
     prompt_lookup: int | None = None  # its own --prompt-lookup (else the coordinator's)
     shared_lookup: bool = True  # False: kept out of the coordinator's shared lookup index
+    # Tokens its stream sends at once after the first (--stream-interval): each message wakes the
+    # server's and the client's threads, on cores the model services compute on.
+    stream_interval: int = 1
     arrival: float = field(default_factory=time.monotonic)
     # The services' key for its caches: always unique, whatever request_id clients send.
     seq_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -172,6 +175,7 @@ class Request:
     admitted: float | None = None
     first_token: float | None = None
     steps: int = 0
+    sent: int = 0  # tokens streamed so far (the rest of the history past the prompt waits)
     proposed: int = 0
     accepted: int = 0
     finish: int | None = None
@@ -200,10 +204,8 @@ class Request:
         now = time.monotonic()
         if self.first_token is None:
             self.first_token = now
-        taken = []
         for token in tokens:
             self.history.append(token)
-            taken.append(token)
             if token in self.stop_token_ids:
                 self.finish = FINISH_EOS
             elif self.text.add(token):
@@ -212,17 +214,27 @@ class Request:
                 self.finish = FINISH_LENGTH
             if self.finish is not None:
                 break
-        # On a finish, close() flushes what the text stream still holds and sends it last.
-        self.events.put(pb.GenerateResponse(request_id=self.id, token_ids=taken,
-                                            text=self.text.delta(self.finish is not None)))
+        # The first tokens go out at once, then at least stream_interval at a time, and all at a
+        # finish; close() then flushes what the text stream still holds and sends it last.
+        if self.finish is not None or not self.sent or self.generated - self.sent >= self.stream_interval:
+            self.events.put(self._unsent(self.finish is not None))
         if self.finish is not None:
             self.close(self.finish)
+
+    def _unsent(self, final: bool, **fields) -> pb.GenerateResponse:
+        """A response with the tokens and text not streamed yet (``final``: the text stream's rest
+        too), and ``fields``."""
+        tokens = self.history[len(self.prompt) + self.sent:]
+        self.sent = self.generated
+        return pb.GenerateResponse(request_id=self.id, token_ids=tokens, text=self.text.delta(final), **fields)
 
     def fail(self, code, message: str, retry: bool = False) -> None:
         """End the request with an error status (a service refused it); it is retired next.
         ``retry``: the refusal may not hold later (room taken by others), and says when to retry."""
         self.finish = FINISH_CANCELLED
         self.failure = Failure(code, message, retry)
+        if self.generated > self.sent:  # what was accepted before the refusal still reaches the client
+            self.events.put(self._unsent(False))
         self.events.put(self.failure)
 
     def close(self, reason: int) -> None:
@@ -241,5 +253,4 @@ class Request:
             first_token_seconds=(self.first_token or now) - self.arrival,
             total_seconds=now - self.arrival,
         )
-        self.events.put(pb.GenerateResponse(request_id=self.id, text=self.text.delta(True),
-                                            finish_reason=reason, stats=stats))
+        self.events.put(self._unsent(True, finish_reason=reason, stats=stats))

@@ -21,8 +21,9 @@ log = logging.getLogger(__name__)
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, scheduler: Scheduler, tokenizer, limits: Limits, target_model: str, draft_model: str,
-                 tokenizer_name: str, profile_file=None, emulated_acceptance: str = ""):
+                 tokenizer_name: str, profile_file=None, emulated_acceptance: str = "", stream_interval: int = 1):
         self.scheduler, self.tokenizer, self.limits = scheduler, tokenizer, limits
+        self.stream_interval = stream_interval  # tokens a stream sends at once after its first
         self.names = (target_model, draft_model, tokenizer_name)
         self.profile_file = profile_file  # coordinator.profile_file.ProfileFile, or None
         self.emulated_acceptance = emulated_acceptance  # the target's, from its CacheStats: "" when off
@@ -36,7 +37,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def Generate(self, message, context):
         try:
-            request = build_request(message, self.tokenizer, self.limits)
+            request = build_request(message, self.tokenizer, self.limits, self.stream_interval)
         except InvalidRequest as error:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, str(error))
         context.add_callback(request.cancel)  # the client went away or its deadline passed

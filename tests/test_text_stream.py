@@ -54,3 +54,71 @@ def test_byte_level_bpe_with_multibyte_characters(fast):
     noise = [rng.randrange(tokenizer.vocab_size) for _ in range(300)]
     text, _ = stream_all(tokenizer, noise, fast=fast)
     assert text == tokenizer.decode(noise, skip_special_tokens=True)
+
+
+def _messages(request):
+    out = []
+    while not request.events.empty():
+        out.append(request.events.get_nowait())
+    return out
+
+
+def test_a_stream_sends_its_first_tokens_at_once_then_every_interval_and_all_at_its_end(tokenizer):
+    """--stream-interval 3: the first step's tokens go out at once, then a message whenever 3 or
+    more wait, and at the finish every token left with the text's rest; the token ids and the text
+    put together are the whole output, as with one message a step."""
+    from coordinator.by_hand import greedy_request
+
+    request = greedy_request("r", [1, 2], max_new_tokens=9, tokenizer=tokenizer)
+    request.stream_interval = 3
+    sizes = []
+    for step in ([11], [12], [13, 14], [15], [16], [17, 18, 19, 20]):  # the last step passes max_new_tokens
+        request.take(step)
+        sizes.append([len(m.token_ids) for m in _messages(request)])
+    assert sizes == [[1], [], [3], [], [], [5, 0]]  # at the finish 15-19 (20 is past it), then the stats
+    assert request.generated == 9 and request.sent == 9
+    ids = list(range(11, 20))
+    request = greedy_request("r", [1, 2], max_new_tokens=9, tokenizer=tokenizer)
+    request.stream_interval = 3
+    messages = []
+    for step in ([11], [12], [13, 14], [15], [16], [17, 18, 19, 20]):
+        request.take(step)
+        messages += _messages(request)
+    assert [t for m in messages for t in m.token_ids] == ids
+    assert "".join(m.text for m in messages) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert messages[-1].finish_reason and messages[-1].stats.generated_tokens == 9
+
+
+def test_a_refused_stream_still_sends_the_tokens_it_held(tokenizer):
+    from coordinator.by_hand import greedy_request
+
+    request = greedy_request("r", [1], max_new_tokens=20, tokenizer=tokenizer)
+    request.stream_interval = 8
+    request.take([11])
+    request.take([12, 13])
+    request.fail("UNAVAILABLE", "the target went away")
+    messages = _messages(request)
+    assert [list(m.token_ids) for m in messages[:-1]] == [[11], [12, 13]] and messages[-1] is request.failure
+
+
+def test_a_coordinator_with_a_stream_interval_streams_the_same_output_in_fewer_messages(target_model, draft_model,
+                                                                                       tokenizer):
+    """Served: the same greedy tokens and text with --stream-interval 4 as with 1, in fewer
+    messages (a message a step with 1; at most one per 4 tokens, plus the first and the last,
+    with 4), the first token still in the first."""
+    from specbatch.rpc.client import generate, make_request
+    from specbatch.stack.in_process import start_local_stack
+
+    outputs = {}
+    for interval in (1, 4):
+        stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4, stream_interval=interval)
+        try:
+            sizes = []
+            result = generate(stack.client(), make_request([5, 6, 7, 8], 40, k=2, ignore_eos=True),
+                              on_response=lambda response: sizes.append(len(response.token_ids)))
+            outputs[interval] = (result.token_ids, result.text, sizes)
+        finally:
+            stack.stop()
+    (ids, text, per_step), (ids4, text4, sizes) = outputs[1], outputs[4]
+    assert ids4 == ids and text4 == text and len(ids) == 40
+    assert sizes[0] >= 1 and all(s >= 4 for s in sizes[1:-2]) and len(sizes) <= 40 // 4 + 2 < len(per_step)

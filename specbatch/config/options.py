@@ -167,6 +167,9 @@ OPTIONS: tuple[Option, ...] = (
            "or a long one does not hold up the running batch (0: each admitted prompt whole)", default=0, type=int,
            programs=frozenset({COORDINATOR, UP}), group="speculation", metavar="TOKENS"),
     # ---- serving ----
+    Option("--stream-interval", "tokens a stream sends at once: after a request's first, its tokens go out once at "
+           "least N have been accepted, and at its end (1: every step's; more: less CPU beside the model a token, "
+           "in burstier streams)", default=1, type=int, programs=frozenset({COORDINATOR, UP}), metavar="N"),
     Option("--max-queue", "requests waiting for a batch slot; past it, RESOURCE_EXHAUSTED with a retry hint",
            default=256, type=int, programs=frozenset({COORDINATOR})),
     Option("--max-new-tokens-limit", "the most max_new_tokens a request may ask", default=1024, type=int,
