@@ -73,7 +73,7 @@ def main() -> int:
                                                          random_weights=False, device=args.device, dtype=args.dtype,
                                                          weights=getattr(pair, kind), threads=args.threads))
         models[kind] = load_model(settings["spec"], args.device, settings["dtype"])
-        options[kind] = {"weights": settings["weights"], "kv_bf16": settings["kv_bf16"] and args.device == "cpu"}
+        options[kind] = {"weights": settings["weights"], "kv_bf16": settings["kv_bf16"]}
     target = models["target"]
     tokenizer = load_tokenizer(ModelSpec())
     prompts = [chat_token_ids(tokenizer, [{"role": "user", "content": text}])

@@ -96,3 +96,10 @@ def kv_bf16(form: str) -> bool:
     """Whether a service keeps its keys and values in bf16: beside the forms that round their
     inputs to 16 bits or fewer."""
     return form in SIXTEEN_BIT_FORMS
+
+
+def engine_options(form: str, device: str) -> dict:
+    """What an engine running ``form`` on ``device`` is built with (``Engine``'s ``weights`` and
+    ``kv_bf16``): the form (None: the model as loaded), and bf16 keys and values beside a form that
+    rounds its inputs, on a CPU."""
+    return {"weights": None if form == "model" else form, "kv_bf16": device == "cpu" and kv_bf16(form)}

@@ -38,7 +38,7 @@ def engine_settings(kind: str, args) -> dict:
     wide = int(os.environ.get(WIDE_THREADS_ENV) or 0)
     threads = args.threads or int(os.environ.get("OMP_NUM_THREADS") or 0) or None
     return {"spec": spec, "device": device, "dtype": forms.dtype_for(form, args.dtype),
-            "weights": None if form == "model" else form, "kv_bf16": forms.kv_bf16(form), "threads": threads,
+            **forms.engine_options(form, device), "threads": threads,
             "wide_threads": wide if threads and wide > threads else 0}
 
 
@@ -47,7 +47,7 @@ def new_engine(model, args, settings: dict, **shared) -> Engine:
     ``shared``: the model thread and lock of an engine it shares them with."""
     return Engine(model, max_sequences=args.max_sequences, max_context=args.max_context,
                   max_cache_bytes=int(args.kv_cache_gb * 2**30), captured_steps=args.cuda_graphs,
-                  weights=settings["weights"], kv_bf16=settings["kv_bf16"] and settings["device"] == "cpu",
+                  weights=settings["weights"], kv_bf16=settings["kv_bf16"],
                   wide_threads=settings["wide_threads"], wide_from_rows=1, **shared)
 
 
@@ -60,8 +60,8 @@ def hosted_draft(args, settings: dict, engine: Engine) -> tuple[Engine, str] | N
     embedded = settings["spec"].name == EMBEDDED and spec.name == EMBEDDED_DRAFT and not (
         settings["spec"].num_layers or args.random_weights)
     form = forms.decide(args.weights, embedded, settings["device"], args.dtype).draft
-    draft_settings = {**settings, "spec": spec, "weights": None if form == "model" else form,
-                      "dtype": forms.dtype_for(form, args.dtype), "kv_bf16": forms.kv_bf16(form)}
+    draft_settings = {**settings, "spec": spec, "dtype": forms.dtype_for(form, args.dtype),
+                      **forms.engine_options(form, settings["device"])}
     model = load_model(spec, settings["device"], draft_settings["dtype"])
     draft = new_engine(model, args, draft_settings, model_thread=engine.model_thread, lock=engine.lock)
     log.info("target service: hosts the draft %s, weights %s", spec.describe(), draft.weights or "as loaded")

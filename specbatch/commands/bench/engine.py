@@ -326,8 +326,8 @@ def _run(args) -> int:
                              f"{longest - grid.context} more tokens needs {longest}")
         engine = Engine(model, max_sequences=max(grid.batch_sizes), max_context=longest,
                         max_cache_bytes=budget, captured_steps=args.cuda_graphs,
-                        weights=None if form == "model" else form, kv_bf16=on_cpu and forms.kv_bf16(form),
-                        wide_threads=available_cores() if on_cpu else 0, wide_from_rows=1, **shared)
+                        **forms.engine_options(form, device), wide_threads=available_cores() if on_cpu else 0,
+                        wide_from_rows=1, **shared)
         print(f"loaded {spec.describe()} in {time.perf_counter() - started:.1f}s on {engine.device}/{engine.dtype}, "
               f"weights {engine.weights or 'as loaded'}, captured steps {engine.captured_steps}", file=sys.stderr,
               flush=True)
