@@ -584,6 +584,15 @@ def test_argmax_is_torchs_on_ties_nans_infinities_and_signed_zeros():
     assert torch.equal(argmax(x.double()), x.double().argmax(-1))
 
 
+@pytest.mark.skipif(not cpu.blocks_expected(), reason="the GGUF block multiplies do not build here")
+def test_the_launcher_reads_which_build_the_block_multiplies_take_without_torch(monkeypatch):
+    """Which profile the embedded pair's default takes depends on it: the torch-free reading agrees
+    with the flags the kernels are built with, and an emulated AVX2-only CPU reads as one."""
+    assert cpu.blocks_on_avx2() is not (set(build.VNNI_FLAGS) <= set(build.flags()))
+    monkeypatch.setenv(cpu.WITHOUT_ENV, "avx512,amx")
+    assert cpu.blocks_on_avx2() and set(build.VNNI_FLAGS).isdisjoint(build.flags())
+
+
 @pytest.mark.skipif(not cpu.has("avx512f"), reason="this CPU builds the AVX2 kernels already")
 def test_an_avx2_only_build_passes_these_tests_and_speculates_exactly(tmp_path):
     """The kernels built as an AVX2-only CPU builds them (SPECBATCH_CPU_WITHOUT=avx512,amx: 256-bit
@@ -592,7 +601,7 @@ def test_an_avx2_only_build_passes_these_tests_and_speculates_exactly(tmp_path):
     speculation on bf16 weights token for token its own target-only decoding."""
     check = ("import sys, pytest; from specbatch.kernels import build; "
              "assert '-mavx512f' not in build.flags() and build.available() and not build.bf16_dot_available(); "
-             "assert build.blocks_available(); "
+             "assert build.blocks_available(); from specbatch.kernels import cpu; assert cpu.blocks_on_avx2(); "
              "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-x', *sys.argv[1:], '-k', 'not avx2_only']))")
     env = {**os.environ, "SPECBATCH_CPU_WITHOUT": "avx512,amx", "SPECBATCH_CACHE": str(tmp_path)}
     here = Path(__file__)

@@ -117,15 +117,16 @@ def test_stop_is_clean(tmp_path_factory, target_model, tokenizer):
 
 def _on_a_cpu(monkeypatch, dot=True, kernels=True, native_bf16=True, cores=None, blocks=None) -> None:
     """The machine as the stack's decisions see it: the engine's kernels built (``kernels``), dot
-    products as ``dot`` says (True: bf16, as on AVX512_BF16; "fp16": float16 too; False: neither,
-    as on AVX2), the GGUF block multiplies with the kernels unless
-    ``blocks`` is False (a CPU without F16C), ``cores`` cores."""
+    products as ``dot`` says (True: bf16, as on AVX512_BF16; "fp16": float16 too; False: neither),
+    the GGUF block multiplies with the kernels unless ``blocks`` is False (a CPU without F16C), on
+    AVX512_VNNI unless ``blocks`` is "avx2" (an AVX2-only CPU), ``cores`` cores."""
     from specbatch.kernels import cpu
 
     monkeypatch.setattr(cpu, "multiplies_bf16", lambda: native_bf16)
     monkeypatch.setattr(cpu, "kernels_expected", lambda: kernels)
     monkeypatch.setattr(cpu, "bf16_dot_expected", lambda: kernels and bool(dot))
     monkeypatch.setattr(cpu, "blocks_expected", lambda: kernels and blocks is not False)
+    monkeypatch.setattr(cpu, "blocks_on_avx2", lambda: kernels and blocks == "avx2")
     monkeypatch.setattr(cpu, "fp16_dot_expected", lambda: kernels and dot == "fp16")
     if cores is not None:
         import specbatch.stack.defaults
@@ -273,6 +274,7 @@ def test_keys_and_values_are_bf16_beside_sixteen_bit_forms(monkeypatch, form, ma
     ({"dot": "fp16"}, None, "embedded-cpu-fp16dot.json"),
     ({"dot": True}, None, "embedded-cpu-q4_1-in-target.json"),
     ({"dot": False}, None, "embedded-cpu-q4_1-in-target.json"),
+    ({"dot": False, "blocks": "avx2", "native_bf16": False}, None, "embedded-cpu-q4_1-avx2-in-target.json"),
     ({"dot": False, "blocks": False}, None, "embedded-cpu-bf16w.json"),
     ({"dot": False, "blocks": False, "native_bf16": False}, None, "embedded-cpu-bf16w.json"),
     ({"dot": True}, "auto", "embedded-cpu-q4_1-in-target.json"),
@@ -294,8 +296,13 @@ def test_embedded_default_takes_the_profile_of_the_form_the_services_run(monkeyp
     for separate, name in ((False, profile), (True, profile.replace("-in-target", ""))):
         options = StackOptions(dtype=dtype, device="cpu", separate_draft=separate)
         policy, path = default_k_policy(options)
+        if separate and machine.get("blocks") == "avx2":  # measured hosted only: a draft apart learns
+            assert (policy, path) == ("learn", None)
+            continue
         assert policy == "goodput" and Path(path).name == name and Path(path).exists()
         shipped, served = json.loads(Path(path).read_text()), weight_forms(options)
+        if machine.get("blocks") == "avx2":  # what the coordinator holds against the services' report
+            assert (shipped["hardware"]["cpu_capability"], shipped["hardware"]["native_bf16"]) == ("AVX2", False)
         assert shipped["target"].get("weights") in (None, served.target), (name, served)
         assert shipped["draft"].get("weights") in (None, served.draft), (name, served)
         assert served.draft in ("q8_0", "model") and forms.kv_bf16(served.draft) == (served.draft == "q8_0")

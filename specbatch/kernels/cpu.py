@@ -95,6 +95,12 @@ def blocks_expected() -> bool:
     return kernels_expected() and (has("avx512_vnni") or has("f16c"))
 
 
+def blocks_on_avx2() -> bool:
+    """Whether the GGUF block multiplies build for AVX2 here (no AVX512_VNNI to use): their steps
+    cost differently from the AVX-512 build's, so the embedded pair's profiles differ too."""
+    return blocks_expected() and not (has("avx512f") and has("avx512_vnni"))
+
+
 def fp16_dot_expected() -> bool:
     """Whether the float16 kernel should build here: the kernels, AVX512_FP16 and a compiler that
     knows it (gcc 12 or later)."""

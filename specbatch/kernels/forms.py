@@ -28,6 +28,8 @@ from specbatch.kernels import cpu
 # beside them (docs/decisions/kv-bf16.md).
 SIXTEEN_BIT_FORMS = frozenset({"bf16-dot", "fp16-dot", "q4_1", "q8_0"})
 CPU_FORMS = frozenset({"bf16"}) | SIXTEEN_BIT_FORMS
+# The forms in GGUF's blocks, multiplied with AVX512_VNNI where the CPU has it, else with AVX2.
+BLOCK_FORMS = frozenset({"q4_1", "q8_0"})
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from specbatch.config.options import UP, options_of
 from specbatch.config.speculation import default_k_policy as coordinator_default_policy
-from specbatch.kernels import forms
+from specbatch.kernels import cpu, forms
 from specbatch.kernels.forms import Forms
 
 
@@ -136,8 +136,6 @@ def services_dtype(options: StackOptions) -> str:
     names = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
     if dtype and dtype != "auto":
         return names.get(dtype, dtype)
-    from specbatch.kernels import cpu
-
     return "bfloat16" if cpu.multiplies_bf16() else "float32"
 
 
@@ -150,6 +148,9 @@ EMBEDDED_CPU_PROFILES = {"fp16-dot": "embedded-cpu-fp16dot.json", "bf16-dot": "e
 # Measured with the draft hosted in the target's process (``draft_in_target``): its speculative
 # steps cost less than a draft apart's. The other forms' profiles were measured with the draft apart.
 EMBEDDED_CPU_PROFILES_IN_TARGET = {"q4_1": "embedded-cpu-q4_1-in-target.json"}
+# The block kernels' AVX2 build (an AVX2-only CPU): a verify row costs more there, so speculation's
+# best k is smaller. Measured with the draft in the target's process only; a draft apart learns.
+EMBEDDED_CPU_PROFILES_AVX2_IN_TARGET = {"q4_1": "embedded-cpu-q4_1-avx2-in-target.json"}
 EMBEDDED_CPU_POLICY = "goodput"
 # The embedded pair on a GPU in bf16: learn, starting from its profile. Served steps there cost more
 # than the profile priced, enough to lose at c = 8 (docs/decisions/k-policy-default.md): learn
@@ -170,8 +171,11 @@ def shipped_profile(options: StackOptions) -> tuple[str, Path] | None:
         return None
     target = weight_forms(options).target
     form = services_dtype(options) if target == "model" else target
-    name = (EMBEDDED_CPU_PROFILES_IN_TARGET.get(form) if draft_in_target(options) else None) or \
-        EMBEDDED_CPU_PROFILES.get(form)
+    if form in forms.BLOCK_FORMS and cpu.blocks_on_avx2():
+        name = EMBEDDED_CPU_PROFILES_AVX2_IN_TARGET.get(form) if draft_in_target(options) else None
+    else:
+        name = (EMBEDDED_CPU_PROFILES_IN_TARGET.get(form) if draft_in_target(options) else None) or \
+            EMBEDDED_CPU_PROFILES.get(form)
     return (EMBEDDED_CPU_POLICY, PROFILES / name) if name else None
 
 
