@@ -41,14 +41,28 @@ def _transient(error: BaseException) -> bool:
     return isinstance(error, grpc.RpcError) and error.code() in RETRYABLE
 
 
-def retrying(attempts: int):
-    """Retry transient failures with exponential backoff: ``attempts`` tries in all."""
-    return retry(
-        retry=retry_if_exception(_transient),
-        stop=stop_after_attempt(attempts),
-        wait=wait_exponential(multiplier=0.05, max=1.0),
-        reraise=True,
-    )
+# The wait before the second try; it doubles before each further one, up to 1 s.
+FIRST_WAIT_SECONDS = 0.05
+
+
+class Retrying:
+    """``retry(fn, *args)``: transient failures retried with exponential backoff, ``attempts``
+    tries in all. The first try is a plain call, and tenacity takes over only after it fails: its
+    bookkeeping would cost each decode step a fair part of a local call's whole round trip."""
+
+    def __init__(self, attempts: int):
+        self.rest = retry(retry=retry_if_exception(_transient), stop=stop_after_attempt(attempts - 1),
+                          wait=wait_exponential(multiplier=2 * FIRST_WAIT_SECONDS, max=1.0),
+                          reraise=True) if attempts > 1 else None
+
+    def __call__(self, fn, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except grpc.RpcError as error:
+            if self.rest is None or not _transient(error):
+                raise
+        time.sleep(FIRST_WAIT_SECONDS)
+        return self.rest(fn)(*args, **kwargs)
 
 
 def lost_state(error: BaseException) -> bool:
@@ -122,7 +136,7 @@ class ServiceClient:
         self.stub = self.stub_class(self.channel)
         self.local: LocalChannel | None = None
         self.traffic = Traffic()
-        self.retry = retrying(attempts)
+        self.retry = Retrying(attempts)
         self.answered = 0.0  # time.monotonic() of its last reply: a replica no call reaches is health-checked
 
     def _deadline(self, timeout: float | None) -> float:
@@ -142,7 +156,7 @@ class ServiceClient:
             raise
 
     def _call(self, method: str, request, timeout: float | None = None):
-        reply = self.retry(self._send)(method, request, self._deadline(timeout))
+        reply = self.retry(self._send, method, request, self._deadline(timeout))
         self.answered = time.monotonic()
         self.traffic.add(request, reply)
         return reply
@@ -151,12 +165,12 @@ class ServiceClient:
         return self._call("Prefill", pb.PrefillRequest(sequences=[_seq(c) for c in calls]), timeout)
 
     def release(self, seq_ids: list[str], timeout: float | None = None) -> None:
-        self.retry(self._send)("Release", pb.ReleaseRequest(seq_ids=seq_ids), self._deadline(timeout))
+        self.retry(self._send, "Release", pb.ReleaseRequest(seq_ids=seq_ids), self._deadline(timeout))
         self.answered = time.monotonic()
 
     def cache_stats(self, timeout: float | None = None) -> pb.CacheStatsResponse:
         """Always through gRPC: it says whether the service has a local socket on this host."""
-        stats = self.retry(self.stub.CacheStats)(pb.CacheStatsRequest(), timeout=self._deadline(timeout))
+        stats = self.retry(self.stub.CacheStats, pb.CacheStatsRequest(), timeout=self._deadline(timeout))
         self.answered = time.monotonic()
         path = stats.local_socket if stats.local_socket and os.path.exists(stats.local_socket) else None
         if path != (self.local.path if self.local is not None else None):

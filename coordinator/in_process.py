@@ -10,7 +10,7 @@ import grpc
 from specbatch.rpc.local import LocalContext, LocalRpcError
 from specbatch.v1 import model_services_pb2 as pb
 
-from .backends import DraftClient, TargetClient, Traffic, retrying
+from .backends import DraftClient, Retrying, TargetClient, Traffic
 
 
 class InProcess:
@@ -21,7 +21,7 @@ class InProcess:
         self.servicer, self.address, self.timeout = servicer, address, timeout
         self.channel, self.local = None, None
         self.traffic = Traffic()
-        self.retry = retrying(1)  # nothing to reconnect: a failure is the servicer's answer
+        self.retry = Retrying(1)  # nothing to reconnect: a failure is the servicer's answer
 
     def _send(self, method: str, request, timeout: float):
         context = LocalContext(timeout)  # what the servicers use of a gRPC context
