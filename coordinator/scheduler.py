@@ -155,6 +155,8 @@ class Scheduler:
                 self.retire()
                 self.admit()
                 if self.running:
+                    if all(r.finish is not None for r in self.running):
+                        continue  # they ended with their prefill's token (one asked, or a stop): retire them
                     if not self.step():  # no target replica for any of them: the batch waits for one
                         self.stopping.wait(0.05)
                 elif self.prefilling:

@@ -310,6 +310,28 @@ def test_the_loop_waits_for_a_target_while_requests_wait_or_are_half_prefilled(s
     assert (len(rounds), waits) == (1, [0.05])
 
 
+def test_a_request_that_ends_with_its_prefill_is_retired_without_a_wait(scheduler_of):
+    """A request asking one token (or stopped by its first) ends at its prefill: the loop retires
+    it and takes the next at once; it waited 50 ms as if no target replica were up."""
+    target = FakeTarget("t")
+    scheduler = scheduler_of(replica_set("target", target), None)
+    request = make_request(max_new_tokens=1)
+    scheduler.submit(request)
+    rounds, waits = [], []
+    admit = scheduler.admit
+
+    def counted_admit():
+        rounds.append(1)
+        if len(rounds) == 2:
+            scheduler.stopping.set()
+        admit()
+
+    scheduler.admit, scheduler.stopping.wait = counted_admit, waits.append
+    scheduler._loop()
+    assert request.finish == FINISH_LENGTH and request.generated == 1
+    assert (len(rounds), waits) == (2, []) and target.released == [request.seq_id]
+
+
 def test_retire_releases_finished_requests_on_both_services(scheduler_of):
     target, draft = FakeTarget("t"), FakeDraft("d")
     scheduler = scheduler_of(replica_set("target", target), replica_set("draft", draft), k=2)
