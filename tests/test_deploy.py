@@ -44,12 +44,15 @@ K8S_VERSIONS = ["1.30", kubernetes_validate.utils.latest_version()]
 
 # What each overlay is designed to be: Deployment -> GPUs per pod, and the image each runs.
 DESIGN = {
-    "cpu": {"coordinator": (0, "specbatch:cpu"), "target": (0, "specbatch:cpu"), "draft": (0, "specbatch:cpu")},
+    # the draft hosted in the target's process (--with-draft), as `specbatch up` runs it on a CPU.
+    "cpu": {"coordinator": (0, "specbatch:cpu"), "target": (0, "specbatch:cpu")},
     "separate-gpu": {"coordinator": (0, "specbatch:cpu"), "target": (1, "specbatch:cuda"),
                      "draft": (1, "specbatch:cuda")},
     # target and draft run in one container of the target pods (specbatch-pair), on one GPU.
     "same-gpu": {"coordinator": (0, "specbatch:cpu"), "target": (1, "specbatch:cuda")},
 }
+# Overlays whose target processes host the draft: the coordinator calls it at the target's address.
+HOSTED_DRAFT = {"cpu"}
 PORTS = {"coordinator": 50051, "target": 50052, "draft": 50053}
 GRPC_SERVICE = {50051: "specbatch.v1.Generation", 50052: "specbatch.v1.Target", 50053: "specbatch.v1.Draft"}
 SERVER_GRACE_S = 5  # specbatch.rpc.server.Server.run_until_signal's default
@@ -224,6 +227,14 @@ def test_deployments_gpus_and_images(overlay):
     if overlay == "same-gpu":
         (container,) = pod(deployments["specbatch-target"])["containers"]
         assert [m for m, _ in service_args(container)] == ["target_service", "draft_service"]
+    coordinator = pod(deployments["specbatch-coordinator"])["containers"][0]["args"]
+    (target,) = pod(deployments["specbatch-target"])["containers"]
+    hosts = [a for _, args in service_args(target) for a in args if a.startswith("--with-draft")]
+    if overlay in HOSTED_DRAFT:  # one address for both: the coordinator drafts inside each Verify
+        assert hosts == ["--with-draft=smollm2-135m-instruct-draft"]
+        assert flag(coordinator, "draft") == flag(coordinator, "target")
+    else:
+        assert hosts == [] and flag(coordinator, "draft") != flag(coordinator, "target")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -314,7 +325,8 @@ def test_mtls_between_coordinator_and_services(overlay):
                     assert not any(a.startswith("--service-tls-server-name") for a in args)
                     for service in ("target", "draft"):
                         host = flag(args, service).removeprefix("dns:").rsplit(":", 1)[0]
-                        assert host == certs.service_names(service, "specbatch", "cluster.local")[0]
+                        serves = "target" if overlay in HOSTED_DRAFT else service  # hosted: the target's name
+                        assert host == certs.service_names(serves, "specbatch", "cluster.local")[0]
                     assert not serves_tls(args)  # clients: plaintext, limited by the NetworkPolicy
                 else:
                     files = {f: flag(args, f"tls-{f}") for f in ("cert", "key", "client-ca")}
@@ -322,7 +334,9 @@ def test_mtls_between_coordinator_and_services(overlay):
                 assert {secret for secret, _ in keys.values()} == {certs.SECRETS[which]}, (name, module)
                 assert sorted(key for _, key in keys.values()) == ["ca.crt", "tls.crt", "tls.key"]
                 secrets_used.add(certs.SECRETS[which])
-    assert secrets_used == set(certs.SECRETS.values())
+    # (A hosted draft answers with the target's certificate: no draft Secret is mounted then.)
+    assert secrets_used == {secret for which, secret in certs.SECRETS.items()
+                            if not (overlay in HOSTED_DRAFT and which == "draft")}
     # Made by deploy/certs.py or the cert-manager component, never by the overlays themselves
     # (a Secret in the rendered output would be a private key in git).
     assert not by_kind(rendered(overlay), "Secret")
@@ -402,10 +416,11 @@ def test_services_reach_their_pods(overlay):
     objects = rendered(overlay)
     deployments = by_kind(objects, "Deployment")
     services = by_kind(objects, "Service")
-    assert set(services) == {"specbatch-coordinator", "specbatch-target", "specbatch-draft"}
+    hosted = overlay in HOSTED_DRAFT  # no draft pods, so no draft Service
+    assert set(services) == {"specbatch-coordinator", "specbatch-target"} | (set() if hosted else {"specbatch-draft"})
     assert services["specbatch-coordinator"]["spec"].get("clusterIP") != "None"
     assert services["specbatch-target"]["spec"]["clusterIP"] == "None"
-    assert services["specbatch-draft"]["spec"]["clusterIP"] == "None"
+    assert hosted or services["specbatch-draft"]["spec"]["clusterIP"] == "None"
     for name, service in services.items():
         chosen = [d for d in deployments.values()
                   if selects(service["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])]
@@ -619,7 +634,8 @@ def test_bootstrap_certificates_work_for_mtls(tmp_path):
             assert secret["metadata"]["namespace"] == "specbatch"
             kubernetes_validate.validate(secret, K8S_VERSIONS[0], strict=True)
 
-    coordinator = pod(by_kind(rendered("cpu"), "Deployment")["specbatch-coordinator"])["containers"][0]["args"]
+    # (An overlay with draft pods of its own: the cpu overlay's draft answers with the target's name.)
+    coordinator = pod(by_kind(rendered("separate-gpu"), "Deployment")["specbatch-coordinator"])["containers"][0]["args"]
     servers = {which: _health_server(folder, which, GRPC_SERVICE[PORTS[which]]) for which in certs.SERVERS}
     try:
         with_cert = channel_credentials(folder / "coordinator" / "ca.crt", folder / "coordinator" / "tls.crt",
@@ -635,7 +651,7 @@ def test_bootstrap_certificates_work_for_mtls(tmp_path):
 
         # The probes as the manifests write them, with this folder as the pods' Secret mounts.
         ports = {PORTS[which]: server.port for which, server in servers.items()}
-        for overlay, deployment in (("cpu", "specbatch-target"), ("cpu", "specbatch-draft"),
+        for overlay, deployment in (("cpu", "specbatch-target"), ("separate-gpu", "specbatch-draft"),
                                     ("same-gpu", "specbatch-target")):
             (container,) = pod(by_kind(rendered(overlay), "Deployment")[deployment])["containers"]
             for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
