@@ -6,7 +6,9 @@
  * in one block up to `max_rows`, else blocks of at most `split_rows`, sized evenly (why one block
  * up to 12 for the bf16 kernels: panel_dpbf16.c). Which rows share a block never changes a result,
  * as every kernel sums each output in one order whatever the block (row-exact): it only sets how
- * often the weights are read.
+ * often the weights are read. With one block a panel is read once whatever its group, so the
+ * panels are shared out one by one: a layer of 36 or 60 panels in groups of 4 gave one thread a
+ * group more than the other (20 and 16 panels), which the other then waited for at every layer.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -19,8 +21,9 @@ typedef void (*panel_rows)(const void *call, int64_t panel, int64_t row, int64_t
 void panel_blocks(int64_t M, int64_t N, int64_t max_rows, int64_t split_rows, int64_t group, int threads,
                   panel_rows run, const void *call) {
     int64_t panels = (N + PANEL - 1) / PANEL;
-    int64_t groups = (panels + group - 1) / group;
     int64_t blocks = M <= max_rows ? 1 : (M + split_rows - 1) / split_rows;
+    if (blocks == 1) group = 1;
+    int64_t groups = (panels + group - 1) / group;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t g = 0; g < groups; g++) {
         int64_t first = g * group, end = first + group < panels ? first + group : panels;
