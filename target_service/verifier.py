@@ -24,9 +24,7 @@ from specbatch.engine.sampling import (
 from specbatch.kernels.layers import argmax
 from specbatch.protocol.emulation import rate_at
 from specbatch.protocol.errors import InvalidRequest
-from specbatch.protocol.speculation import MAX_K, MAX_LEAVES
-
-FLOAT16_MAX = torch.finfo(torch.float16).max
+from specbatch.protocol.speculation import FLOAT16_MAX, MAX_K, MAX_LEAVES
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """Torch-free facts of speculation that the draft service, the coordinator and its metrics share:
-the largest k, and acceptance counted per draft position."""
+the largest k, the features' range on the wire, and acceptance counted per draft position."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from __future__ import annotations
 MAX_K = 16
 # The most leaves (the draft's next-best tokens, verified beside the chain) per drafted position.
 MAX_LEAVES = 8
+# The target's features cross to a draft as float16 (half float32's bytes), clamped to its range
+# first so that every value stays finite: its largest finite value.
+FLOAT16_MAX = 65504.0
 
 
 def leaf_option_problems(leaves: int | None = None) -> list[str]:

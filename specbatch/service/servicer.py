@@ -20,6 +20,7 @@ from specbatch.engine.device import describe as describe_device
 from specbatch.engine.engine import Engine
 from specbatch.engine.sampling import SamplingParams, SparseDistribution
 from specbatch.protocol.errors import InvalidRequest
+from specbatch.protocol.speculation import FLOAT16_MAX
 from specbatch.rpc.server import Server, engine_errors_to_status
 from specbatch.service.metrics import ServiceMetrics
 from specbatch.v1 import model_services_pb2 as pb
@@ -27,7 +28,6 @@ from specbatch.v1 import model_services_pb2 as pb
 log = logging.getLogger(__name__)
 
 
-FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
 def features_to_bytes(features: torch.Tensor | None) -> bytes:
