@@ -50,10 +50,12 @@ class RaggedBatch:
             self.inverse[self.order_index] = torch.arange(len(self.order), device=engine.device)
         self.caches = [engine.sequences[inputs[i].seq_id] for i in self.order]
         self.inputs = [inputs[i] for i in self.order]
-        self.kept = torch.tensor([item.keep_len for item in self.inputs])
-        self.fed = torch.tensor([len(item.tokens) for item in self.inputs])
-        batch, width = len(inputs), int(self.fed.max())
-        longest = int((self.kept + self.fed).max()) + decode_steps
+        # The small index tensors are built from Python lists: a call's Python time is a large part
+        # of a one-token step, and each tensor operation costs about what a list of a step's size does.
+        kept, fed = [item.keep_len for item in self.inputs], [len(item.tokens) for item in self.inputs]
+        self.kept, self.fed = torch.tensor(kept), torch.tensor(fed)
+        batch, width = len(inputs), max(fed)
+        longest = max(k + f for k, f in zip(kept, fed)) + decode_steps
         pool = engine.pool
         pool.ensure(len(engine.sequences), longest + 1, engine.max_context + 1)
         for item in self.inputs:  # only now: a call refused above (no room in the pool) changes nothing
@@ -72,15 +74,14 @@ class RaggedBatch:
             self.gathered = True
         self.scratch = self.kv.shape[4] - 1
         # Right-aligned new tokens: row r's token j sits at column kept+j-(width-fed).
-        offsets = torch.arange(width)[None, :] - (width - self.fed)[:, None]
-        self.valid = offsets >= 0
-        self.columns = (self.kept[:, None] + offsets).clamp(min=0)
+        pads = [width - f for f in fed]
+        self.valid = torch.tensor([[j >= pad for j in range(width)] for pad in pads])
+        self.columns = torch.tensor([[max(k + j - pad, 0) for j in range(width)] for k, pad in zip(kept, pads)])
         # A chain's tokens sit at their own positions; a tree's at their depth (tree_layout).
         self.tree = None if all(item.parents is None for item in self.inputs) else tree_layout(self.inputs, width)
         positions = self.columns if self.tree is None else (self.kept[:, None] + self.tree[0]).clamp(min=0)
-        input_ids = torch.zeros(batch, width, dtype=torch.long)
-        for row, item in enumerate(self.inputs):
-            input_ids[row, width - len(item.tokens) :] = torch.tensor(item.tokens, dtype=torch.long)
+        input_ids = torch.tensor([[0] * pad + list(item.tokens) for pad, item in zip(pads, self.inputs)],
+                                 dtype=torch.long)
         features = None
         if engine.feature_size:  # right-aligned like the tokens; padding reads zeros
             features = torch.zeros(batch, width, engine.feature_size, dtype=engine.dtype)
