@@ -10,7 +10,8 @@ import torch
 from tiny import VOCAB, greedy_reference, hooked_forwards
 
 from draft_service.proposer import MAX_K, ProposeItem, propose
-from specbatch.engine.batch import PADDED_ROWS_FREE, PADDED_ROWS_PER_TOKEN, SequenceInput, length_groups
+from specbatch.engine import batch as batch_module
+from specbatch.engine.batch import PADDED_ROWS_FREE, PADDED_ROWS_PER_TOKEN, SequenceInput, length_groups, right_aligned
 from specbatch.engine.engine import Engine
 from specbatch.engine.sampling import SamplingParams
 from specbatch.protocol.errors import CapacityExceeded, InvalidRequest, StaleCache, UnknownSequence
@@ -696,3 +697,26 @@ def test_q8_0_linears_approximate_the_product_and_are_refused_where_unsupported(
         Engine(target_model, weights="q8_0", implementation="transformers")
     with pytest.raises(ValueError, match="Q8_0"):
         Engine(copy.deepcopy(target_model).to(torch.bfloat16), weights="q8_0")
+
+
+@pytest.mark.parametrize("rows, widest", [(1, 1), (1, 6), (4, 7), (32, 40), (3, 600)])
+def test_a_calls_layout_is_the_same_built_from_lists_or_from_tensors(monkeypatch, rows, widest):
+    """Small calls build their index tensors from Python lists (cheaper), large ones with tensor
+    operations: either way the same valid slots, columns and right-aligned tokens."""
+    generator = random.Random(rows * 1000 + widest)
+    fed = [generator.randint(1, widest) for _ in range(rows)]
+    kept = [generator.randint(0, 50) for _ in range(rows)]
+    tokens = [[generator.randint(1, VOCAB - 1) for _ in range(n)] for n in fed]
+    width = max(fed)
+    built = {}
+    for slots in (0, 10**9):  # every call through tensor operations, then every call through lists
+        monkeypatch.setattr(batch_module, "LIST_BUILT_SLOTS", slots)
+        built[slots] = right_aligned(kept, fed, width, tokens)
+    for a, b in zip(built[0], built[10**9]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    valid, columns, ids = built[0]
+    for r in range(rows):
+        pad = width - fed[r]
+        assert not valid[r, :pad].any() and valid[r, pad:].all()
+        assert columns[r, pad:].tolist() == list(range(kept[r], kept[r] + fed[r]))
+        assert ids[r, pad:].tolist() == tokens[r] and not ids[r, :pad].any()

@@ -32,6 +32,28 @@ class SequenceInput:
     parents: list[int] | None = None
 
 
+# Up to this many token slots (rows x width) a call's index tensors are built from Python lists:
+# a tensor operation costs about what a list of that size does, and a decode or verify step's
+# Python is a large part of its time on a CPU. Past it (a prefill), tensor operations.
+LIST_BUILT_SLOTS = 1024
+
+
+def right_aligned(kept: list[int], fed: list[int], width: int, tokens: list[list[int]]):
+    """(valid, columns, input ids), each ``[rows, width]``, of rows feeding ``fed`` tokens right-
+    aligned after ``kept`` cached ones: row r's token j sits at column kept+j-(width-fed); padding
+    is invalid, at column 0, token 0."""
+    if len(fed) * width <= LIST_BUILT_SLOTS:
+        pads = [width - f for f in fed]
+        return (torch.tensor([[j >= pad for j in range(width)] for pad in pads]),
+                torch.tensor([[max(k + j - pad, 0) for j in range(width)] for k, pad in zip(kept, pads)]),
+                torch.tensor([[0] * pad + list(row) for pad, row in zip(pads, tokens)], dtype=torch.long))
+    offsets = torch.arange(width)[None, :] - (width - torch.tensor(fed))[:, None]
+    input_ids = torch.zeros(len(fed), width, dtype=torch.long)
+    for r, row in enumerate(tokens):
+        input_ids[r, width - len(row):] = torch.tensor(row, dtype=torch.long)
+    return offsets >= 0, (torch.tensor(kept)[:, None] + offsets).clamp(min=0), input_ids
+
+
 class RaggedBatch:
     """The sequences of one call, as a batch cache over their pool slots (see the module docstring).
 
@@ -50,8 +72,6 @@ class RaggedBatch:
             self.inverse[self.order_index] = torch.arange(len(self.order), device=engine.device)
         self.caches = [engine.sequences[inputs[i].seq_id] for i in self.order]
         self.inputs = [inputs[i] for i in self.order]
-        # The small index tensors are built from Python lists: a call's Python time is a large part
-        # of a one-token step, and each tensor operation costs about what a list of a step's size does.
         kept, fed = [item.keep_len for item in self.inputs], [len(item.tokens) for item in self.inputs]
         self.kept, self.fed = torch.tensor(kept), torch.tensor(fed)
         batch, width = len(inputs), max(fed)
@@ -73,15 +93,10 @@ class RaggedBatch:
             self.kv = pool.kv[:, :, slots, :, : longest + 1]
             self.gathered = True
         self.scratch = self.kv.shape[4] - 1
-        # Right-aligned new tokens: row r's token j sits at column kept+j-(width-fed).
-        pads = [width - f for f in fed]
-        self.valid = torch.tensor([[j >= pad for j in range(width)] for pad in pads])
-        self.columns = torch.tensor([[max(k + j - pad, 0) for j in range(width)] for k, pad in zip(kept, pads)])
+        self.valid, self.columns, input_ids = right_aligned(kept, fed, width, [item.tokens for item in self.inputs])
         # A chain's tokens sit at their own positions; a tree's at their depth (tree_layout).
         self.tree = None if all(item.parents is None for item in self.inputs) else tree_layout(self.inputs, width)
         positions = self.columns if self.tree is None else (self.kept[:, None] + self.tree[0]).clamp(min=0)
-        input_ids = torch.tensor([[0] * pad + list(item.tokens) for pad, item in zip(pads, self.inputs)],
-                                 dtype=torch.long)
         features = None
         if engine.feature_size:  # right-aligned like the tokens; padding reads zeros
             features = torch.zeros(batch, width, engine.feature_size, dtype=engine.dtype)
