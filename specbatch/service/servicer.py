@@ -28,8 +28,6 @@ from specbatch.v1 import model_services_pb2 as pb
 log = logging.getLogger(__name__)
 
 
-
-
 def features_to_bytes(features: torch.Tensor | None) -> bytes:
     """Features cross the wire as float16 little-endian rows (half the bytes of float32), clamped
     to float16's range, so that a reader can refuse any that are not finite."""
