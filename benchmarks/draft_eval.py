@@ -5,7 +5,8 @@ the serving code (``specbatch.commands.distill.evaluate.speculate``: the coordin
 over the target and draft services' servicers, on engines in this process), reporting acceptance
 per drafted position (each given the ones before it), tokens per target forward, and the draft's
 cost per drafted token over one one-token target forward, both timed through the Engine in the
-dtype the services use.
+dtype the services use. The target runs in the weight form its service runs (``--weights``): a
+quantized target keeps other tokens, so a draft is judged against the target as served.
 
 Prompt sets: ShareGPT first turns from conversation 16000 (held out: ``specbatch distill`` never
 reads past it) and MT-Bench first turns (``specbatch.commands.prompts.mt_bench_prompts``: another public set
@@ -36,6 +37,7 @@ from specbatch.commands import results
 from specbatch.commands.distill.data import EVAL_PROMPTS_FROM, chat_prompt_ids
 from specbatch.commands.distill.evaluate import find_eos_token_ids, speculate
 from specbatch.commands.prompts import mt_bench_prompts, sharegpt_prompts
+from specbatch.kernels import forms
 from specbatch.models.eagle import fuse_target_features
 from specbatch.models.embedded import EMBEDDED, TRAINED_WEIGHTS
 from specbatch.models.loading import ModelSpec, assemble_draft, default_device, load_model, load_tokenizer, parse_dtype
@@ -82,12 +84,16 @@ def main(argv=None) -> int:
     parser.add_argument("--max-prompt-tokens", type=int, default=256)
     parser.add_argument("--device", default=None, help="default: cuda if available")
     parser.add_argument("--dtype", default="auto", help="the services' --dtype (default: theirs, 'auto')")
+    parser.add_argument("--weights", default="auto", help="the target's weight form, as the services' --weights "
+                        "(default: auto, what the target service runs here: q4_1 on most CPUs)")
     results.add_output_flags(parser, "draft_eval")
     args = parser.parse_args(argv)
 
     device = args.device or default_device()
-    dtype = parse_dtype(args.dtype, device)
     spec = ModelSpec(args.target)
+    weights = forms.decide(args.weights, spec.name == EMBEDDED, device, args.dtype).target
+    target_options = forms.engine_options(weights, device)
+    dtype = parse_dtype(forms.dtype_for(weights, args.dtype) or "auto", device)
     target = load_model(spec, device, dtype)
     tokenizer = load_tokenizer(spec)
     eos = find_eos_token_ids(tokenizer, target)
@@ -104,7 +110,8 @@ def main(argv=None) -> int:
             fused_targets[layers] = fuse_target_features(copy.deepcopy(target), list(layers))
         serving = fused_targets[layers] if layers else target
         for source in sources:
-            evaluation = speculate(serving, draft, prompts[source], args.k, args.new_tokens, eos, f"{label} on {source}")
+            evaluation = speculate(serving, draft, prompts[source], args.k, args.new_tokens, eos, f"{label} on {source}",
+                                   target_options)
             rows.append({"draft": label, "model": name, "source": source, "evaluation": asdict(evaluation)})
             print(markdown(rows[-1:], args.k).splitlines()[-1], flush=True)
     table = markdown(rows, args.k)

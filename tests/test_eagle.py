@@ -384,6 +384,40 @@ def test_bf16_autocast_is_a_flag(target_model, tokenizer, tmp_path, monkeypatch)
     assert {autocast for training, autocast in seen if not training} == {False}  # drafting is not autocast
 
 
+def test_distill_fine_tunes_a_draft_against_the_target_in_a_weight_form(distilled, eagle_draft, target_model,
+                                                                       tokenizer, tmp_path, monkeypatch):
+    """``--init-draft`` starts from a distilled draft (its head's token subset kept, its head rows
+    frozen) and ``--weights`` builds every target engine of the data and evaluate phases in that
+    form: a draft tuned to the target as a CPU serves it."""
+    import specbatch.commands.distill.data as data_module
+    import specbatch.commands.distill.evaluate as evaluate_module
+    from specbatch.kernels import build
+
+    if not build.available():
+        pytest.skip(f"no panel kernel here: {build.unavailable_reason()}")
+    forms = []
+
+    class Recorded(Engine):
+        def __init__(self, model, *args, **kwargs):
+            forms.append((reads_target_features(model), kwargs.get("weights")))
+            super().__init__(model, *args, **kwargs)
+
+    monkeypatch.setattr(data_module, "Engine", Recorded)
+    monkeypatch.setattr(evaluate_module, "Engine", Recorded)
+    cfg = dataclasses.replace(SMALL, prompts=4, corpus_tokens=80, steps=4, lr=1e-3, eval_prompts=1, eval_new_tokens=4,
+                              weights="bf16", init_draft=str(distilled[0] / "draft"))
+    distill(copy.deepcopy(target_model), tokenizer, tmp_path, cfg)
+    # the answers, the corpus and the evaluation's target in bf16; the evaluation's draft as loaded
+    assert forms == [(False, "bf16"), (False, "bf16"), (False, "bf16"), (True, None)]
+    from transformers import AutoModelForCausalLM
+
+    tuned = AutoModelForCausalLM.from_pretrained(tmp_path / "draft")
+    assert torch.equal(tuned.draft_to_target, eagle_draft.draft_to_target)
+    assert torch.equal(tuned.lm_head.weight, eagle_draft.lm_head.weight)
+    start, end = eagle_draft.model.fc.weight, tuned.model.fc.weight
+    assert not torch.equal(start, end) and (end - start).abs().max() < 0.1  # moved, from where it started
+
+
 def _random_sequences(rng: random.Random, count: int, fed_all: bool) -> list[dict]:
     sequences = []
     for _ in range(count):

@@ -43,6 +43,20 @@ class DistillConfig:
     # separated, e.g. "2,15" for SmolLM2's 30 layers) beside its final hidden state; "" = EAGLE-1.
     # The target service must then run with the same --feature-layers.
     feature_layers: str = ""
+    # The target's weight form in the data and evaluate phases (specbatch.kernels.forms; "model": as
+    # loaded). A quantized target keeps other tokens and features than the float one, so a draft
+    # meant for it learns from it: "q4_1" is the embedded target as a CPU serves it.
+    weights: str = "model"
+    # Start from this draft (a folder, or "embedded": the shipped one) instead of the target's last
+    # layers; its head's token subset stays. A fine-tune: fewer steps, a smaller --lr.
+    init_draft: str = ""
+
+
+def engine_options(cfg: DistillConfig, target) -> dict:
+    """What the data and evaluate phases build the target's engine with: ``cfg.weights``."""
+    from specbatch.kernels import forms
+
+    return forms.engine_options(cfg.weights, next(target.parameters()).device.type)
 
 
 def amp_dtype(device: torch.device | str, amp: str) -> torch.dtype | None:

@@ -9,17 +9,14 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from specbatch.commands.distill.config import DistillConfig, engine_options
 from specbatch.commands.prompts import sharegpt_exchanges, sharegpt_prompts
 from specbatch.engine.batch import SequenceInput
 from specbatch.engine.engine import Engine
 from specbatch.models.loading import chat_token_ids
-
-if TYPE_CHECKING:
-    from specbatch.commands.distill.config import DistillConfig
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +88,7 @@ def collect_data(target, tokenizer, out: Path, cfg: DistillConfig, eos: set[int]
         log.warning("only %d ShareGPT prompts before the held-out conversations (%d asked)", len(texts), cfg.prompts)
     prompts = [chat_prompt_ids(tokenizer, t, cfg.max_prompt_tokens) for t in texts]
     waves = [prompts[i : i + cfg.data_batch] for i in range(0, len(prompts), cfg.data_batch)]
-    engine = Engine(target, max_sequences=cfg.data_batch)
+    engine = Engine(target, max_sequences=cfg.data_batch, **engine_options(cfg, target))
     return _sharded(folder, "wave", waves, "data: target answers",
                     lambda w, wave: answer_with_features(engine, wave, cfg.max_new_tokens, eos, f"w{w}"))
 
@@ -206,7 +203,7 @@ def collect_corpus(target, tokenizer, out: Path, cfg: DistillConfig) -> list[Pat
             break
     size = max(cfg.data_batch // 2, 1)
     batches = [texts[i : i + size] for i in range(0, len(texts), size)]
-    engine = Engine(target, max_sequences=size)
+    engine = Engine(target, max_sequences=size, **engine_options(cfg, target))
 
     def read(index: int, batch: list[torch.Tensor]) -> list[dict]:
         ids = [f"c{index}-{i}" for i in range(len(batch))]

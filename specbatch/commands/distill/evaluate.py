@@ -15,7 +15,7 @@ from coordinator.by_hand import greedy_request, stepped_by_hand
 from coordinator.in_process import InProcessDraft, InProcessTarget
 from coordinator.policy import FixedK
 from draft_service.servicer import DraftServicer
-from specbatch.commands.distill.config import DistillConfig
+from specbatch.commands.distill.config import DistillConfig, engine_options
 
 # The data phase (answers, corpus, shards, the head's token subset) is distill_data's.
 from specbatch.commands.distill.data import (
@@ -51,7 +51,8 @@ def evaluate(target, draft, tokenizer, cfg: DistillConfig, eos: set[int]) -> Eva
     ``EVAL_PROMPTS_FROM``), with the services' code."""
     texts = sharegpt_prompts(cfg.eval_prompts, start=EVAL_PROMPTS_FROM)
     prompts = [chat_prompt_ids(tokenizer, text, cfg.max_prompt_tokens) for text in texts]
-    return speculate(target, draft, prompts, cfg.eval_k, cfg.eval_new_tokens, eos, "evaluate: held-out prompts")
+    return speculate(target, draft, prompts, cfg.eval_k, cfg.eval_new_tokens, eos, "evaluate: held-out prompts",
+                     engine_options(cfg, target))
 
 
 @dataclass
@@ -95,12 +96,14 @@ def speculative_steps(target_engine: Engine, draft_engine: Engine, prompts: list
 
 
 def speculate(target, draft, prompts: list[list[int]], k: int, new_tokens: int, eos: set[int],
-              description: str = "speculate") -> Evaluation:
+              description: str = "speculate", target_options: dict | None = None) -> Evaluation:
     """Greedy speculative decoding at batch 1 (``speculative_steps``), each model on the device it
     is on: acceptance per drafted position, tokens per target forward, and the draft's time per
     drafted token (steady state: a Propose that reads the prompt is not timed) beside one
-    one-token target forward."""
-    target_engine, draft_engine = Engine(target, max_sequences=2), Engine(draft, max_sequences=2)
+    one-token target forward. ``target_options``: the target engine's weight form (``Engine``'s
+    ``weights`` and ``kv_bf16``; default: as loaded)."""
+    target_engine = Engine(target, max_sequences=2, **(target_options or {}))
+    draft_engine = Engine(draft, max_sequences=2)
     outcomes = []  # (drafted, accepted) of every step
     draft_seconds = draft_tokens = 0.0
     progress, task = _progress(len(prompts), description)
