@@ -29,9 +29,6 @@ import argparse
 import copy
 import sys
 from dataclasses import asdict
-from pathlib import Path
-
-import torch
 
 from specbatch.commands import results
 from specbatch.commands.distill.data import EVAL_PROMPTS_FROM, chat_prompt_ids
@@ -39,8 +36,8 @@ from specbatch.commands.distill.evaluate import find_eos_token_ids, speculate
 from specbatch.commands.prompts import mt_bench_prompts, sharegpt_prompts
 from specbatch.kernels import forms
 from specbatch.models.eagle import fuse_target_features
-from specbatch.models.embedded import EMBEDDED, TRAINED_WEIGHTS
-from specbatch.models.loading import ModelSpec, assemble_draft, default_device, load_model, load_tokenizer, parse_dtype
+from specbatch.models.embedded import EMBEDDED
+from specbatch.models.loading import ModelSpec, default_device, load_draft, load_model, load_tokenizer, parse_dtype
 
 SOURCES = ("sharegpt", "mt-bench")
 
@@ -50,13 +47,6 @@ def prompt_texts(source: str, count: int) -> list[str]:
         return sharegpt_prompts(count, start=EVAL_PROMPTS_FROM)
     texts = mt_bench_prompts(per_category=-(-count // 8))  # 8 categories, as evenly as count allows
     return texts[:count]
-
-
-def load_draft(name: str, target, device: str, dtype: torch.dtype):
-    folder = Path(name)
-    if (folder / TRAINED_WEIGHTS).exists():
-        return assemble_draft(folder, target).to(device=device, dtype=dtype)
-    return load_model(ModelSpec(name), device, dtype)
 
 
 def markdown(rows: list[dict], k: int) -> str:
@@ -93,7 +83,7 @@ def main(argv=None) -> int:
     spec = ModelSpec(args.target)
     weights = forms.decide(args.weights, spec.name == EMBEDDED, device, args.dtype).target
     target_options = forms.engine_options(weights, device)
-    dtype = parse_dtype(forms.dtype_for(weights, args.dtype) or "auto", device)
+    dtype = parse_dtype(forms.dtype_for(weights, args.dtype), device)
     target = load_model(spec, device, dtype)
     tokenizer = load_tokenizer(spec)
     eos = find_eos_token_ids(tokenizer, target)

@@ -138,6 +138,16 @@ def assemble_draft(folder: Path, target):
     return draft.eval()
 
 
+def load_draft(name: str, target, device: str | torch.device, dtype: torch.dtype):
+    """A draft by name: a folder in the trained-only form (``config.json`` + ``trained.safetensors``,
+    completed from ``target``), else whatever ``load_model`` loads (a model folder, the embedded
+    draft's name, a hub id)."""
+    folder = Path(name)
+    if (folder / TRAINED_WEIGHTS).exists():
+        return assemble_draft(folder, target).to(device=device, dtype=dtype)
+    return load_model(ModelSpec(name), device, dtype)
+
+
 def model_source(spec: ModelSpec) -> tuple[str, dict]:
     if spec.name == EMBEDDED:
         return str(embedded_model_folder()), {}

@@ -47,8 +47,9 @@ class DistillConfig:
     # loaded). A quantized target keeps other tokens and features than the float one, so a draft
     # meant for it learns from it: "q4_1" is the embedded target as a CPU serves it.
     weights: str = "model"
-    # Start from this draft (a folder, or "embedded": the shipped one) instead of the target's last
-    # layers; its head's token subset stays. A fine-tune: fewer steps, a smaller --lr.
+    # Start from this draft (a model folder, a trained-only folder, or the embedded draft's name)
+    # instead of the target's last layers; its head's token subset stays. A fine-tune: fewer steps,
+    # a smaller --lr.
     init_draft: str = ""
 
 

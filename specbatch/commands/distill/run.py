@@ -42,6 +42,7 @@ from specbatch.commands.distill.data import (
 from specbatch.commands.distill.evaluate import Evaluation, evaluate, find_eos_token_ids, print_evaluation
 from specbatch.commands.distill.train import export_trained_only, train
 from specbatch.models.eagle import draft_from_target, fuse_target_features, parse_feature_layers
+from specbatch.models.loading import load_draft
 
 log = logging.getLogger(__name__)
 
@@ -61,15 +62,15 @@ def distill(target, tokenizer, out: Path, cfg: DistillConfig) -> Evaluation:
     tokens = sum(len(t) for t in data.token_sequences())
     vocab_size = target.get_input_embeddings().weight.shape[0]
     if cfg.init_draft:  # a fine-tune: the draft and its head's token subset as they are
-        draft = initial_draft(cfg.init_draft, target)
+        param = next(target.parameters())
+        draft = load_draft(cfg.init_draft, target, param.device, param.dtype)
         subset = draft.draft_to_target.cpu()
     else:
         subset = token_subset(data.token_sequences(), cfg.draft_vocab, vocab_size, eos)
+        draft = draft_from_target(target, cfg.layers, subset)
     print(f"data: {len(answers)} target answers and {len(data) - len(answers)} corpus conversations, {tokens} tokens; "
           f"head subset of {len(subset)} tokens covers {coverage(answers.token_sequences(), subset, vocab_size):.1%} "
           f"of the target answers' tokens (prompts included)", flush=True)
-    if not cfg.init_draft:
-        draft = draft_from_target(target, cfg.layers, subset)
     train(draft, data, out, cfg)
     final = out / "draft"
     draft.save_pretrained(final)
@@ -79,18 +80,6 @@ def distill(target, tokenizer, out: Path, cfg: DistillConfig) -> Evaluation:
     print_evaluation(evaluation)
     print(f"draft saved to {final}: serve it with  python -m draft_service --model {final}", flush=True)
     return evaluation
-
-
-def initial_draft(name: str, target):
-    """The draft a fine-tune starts from: a folder, or "embedded" (the shipped draft), on the
-    target's device and in its dtype."""
-    from transformers import AutoModelForCausalLM
-
-    from specbatch.models.loading import embedded_draft_folder
-
-    folder = embedded_draft_folder() if name == "embedded" else Path(name)
-    param = next(target.parameters())
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=param.dtype).to(param.device)
 
 
 def add_distill_flags(parser) -> None:
