@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 from pathlib import Path
 
@@ -115,13 +116,15 @@ def test_stop_is_clean(tmp_path_factory, target_model, tokenizer):
     assert [p.returncode for p in children] == [0, 0]  # SIGTERM → graceful exit, not killed
 
 
-def _on_a_cpu(monkeypatch, dot=True, kernels=True, native_bf16=True, cores=None, blocks=None) -> None:
+def _on_a_cpu(monkeypatch, dot=True, kernels=True, native_bf16=True, cores=None, blocks=None,
+              name="a CPU no shipped profile was measured on") -> None:
     """The machine as the stack's decisions see it: the engine's kernels built (``kernels``), dot
     products as ``dot`` says (True: bf16, as on AVX512_BF16; "fp16": float16 too; False: neither),
     the GGUF block multiplies with the kernels unless ``blocks`` is False (a CPU without F16C), on
-    AVX512_VNNI unless ``blocks`` is "avx2" (an AVX2-only CPU), ``cores`` cores."""
+    AVX512_VNNI unless ``blocks`` is "avx2" (an AVX2-only CPU), ``cores`` cores, the model ``name``."""
     from specbatch.kernels import cpu
 
+    monkeypatch.setattr(cpu, "model_name", lambda: name)
     monkeypatch.setattr(cpu, "multiplies_bf16", lambda: native_bf16)
     monkeypatch.setattr(cpu, "kernels_expected", lambda: kernels)
     monkeypatch.setattr(cpu, "bf16_dot_expected", lambda: kernels and bool(dot))
@@ -231,7 +234,8 @@ def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatc
 
 
 @pytest.mark.parametrize("machine, options, target, draft", [
-    ({"dot": "fp16"}, {}, "fp16-dot", "q8_0"),
+    ({"dot": "fp16"}, {}, "q4_1", "q8_0"),
+    ({"dot": "fp16"}, {"weights": "fp16-dot"}, "fp16-dot", "q8_0"),
     ({"dot": True}, {}, "q4_1", "q8_0"),
     ({"dot": False}, {}, "q4_1", "q8_0"),
     ({"dot": False, "native_bf16": False}, {}, "q4_1", "q8_0"),
@@ -250,9 +254,8 @@ def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatc
     ({"dot": False}, {"target_model": "some/target", "draft_model": "some/draft", "weights": "q8_0"}, "q8_0", "q8_0"),
     ({"dot": True}, {"device": "cuda"}, "model", "model")])
 def test_the_machine_decides_the_weight_forms(monkeypatch, machine, options, target, draft):
-    """The embedded pair on a CPU where the kernels build: the target on float16 products where the
-    CPU has AVX512_FP16, else on the GGUF's own blocks (AVX512_VNNI, or AVX2 with F16C), else on bf16
-    weights; the draft in Q8_0 blocks wherever the target runs float32 arithmetic and the block
+    """The embedded pair on a CPU where the kernels build: the target on the GGUF's own blocks
+    (AVX512_VNNI, or AVX2 with F16C; AVX512_FP16 too), else on bf16 weights; the draft in Q8_0 blocks wherever the target runs float32 arithmetic and the block
     kernels build; another pair or a GPU as loaded unless a form is named."""
     spawned = _spawned(monkeypatch, options, **machine)
     assert _flag(spawned["target_service"][0], "--weights") == target
@@ -271,7 +274,9 @@ def test_keys_and_values_are_bf16_beside_sixteen_bit_forms(monkeypatch, form, ma
 
 
 @pytest.mark.parametrize("machine, dtype, profile", [
-    ({"dot": "fp16"}, None, "embedded-cpu-fp16dot.json"),
+    ({"dot": "fp16"}, None, "embedded-cpu-q4_1-in-target.json"),
+    ({"dot": "fp16", "name": "Intel(R) Xeon(R) Processor"}, None, "embedded-cpu-q4_1-in-target-xeon.json"),
+    ({"dot": True, "name": "AMD EPYC"}, None, "embedded-cpu-q4_1-in-target.json"),
     ({"dot": True}, None, "embedded-cpu-q4_1-in-target.json"),
     ({"dot": False}, None, "embedded-cpu-q4_1-in-target.json"),
     ({"dot": False, "blocks": "avx2", "native_bf16": False}, None, "embedded-cpu-q4_1-avx2-in-target.json"),
@@ -286,14 +291,15 @@ def test_embedded_default_takes_the_profile_of_the_form_the_services_run(monkeyp
     """Step times with bf16 weights, in bf16 and in fp32 differ by 1.5-2x and more, so the best k
     does too: `specbatch up` gives the coordinator the shipped profile measured in the form the
     services will run, and with the draft where it runs (in the target's process, where a profile
-    was measured so; with --separate-draft, the form's profile measured with the draft apart).
+    was measured so; with --separate-draft, the form's profile measured with the draft apart),
+    and of a form's profiles the one measured on this CPU's model, where there is one.
     A profile that names its weight forms names the ones the services run (else the coordinator
     would set it aside for `learn`)."""
     from specbatch.kernels import forms
     from specbatch.stack.defaults import weight_forms
 
     _on_a_cpu(monkeypatch, **machine)
-    for separate, name in ((False, profile), (True, profile.replace("-in-target", ""))):
+    for separate, name in ((False, profile), (True, re.sub(r"-in-target(-\w+)?", "", profile))):
         options = StackOptions(dtype=dtype, device="cpu", separate_draft=separate)
         policy, path = default_k_policy(options)
         if separate and machine.get("blocks") == "avx2":  # measured hosted only: a draft apart learns
@@ -301,6 +307,8 @@ def test_embedded_default_takes_the_profile_of_the_form_the_services_run(monkeyp
             continue
         assert policy == "goodput" and Path(path).name == name and Path(path).exists()
         shipped, served = json.loads(Path(path).read_text()), weight_forms(options)
+        if "name" in machine and not separate:  # measured on this CPU's model
+            assert shipped["hardware"]["name"] == machine["name"]
         if machine.get("blocks") == "avx2":  # what the coordinator holds against the services' report
             assert (shipped["hardware"]["cpu_capability"], shipped["hardware"]["native_bf16"]) == ("AVX2", False)
         assert shipped["target"].get("weights") in (None, served.target), (name, served)

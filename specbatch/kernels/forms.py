@@ -47,11 +47,9 @@ def dtype_for(form: str, dtype: str | None) -> str | None:
 
 
 def machine_target_form() -> str:
-    """The embedded target's form on this CPU: float16 products where it has AVX512_FP16, else the
-    GGUF's own blocks where their kernels build (AVX512_VNNI, or AVX2 with F16C), else bf16 weights
-    where the kernels build, else the model as loaded."""
-    if cpu.fp16_dot_expected():
-        return "fp16-dot"
+    """The embedded target's form on this CPU: the GGUF's own blocks where their kernels build
+    (AVX512_VNNI, or AVX2 with F16C; AVX512_FP16's float16 products read three times their bytes),
+    else bf16 weights where the kernels build, else the model as loaded."""
     if cpu.blocks_expected():
         return "q4_1"
     return "bf16" if cpu.kernels_expected() else "model"

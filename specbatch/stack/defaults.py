@@ -6,6 +6,7 @@ Torch-free, so that it decides in a moment.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from dataclasses import field, make_dataclass
@@ -147,7 +148,10 @@ EMBEDDED_CPU_PROFILES = {"fp16-dot": "embedded-cpu-fp16dot.json", "bf16-dot": "e
                          "bfloat16": "embedded-cpu.json", "float32": "embedded-cpu-fp32.json"}
 # Measured with the draft hosted in the target's process (``draft_in_target``): its speculative
 # steps cost less than a draft apart's. The other forms' profiles were measured with the draft apart.
-EMBEDDED_CPU_PROFILES_IN_TARGET = {"q4_1": "embedded-cpu-q4_1-in-target.json"}
+# Where a form has several, each was measured on another CPU: the one measured on this CPU's model
+# is taken, else the first (the coordinator then learns: it holds a profile to the CPU it serves on).
+EMBEDDED_CPU_PROFILES_IN_TARGET = {"q4_1": ("embedded-cpu-q4_1-in-target.json",
+                                            "embedded-cpu-q4_1-in-target-xeon.json")}
 # The block kernels' AVX2 build (an AVX2-only CPU): a verify row costs more there, so speculation's
 # best k is smaller. Measured with the draft in the target's process only; a draft apart learns.
 EMBEDDED_CPU_PROFILES_AVX2_IN_TARGET = {"q4_1": "embedded-cpu-q4_1-avx2-in-target.json"}
@@ -174,9 +178,19 @@ def shipped_profile(options: StackOptions) -> tuple[str, Path] | None:
     if form in forms.BLOCK_FORMS and cpu.blocks_on_avx2():
         name = EMBEDDED_CPU_PROFILES_AVX2_IN_TARGET.get(form) if draft_in_target(options) else None
     else:
-        name = (EMBEDDED_CPU_PROFILES_IN_TARGET.get(form) if draft_in_target(options) else None) or \
-            EMBEDDED_CPU_PROFILES.get(form)
+        hosted = EMBEDDED_CPU_PROFILES_IN_TARGET.get(form) if draft_in_target(options) else None
+        name = measured_here(hosted) if hosted else EMBEDDED_CPU_PROFILES.get(form)
     return (EMBEDDED_CPU_POLICY, PROFILES / name) if name else None
+
+
+def measured_here(names: tuple[str, ...]) -> str:
+    """The first of these shipped profiles measured on this CPU's model, else the first."""
+    here = cpu.model_name()
+    for name in names:
+        path = PROFILES / name
+        if path.exists() and json.loads(path.read_text()).get("hardware", {}).get("name") == here:
+            return name
+    return names[0]
 
 
 def default_k_policy(options: StackOptions) -> tuple[str, str | None]:
