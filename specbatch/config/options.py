@@ -114,8 +114,8 @@ OPTIONS: tuple[Option, ...] = (
            "natively, else float32; a CPU kernel form runs float32)", default="auto", programs=SERVICES | {UP},
            group="engine"),
     Option("--weights", "how the linear layers keep their weights: auto (the machine decides: on a CPU where the "
-           "engine's kernels build, the embedded target on float16 products where the CPU has AVX512_FP16, else "
-           "on its GGUF's own blocks (AVX512_VNNI or AVX2), else on bf16 weights; the embedded draft in Q8_0 "
+           "engine's kernels build, the embedded target on its GGUF's own blocks (AVX512_VNNI or AVX2), "
+           "else on bf16 weights; the embedded draft in Q8_0 "
            "blocks), model (as loaded, in --dtype), bf16, bf16-dot, fp16-dot, q4_1 (the embedded GGUF's own blocks, "
            "computed as llama.cpp does) or q8_0 (8-bit blocks, as llama.cpp computes them)", default="auto",
            programs=SERVICES | {UP}, group="engine", choices=WEIGHT_FORMS),
