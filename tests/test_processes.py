@@ -255,8 +255,9 @@ def test_launcher_gives_the_target_the_feature_layers_its_draft_reads(monkeypatc
     ({"dot": True}, {"device": "cuda"}, "model", "model")])
 def test_the_machine_decides_the_weight_forms(monkeypatch, machine, options, target, draft):
     """The embedded pair on a CPU where the kernels build: the target on the GGUF's own blocks
-    (AVX512_VNNI, or AVX2 with F16C; AVX512_FP16 too), else on bf16 weights; the draft in Q8_0 blocks wherever the target runs float32 arithmetic and the block
-    kernels build; another pair or a GPU as loaded unless a form is named."""
+    (AVX512_VNNI, or AVX2 with F16C; AVX512_FP16 too), else on bf16 weights; the draft in Q8_0
+    blocks wherever the target runs float32 arithmetic and the block kernels build; another pair
+    or a GPU as loaded unless a form is named."""
     spawned = _spawned(monkeypatch, options, **machine)
     assert _flag(spawned["target_service"][0], "--weights") == target
     assert _flag(spawned["draft_service"][0], "--weights") == draft
