@@ -127,14 +127,20 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
             supports.append((support, probs))
         return columns if to_token is None else to_token[columns]
 
-    tokens = pick(batch.prefill(1)[:, -1], 0)
-    drafted = [tokens]
-    for step in range(steps):
-        features = batch.last_hidden()[:, -1] if reads_features else None
-        tokens = pick(batch.decode(tokens, features), step + 1)
-        drafted.append(tokens)
-    table = torch.stack(drafted, dim=1).tolist()
-    decoded = len(drafted) - 1
+    # Greedy rows and no leaves (batch 1's usual step): the whole loop below in one C call, where the
+    # forward has it: the same tokens without a Python round per drafted token.
+    chain = None if sampled or any(most_leaves) else batch.greedy_chain(steps, to_token)
+    if chain is not None:
+        table = chain.tolist()
+    else:
+        tokens = pick(batch.prefill(1)[:, -1], 0)
+        drafted = [tokens]
+        for step in range(steps):
+            features = batch.last_hidden()[:, -1] if reads_features else None
+            tokens = pick(batch.decode(tokens, features), step + 1)
+            drafted.append(tokens)
+        table = torch.stack(drafted, dim=1).tolist()
+    decoded = steps
     batch.commit([len(item.seq.tokens) + (0 if reads_features else min(item.k - 1, decoded)) for item in items])
     results = [Proposal(row[: item.k]) for row, item in zip(table, items)]
     ranked = {step: (columns if to_token is None else to_token[columns]).tolist() for step, columns in ranked.items()}

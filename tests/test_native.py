@@ -386,6 +386,89 @@ def test_the_layers_in_one_call_refuse_a_pool_that_does_not_match():
             forward.decoder_layers(x.clone(), rope, attention, wrong)
 
 
+def _drafting(engine: Engine, k: int, sampled: bool = False, leaves: list[int] = ()) -> list:
+    """Three sequences' prompts, then three proposal calls of ``k`` feeding 2, 1 and 3 tokens (the
+    draft's own at one call, those after a verdict at the next): the proposals, and each
+    sequence's keys and values at the end."""
+    from draft_service.proposer import ProposeItem, proposals
+    from specbatch.engine.sampling import SamplingParams
+
+    width = engine.feature_size
+    g = torch.Generator().manual_seed(k)
+    features = [torch.randn(60, width, generator=g) * 4 if width else None for _ in range(3)]
+
+    def seq(i: int, start: int, stop: int) -> SequenceInput:
+        tokens = [(7 * j + 3 * i) % VOCAB for j in range(start, stop)]
+        return SequenceInput(f"s{i}", start, tokens, None if not width else features[i][start:stop])
+
+    sampling = SamplingParams(temperature=0.8, seed=3) if sampled else SamplingParams()
+    out = [proposals(engine, [ProposeItem(seq(i, 0, 20 + 5 * i), 1) for i in range(3)])]
+    lengths = [20 + 5 * i for i in range(3)]
+    for fed in ([2, 1, 3], [1, 1, 1], [3, 2, 1]):
+        items = [ProposeItem(seq(i, lengths[i], lengths[i] + n), k, sampling if i == 1 else SamplingParams(),
+                             list(leaves)) for i, n in enumerate(fed)]
+        out.append(proposals(engine, items))
+        lengths = [engine.sequences[f"s{i}"].length for i in range(3)]
+    out += [engine.pool.kv[:, :, engine.sequences[f"s{i}"].slot, :, :lengths[i]].clone() for i in range(3)]
+    engine.release([f"s{i}" for i in range(3)])
+    return out
+
+
+@pytest.mark.parametrize("form", FORMS[:2] + FORMS[4:5])
+@pytest.mark.parametrize("eagle", [True, False], ids=["eagle", "plain"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_greedy_proposal_in_one_call_is_bitwise_the_loop(form, eagle, threads):
+    """decoder.c's draft_chain drafts k tokens a row in one call, as the proposal's loop does a
+    forward at a time: the same tokens, and the same keys and values left in the draft's cache
+    (an EAGLE draft's fused features included), for ragged calls at every k; on more threads."""
+    from specbatch.engine.batch import RaggedBatch
+    from specbatch.models.eagle import draft_from_target
+
+    model = tiny_llama(2, seed=11)
+    if eagle:
+        model = draft_from_target(model, num_layers=1, token_subset=torch.arange(VOCAB - 1, -1, -2)).float()
+        with torch.no_grad():  # a fusing layer that is not the identity it starts as
+            model.model.fc.weight.normal_(0.0, 0.2)
+    engine = Engine(model, max_sequences=4, wide_threads=2 if threads == 2 else 0, **form)
+    assert engine.forward.chains_natively()
+    chained, looped = RaggedBatch.greedy_chain, lambda self, steps, to_token: None
+    calls = []
+
+    def counted(self, steps, to_token):
+        calls.append(steps)
+        return chained(self, steps, to_token)
+
+    for k in (1, 2, 4):
+        try:
+            RaggedBatch.greedy_chain = counted
+            ours = _with_threads(threads, lambda: _drafting(engine, k))
+            RaggedBatch.greedy_chain = looped
+            theirs = _with_threads(threads, lambda: _drafting(engine, k))
+        finally:
+            RaggedBatch.greedy_chain = chained
+        assert [p.tokens for call in ours[:4] for p in call] == [p.tokens for call in theirs[:4] for p in call]
+        for mine, loop in zip(ours[4:], theirs[4:], strict=True):
+            assert torch.equal(mine, loop)
+        assert len({tuple(p.tokens) for call in ours[1:4] for p in call}) > 3  # not one token over and over
+    assert calls.count(3) == 3 and calls.count(1) == 3  # every call at k = 4 and at k = 2 went through it
+
+
+def test_sampled_rows_and_leaves_draft_forward_by_forward():
+    """A proposal with a sampled row, or with leaves asked for, takes the loop (it needs each
+    position's distribution or ranking); the tokens are what the loop gives alone."""
+    from specbatch.engine.batch import RaggedBatch
+
+    engine = Engine(tiny_llama(2, seed=12), max_sequences=4)
+    chained, calls = RaggedBatch.greedy_chain, []
+    RaggedBatch.greedy_chain = lambda self, steps, to_token: calls.append(steps) or chained(self, steps, to_token)
+    try:
+        _drafting(engine, 3, sampled=True)
+        _drafting(engine, 3, leaves=[2])
+    finally:
+        RaggedBatch.greedy_chain = chained
+    assert calls == [0, 0]  # only each run's prompts (greedy, k = 1) went through it
+
+
 def test_projections_off_the_panel_kernel_keep_the_python_loop():
     """bf16 on oneDNN is not the kernels'."""
     assert Engine(tiny_llama(1, seed=0).to(torch.bfloat16)).forward.decoder_layers is None

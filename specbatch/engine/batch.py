@@ -195,6 +195,23 @@ class RaggedBatch:
                                None if features is None else features[:, None])
         return self._unsort(logits[:, -1])
 
+    @torch.inference_mode()
+    def greedy_chain(self, steps: int, to_token: torch.Tensor | None) -> torch.Tensor | None:
+        """A greedy draft's whole proposal in one call, in place of ``prefill(1)`` and ``steps``
+        ``decode`` calls each fed the last one's argmax (and last hidden state): the same tokens,
+        ``[batch, steps + 1]`` in the call's order. None where the forward cannot (not the CPU
+        kernels, a tree, a spread batch): the caller then runs those calls."""
+        chains = getattr(self.engine.forward, "chains_natively", None)
+        if chains is None or not chains() or self.tree is not None or self.spread is not None or self.decoded:
+            return None
+        input_ids, positions, features = self._pending
+        end = int(self.columns[self.valid].max()) + 1
+        columns, mask = write_columns_and_mask(self.columns, self.valid, self.scratch, end)
+        tokens = self.engine.forward.greedy_chain(input_ids, positions, columns, self.kv, mask, features,
+                                                  (self.kept + self.fed).tolist(), steps, to_token)
+        self.decoded, self.hidden = steps, None
+        return self._unsort(tokens)
+
     def last_hidden(self) -> torch.Tensor:
         """The final hidden states of the last forward, ``[batch, columns, hidden]``, rows in the
         call's order (right-aligned like the tokens)."""

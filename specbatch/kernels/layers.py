@@ -11,7 +11,7 @@ import ctypes
 import torch
 
 from specbatch.kernels import build
-from specbatch.kernels.panel import _LinearArgs
+from specbatch.kernels.panel import PanelLinear, _LinearArgs
 
 HEAD_DIMS = (8, 16, 32, 64, 128)  # those attention.c is compiled for
 
@@ -65,24 +65,68 @@ class DecoderLayers:
         every kernel (default: torch's count). Returns the final norm of the residual stream,
         ``[batch, width, hidden]``."""
         _float32_rows("decoder layers", x)
+        if x.shape != (rope.batch, rope.width, self.hidden):
+            raise ValueError("decoder layers: x must match the positions and the hidden size")
+        self._check(rope, attention, kv)
+        out = torch.empty_like(x)
+        if self._library.decoder_layers(
+                x.data_ptr(), rope.batch, rope.width, self._layers, self.count, self.heads, self.kv_heads,
+                self.head_dim, self.intermediate, rope.positions.data_ptr(), rope.columns.data_ptr(),
+                rope.cos.data_ptr(), rope.signed_sin.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1),
+                kv.stride(2), kv.stride(3), kv.dtype == torch.bfloat16, attention.seen.data_ptr(), attention.end,
+                self.final_norm.data_ptr(), self.final_eps, out.data_ptr(), threads or torch.get_num_threads()):
+            raise RuntimeError("decoder layers: a kernel refused its arguments, or memory ran out")
+        return out
+
+    def _check(self, rope: "Rope", attention: "Attention", kv: torch.Tensor) -> None:
         batch, width = rope.batch, rope.width
-        if (x.shape != (batch, width, self.hidden) or (attention.batch, attention.width) != (batch, width)
+        if ((attention.batch, attention.width) != (batch, width)
                 or kv.dtype not in KV_DTYPES or kv.dim() != 6 or kv.shape[0] < self.count
                 or kv.shape[1:4] != (2, batch, self.kv_heads) or kv.shape[5] != self.head_dim
                 or kv.stride()[4:] != (self.head_dim, 1) or max(rope.last_column, attention.end - 1) >= kv.shape[4]
                 or rope.cos.shape[1] != self.head_dim):
-            raise ValueError("decoder layers: x, the positions, mask and KV pool (float32 or bfloat16) must match the "
+            raise ValueError("decoder layers: the positions, mask and KV pool (float32 or bfloat16) must match the "
                              "batch, the layers and their heads, with a column's elements contiguous and every "
                              "column within the pool")
-        out = torch.empty_like(x)
-        if self._library.decoder_layers(
-                x.data_ptr(), batch, width, self._layers, self.count, self.heads, self.kv_heads, self.head_dim,
-                self.intermediate, rope.positions.data_ptr(), rope.columns.data_ptr(), rope.cos.data_ptr(),
+
+    def draft_chain(self, embed: torch.Tensor, fuse: PanelLinear | None, input_ids: torch.Tensor,
+                    features: torch.Tensor | None, rope: "Rope", attention: "Attention", kv: torch.Tensor,
+                    next_positions: list[int], steps: int, head: PanelLinear, to_token: torch.Tensor | None,
+                    threads: int | None = None) -> torch.Tensor:
+        """A greedy draft's tokens in one call (``decoder.c``'s draft_chain): this forward's fed
+        tokens (``input_ids`` ``[batch, width]``, embedded from ``embed``, fused with ``features``
+        where ``fuse`` is given, at ``rope``'s positions and columns under ``attention``'s mask),
+        then ``steps`` tokens a row, each fed at ``next_positions[row]`` plus those drafted before
+        it with the final hidden state before it as its feature; each token the ``head``'s argmax
+        (through ``to_token``). Bitwise the tokens of calling this object, the fusing layer and the
+        head a forward at a time. Returns ``[batch, steps + 1]`` token ids."""
+        batch, width = rope.batch, rope.width
+        hidden = self.hidden
+        _float32_rows("draft chain", embed)
+        if (input_ids.shape != (batch, width) or input_ids.dtype != torch.int64 or not input_ids.is_contiguous()
+                or embed.shape[1] != hidden or head.in_features != hidden or len(next_positions) != batch
+                or (fuse is not None and (fuse.in_features, fuse.out_features) != (2 * hidden, hidden))
+                or (fuse is not None and (features is None or features.shape != (batch, width, hidden)))
+                or (to_token is not None and (to_token.dtype != torch.int64 or to_token.shape != (head.out_features,)))
+                or steps < 0 or max(next_positions) + steps > min(kv.shape[4] - 1, rope.cos.shape[0])):
+            raise ValueError("draft chain: the tokens, features, embedding, fusing layer and head must match the "
+                             "batch and the hidden size, every drafted token fit the pool and the angles")
+        if fuse is not None:
+            _float32_rows("draft chain", features)
+        self._check(rope, attention, kv)
+        tokens = torch.empty(batch, steps + 1, dtype=torch.int64)
+        at = torch.tensor(next_positions, dtype=torch.int64)
+        if self._library.draft_chain(
+                embed.data_ptr(), None if fuse is None else ctypes.byref(fuse.args), input_ids.data_ptr(),
+                None if fuse is None else features.data_ptr(), batch, width, self._layers, self.count, self.heads,
+                self.kv_heads, self.head_dim, self.intermediate, rope.positions.data_ptr(), rope.columns.data_ptr(),
+                attention.seen.data_ptr(), attention.end, at.data_ptr(), steps, rope.cos.data_ptr(),
                 rope.signed_sin.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-                kv.dtype == torch.bfloat16, attention.seen.data_ptr(), attention.end, self.final_norm.data_ptr(),
-                self.final_eps, out.data_ptr(), threads or torch.get_num_threads()):
-            raise RuntimeError("decoder layers: a kernel refused its arguments, or memory ran out")
-        return out
+                kv.dtype == torch.bfloat16, self.final_norm.data_ptr(), self.final_eps, ctypes.byref(head.args),
+                None if to_token is None else to_token.data_ptr(), tokens.data_ptr(),
+                threads or torch.get_num_threads()):
+            raise RuntimeError("draft chain: a kernel refused its arguments, or memory ran out")
+        return tokens
 
 
 class Attention:

@@ -209,6 +209,32 @@ class LlamaForward:
                                                  values, attn_mask=mask, scale=scale)
         return out.view(batch, heads, width, head_dim).transpose(1, 2).reshape(batch, width, -1)
 
+    def chains_natively(self) -> bool:
+        """Whether ``greedy_chain`` runs here: the layers in one C call, and the head and any fusing
+        layer on the panel kernel."""
+        return (self.decoder_layers is not None and self.native_layer_ops and self.native_attention
+                and isinstance(self.head, PanelLinear) and (self.fuse is None or isinstance(self.fuse, PanelLinear)))
+
+    @torch.inference_mode()
+    def greedy_chain(self, input_ids: torch.Tensor, positions: torch.Tensor, write_columns: torch.Tensor,
+                     kv: torch.Tensor, mask: torch.Tensor, features: torch.Tensor | None, next_positions: list[int],
+                     steps: int, to_token: torch.Tensor | None) -> torch.Tensor:
+        """A greedy draft's proposal in one C call (``chains_natively`` says where): this forward's
+        tokens as ``__call__`` takes them, then ``steps`` more a row, the row's first at
+        ``next_positions[row]``, each fed the token drafted before it (and, where the model fuses
+        features, the final hidden state before it). Every token is the head's argmax (through
+        ``to_token``), bitwise what ``__call__`` a forward at a time gives. Returns
+        ``[batch, steps + 1]`` token ids."""
+        batch, width = input_ids.shape
+        last = max(max(next_positions) + steps, int(positions.max()) + 1)
+        cos, signed_sin = self._angle_table(torch.tensor([last]))
+        threads = (self.wide_threads if self.wide_threads and batch * width >= self.wide_from_rows
+                   else torch.get_num_threads())
+        return self.decoder_layers.draft_chain(
+            self.embed, self.fuse, input_ids.contiguous(), None if features is None else features.contiguous(),
+            Rope(positions, write_columns, cos, signed_sin), Attention(mask), kv, next_positions, steps, self.head,
+            to_token, threads)
+
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, write_columns: torch.Tensor,
                  kv: torch.Tensor, mask: torch.Tensor, logits_to_keep: int,

@@ -13,6 +13,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 /* The kernels (panel_sgemm.c, panel_dpbf16.c, panel_fp16.c, panel_q4_1.c, panel_q8_0.c,
  * attention.c, layer_ops.c). */
@@ -137,5 +138,95 @@ int decoder_layers(float *x, int64_t B, int64_t W, const decoder_layer *layers, 
     }
     if (!status) add_rms_norm(x, added, M, hidden, final_norm, final_eps, out, threads);
     free(scratch);
+    return status;
+}
+
+void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out); /* layer_ops.c */
+
+/* The greedy tokens of `rows` hidden states [rows, hidden]: the head's argmax, mapped through
+ * to_token (a head over a token subset; NULL: the column is the token), written every `stride`. */
+static int greedy_tokens(const panel_linear *head, const int64_t *to_token, const float *hidden, int64_t rows,
+                         float *logits, int64_t *tokens, int64_t stride, int threads) {
+    int status = panel_linear_multiply(head, hidden, rows, logits, threads);
+    if (status) return status;
+    for (int64_t b = 0; b < rows; b++) {
+        int64_t column;
+        argmax_rows(logits + b * head->out_features, 1, head->out_features, &column);
+        tokens[b * stride] = to_token ? to_token[column] : column;
+    }
+    return 0;
+}
+
+/* Each row's embedded token, beside its feature row where the model fuses them ([embedding |
+ * feature] through `fuse`, as specbatch.llama's forward does), into x [M, hidden]; `pair` [M,
+ * 2 hidden] is scratch. */
+static int embed_rows(const float *embed, const panel_linear *fuse, const int64_t *ids, const float *features,
+                      int64_t M, int64_t hidden, float *pair, float *x, int threads) {
+    size_t row = (size_t)hidden * sizeof(float);
+    if (!fuse) {
+        for (int64_t m = 0; m < M; m++) memcpy(x + m * hidden, embed + ids[m] * hidden, row);
+        return 0;
+    }
+    for (int64_t m = 0; m < M; m++) {
+        memcpy(pair + 2 * m * hidden, embed + ids[m] * hidden, row);
+        memcpy(pair + (2 * m + 1) * hidden, features + m * hidden, row);
+    }
+    return panel_linear_multiply(fuse, pair, M, x, threads);
+}
+
+/* A greedy draft's proposal in one call: specbatch.draft_service's loop (a forward over the call's
+ * fed tokens, then `steps` forwards of one token each, every one taking the head's argmax) without
+ * a Python round per token. The first forward's tokens come as decoder_layers takes them (ids,
+ * features, positions, columns, seen, end [B, W]); each further token (b) sits at next_positions[b]
+ * plus the tokens drafted before it, writes that column and sees its row's columns up to it, and
+ * reads (where `fuse` is given) the final hidden state of the token before it as its feature.
+ * tokens [B, steps + 1] receives the drafted tokens. Each kernel gets what the Python loop gives it,
+ * so every token is bitwise the loop's. Returns 0, or nonzero as decoder_layers. */
+int draft_chain(const float *embed, const panel_linear *fuse, const int64_t *ids, const float *features, int64_t B,
+                int64_t W, const decoder_layer *layers, int64_t count, int64_t H, int64_t KVH, int64_t D,
+                int64_t intermediate, const int64_t *positions, const int64_t *columns, const uint8_t *seen,
+                int64_t end, const int64_t *next_positions, int64_t steps, const float *cos, const float *signed_sin,
+                void *kv, int64_t kv_layer, int64_t kv_values, int64_t kv_b, int64_t kv_h, int kv_bf16,
+                const float *final_norm, float final_eps, const panel_linear *head, const int64_t *to_token,
+                int64_t *tokens, int threads) {
+    if (count < 1 || B < 1 || W < 1 || steps < 0) return -1;
+    int64_t M = B * W, hidden = layers[0].qkv.in_features, vocab = head->out_features, last_end = end;
+    for (int64_t b = 0; b < B; b++)
+        if (next_positions[b] + steps > last_end) last_end = next_positions[b] + steps;
+    size_t floats = (size_t)M * (size_t)(4 * hidden) + (size_t)B * (size_t)(hidden + vocab);
+    float *scratch = malloc(floats * sizeof(float));
+    int64_t *at = malloc((size_t)(2 * B) * sizeof(int64_t));
+    uint8_t *sees = malloc((size_t)(B * last_end));
+    int status = scratch && at && sees ? 0 : 1;
+    float *pair = scratch, *x = pair + 2 * M * hidden, *out = x + M * hidden, *last = out + M * hidden;
+    float *logits = last + B * hidden;
+    int64_t *ids_now = at + B;
+    if (!status) status = embed_rows(embed, fuse, ids, features, M, hidden, pair, x, threads);
+    if (!status)
+        status = decoder_layers(x, B, W, layers, count, H, KVH, D, intermediate, positions, columns, cos, signed_sin,
+                                kv, kv_layer, kv_values, kv_b, kv_h, kv_bf16, seen, end, final_norm, final_eps, out,
+                                threads);
+    for (int64_t b = 0; b < B && !status; b++) /* the last column's hidden states: the head's rows */
+        memcpy(last + b * hidden, out + (b * W + W - 1) * hidden, (size_t)hidden * sizeof(float));
+    if (!status) status = greedy_tokens(head, to_token, last, B, logits, tokens, steps + 1, threads);
+    for (int64_t s = 1; s <= steps && !status; s++) {
+        int64_t *where = at, step_end = 0; /* positions, which are the columns too */
+        for (int64_t b = 0; b < B; b++) {
+            where[b] = next_positions[b] + s - 1;
+            ids_now[b] = tokens[b * (steps + 1) + s - 1];
+            if (where[b] + 1 > step_end) step_end = where[b] + 1;
+        }
+        for (int64_t b = 0; b < B; b++)
+            for (int64_t c = 0; c < step_end; c++) sees[b * step_end + c] = c <= where[b];
+        status = embed_rows(embed, fuse, ids_now, last, B, hidden, pair, x, threads);
+        if (!status)
+            status = decoder_layers(x, B, 1, layers, count, H, KVH, D, intermediate, where, where, cos, signed_sin, kv,
+                                    kv_layer, kv_values, kv_b, kv_h, kv_bf16, sees, step_end, final_norm, final_eps,
+                                    last, threads);
+        if (!status) status = greedy_tokens(head, to_token, last, B, logits, tokens + s, steps + 1, threads);
+    }
+    free(scratch);
+    free(at);
+    free(sees);
     return status;
 }
