@@ -127,11 +127,14 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
             supports.append((support, probs))
         return columns if to_token is None else to_token[columns]
 
-    # Greedy rows and no leaves (batch 1's usual step): the whole loop below in one C call, where the
-    # forward has it: the same tokens without a Python round per drafted token.
-    chain = None if sampled or any(most_leaves) else batch.greedy_chain(steps, to_token)
+    # Greedy rows, leaves at the first position at most (batch 1's usual step): the whole loop below
+    # in one C call, where the forward has it: the same tokens without a Python round per drafted
+    # token, and the first position's logits to rank where leaves are asked.
+    chain = None if sampled or any(most_leaves[1:]) else batch.greedy_chain(steps, to_token, bool(most_leaves[0]))
     if chain is not None:
-        table = chain.tolist()
+        table = chain[0].tolist()
+        if most_leaves[0]:
+            ranked[0] = chain[1].topk(min(most_leaves[0] + 1, chain[1].shape[-1]), dim=-1).indices
     else:
         tokens = pick(batch.prefill(1)[:, -1], 0)
         drafted = [tokens]

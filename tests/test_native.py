@@ -419,8 +419,9 @@ def _drafting(engine: Engine, k: int, sampled: bool = False, leaves: list[int] =
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_greedy_proposal_in_one_call_is_bitwise_the_loop(form, eagle, threads):
     """decoder.c's draft_chain drafts k tokens a row in one call, as the proposal's loop does a
-    forward at a time: the same tokens, and the same keys and values left in the draft's cache
-    (an EAGLE draft's fused features included), for ragged calls at every k; on more threads."""
+    forward at a time: the same tokens and leaves at the first position, and the same keys and
+    values left in the draft's cache (an EAGLE draft's fused features included), for ragged calls
+    at every k; on more threads."""
     from specbatch.engine.batch import RaggedBatch
     from specbatch.models.eagle import draft_from_target
 
@@ -431,42 +432,44 @@ def test_a_greedy_proposal_in_one_call_is_bitwise_the_loop(form, eagle, threads)
             model.model.fc.weight.normal_(0.0, 0.2)
     engine = Engine(model, max_sequences=4, wide_threads=2 if threads == 2 else 0, **form)
     assert engine.forward.chains_natively()
-    chained, looped = RaggedBatch.greedy_chain, lambda self, steps, to_token: None
-    calls = []
+    chained, calls = RaggedBatch.greedy_chain, []
 
-    def counted(self, steps, to_token):
+    def counted(self, steps, to_token, first_logits=False):
         calls.append(steps)
-        return chained(self, steps, to_token)
+        return chained(self, steps, to_token, first_logits)
 
-    for k in (1, 2, 4):
+    for k, leaves in ((1, []), (2, [2]), (4, []), (4, [3])):
         try:
             RaggedBatch.greedy_chain = counted
-            ours = _with_threads(threads, lambda: _drafting(engine, k))
-            RaggedBatch.greedy_chain = looped
-            theirs = _with_threads(threads, lambda: _drafting(engine, k))
+            ours = _with_threads(threads, lambda: _drafting(engine, k, leaves=leaves))
+            RaggedBatch.greedy_chain = lambda self, steps, to_token, first_logits=False: None  # the loop
+            theirs = _with_threads(threads, lambda: _drafting(engine, k, leaves=leaves))
         finally:
             RaggedBatch.greedy_chain = chained
-        assert [p.tokens for call in ours[:4] for p in call] == [p.tokens for call in theirs[:4] for p in call]
+        assert [(p.tokens, p.leaves) for call in ours[:4] for p in call] == \
+            [(p.tokens, p.leaves) for call in theirs[:4] for p in call]
         for mine, loop in zip(ours[4:], theirs[4:], strict=True):
             assert torch.equal(mine, loop)
         assert len({tuple(p.tokens) for call in ours[1:4] for p in call}) > 3  # not one token over and over
-    assert calls.count(3) == 3 and calls.count(1) == 3  # every call at k = 4 and at k = 2 went through it
+        assert all(len(p.leaves[0]) == leaves[0] for call in ours[1:4] for p in call) if leaves else True
+    assert calls.count(3) == 6 and calls.count(1) == 3  # every call at k = 4 and at k = 2 went through it
 
 
-def test_sampled_rows_and_leaves_draft_forward_by_forward():
-    """A proposal with a sampled row, or with leaves asked for, takes the loop (it needs each
-    position's distribution or ranking); the tokens are what the loop gives alone."""
+def test_sampled_rows_and_later_leaves_draft_forward_by_forward():
+    """A proposal with a sampled row, or with leaves asked past the first position, takes the loop
+    (it needs those positions' distributions or rankings)."""
     from specbatch.engine.batch import RaggedBatch
 
     engine = Engine(tiny_llama(2, seed=12), max_sequences=4)
     chained, calls = RaggedBatch.greedy_chain, []
-    RaggedBatch.greedy_chain = lambda self, steps, to_token: calls.append(steps) or chained(self, steps, to_token)
+    RaggedBatch.greedy_chain = lambda self, steps, *rest: calls.append(steps) or chained(self, steps, *rest)
     try:
         _drafting(engine, 3, sampled=True)
+        _drafting(engine, 3, leaves=[0, 2])
         _drafting(engine, 3, leaves=[2])
     finally:
         RaggedBatch.greedy_chain = chained
-    assert calls == [0, 0]  # only each run's prompts (greedy, k = 1) went through it
+    assert calls == [0, 0, 0, 2, 2, 2]  # each run's prompts (greedy, k = 1), then the last run's calls
 
 
 def test_projections_off_the_panel_kernel_keep_the_python_loop():

@@ -196,21 +196,24 @@ class RaggedBatch:
         return self._unsort(logits[:, -1])
 
     @torch.inference_mode()
-    def greedy_chain(self, steps: int, to_token: torch.Tensor | None) -> torch.Tensor | None:
+    def greedy_chain(self, steps: int, to_token: torch.Tensor | None,
+                     first_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A greedy draft's whole proposal in one call, in place of ``prefill(1)`` and ``steps``
         ``decode`` calls each fed the last one's argmax (and last hidden state): the same tokens,
-        ``[batch, steps + 1]`` in the call's order. None where the forward cannot (not the CPU
-        kernels, a tree, a spread batch): the caller then runs those calls."""
+        ``[batch, steps + 1]`` in the call's order, and with ``first_logits`` what ``prefill(1)``
+        would have returned at the last column (else None). None where the forward cannot (not
+        the CPU kernels, a tree, a spread batch): the caller then runs those calls."""
         chains = getattr(self.engine.forward, "chains_natively", None)
         if chains is None or not chains() or self.tree is not None or self.spread is not None or self.decoded:
             return None
         input_ids, positions, features = self._pending
         end = int(self.columns[self.valid].max()) + 1
         columns, mask = write_columns_and_mask(self.columns, self.valid, self.scratch, end)
-        tokens = self.engine.forward.greedy_chain(input_ids, positions, columns, self.kv, mask, features,
-                                                  (self.kept + self.fed).tolist(), steps, to_token)
+        tokens, logits = self.engine.forward.greedy_chain(input_ids, positions, columns, self.kv, mask, features,
+                                                          (self.kept + self.fed).tolist(), steps, to_token,
+                                                          first_logits)
         self.decoded, self.hidden = steps, None
-        return self._unsort(tokens)
+        return self._unsort(tokens), None if logits is None else self._unsort(logits)
 
     def last_hidden(self) -> torch.Tensor:
         """The final hidden states of the last forward, ``[batch, columns, hidden]``, rows in the

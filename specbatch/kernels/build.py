@@ -174,7 +174,7 @@ def _library() -> ctypes.CDLL | None:
     library.draft_chain.argtypes = [pointer, pointer, pointer, pointer, size, size, pointer, size, size, size, size,
                                     size, pointer, pointer, pointer, size, pointer, size, pointer, pointer, pointer,
                                     size, size, size, size, ctypes.c_int, pointer, ctypes.c_float, pointer, pointer,
-                                    pointer, ctypes.c_int]
+                                    pointer, pointer, ctypes.c_int]
     library.draft_chain.restype = ctypes.c_int
     return library
 

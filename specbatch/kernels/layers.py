@@ -92,14 +92,16 @@ class DecoderLayers:
     def draft_chain(self, embed: torch.Tensor, fuse: PanelLinear | None, input_ids: torch.Tensor,
                     features: torch.Tensor | None, rope: "Rope", attention: "Attention", kv: torch.Tensor,
                     next_positions: list[int], steps: int, head: PanelLinear, to_token: torch.Tensor | None,
-                    threads: int | None = None) -> torch.Tensor:
+                    threads: int | None = None, first_logits: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A greedy draft's tokens in one call (``decoder.c``'s draft_chain): this forward's fed
         tokens (``input_ids`` ``[batch, width]``, embedded from ``embed``, fused with ``features``
         where ``fuse`` is given, at ``rope``'s positions and columns under ``attention``'s mask),
         then ``steps`` tokens a row, each fed at ``next_positions[row]`` plus those drafted before
         it with the final hidden state before it as its feature; each token the ``head``'s argmax
         (through ``to_token``). Bitwise the tokens of calling this object, the fusing layer and the
-        head a forward at a time. Returns ``[batch, steps + 1]`` token ids."""
+        head a forward at a time. Returns ``[batch, steps + 1]`` token ids, and with
+        ``first_logits`` the head's logits at each row's first drafted token (else None)."""
         batch, width = rope.batch, rope.width
         hidden = self.hidden
         _float32_rows("draft chain", embed)
@@ -115,6 +117,7 @@ class DecoderLayers:
             _float32_rows("draft chain", features)
         self._check(rope, attention, kv)
         tokens = torch.empty(batch, steps + 1, dtype=torch.int64)
+        logits = torch.empty(batch, head.out_features) if first_logits else None
         at = torch.tensor(next_positions, dtype=torch.int64)
         if self._library.draft_chain(
                 embed.data_ptr(), None if fuse is None else ctypes.byref(fuse.args), input_ids.data_ptr(),
@@ -124,9 +127,9 @@ class DecoderLayers:
                 rope.signed_sin.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
                 kv.dtype == torch.bfloat16, self.final_norm.data_ptr(), self.final_eps, ctypes.byref(head.args),
                 None if to_token is None else to_token.data_ptr(), tokens.data_ptr(),
-                threads or torch.get_num_threads()):
+                None if logits is None else logits.data_ptr(), threads or torch.get_num_threads()):
             raise RuntimeError("draft chain: a kernel refused its arguments, or memory ran out")
-        return tokens
+        return tokens, logits
 
 
 class Attention:

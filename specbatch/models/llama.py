@@ -218,13 +218,15 @@ class LlamaForward:
     @torch.inference_mode()
     def greedy_chain(self, input_ids: torch.Tensor, positions: torch.Tensor, write_columns: torch.Tensor,
                      kv: torch.Tensor, mask: torch.Tensor, features: torch.Tensor | None, next_positions: list[int],
-                     steps: int, to_token: torch.Tensor | None) -> torch.Tensor:
+                     steps: int, to_token: torch.Tensor | None, first_logits: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A greedy draft's proposal in one C call (``chains_natively`` says where): this forward's
         tokens as ``__call__`` takes them, then ``steps`` more a row, the row's first at
         ``next_positions[row]``, each fed the token drafted before it (and, where the model fuses
         features, the final hidden state before it). Every token is the head's argmax (through
         ``to_token``), bitwise what ``__call__`` a forward at a time gives. Returns
-        ``[batch, steps + 1]`` token ids."""
+        ``[batch, steps + 1]`` token ids, and with ``first_logits`` the float32 logits of each
+        row's first drafted token (else None)."""
         batch, width = input_ids.shape
         last = max(max(next_positions) + steps, int(positions.max()) + 1)
         cos, signed_sin = self._angle_table(torch.tensor([last]))
@@ -233,7 +235,7 @@ class LlamaForward:
         return self.decoder_layers.draft_chain(
             self.embed, self.fuse, input_ids.contiguous(), None if features is None else features.contiguous(),
             Rope(positions, write_columns, cos, signed_sin), Attention(mask), kv, next_positions, steps, self.head,
-            to_token, threads)
+            to_token, threads, first_logits)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, write_columns: torch.Tensor,

@@ -180,15 +180,16 @@ static int embed_rows(const float *embed, const panel_linear *fuse, const int64_
  * features, positions, columns, seen, end [B, W]); each further token (b) sits at next_positions[b]
  * plus the tokens drafted before it, writes that column and sees its row's columns up to it, and
  * reads (where `fuse` is given) the final hidden state of the token before it as its feature.
- * tokens [B, steps + 1] receives the drafted tokens. Each kernel gets what the Python loop gives it,
- * so every token is bitwise the loop's. Returns 0, or nonzero as decoder_layers. */
+ * tokens [B, steps + 1] receives the drafted tokens, and first_logits (unless NULL) [B, vocab] the
+ * head's logits at the first (where the caller ranks leaves). Each kernel gets what the Python
+ * loop gives it, so every token is bitwise the loop's. Returns 0, or nonzero as decoder_layers. */
 int draft_chain(const float *embed, const panel_linear *fuse, const int64_t *ids, const float *features, int64_t B,
                 int64_t W, const decoder_layer *layers, int64_t count, int64_t H, int64_t KVH, int64_t D,
                 int64_t intermediate, const int64_t *positions, const int64_t *columns, const uint8_t *seen,
                 int64_t end, const int64_t *next_positions, int64_t steps, const float *cos, const float *signed_sin,
                 void *kv, int64_t kv_layer, int64_t kv_values, int64_t kv_b, int64_t kv_h, int kv_bf16,
                 const float *final_norm, float final_eps, const panel_linear *head, const int64_t *to_token,
-                int64_t *tokens, int threads) {
+                int64_t *tokens, float *first_logits, int threads) {
     if (count < 1 || B < 1 || W < 1 || steps < 0) return -1;
     int64_t M = B * W, hidden = layers[0].qkv.in_features, vocab = head->out_features, last_end = end;
     for (int64_t b = 0; b < B; b++)
@@ -209,6 +210,7 @@ int draft_chain(const float *embed, const panel_linear *fuse, const int64_t *ids
     for (int64_t b = 0; b < B && !status; b++) /* the last column's hidden states: the head's rows */
         memcpy(last + b * hidden, out + (b * W + W - 1) * hidden, (size_t)hidden * sizeof(float));
     if (!status) status = greedy_tokens(head, to_token, last, B, logits, tokens, steps + 1, threads);
+    if (!status && first_logits) memcpy(first_logits, logits, (size_t)(B * vocab) * sizeof(float));
     for (int64_t s = 1; s <= steps && !status; s++) {
         int64_t *where = at, step_end = 0; /* positions, which are the columns too */
         for (int64_t b = 0; b < B; b++) {
