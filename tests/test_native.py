@@ -441,9 +441,9 @@ def test_a_greedy_proposal_in_one_call_is_bitwise_the_loop(form, eagle, threads)
     for k, leaves in ((1, []), (2, [2]), (4, []), (4, [3])):
         try:
             RaggedBatch.greedy_chain = counted
-            ours = _with_threads(threads, lambda: _drafting(engine, k, leaves=leaves))
+            ours = _with_threads(threads, lambda k=k, leaves=leaves: _drafting(engine, k, leaves=leaves))
             RaggedBatch.greedy_chain = lambda self, steps, to_token, first_logits=False: None  # the loop
-            theirs = _with_threads(threads, lambda: _drafting(engine, k, leaves=leaves))
+            theirs = _with_threads(threads, lambda k=k, leaves=leaves: _drafting(engine, k, leaves=leaves))
         finally:
             RaggedBatch.greedy_chain = chained
         assert [(p.tokens, p.leaves) for call in ours[:4] for p in call] == \

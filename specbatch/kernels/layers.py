@@ -78,7 +78,7 @@ class DecoderLayers:
             raise RuntimeError("decoder layers: a kernel refused its arguments, or memory ran out")
         return out
 
-    def _check(self, rope: "Rope", attention: "Attention", kv: torch.Tensor) -> None:
+    def _check(self, rope: Rope, attention: Attention, kv: torch.Tensor) -> None:
         batch, width = rope.batch, rope.width
         if ((attention.batch, attention.width) != (batch, width)
                 or kv.dtype not in KV_DTYPES or kv.dim() != 6 or kv.shape[0] < self.count
@@ -90,7 +90,7 @@ class DecoderLayers:
                              "column within the pool")
 
     def draft_chain(self, embed: torch.Tensor, fuse: PanelLinear | None, input_ids: torch.Tensor,
-                    features: torch.Tensor | None, rope: "Rope", attention: "Attention", kv: torch.Tensor,
+                    features: torch.Tensor | None, rope: Rope, attention: Attention, kv: torch.Tensor,
                     next_positions: list[int], steps: int, head: PanelLinear, to_token: torch.Tensor | None,
                     threads: int | None = None, first_logits: bool = False
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
