@@ -455,6 +455,31 @@ def test_a_greedy_proposal_in_one_call_is_bitwise_the_loop(form, eagle, threads)
     assert calls.count(3) == 6 and calls.count(1) == 3  # every call at k = 4 and at k = 2 went through it
 
 
+def test_the_one_call_proposal_refuses_what_does_not_match():
+    """draft_chain's arguments are checked before C reads them: drafted tokens past the pool's
+    columns, a token map of another dtype or size, token ids of another dtype, positions for
+    another batch."""
+    engine = Engine(tiny_llama(2, seed=13), max_sequences=2)
+    forward, layers = engine.forward, engine.forward.decoder_layers
+    positions = torch.tensor([[3, 4]])
+    rope = Rope(positions, positions, *forward._angle_table(torch.tensor([[40]])))
+    attention = Attention(torch.ones(1, 1, 2, 5, dtype=torch.bool))
+    kv = torch.zeros(2, 2, 1, 2, 8, 16)  # 8 columns: the last is scratch
+    ids = torch.tensor([[5, 6]])
+
+    def chain(**changed):
+        arguments = {"embed": forward.embed, "fuse": None, "input_ids": ids, "features": None, "rope": rope,
+                     "attention": attention, "kv": kv, "next_positions": [5], "steps": 2, "head": forward.head,
+                     "to_token": None, **changed}
+        return layers.draft_chain(**arguments)
+
+    assert chain()[0].shape == (1, 3)  # fits: positions 5 and 6, below the scratch column 7
+    for wrong in ({"steps": 3}, {"to_token": torch.arange(VOCAB, dtype=torch.int32)},
+                  {"to_token": torch.arange(VOCAB - 1)}, {"input_ids": ids.int()}, {"next_positions": [5, 5]}):
+        with pytest.raises(ValueError, match="draft chain"):
+            chain(**wrong)
+
+
 def test_sampled_rows_and_later_leaves_draft_forward_by_forward():
     """A proposal with a sampled row, or with leaves asked past the first position, takes the loop
     (it needs those positions' distributions or rankings)."""

@@ -109,7 +109,8 @@ class DecoderLayers:
                 or embed.shape[1] != hidden or head.in_features != hidden or len(next_positions) != batch
                 or (fuse is not None and (fuse.in_features, fuse.out_features) != (2 * hidden, hidden))
                 or (fuse is not None and (features is None or features.shape != (batch, width, hidden)))
-                or (to_token is not None and (to_token.dtype != torch.int64 or to_token.shape != (head.out_features,)))
+                or (to_token is not None and (to_token.dtype != torch.int64 or to_token.shape != (head.out_features,)
+                                              or to_token.device.type != "cpu" or not to_token.is_contiguous()))
                 or steps < 0 or max(next_positions) + steps > min(kv.shape[4] - 1, rope.cos.shape[0])):
             raise ValueError("draft chain: the tokens, features, embedding, fusing layer and head must match the "
                              "batch and the hidden size, every drafted token fit the pool and the angles")
