@@ -67,7 +67,8 @@ def check(items: list[ProposeItem]) -> None:
 
 
 def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPPORT_SIZE) -> list[Proposal]:
-    """k-token proposals, one forward per drafted position for the whole batch.
+    """k-token proposals, one forward per drafted position for the whole batch (on the CPU
+    kernels, a greedy call's forwards in one C call: ``RaggedBatch.greedy_chain``).
 
     Greedy requests get the draft's argmax at each position. Sampled requests draw from q': the
     draft's distribution under the request's own temperature/top-k/top-p, cut to its
