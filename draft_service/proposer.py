@@ -144,8 +144,7 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
             tokens = pick(batch.decode(tokens, features), step + 1)
             drafted.append(tokens)
         table = torch.stack(drafted, dim=1).tolist()
-    decoded = steps
-    batch.commit([len(item.seq.tokens) + (0 if reads_features else min(item.k - 1, decoded)) for item in items])
+    batch.commit([len(item.seq.tokens) + (0 if reads_features else min(item.k - 1, steps)) for item in items])
     results = [Proposal(row[: item.k]) for row, item in zip(table, items)]
     ranked = {step: (columns if to_token is None else to_token[columns]).tolist() for step, columns in ranked.items()}
     for i, item in enumerate(items):

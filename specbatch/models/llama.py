@@ -209,6 +209,10 @@ class LlamaForward:
                                                  values, attn_mask=mask, scale=scale)
         return out.view(batch, heads, width, head_dim).transpose(1, 2).reshape(batch, width, -1)
 
+    def _threads(self, rows: int) -> int:
+        """The threads of a call of ``rows`` rows: wide from ``wide_from_rows`` on, else the process's."""
+        return self.wide_threads if self.wide_threads and rows >= self.wide_from_rows else torch.get_num_threads()
+
     def chains_natively(self) -> bool:
         """Whether ``greedy_chain`` runs here: the layers in one C call, and the head and any fusing
         layer on the panel kernel."""
@@ -227,15 +231,12 @@ class LlamaForward:
         ``to_token``), bitwise what ``__call__`` a forward at a time gives. Returns
         ``[batch, steps + 1]`` token ids, and with ``first_logits`` the float32 logits of each
         row's first drafted token (else None)."""
-        batch, width = input_ids.shape
-        last = max(max(next_positions) + steps, int(positions.max()) + 1)
-        cos, signed_sin = self._angle_table(torch.tensor([last]))
-        threads = (self.wide_threads if self.wide_threads and batch * width >= self.wide_from_rows
-                   else torch.get_num_threads())
+        # Angles up to the last drafted token's position; every fed token sits before next_positions.
+        cos, signed_sin = self._angle_table(torch.tensor([max(next_positions) + steps]))
         return self.decoder_layers.draft_chain(
             self.embed, self.fuse, input_ids.contiguous(), None if features is None else features.contiguous(),
             Rope(positions, write_columns, cos, signed_sin), Attention(mask), kv, next_positions, steps, self.head,
-            to_token, threads, first_logits)
+            to_token, self._threads(input_ids.numel()), first_logits)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, write_columns: torch.Tensor,
@@ -261,8 +262,7 @@ class LlamaForward:
         else:
             attention = functools.partial(self._sdpa, mask=mask.repeat(1, 1, self.folded_groups, 1))
         if self.decoder_layers is not None and self.native_layer_ops and self.native_attention:
-            threads = (self.wide_threads if self.wide_threads and batch * width >= self.wide_from_rows
-                       else torch.get_num_threads())
+            threads = self._threads(batch * width)
             hidden = self.decoder_layers(x.contiguous(), rope, attention, kv, threads)
             head = self.head
             logits = (head(hidden[:, -logits_to_keep:], threads) if isinstance(head, PanelLinear)
