@@ -16,9 +16,10 @@
  * so it gets bitwise the same output: what float32 speculation needs to stay exact.
  *
  * Built for AVX-512, head_dim 16-128 take the 512-bit kernels (row_scores_512 and rows_pv_512,
- * below, through attend_grouped): 512-bit vectors and 16 columns' scores summed at once, faster
- * than the AVX2 form at every shape. From batch 8 on, reading the float32 keys and values from
- * memory is most of it (8 x 1 at 129 columns: 47 MB a step), whichever form.
+ * below, through attend_grouped): 512-bit vectors and 16 columns' scores summed at once, the query
+ * heads of a key/value head together on each key and value loaded, each key and value prefetched a
+ * block ahead, faster than the AVX2 form at every shape. From batch 8 on, reading the float32 keys
+ * and values from memory is most of it (8 x 1 at 129 columns: 47 MB a step), whichever form.
  *
  * Keys and values may be kept in bfloat16 (`kv_bf16`: the engine's --kv-bf16; layer_ops.c's
  * rope_write rounds them when it writes them): every load widens a bfloat16 to the float32 with
@@ -31,6 +32,17 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* How many columns ahead the 512-bit kernels prefetch a key or value (one 16-column block): the
+ * hardware's prefetcher alone left a step's rows waiting on the cache's next lines. */
+#define PREFETCH_COLUMNS 16
+
+/* Every line of the `bytes` at p into L1. */
+#define PREFETCH_LINES(p, bytes)                                                                        \
+    do {                                                                                                \
+        _Pragma("GCC unroll 8") for (size_t line = 0; line < (bytes); line += 64)                       \
+            _mm_prefetch((const char *)(p) + line, _MM_HINT_T0);                                        \
+    } while (0)
 
 /* exp(x) for 8 floats (x <= 0 here): 2^n * e^r with n = round(x / ln 2), |r| <= ln2 / 2, e^r by a
  * degree-6 polynomial (Cephes' expf: ~1 ulp); below -87 it flushes to 0, as expf underflows. */
@@ -188,19 +200,26 @@ static inline __m512 sum16x16(const __m512 *v) {
                          _mm512_shuffle_ps(eighths[0], eighths[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* One query row's attention weights, for row_pv_512 below: its scores over the columns it sees,
- * exponentiated (p_c = exp(s_c - max s)) into `scores` and those columns into `columns` (room for
- * end + 16 each), in increasing c; returns how many, and the reciprocal of their sum in *inverse. */
-#define ROW_SCORES_512(CHUNKS, KV, T, LOAD)                                                             \
-    static int64_t row_scores_512_##KV##_##CHUNKS(const float *q, const void *keys_, int64_t row,          \
-                                                  const uint8_t *seen, int64_t end, float scale,        \
-                                                  float *scores, int32_t *columns, float *inverse) {    \
+/* The attention weights of G query heads at one query row that see the same columns (the heads
+ * of one key/value head), for rows_pv_512 below: head g's query at q + g * q_h, its scores over the
+ * columns the row sees, exponentiated (p_c = exp(s_c - max s)), at scores + g * stride, and those
+ * columns (the same for every head) into `columns` (room for end + 16 each), in increasing c;
+ * returns how many, and the reciprocal of head g's sum in inverse[g]. Each key is loaded (and
+ * widened) once for the G heads, where one head at a time loaded it G times; each head's score is
+ * the same operations in the same order as alone, so the same bits. */
+#define ROW_SCORES_512(CHUNKS, KV, T, LOAD, G)                                                          \
+    static int64_t row_scores_512_##KV##_##CHUNKS##_##G(const float *q, int64_t q_h, const void *keys_, \
+                                                        int64_t row, const uint8_t *seen, int64_t end,  \
+                                                        float scale, float *scores, int64_t stride,     \
+                                                        int32_t *columns, float *inverse) {             \
         const T *keys = keys_;                                                                          \
-        __m512 qv[CHUNKS];                                                                              \
-        _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                        \
-            qv[d] = _mm512_mul_ps(_mm512_loadu_ps(q + 16 * d), _mm512_set1_ps(scale));                  \
+        __m512 qv[G][CHUNKS];                                                                           \
+        _Pragma("GCC unroll 4") for (int g = 0; g < G; g++)                                             \
+            _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++)                                    \
+                qv[g][d] = _mm512_mul_ps(_mm512_loadu_ps(q + g * q_h + 16 * d), _mm512_set1_ps(scale)); \
         int64_t count = 0;                                                                              \
-        __m512 top = _mm512_set1_ps(-INFINITY);                                                         \
+        __m512 top[G];                                                                                  \
+        _Pragma("GCC unroll 4") for (int g = 0; g < G; g++) top[g] = _mm512_set1_ps(-INFINITY);         \
         const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);   \
         for (int64_t c0 = 0; c0 < end; c0 += 16) {                                                      \
             int64_t width = end - c0 < 16 ? end - c0 : 16;                                              \
@@ -208,44 +227,54 @@ static inline __m512 sum16x16(const __m512 *v) {
             __mmask16 visible = _mm_mask_cmpneq_epi8_mask(in, _mm_maskz_loadu_epi8(in, seen + c0),      \
                                                           _mm_setzero_si128());                         \
             if (!visible) continue;                                                                     \
-            __m512 part[16];                                                                            \
+            __m512 part[G][16];                                                                         \
             for (int j = 0; j < 16; j++) {                                                              \
-                __m512 *slot = &part[4 * (j % 4) + j / 4];                                              \
+                int slot = 4 * (j % 4) + j / 4;                                                         \
                 if (j >= width) {                                                                       \
-                    *slot = _mm512_setzero_ps();                                                        \
+                    _Pragma("GCC unroll 4") for (int g = 0; g < G; g++) part[g][slot] = _mm512_setzero_ps(); \
                     continue;                                                                           \
                 }                                                                                       \
                 const T *k = keys + (c0 + j) * row;                                                     \
-                __m512 even = _mm512_mul_ps(qv[0], LOAD(k)), odd = _mm512_setzero_ps();                 \
-                _Pragma("GCC unroll 8") for (int d = 1; d < CHUNKS; d++) {                              \
-                    if (d % 2) odd = _mm512_fmadd_ps(qv[d], LOAD(k + 16 * d), odd);                     \
-                    else even = _mm512_fmadd_ps(qv[d], LOAD(k + 16 * d), even);                         \
+                PREFETCH_LINES(k + PREFETCH_COLUMNS * row, CHUNKS * 16 * sizeof(T));                    \
+                __m512 key[CHUNKS];                                                                     \
+                _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++) key[d] = LOAD(k + 16 * d);     \
+                _Pragma("GCC unroll 4") for (int g = 0; g < G; g++) {                                   \
+                    __m512 even = _mm512_mul_ps(qv[g][0], key[0]), odd = _mm512_setzero_ps();           \
+                    _Pragma("GCC unroll 8") for (int d = 1; d < CHUNKS; d++) {                          \
+                        if (d % 2) odd = _mm512_fmadd_ps(qv[g][d], key[d], odd);                        \
+                        else even = _mm512_fmadd_ps(qv[g][d], key[d], even);                            \
+                    }                                                                                   \
+                    part[g][slot] = _mm512_add_ps(even, odd);                                           \
                 }                                                                                       \
-                *slot = _mm512_add_ps(even, odd);                                                       \
             }                                                                                           \
-            __m512 s = sum16x16(part);                                                                  \
             /* compressed in registers, then stored whole (lanes past the seen ones are junk that  \
              * the next block or the -inf padding overwrites): a compressing store to memory is     \
              * microcoded on Zen 4, and two a block were a third of a prefill's attention there.    \
              * The same values land in the same places. */                                          \
-            _mm512_storeu_ps(scores + count, _mm512_maskz_compress_ps(visible, s));                     \
+            _Pragma("GCC unroll 4") for (int g = 0; g < G; g++) {                                       \
+                __m512 s = sum16x16(part[g]);                                                           \
+                _mm512_storeu_ps(scores + g * stride + count, _mm512_maskz_compress_ps(visible, s));    \
+                top[g] = _mm512_mask_max_ps(top[g], visible, top[g], s);                                \
+            }                                                                                           \
             _mm512_storeu_si512(columns + count, _mm512_maskz_compress_epi32(                           \
                 visible, _mm512_add_epi32(lane, _mm512_set1_epi32((int32_t)c0))));                       \
             count += __builtin_popcount(visible);                                                       \
-            top = _mm512_mask_max_ps(top, visible, top, s);                                             \
         }                                                                                               \
         if (count == 0) return 0;                                                                       \
         /* p_c = exp(s_c - top), 16 at a time (the tail padded with -inf, whose exp is 0) */            \
-        __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top));                                        \
         int64_t padded = (count + 15) & ~(int64_t)15;                                                   \
-        for (int64_t j = count; j < padded; j++) scores[j] = -INFINITY;                                 \
-        __m512 total = _mm512_setzero_ps();                                                             \
-        for (int64_t j = 0; j < padded; j += 16) {                                                      \
-            __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + j), most));                         \
-            _mm512_storeu_ps(scores + j, p);                                                            \
-            total = _mm512_add_ps(total, p);                                                            \
+        _Pragma("GCC unroll 4") for (int g = 0; g < G; g++) {                                           \
+            float *head = scores + g * stride;                                                          \
+            __m512 most = _mm512_set1_ps(_mm512_reduce_max_ps(top[g]));                                 \
+            for (int64_t j = count; j < padded; j++) head[j] = -INFINITY;                               \
+            __m512 total = _mm512_setzero_ps();                                                         \
+            for (int64_t j = 0; j < padded; j += 16) {                                                  \
+                __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(head + j), most));                       \
+                _mm512_storeu_ps(head + j, p);                                                          \
+                total = _mm512_add_ps(total, p);                                                        \
+            }                                                                                           \
+            inverse[g] = 1.0f / _mm512_reduce_add_ps(total);                                            \
         }                                                                                               \
-        *inverse = 1.0f / _mm512_reduce_add_ps(total);                                                 \
         return count;                                                                                   \
     }
 
@@ -265,6 +294,8 @@ static inline __m512 sum16x16(const __m512 *v) {
             _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++) acc[g][d] = _mm512_setzero_ps();   \
         for (int64_t j = 0; j < count; j++) {                                                           \
             const T *v = values + (int64_t)columns[j] * row;                                            \
+            if (j + PREFETCH_COLUMNS < count)                                                           \
+                PREFETCH_LINES(values + (int64_t)columns[j + PREFETCH_COLUMNS] * row, CHUNKS * 16 * sizeof(T)); \
             __m512 value[CHUNKS];                                                                       \
             _Pragma("GCC unroll 8") for (int d = 0; d < CHUNKS; d++) value[d] = LOAD(v + 16 * d);       \
             _Pragma("GCC unroll 8") for (int g = 0; g < G; g++) {                                       \
@@ -281,7 +312,10 @@ static inline __m512 sum16x16(const __m512 *v) {
     }
 
 #define ATTENTION_512(CHUNKS, KV, T, LOAD)                                                              \
-    ROW_SCORES_512(CHUNKS, KV, T, LOAD)                                                                 \
+    ROW_SCORES_512(CHUNKS, KV, T, LOAD, 1)                                                              \
+    ROW_SCORES_512(CHUNKS, KV, T, LOAD, 2)                                                              \
+    ROW_SCORES_512(CHUNKS, KV, T, LOAD, 3)                                                              \
+    ROW_SCORES_512(CHUNKS, KV, T, LOAD, 4)                                                              \
     ROWS_PV_512(CHUNKS, KV, T, LOAD, 1)                                                                 \
     ROWS_PV_512(CHUNKS, KV, T, LOAD, 2)                                                                 \
     ROWS_PV_512(CHUNKS, KV, T, LOAD, 3)                                                                 \
@@ -296,20 +330,22 @@ ATTENTION_512(2, bf16, uint16_t, LOAD16_BF16)
 ATTENTION_512(4, bf16, uint16_t, LOAD16_BF16)
 ATTENTION_512(8, bf16, uint16_t, LOAD16_BF16)
 
-/* The grouped form of a head size: its weights and up to 4 heads' sums at once. */
-typedef int64_t (*row_scores_fn)(const float *, const void *, int64_t, const uint8_t *, int64_t, float, float *,
-                                 int32_t *, float *);
+/* The grouped form of a head size: up to 4 heads' weights and sums at once. */
+typedef int64_t (*row_scores_fn)(const float *, int64_t, const void *, int64_t, const uint8_t *, int64_t, float,
+                                 float *, int64_t, int32_t *, float *);
 typedef void (*rows_pv_fn)(const void *, int64_t, const int32_t *, int64_t, const float *, int64_t, const float *,
                            float *, int64_t);
 #define PV_GROUP_MAX 4
 typedef struct {
-    row_scores_fn scores;
-    rows_pv_fn pv[PV_GROUP_MAX + 1]; /* by how many heads */
+    row_scores_fn scores[PV_GROUP_MAX + 1]; /* by how many heads */
+    rows_pv_fn pv[PV_GROUP_MAX + 1];
 } grouped_kernels;
 #define GROUPED(KV, CHUNKS)                                                                             \
     (grouped_kernels) {                                                                                 \
-        row_scores_512_##KV##_##CHUNKS, {0, rows_pv_512_##KV##_##CHUNKS##_1, rows_pv_512_##KV##_##CHUNKS##_2, \
-                                         rows_pv_512_##KV##_##CHUNKS##_3, rows_pv_512_##KV##_##CHUNKS##_4} \
+        {0, row_scores_512_##KV##_##CHUNKS##_1, row_scores_512_##KV##_##CHUNKS##_2,                     \
+         row_scores_512_##KV##_##CHUNKS##_3, row_scores_512_##KV##_##CHUNKS##_4},                       \
+        {0, rows_pv_512_##KV##_##CHUNKS##_1, rows_pv_512_##KV##_##CHUNKS##_2,                           \
+         rows_pv_512_##KV##_##CHUNKS##_3, rows_pv_512_##KV##_##CHUNKS##_4}                              \
     }
 
 static int grouped_kernel(int64_t D, int kv_bf16, grouped_kernels *out) {
@@ -383,15 +419,23 @@ static void read_widened(int64_t pair, const void **k, const void **v, int64_t e
 }
 
 #ifdef __AVX512F__
-/* attend (below) on the 512-bit kernels: each (sequence, key/value head, query row) is one unit,
- * its query heads' weights first, one head at a time, then their sums side by side (rows_pv_512):
- * the heads of a key/value head see the same columns at a row, so each value loaded serves them
- * all (faster at prefill, verify and decode shapes alike, and bitwise the same). */
+/* attend (below) on the 512-bit kernels. A unit is a (sequence, key/value head, query row) and a
+ * run of its query heads: their weights (row_scores_512, up to four heads on each key loaded),
+ * then their sums side by side (rows_pv_512, each value loaded once for them). The heads of a
+ * key/value head see the same columns at a row, so this is faster at prefill, verify and decode
+ * shapes alike, and bitwise the same as one head at a time. A key/value head's query heads are
+ * one run, unless the call has too few (sequence, key/value head, row) to share among the
+ * threads: a decode step at batch 1 has three key/value heads for two threads, so one thread did
+ * twice the other's work; its heads are then split into runs of fewer. */
 static int attend_grouped(const grouped_kernels *kernels, const float *q, int64_t q_b, int64_t q_h, int64_t q_w,
                           const void *keys, const void *values, int64_t kv_b, int64_t kv_h, int kv_bf16, int widen,
                           const uint8_t *mask, float *out, int64_t B, int64_t H, int64_t KVH, int64_t W, int64_t end,
                           int64_t D, float scale, int threads) {
-    int64_t group = H / KVH, stride = end + 16;
+    int64_t group = H / KVH, stride = end + 16, rows = B * KVH * W;
+    int64_t runs = threads > 1 && rows < 2 * threads ? (2 * threads + rows - 1) / rows : 1; /* a group's */
+    if (runs > group) runs = group;
+    int64_t run = (group + runs - 1) / runs; /* heads a run (the last may have fewer) */
+    runs = (group + run - 1) / run;
     size_t element = kv_bf16 ? sizeof(uint16_t) : sizeof(float);
     int failed = 0;
 #pragma omp parallel num_threads(threads) if (threads > 1) reduction(| : failed)
@@ -405,28 +449,28 @@ static int attend_grouped(const grouped_kernels *kernels, const float *q, int64_
         float *inverse = scores ? (float *)(columns + stride) : 0;
         int64_t widened = -1;
 #pragma omp for schedule(static)
-        for (int64_t u = 0; u < B * KVH * W; u++) {
+        for (int64_t u = 0; u < rows * runs; u++) {
             if (!scores) {
                 failed = 1;
                 continue;
             }
-            int64_t b = u / (KVH * W), kvh = u / W % KVH, i = u % W;
+            int64_t unit = u / runs, first = u % runs * run, last = first + run < group ? first + run : group;
+            int64_t b = unit / (KVH * W), kvh = unit / W % KVH, i = unit % W;
             size_t at = (size_t)(b * kv_b + kvh * kv_h) * element;
             const void *k = (const char *)keys + at, *v = (const char *)values + at;
             read_widened(b * KVH + kvh, &k, &v, end, D, wide_keys, wide_values, &widened);
             const uint8_t *seen = mask + (b * W + i) * end;
             float *row_out = out + ((b * W + i) * H + kvh * group) * D;
-            int64_t count = 0;
-            for (int64_t h = 0; h < group; h++) /* the same columns for every head: the same count */
-                count = kernels->scores(q + b * q_b + (kvh * group + h) * q_h + i * q_w, k, D, seen, end, scale,
-                                        scores + h * stride, columns, inverse + h);
-            if (count == 0) {
-                memset(row_out, 0, (size_t)(group * D) * sizeof(float));
-                continue;
-            }
-            for (int64_t h = 0; h < group; h += PV_GROUP_MAX) {
-                int64_t heads = group - h < PV_GROUP_MAX ? group - h : PV_GROUP_MAX;
-                kernels->pv[heads](v, D, columns, count, scores + h * stride, stride, inverse + h, row_out + h * D, D);
+            const float *row_q = q + b * q_b + kvh * group * q_h + i * q_w;
+            for (int64_t h = first; h < last; h += PV_GROUP_MAX) {
+                int64_t heads = last - h < PV_GROUP_MAX ? last - h : PV_GROUP_MAX;
+                /* the same columns for every head: the same count */
+                int64_t count = kernels->scores[heads](row_q + h * q_h, q_h, k, D, seen, end, scale, scores, stride,
+                                                       columns, inverse);
+                if (count == 0)
+                    memset(row_out + h * D, 0, (size_t)(heads * D) * sizeof(float));
+                else
+                    kernels->pv[heads](v, D, columns, count, scores, stride, inverse, row_out + h * D, D);
             }
         }
         free(scores);
