@@ -134,13 +134,12 @@ class RaggedBatch:
         """``columns``: where each token writes, when not at its position (a tree)."""
         device = self.engine.device
         columns = positions if columns is None else columns
-        end = int(columns[valid].max()) + 1  # every row feeds at least one token
         sees = None if self.tree is None else self.tree[1]
         if self.spread is not None:  # padding rows feed no real token: they write scratch and see column 0
             input_ids, positions, valid, columns = (self._spread_rows(t) for t in (input_ids, positions, valid, columns))
             features = None if features is None else self._spread_rows(features)
             sees = None if sees is None else self._spread_rows(sees)
-        columns, mask = write_columns_and_mask(columns, valid, self.scratch, end)
+        columns, mask = self._columns_and_mask(columns, valid)
         if sees is not None:
             mask = tree_mask(mask, columns, valid, sees)
         forward = self.engine.forward
@@ -153,6 +152,12 @@ class RaggedBatch:
         if self.spread is not None:
             logits, self.hidden = logits[self.spread_on_device], self.hidden[self.spread_on_device]
         return logits
+
+    def _columns_and_mask(self, columns: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``write_columns_and_mask`` over the columns the call's valid tokens reach (padding rows
+        of a spread call are invalid: they see column 0 only)."""
+        end = int(columns[valid].max()) + 1  # every row feeds at least one token
+        return write_columns_and_mask(columns, valid, self.scratch, end)
 
     def item_rows(self) -> list[int]:
         """The row of each of the call's items in the batch's cache (on the host)."""
@@ -207,8 +212,7 @@ class RaggedBatch:
         if chains is None or not chains() or self.tree is not None or self.spread is not None or self.decoded:
             return None
         input_ids, positions, features = self._pending
-        end = int(self.columns[self.valid].max()) + 1
-        columns, mask = write_columns_and_mask(self.columns, self.valid, self.scratch, end)
+        columns, mask = self._columns_and_mask(self.columns, self.valid)
         tokens, logits = self.engine.forward.greedy_chain(input_ids, positions, columns, self.kv, mask, features,
                                                           (self.kept + self.fed).tolist(), steps, to_token,
                                                           first_logits)

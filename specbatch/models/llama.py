@@ -213,11 +213,16 @@ class LlamaForward:
         """The threads of a call of ``rows`` rows: wide from ``wide_from_rows`` on, else the process's."""
         return self.wide_threads if self.wide_threads and rows >= self.wide_from_rows else torch.get_num_threads()
 
+    def _layers_in_one_call(self) -> bool:
+        """Whether the layers run as ``decoder_layers``' one C call (which needs the native layer
+        operations and attention too)."""
+        return self.decoder_layers is not None and self.native_layer_ops and self.native_attention
+
     def chains_natively(self) -> bool:
         """Whether ``greedy_chain`` runs here: the layers in one C call, and the head and any fusing
         layer on the panel kernel."""
-        return (self.decoder_layers is not None and self.native_layer_ops and self.native_attention
-                and isinstance(self.head, PanelLinear) and (self.fuse is None or isinstance(self.fuse, PanelLinear)))
+        return (self._layers_in_one_call() and isinstance(self.head, PanelLinear)
+                and (self.fuse is None or isinstance(self.fuse, PanelLinear)))
 
     @torch.inference_mode()
     def greedy_chain(self, input_ids: torch.Tensor, positions: torch.Tensor, write_columns: torch.Tensor,
@@ -261,7 +266,7 @@ class LlamaForward:
             attention = Attention(mask)
         else:
             attention = functools.partial(self._sdpa, mask=mask.repeat(1, 1, self.folded_groups, 1))
-        if self.decoder_layers is not None and self.native_layer_ops and self.native_attention:
+        if self._layers_in_one_call():
             threads = self._threads(batch * width)
             hidden = self.decoder_layers(x.contiguous(), rope, attention, kv, threads)
             head = self.head
