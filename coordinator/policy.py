@@ -148,16 +148,16 @@ class LiveStepTimes:
     ``trusted`` times or more is priced by their median: single steps on a busy machine stray by
     half their time (a prefill beside them, the other service's threads), and a mean of the few
     steps a rarely run k gets would follow them. A k not measured so at that size is priced from
-    the two trusted k nearest it: the nearer one's time plus the profile's difference between
-    them, scaled as the measured difference scales it, for a k next to a trusted one (further,
-    or with one trusted k, at the nearest one's ratio; with none, the profile's time). So where
+    the two trusted k nearest it: linear in k through them, for a k next to a trusted one
+    (further, the profile's shape at the nearer one's ratio; with one trusted k, its ratio; with
+    none, the profile's time). So where
     verifying a row costs less than profiled, the k above those measured gets cheaper too, and
     ``Goodput``'s probes of neighbouring ks walk the measurements there one k at a time. What
     lies outside the two calls (the coordinator's work) is the median of its own window, per size
     and per whether the step asked the draft. It answers the questions ``Profile`` answers that
     ``Goodput`` asks."""
 
-    def __init__(self, profile, window: int = 32, trusted: int = 8):
+    def __init__(self, profile, window: int = 32, trusted: int = 4):
         self.profile, self.window, self.trusted = profile, window, trusted
         self.ratios: dict[tuple[str, int], dict[int, deque]] = {}  # (part, size) -> {k: measured / profiled}
         # (size, whether the draft was asked) -> ms outside the two calls: asking it is one more
@@ -220,11 +220,15 @@ class LiveStepTimes:
             return profiled(batch_size, k) * measured.get(nearest, 1.0)
         near, far = sorted(measured, key=lambda m: (abs(m - k), m))[:2]
         at_near, at_far = (profiled(batch_size, m) * measured[m] for m in (near, far))
-        span = profiled(batch_size, near) - profiled(batch_size, far)
-        # The measured slope holds one k past the nearest trusted one; further, the profile's
-        # shape at the measured level (a call past 12 rows, say, costs another block of weights).
-        scale = max(0.0, (at_near - at_far) / span) if span and abs(k - near) == 1 else measured[near]
-        return max(0.0, at_near + scale * (profiled(batch_size, k) - profiled(batch_size, near)))
+        if abs(k - near) == 1:
+            # Next to a trusted k: the measured time per k, straight on. Not the profile's step
+            # from near to k scaled by the measured over the profiled step between the trusted ks:
+            # a profile's single steps stray, and a small profiled step under a large measured one
+            # made a tenfold scale, which priced the next k out of reach of its probes.
+            return max(0.0, at_near + (at_near - at_far) / (near - far) * (k - near))
+        # Further: the profile's shape at the measured level (a call past 12 rows, say, costs
+        # another block of weights).
+        return max(0.0, at_near + measured[near] * (profiled(batch_size, k) - profiled(batch_size, near)))
 
     def target_ms(self, batch_size: float, k: int) -> float:
         key = ("target", batch_size, k)
@@ -314,18 +318,34 @@ class Goodput:
             if choice[0] == 0 and self.idle_steps >= self.probe_every:
                 # a probe (0 where drafting never pays)
                 choice = self._best(batch_size, profile.acceptance_by_position)
-            elif self.live_times and self.timed_steps % self.probe_every == self.probe_every - 1:
-                # a neighbour of the best k, for the live step times (the less measured one), and
-                # only where it is priced near the best: a probe of a far costlier k loses served
-                # throughput for what it teaches (docs/decisions/goodput-live.md)
-                most, rates = min(profile.max_k, self.max_k), self.acceptance.rates
-                floor = self.probe_within * self.goodput(batch_size, choice[0], rates, choice[1])
-                neighbours = [k for k in (choice[0] + 1, choice[0] - 1)
-                              if 0 <= k <= most and self.goodput(batch_size, k, rates) >= floor]
-                if neighbours:
-                    choice = (min(neighbours, key=lambda k: self.times.measured(batch_size, k)), 0)
+            elif self.live_times:
+                probe = self._live_probe(batch_size, choice)
+                if probe is not None:
+                    choice = (probe, 0)
             self._chosen[batch_size] = choice
         return self._chosen[batch_size]
+
+    def _live_probe(self, batch_size: int, choice: tuple[int, int]) -> int | None:
+        """``goodput:live``'s probe this step, if any: a neighbour of the best k, or k = 0, for the
+        live step times. A neighbour only where it is priced near the best (a probe of a far
+        costlier k loses served throughput for what it teaches: docs/decisions/goodput-live.md);
+        k = 0 always: its step is the cheapest there is, and the one speculation has to beat.
+        One step in ``probe_every`` probes the one measured least; while one is not yet trusted,
+        the last ``trusted`` steps of every ``probe_every`` (at most half) probe it back to back, so that a
+        profile measured on a faster or slower machine (or in another spell of this one) is
+        corrected within a few windows, not the hundreds of steps one probe a window takes."""
+        most, rates, times = min(self._profile.max_k, self.max_k), self.acceptance.rates, self.times
+        floor = self.probe_within * self.goodput(batch_size, choice[0], rates, choice[1])
+        neighbours = [k for k in sorted({0, choice[0] - 1, choice[0] + 1} - {choice[0]})
+                      if 0 <= k <= most and (k == 0 or self.goodput(batch_size, k, rates) >= floor)]
+        position = self.timed_steps % self.probe_every
+        untrusted = [k for k in neighbours if times.measured(batch_size, k) < times.trusted]
+        if untrusted and position >= self.probe_every - min(times.trusted, self.probe_every // 2):
+            # the one nearest trusted first (back-to-back probes finish it), then the smaller k
+            return min(untrusted, key=lambda k: (-times.measured(batch_size, k), k))
+        if neighbours and position == self.probe_every - 1:
+            return min(neighbours, key=lambda k: times.measured(batch_size, k))
+        return None
 
     def k_for(self, batch_size: int) -> int:
         return self._choice(batch_size)[0]

@@ -257,7 +257,8 @@ def test_goodput_live_probes_only_neighbours_priced_near_the_best(tmp_path):
     """At batch 32 on gpu_like times, k = 1 costs 1.7x a k = 0 step. Where drafts are seldom
     accepted it yields 0.65 of k = 0's tokens per ms, and a probe of it costs more than it could
     teach: goodput:live never runs it. Where acceptance brings it within probe_within of k = 0,
-    one step in probe_every runs it."""
+    it is probed back to back (half of each probe_every steps) until trusted, then one step in
+    probe_every runs it."""
     def ks_run(acceptance) -> list[int]:
         live = Goodput(watched(tmp_path, synthetic_profile(gpu_like, acceptance)), max_k=6, probe_every=4,
                        live_times=True)
@@ -271,4 +272,29 @@ def test_goodput_live_probes_only_neighbours_priced_near_the_best(tmp_path):
 
     assert set(ks_run(LOW)) == {0}
     near = [0.55] * 6  # k = 1: 1.55 tokens in 48.9 ms against 1 in 29.2: 0.93 of k = 0
-    assert ks_run(near).count(1) == 16
+    ks = ks_run(near)
+    assert ks[:8] == [0, 0, 1, 1, 0, 0, 1, 1]  # 4 probes: trusted
+    assert ks.count(1) == 4 + (64 - 8) // 4
+
+
+def test_goodput_live_stops_drafting_within_a_few_windows_where_a_served_row_costs_more_than_profiled(tmp_path):
+    """The profile was measured where a verified row cost 0.5 ms on a 10 ms step (weights read from
+    memory); served, the step is 5 ms and a row 3 ms (weights in cache). At 0.5 acceptance the
+    profile prices k = 1 best and k = 0 at 0.70 of it; served, k = 0 is best. goodput:live
+    probes k = 0 back to back (it is kept measured whatever its price) and serves it from
+    within the second window on; plain goodput drafts on."""
+    rates = [0.5] * 6
+    profile = synthetic_profile(lambda b, k: 10.0 + 0.5 * k, rates, sizes=(1, 2, 4))
+    live = Goodput(watched(tmp_path, profile), max_k=6, probe_every=16, live_times=True)
+    static = Goodput(watched(tmp_path, profile), max_k=6, probe_every=16)
+    assert live.k_for(1) == static.k_for(1) >= 1
+    ks = []
+    for _ in range(128):
+        ks.append(k := live.k_for(1))
+        live.observe([(k, 1)] if k else [])  # (a run at 1.0: the rates stay near 0.5)
+        live.observe([(k, 0)] if k else [])
+        live.observe_times(StepTimes(1, 1 if k else 0, k, k, 0.2 * k, 4.9 + 2.8 * k, 5.0 + 3.0 * k))
+        static.observe_times(StepTimes(1, 1, 1, 1, 0.2, 7.7, 8.0))
+    assert 0 in ks[:16]  # the first window's probes
+    assert ks[32:].count(0) >= 0.9 * len(ks[32:])
+    assert static.k_for(1) >= 1
