@@ -306,7 +306,7 @@ def test_embedded_default_takes_the_profile_of_the_form_the_services_run(monkeyp
         if separate and machine.get("blocks") == "avx2":  # measured hosted only: a draft apart learns
             assert (policy, path) == ("learn", None)
             continue
-        assert policy == "goodput" and Path(path).name == name and Path(path).exists()
+        assert policy == "goodput:live" and Path(path).name == name and Path(path).exists()
         shipped, served = json.loads(Path(path).read_text()), weight_forms(options)
         if "name" in machine and not separate:  # measured on this CPU's model
             assert shipped["hardware"]["name"] == machine["name"]

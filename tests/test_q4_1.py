@@ -196,9 +196,9 @@ def test_the_launcher_gives_the_target_q4_1_and_keeps_the_draft(monkeypatch, dot
     assert _flag(spawned["target_service"][0], "--weights") == "q4_1"
     assert _flag(spawned["draft_service"][0], "--weights") == "q8_0"
     policy, path = default_k_policy(StackOptions(weights="q4_1", device="cpu"))
-    assert policy == "goodput" and path.endswith("embedded-cpu-q4_1-in-target.json")
+    assert policy == "goodput:live" and path.endswith("embedded-cpu-q4_1-in-target.json")
     policy, path = default_k_policy(StackOptions(weights="q4_1", device="cpu", separate_draft=True))
-    assert policy == "goodput" and path.endswith("embedded-cpu-q4_1.json")
+    assert policy == "goodput:live" and path.endswith("embedded-cpu-q4_1.json")
 
 
 @pytest.mark.parametrize("flags, message", [(["--dtype", "bfloat16"], "drop --dtype bfloat16"),

@@ -155,7 +155,10 @@ EMBEDDED_CPU_PROFILES_IN_TARGET = {"q4_1": ("embedded-cpu-q4_1-in-target.json",
 # The block kernels' AVX2 build (an AVX2-only CPU): a verify row costs more there, so speculation's
 # best k is smaller. Measured with the draft in the target's process only; a draft apart learns.
 EMBEDDED_CPU_PROFILES_AVX2_IN_TARGET = {"q4_1": "embedded-cpu-q4_1-avx2-in-target.json"}
-EMBEDDED_CPU_POLICY = "goodput"
+# On a CPU with step times measured as served: a machine's speed drifts by 2x between spells (its
+# cache shared with neighbours), and so does what a verified row costs against a step
+# (docs/decisions/goodput-live.md).
+EMBEDDED_CPU_POLICY = "goodput:live"
 # The embedded pair on a GPU in bf16: learn, starting from its profile. Served steps there cost more
 # than the profile priced, enough to lose at c = 8 (docs/decisions/k-policy-default.md): learn
 # prices them as served.
