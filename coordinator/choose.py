@@ -1,6 +1,8 @@
 """Which k policy the coordinator serves with (docs/speculation.md): the one asked for, over its
-profile where that profile describes this deployment; where it describes another (another pair,
-another machine, another weight form), or none is given, ``learn``, which measures its own
+profile where that profile describes this deployment (for ``goodput:live``, which prices steps as
+served, also one measured on another model of the same device and vector unit); where it
+describes another (another pair, another machine, another weight form), or none is given,
+``learn``, which measures its own
 (coordinator/learned.py) and starts from what it learned here before, else from the profile
 given where that one fits."""
 
@@ -48,7 +50,8 @@ def parse_policy(text: str, max_k: int, profile_file: ProfileFile | None = None,
 
 def fit_policy(policy, profile_file: ProfileFile | None, deployment: Deployment, max_k: int, max_leaves: int,
                max_batch_size: int):
-    """``policy`` where its profile fits ``deployment``; else (said in the log) ``learn``, seeded
+    """``policy`` where its profile fits ``deployment`` (``goodput:live``: or differs in the hardware's
+    model alone); else (said in the log) ``learn``, seeded
     with what was learned for this deployment before, if anything. ``learn`` asked for is seeded
     so too, else with its profile where that fits (what it serves then corrects the profile's
     prices: a profile measured without the services' own overheads prices steps too cheap)."""
@@ -67,6 +70,13 @@ def fit_policy(policy, profile_file: ProfileFile | None, deployment: Deployment,
         return policy
     problems = mismatches(profile_file.profile, deployment)
     if not problems:
+        return policy
+    if getattr(policy, "live_times", False) and not mismatches(profile_file.profile, deployment, besides=("hardware",)):
+        # Another model of the same device and vector unit: the pair's acceptance and the shape of
+        # its step times hold, and goodput:live corrects their level as steps are served (a better
+        # start than learn's k = 0: docs/decisions/goodput-live.md).
+        log.info("goodput:live over the profile %s, measured on other hardware than %s (%s): its step times are "
+                 "corrected as served", profile_file.path, deployment.describe(), "; ".join(problems))
         return policy
     log.warning("the profile %s was measured for another deployment than %s (%s): learning step times and "
                 "acceptance from what is served instead (k policy learn)", profile_file.path, deployment.describe(),

@@ -71,12 +71,15 @@ def _name(hardware: dict) -> str | None:
     return hardware.get("gpu") if str(hardware.get("device", "")).startswith("cuda") else hardware.get("cpu")
 
 
-def mismatches(profile: Profile, deployment: Deployment) -> list[str]:
+def mismatches(profile: Profile, deployment: Deployment, besides: tuple[str, ...] = ()) -> list[str]:
     """How ``profile`` differs from ``deployment``, in words; only what both sides record is
-    compared (an older profile that names no weight form is not held against it)."""
+    compared (an older profile that names no weight form is not held against it), and nothing
+    named in ``besides``."""
     found = []
 
     def compare(what: str, recorded, served) -> None:
+        if what in besides:
+            return
         if recorded not in (None, "") and served not in (None, "") and recorded != served:
             found.append(f"{what}: the profile's {recorded!r}, served {served!r}")
 

@@ -405,3 +405,30 @@ def test_two_keepers_of_one_deployment_keep_its_file_without_a_clash(tmp_path, c
         thread.join()
     assert "cannot keep" not in caplog.text and load_learned(path) is not None
     assert not list(tmp_path.glob("*.partial"))
+
+
+def test_goodput_live_keeps_a_profile_of_another_processor_of_the_same_vector_unit(monkeypatch, tmp_path):
+    """A shipped profile measured on another CPU model (the same pair, weight forms, device and
+    vector unit): goodput:live serves over it, correcting its step times as served; goodput,
+    which would price steps by it as they are, learns instead; so does goodput:live where the
+    vector unit differs too."""
+    from coordinator.choose import fit_policy
+    from coordinator.fit import Deployment as Served
+    from coordinator.policy import Goodput
+
+    monkeypatch.setenv("SPECBATCH_PROFILES", str(tmp_path))
+    xeon = {"device": "cpu", "name": "Intel(R) Xeon(R) Processor", "cpu_capability": "AVX512", "native_bf16": True}
+    epyc = {**xeon, "name": "AMD EPYC"}
+    here = Served("target", "draft", xeon, "q4_1", "q8_0")
+    deployment = Deployment(**CPU_LIKE)
+
+    class File:
+        path = "shipped.json"
+        profile = Profile(**{**vars(deployment.profile(bucket_sizes(16))),
+                             **Served("target", "draft", epyc, "q4_1", "q8_0").about()})
+
+    live = Goodput(File, 16, live_times=True)
+    assert fit_policy(live, File, here, 16, 0, 16) is live
+    assert isinstance(fit_policy(Goodput(File, 16), File, here, 16, 0, 16), Learning)
+    avx2 = Served("target", "draft", {**xeon, "cpu_capability": "AVX2", "native_bf16": False}, "q4_1", "q8_0")
+    assert isinstance(fit_policy(live, File, avx2, 16, 0, 16), Learning)
