@@ -3,8 +3,8 @@ pair or a machine no profile was made for.
 
 It starts at k = 0, which is never slower than target-only decoding, and spends a bounded share
 of steps (one in ``probe_every``) on a neighbour of the k it serves: the nearest k not yet measured
-at this batch size, else, one probe in four, the neighbour measured least among those priced near
-the best. While a neighbour is not yet measured, the probes come ``trusted`` steps back to back
+at this batch size, else, one probe in four, the one measured least among the neighbours priced
+near the best and k = 0 (whatever its price: a seeded one is otherwise never served again). While a neighbour is not yet measured, the probes come ``trusted`` steps back to back
 every ``probe_every`` (``_probe_step``), so that it climbs one k per ``probe_every`` steps, not per
 ``trusted × probe_every``. It serves only ks measured at the batch size at hand (and k = 0). Each
 step's parts are kept per (batch size, k), as ``specbatch profile`` measures them, in windows of
@@ -172,7 +172,8 @@ class Learning(Goodput):
         one sequence alone drafts it: one not yet trusted at this size (the larger first), by the
         whole batch; once both are, one step in four of those (one in 32) the one measured least
         of those priced within ``probe_within`` of the best, to keep their prices current at a
-        quarter of the cost, from k = 0 by one sequence (the module docstring)."""
+        quarter of the cost, from k = 0 by one sequence (the module docstring); k = 0 among them
+        whatever its price."""
         times, rates = self.learned_times, self.acceptance.rates
         neighbours = [k for k in (choice[0] + 1, choice[0] - 1) if 0 <= k <= self.max_k]
         unmeasured = [k for k in neighbours if times.measured(batch_size, k) < times.trusted]
@@ -182,7 +183,10 @@ class Learning(Goodput):
             return None, False
         one_row = choice[0] == 0 and batch_size > 1
         floor = self.probe_within * self.goodput(batch_size, choice[0], rates, choice[1])
-        near = [k for k in neighbours if self.goodput(batch_size, k, rates) >= floor]
+        # k = 0 whatever its price (as goodput:live): the cheapest step, and the one speculation has
+        # to beat; a seeded price of it is otherwise never served again once a drafting k is best.
+        near = [k for k in sorted(set(neighbours) | ({0} if choice[0] > 1 else set()))
+                if k == 0 or self.goodput(batch_size, k, rates) >= floor]
         if near:
             return min(near, key=lambda k: times.measured(batch_size, k)), one_row
         # Held at k = 0, nothing new is drafted: a probe drafts one token, so that a draft (or a

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from dataclasses import replace
 
 import pytest
 
@@ -432,3 +433,20 @@ def test_goodput_live_keeps_a_profile_of_another_processor_of_the_same_vector_un
     assert isinstance(fit_policy(Goodput(File, 16), File, here, 16, 0, 16), Learning)
     avx2 = Served("target", "draft", {**xeon, "cpu_capability": "AVX2", "native_bf16": False}, "q4_1", "q8_0")
     assert isinstance(fit_policy(live, File, avx2, 16, 0, 16), Learning)
+
+
+def test_seeded_with_a_profile_that_prices_k0_dear_it_still_finds_k0_best():
+    """A seed measured where a k = 0 step cost three times what it costs served (and drafted tokens
+    a fifth): learn walks down from the seed's deep k as served steps prove dearer, and k = 0,
+    probed whatever its seeded price, is served once it is measured to win (drafts are rarely
+    accepted here)."""
+    cheap = Deployment(verify_per_row=0.1, draft_per_token=0.3, acceptance=0.7)
+    seed = cheap.profile(bucket_sizes(16))
+    seed = replace(seed, cells={key: replace(cell, target_ms=3 * cell.target_ms, step_ms=3 * cell.step_ms)
+                                if key[1] == 0 else cell for key, cell in seed.cells.items()})
+    served = Deployment(verify_per_row=0.6, draft_per_token=1.5, acceptance=0.3, seed=3)
+    assert served.best_k(1) == 0
+    policy = Learning(max_k=8, max_batch_size=16, seed=seed)
+    assert policy.k_for(1) >= 3
+    ks = [served.step(policy, 1)[0] for _ in range(600)]
+    assert ks[-200:].count(0) >= 0.9 * 200
