@@ -154,11 +154,14 @@ class LiveStepTimes:
     verifying a row costs less than profiled, the k above those measured gets cheaper too, and
     ``Goodput``'s probes of neighbouring ks walk the measurements there one k at a time. What
     lies outside the two calls (the coordinator's work) is the median of its own window, per size
-    and per whether the step asked the draft. It answers the questions ``Profile`` answers that
-    ``Goodput`` asks."""
+    and per whether the step asked the draft. A measurement older than ``horizon`` steps is
+    dropped: a machine's speed moves by 2x between spells, and a k served only as a probe (k = 0
+    while drafting pays) would otherwise keep the last spell's price for hundreds of steps after
+    the one served has moved. It answers the questions ``Profile`` answers that ``Goodput`` asks."""
 
-    def __init__(self, profile, window: int = 32, trusted: int = 4):
-        self.profile, self.window, self.trusted = profile, window, trusted
+    def __init__(self, profile, window: int = 32, trusted: int = 4, horizon: int = 128):
+        self.profile, self.window, self.trusted, self.horizon = profile, window, trusted, horizon
+        self.steps = 0  # steps observed: what a measurement's age is counted in
         self.ratios: dict[tuple[str, int], dict[int, deque]] = {}  # (part, size) -> {k: measured / profiled}
         # (size, whether the draft was asked) -> ms outside the two calls: asking it is one more
         # call, which a k = 0 step does not make (one window for both priced each as the k served).
@@ -171,14 +174,18 @@ class LiveStepTimes:
         return min(self.profile.batch_sizes, key=lambda b: (abs(math.log(b / max(batch_size, 1.0))), b))
 
     def _record(self, table: dict, key, value: float) -> None:
-        table.setdefault(key, deque(maxlen=self.window)).append(value)
+        table.setdefault(key, deque(maxlen=self.window)).append((self.steps, value))
+
+    def _fresh(self, window) -> list[float]:
+        """A window's measurements of the last ``horizon`` steps."""
+        return [value for step, value in window if step > self.steps - self.horizon]
 
     def _rest_ms(self, size: int, drafting: bool) -> float:
         """What a step at ``size`` that asks the draft (or not) takes outside its two calls:
         measured, else the profile's (at k = 1, or 0)."""
         key = ("rest", size, drafting)
         if key not in self._priced:
-            rest, p = self.rest.get((size, drafting), ()), self.profile
+            rest, p = self._fresh(self.rest.get((size, drafting), ())), self.profile
             k = 1 if drafting and p.max_k >= 1 else 0
             self._priced[key] = (statistics.median(rest) if len(rest) >= self.trusted
                                  else max(0.0, p.step_ms(size, k) - p.draft_ms(size, k) - p.target_ms(size, k)))
@@ -186,6 +193,9 @@ class LiveStepTimes:
 
     def observe(self, t: StepTimes) -> None:
         p = self.profile
+        self.steps += 1
+        self._priced.clear()
+        self._medians.clear()
         if not t.batch_size or max(t.draft_k, t.verify_k) > p.max_k:
             return  # no profiled time to compare it with
         size = self._size(t.batch_size)
@@ -196,20 +206,20 @@ class LiveStepTimes:
                      t.target_ms / p.target_ms(t.batch_size, t.verify_k))
         asked = bool(t.draft_k and t.draft_rows)
         self._record(self.rest, (size, asked), max(0.0, t.step_ms - t.draft_ms - t.target_ms))
-        self._priced.clear()
-        self._medians.clear()
 
     def measured(self, batch_size: float, k: int) -> int:
-        """Steps of the last window measured at the size nearest ``batch_size`` verifying k drafts a sequence."""
-        return len(self.ratios.get(("target", self._size(batch_size)), {}).get(k, ()))
+        """Steps of the last window (and ``horizon``) measured at the size nearest ``batch_size``
+        verifying k drafts a sequence."""
+        return len(self._fresh(self.ratios.get(("target", self._size(batch_size)), {}).get(k, ())))
 
     def _trusted(self, part: str, size: int) -> dict[int, float]:
         """{k: median ratio} of the ks measured ``trusted`` times or more at ``size``: computed once
         a step (a choice prices every k and leaf count in turn)."""
         key = (part, size)
         if key not in self._medians:
-            self._medians[key] = {m: statistics.median(window) for m, window in self.ratios.get(key, {}).items()
-                                  if len(window) >= self.trusted}
+            fresh = {m: self._fresh(window) for m, window in self.ratios.get(key, {}).items()}
+            self._medians[key] = {m: statistics.median(values) for m, values in fresh.items()
+                                  if len(values) >= self.trusted}
         return self._medians[key]
 
     def _part_ms(self, part: str, profiled, batch_size: float, k: int) -> float:

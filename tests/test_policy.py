@@ -298,3 +298,25 @@ def test_goodput_live_stops_drafting_within_a_few_windows_where_a_served_row_cos
     assert 0 in ks[:16]  # the first window's probes
     assert ks[32:].count(0) >= 0.9 * len(ks[32:])
     assert static.k_for(1) >= 1
+
+
+def test_goodput_live_follows_the_machine_from_one_spell_to_the_next(tmp_path):
+    """The machine's speed moves between spells: for 400 steps a verified row costs 0.5 ms on a
+    10 ms step (drafting pays), then 3 ms on a 5 ms step (it does not). The k served reprices at
+    once, and k = 0, measured only by probes while drafting, is re-measured once its last
+    spell's measurements age out (``horizon``): from a hundred steps after the change it is
+    served (kept for the whole window instead, they held k = 1 for 400 steps more)."""
+    rates = [0.6] * 6
+    profile = synthetic_profile(lambda b, k: 10.0 + 0.5 * k, rates, sizes=(1, 2, 4))
+    live = Goodput(watched(tmp_path, profile), max_k=6, live_times=True)
+
+    def step(base: float, row: float) -> int:
+        k = live.k_for(1)
+        live.observe([(k, 1), (k, 0)] if k else [])  # near 0.5 at the first position
+        live.observe_times(StepTimes(1, 1 if k else 0, k, k, 0.2 * k, base - 0.1 + row * k, base + (row + 0.2) * k))
+        return k
+
+    slow = [step(10.0, 0.5) for _ in range(400)]
+    assert slow[-200:].count(0) <= 0.1 * 200  # drafting pays: k = 0 only as a probe
+    fast = [step(5.0, 3.0) for _ in range(300)]
+    assert fast[100:].count(0) >= 0.85 * 200
