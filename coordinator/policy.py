@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -154,13 +155,16 @@ class LiveStepTimes:
     verifying a row costs less than profiled, the k above those measured gets cheaper too, and
     ``Goodput``'s probes of neighbouring ks walk the measurements there one k at a time. What
     lies outside the two calls (the coordinator's work) is the median of its own window, per size
-    and per whether the step asked the draft. A measurement older than ``horizon`` steps is
-    dropped: a machine's speed moves by 2x between spells, and a k served only as a probe (k = 0
-    while drafting pays) would otherwise keep the last spell's price for hundreds of steps after
-    the one served has moved. It answers the questions ``Profile`` answers that ``Goodput`` asks."""
+    and per whether the step asked the draft. A measurement older than ``horizon`` steps or
+    ``horizon_s`` seconds is dropped: a machine's speed moves by 2x between spells, and a k served
+    only as a probe (k = 0 while drafting pays) would otherwise keep the last spell's price for
+    hundreds of steps after the one served has moved; after an idle while, nothing measured
+    before it is known to hold. It answers the questions ``Profile`` answers that ``Goodput`` asks."""
 
-    def __init__(self, profile, window: int = 32, trusted: int = 4, horizon: int = 128):
+    def __init__(self, profile, window: int = 32, trusted: int = 4, horizon: int = 128, horizon_s: float = 5.0,
+                 clock=time.monotonic):
         self.profile, self.window, self.trusted, self.horizon = profile, window, trusted, horizon
+        self.horizon_s, self.clock = horizon_s, clock
         self.steps = 0  # steps observed: what a measurement's age is counted in
         self.ratios: dict[tuple[str, int], dict[int, deque]] = {}  # (part, size) -> {k: measured / profiled}
         # (size, whether the draft was asked) -> ms outside the two calls: asking it is one more
@@ -174,11 +178,12 @@ class LiveStepTimes:
         return min(self.profile.batch_sizes, key=lambda b: (abs(math.log(b / max(batch_size, 1.0))), b))
 
     def _record(self, table: dict, key, value: float) -> None:
-        table.setdefault(key, deque(maxlen=self.window)).append((self.steps, value))
+        table.setdefault(key, deque(maxlen=self.window)).append((self.steps, self.clock(), value))
 
     def _fresh(self, window) -> list[float]:
-        """A window's measurements of the last ``horizon`` steps."""
-        return [value for step, value in window if step > self.steps - self.horizon]
+        """A window's measurements of the last ``horizon`` steps and ``horizon_s`` seconds."""
+        step, now = self.steps - self.horizon, self.clock() - self.horizon_s
+        return [value for taken, at, value in window if taken > step and at > now]
 
     def _rest_ms(self, size: int, drafting: bool) -> float:
         """What a step at ``size`` that asks the draft (or not) takes outside its two calls:
