@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -155,16 +154,16 @@ class LiveStepTimes:
     verifying a row costs less than profiled, the k above those measured gets cheaper too, and
     ``Goodput``'s probes of neighbouring ks walk the measurements there one k at a time. What
     lies outside the two calls (the coordinator's work) is the median of its own window, per size
-    and per whether the step asked the draft. A measurement older than ``horizon`` steps or
-    ``horizon_s`` seconds is dropped: a machine's speed moves by 2x between spells, and a k served
-    only as a probe (k = 0 while drafting pays) would otherwise keep the last spell's price for
-    hundreds of steps after the one served has moved; after an idle while, nothing measured
-    before it is known to hold. It answers the questions ``Profile`` answers that ``Goodput`` asks."""
+    and per whether the step asked the draft. A measurement older than ``horizon`` steps does not
+    price: a machine's speed moves by 2x between spells, and a k served only as a probe (k = 0
+    while drafting pays) would otherwise keep the last spell's price for hundreds of steps after
+    the one served has moved; priced from the ks measured since instead, it follows them. It still
+    counts as measured (``measured``), so it is not probed back to back again: that churn cost
+    more served than it taught. It answers the questions ``Profile`` answers that ``Goodput``
+    asks."""
 
-    def __init__(self, profile, window: int = 32, trusted: int = 4, horizon: int = 128, horizon_s: float = 5.0,
-                 clock=time.monotonic):
+    def __init__(self, profile, window: int = 32, trusted: int = 4, horizon: int = 128):
         self.profile, self.window, self.trusted, self.horizon = profile, window, trusted, horizon
-        self.horizon_s, self.clock = horizon_s, clock
         self.steps = 0  # steps observed: what a measurement's age is counted in
         self.ratios: dict[tuple[str, int], dict[int, deque]] = {}  # (part, size) -> {k: measured / profiled}
         # (size, whether the draft was asked) -> ms outside the two calls: asking it is one more
@@ -178,12 +177,11 @@ class LiveStepTimes:
         return min(self.profile.batch_sizes, key=lambda b: (abs(math.log(b / max(batch_size, 1.0))), b))
 
     def _record(self, table: dict, key, value: float) -> None:
-        table.setdefault(key, deque(maxlen=self.window)).append((self.steps, self.clock(), value))
+        table.setdefault(key, deque(maxlen=self.window)).append((self.steps, value))
 
     def _fresh(self, window) -> list[float]:
-        """A window's measurements of the last ``horizon`` steps and ``horizon_s`` seconds."""
-        step, now = self.steps - self.horizon, self.clock() - self.horizon_s
-        return [value for taken, at, value in window if taken > step and at > now]
+        """A window's measurements of the last ``horizon`` steps."""
+        return [value for taken, value in window if taken > self.steps - self.horizon]
 
     def _rest_ms(self, size: int, drafting: bool) -> float:
         """What a step at ``size`` that asks the draft (or not) takes outside its two calls:
@@ -213,9 +211,9 @@ class LiveStepTimes:
         self._record(self.rest, (size, asked), max(0.0, t.step_ms - t.draft_ms - t.target_ms))
 
     def measured(self, batch_size: float, k: int) -> int:
-        """Steps of the last window (and ``horizon``) measured at the size nearest ``batch_size``
-        verifying k drafts a sequence."""
-        return len(self._fresh(self.ratios.get(("target", self._size(batch_size)), {}).get(k, ())))
+        """Steps of the last window measured at the size nearest ``batch_size`` verifying k drafts
+        a sequence (however old)."""
+        return len(self.ratios.get(("target", self._size(batch_size)), {}).get(k, ()))
 
     def _trusted(self, part: str, size: int) -> dict[int, float]:
         """{k: median ratio} of the ks measured ``trusted`` times or more at ``size``: computed once

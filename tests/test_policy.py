@@ -321,18 +321,3 @@ def test_goodput_live_follows_the_machine_from_one_spell_to_the_next(tmp_path):
     fast = [step(5.0, 3.0) for _ in range(300)]
     assert fast[100:].count(0) >= 0.85 * 200
 
-
-def test_live_step_times_forget_what_was_measured_before_an_idle_while():
-    """Measurements older than horizon_s seconds (an idle coordinator takes no steps) are dropped:
-    the profile's prices until the next ones are measured."""
-    now = [0.0]
-    profile = overpriced()
-    times = LiveStepTimes(profile, window=16, trusted=4, horizon_s=5.0, clock=lambda: now[0])
-    for _ in range(4):
-        times.observe(served(2))
-        now[0] += 0.01
-    assert times.measured(4, 2) == 4 and times.target_ms(4, 2) == pytest.approx(11.5)
-    now[0] += 10.0
-    times.observe(StepTimes(4, 0, 0, 0, 0.0, 9.9, 10.0))  # the first step after the while
-    assert times.measured(4, 2) == 0 and times.target_ms(4, 2) == pytest.approx(profile.target_ms(4, 2))
-    assert times.measured(4, 0) == 1
