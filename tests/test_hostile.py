@@ -373,7 +373,9 @@ def test_the_unix_socket_serves_a_bounded_number_of_connections(hostile_stack):
         try:
             status, _ = call_local(path, (TARGET + "CacheStats").encode(), b"")
             break
-        except AssertionError:
+        except (AssertionError, ConnectionResetError, BrokenPipeError):
+            # Still over the limit: closed at once, read as an end of file, or as a reset where the
+            # server closed it with the call unread (which of the two is a race).
             assert time.monotonic() < deadline
     assert status == grpc.StatusCode.OK
 
