@@ -4,7 +4,8 @@ pair or a machine no profile was made for.
 It starts at k = 0, which is never slower than target-only decoding, and spends a bounded share
 of steps (one in ``probe_every``) on a neighbour of the k it serves: the nearest k not yet measured
 at this batch size, else, one probe in four, the one measured least among the neighbours priced
-near the best and k = 0 (whatever its price: a seeded one is otherwise never served again). While a neighbour is not yet measured, the probes come ``trusted`` steps back to back
+near the best and k = 0 (whatever its price: a seeded one is otherwise never served again).
+While a neighbour is not yet measured, the probes come ``trusted`` steps back to back
 every ``probe_every`` (``_probe_step``), so that it climbs one k per ``probe_every`` steps, not per
 ``trusted × probe_every``. It serves only ks measured at the batch size at hand (and k = 0). Each
 step's parts are kept per (batch size, k), as ``specbatch profile`` measures them, in windows of
@@ -35,7 +36,8 @@ from specbatch.protocol.profile import Profile
 from specbatch.protocol.speculation import tally_positions
 
 from .learned_times import LearnedTimes, bucket_sizes
-from .policy import Goodput, StepTimes
+from .policy import Goodput
+from .step_times import StepTimes
 
 # A deep position is reached by few drafts: its rate leans on the one before it as if this many
 # of its drafts had been seen at that rate. Without it, the few drafts that reach position 4 or 5
@@ -174,7 +176,7 @@ class Learning(Goodput):
         of those priced within ``probe_within`` of the best, to keep their prices current at a
         quarter of the cost, from k = 0 by one sequence (the module docstring); k = 0 among them
         whatever its price."""
-        times, rates = self.learned_times, self.acceptance.rates
+        times = self.learned_times
         neighbours = [k for k in (choice[0] + 1, choice[0] - 1) if 0 <= k <= self.max_k]
         unmeasured = [k for k in neighbours if times.measured(batch_size, k) < times.trusted]
         if unmeasured:
@@ -182,11 +184,7 @@ class Learning(Goodput):
         if self.steps % (4 * self.probe_every) != 4 * self.probe_every - 1:
             return None, False
         one_row = choice[0] == 0 and batch_size > 1
-        floor = self.probe_within * self.goodput(batch_size, choice[0], rates, choice[1])
-        # k = 0 whatever its price (as goodput:live): the cheapest step, and the one speculation has
-        # to beat; a seeded price of it is otherwise never served again once a drafting k is best.
-        near = [k for k in sorted(set(neighbours) | ({0} if choice[0] > 1 else set()))
-                if k == 0 or self.goodput(batch_size, k, rates) >= floor]
+        near = self._worth_probing(batch_size, choice, [*neighbours, 0])
         if near:
             return min(near, key=lambda k: times.measured(batch_size, k)), one_row
         # Held at k = 0, nothing new is drafted: a probe drafts one token, so that a draft (or a

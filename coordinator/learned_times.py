@@ -11,7 +11,7 @@ from collections import deque
 
 from specbatch.protocol.profile import Profile, build_profile, expected_tokens
 
-from .policy import StepTimes
+from .step_times import StepTimes
 
 # Before a size has two measured ks: what one more draft a sequence adds to a Verify, as a share
 # of the Verify at the k measured; before any Propose is measured, what a drafted token costs the

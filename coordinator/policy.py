@@ -8,7 +8,7 @@
              profile and the acceptance per draft position measured live (a moving average that
              starts from the profile's). k = 0 wins when speculation does not pay: when drafts
              are rarely accepted, or when verifying more tokens costs too much at this batch size.
-             ``goodput:live`` measures the step times live too (``LiveStepTimes``).
+             ``goodput:live`` measures the step times live too (coordinator/step_times.py).
 
 The scheduler asks ``k_for(batch_size)`` at each step and reports what happened with
 ``observe(outcomes)``: one (drafted, accepted) pair per sequence of the step, and with
@@ -25,35 +25,13 @@ longest row, so a sequence drafting fewer tokens than its neighbours saves almos
 
 from __future__ import annotations
 
-import math
-import statistics
-from collections import deque
 from dataclasses import dataclass
 
 from specbatch.protocol.profile import expected_tokens
 from specbatch.protocol.speculation import tally_positions
 
 from .profile_file import ProfileFile
-
-
-@dataclass(frozen=True)
-class StepTimes:
-    """What one step took, for the policies that learn step times (``LiveStepTimes``)."""
-
-    batch_size: int  # sequences stepped
-    draft_rows: int  # of those, the ones the draft drafted for (not found by lookup)
-    draft_k: int  # the most tokens asked of the draft (its call runs them all): 0 without a Propose
-    verify_k: int  # the most drafts and leaves a sequence of the Verify carried
-    draft_ms: float  # the Propose calls, wall (the choices before them are the step's own work)
-    target_ms: float  # the Verify calls, wall
-    step_ms: float  # the whole step, wall
-    draft_read: int = 0  # the most tokens a drafting sequence read before drafting (what it had not cached)
-
-    @property
-    def caught_up(self) -> bool:
-        """Whether the draft first caught up on many tokens served without it (after steps at
-        k = 0): its time then says what that cost, not what drafting k costs."""
-        return self.draft_read > 2 * self.draft_k + 2
+from .step_times import LiveStepTimes, StepTimes
 
 
 class AllLeaves:
@@ -138,125 +116,6 @@ class LeafRanks:
         return sum(self.sums[:leaves]) / self.weight if self.weight else 0.0
 
 
-class LiveStepTimes:
-    """Step times as steps take them now: the profile's, corrected by what steps took since.
-
-    A profile is measured once, and the parts of a step drift from it (the engine changes, a
-    neighbour takes the cores, another machine), so ``goodput`` over a stale profile drafts more
-    or less than pays (docs/decisions/goodput-live.md). The Propose and the Verify each keep the last ``window``
-    ratios measured / profiled per (profiled batch size nearest the step's, k), and a k measured
-    ``trusted`` times or more is priced by their median: single steps on a busy machine stray by
-    half their time (a prefill beside them, the other service's threads), and a mean of the few
-    steps a rarely run k gets would follow them. A k not measured so at that size is priced from
-    the two trusted k nearest it: linear in k through them, for a k next to a trusted one
-    (further, the profile's shape at the nearer one's ratio; with one trusted k, its ratio; with
-    none, the profile's time). So where
-    verifying a row costs less than profiled, the k above those measured gets cheaper too, and
-    ``Goodput``'s probes of neighbouring ks walk the measurements there one k at a time. What
-    lies outside the two calls (the coordinator's work) is the median of its own window, per size
-    and per whether the step asked the draft. A measurement older than ``horizon`` steps does not
-    price: a machine's speed moves by 2x between spells, and a k served only as a probe (k = 0
-    while drafting pays) would otherwise keep the last spell's price for hundreds of steps after
-    the one served has moved; priced from the ks measured since instead, it follows them. It still
-    counts as measured (``measured``), so it is not probed back to back again: that churn cost
-    more served than it taught. It answers the questions ``Profile`` answers that ``Goodput``
-    asks."""
-
-    def __init__(self, profile, window: int = 32, trusted: int = 4, horizon: int = 128):
-        self.profile, self.window, self.trusted, self.horizon = profile, window, trusted, horizon
-        self.steps = 0  # steps observed: what a measurement's age is counted in
-        self.ratios: dict[tuple[str, int], dict[int, deque]] = {}  # (part, size) -> {k: measured / profiled}
-        # (size, whether the draft was asked) -> ms outside the two calls: asking it is one more
-        # call, which a k = 0 step does not make (one window for both priced each as the k served).
-        self.rest: dict[tuple[int, bool], deque] = {}
-        self._priced: dict[tuple, float] = {}  # what was asked since the last step
-        self._medians: dict[tuple[str, int], dict[int, float]] = {}  # (part, size) -> trusted ratios, this step
-
-    def _size(self, batch_size: float) -> int:
-        """The profiled batch size nearest ``batch_size`` (by ratio: 3 is nearer 4 than 2)."""
-        return min(self.profile.batch_sizes, key=lambda b: (abs(math.log(b / max(batch_size, 1.0))), b))
-
-    def _record(self, table: dict, key, value: float) -> None:
-        table.setdefault(key, deque(maxlen=self.window)).append((self.steps, value))
-
-    def _fresh(self, window) -> list[float]:
-        """A window's measurements of the last ``horizon`` steps."""
-        return [value for taken, value in window if taken > self.steps - self.horizon]
-
-    def _rest_ms(self, size: int, drafting: bool) -> float:
-        """What a step at ``size`` that asks the draft (or not) takes outside its two calls:
-        measured, else the profile's (at k = 1, or 0)."""
-        key = ("rest", size, drafting)
-        if key not in self._priced:
-            rest, p = self._fresh(self.rest.get((size, drafting), ())), self.profile
-            k = 1 if drafting and p.max_k >= 1 else 0
-            self._priced[key] = (statistics.median(rest) if len(rest) >= self.trusted
-                                 else max(0.0, p.step_ms(size, k) - p.draft_ms(size, k) - p.target_ms(size, k)))
-        return self._priced[key]
-
-    def observe(self, t: StepTimes) -> None:
-        p = self.profile
-        self.steps += 1
-        self._priced.clear()
-        self._medians.clear()
-        if not t.batch_size or max(t.draft_k, t.verify_k) > p.max_k:
-            return  # no profiled time to compare it with
-        size = self._size(t.batch_size)
-        if t.draft_k and t.draft_rows and not t.caught_up:
-            self._record(self.ratios.setdefault(("draft", self._size(t.draft_rows)), {}), t.draft_k,
-                         t.draft_ms / p.draft_ms(t.draft_rows, t.draft_k))
-        self._record(self.ratios.setdefault(("target", size), {}), t.verify_k,
-                     t.target_ms / p.target_ms(t.batch_size, t.verify_k))
-        asked = bool(t.draft_k and t.draft_rows)
-        self._record(self.rest, (size, asked), max(0.0, t.step_ms - t.draft_ms - t.target_ms))
-
-    def measured(self, batch_size: float, k: int) -> int:
-        """Steps of the last window measured at the size nearest ``batch_size`` verifying k drafts
-        a sequence (however old)."""
-        return len(self.ratios.get(("target", self._size(batch_size)), {}).get(k, ()))
-
-    def _trusted(self, part: str, size: int) -> dict[int, float]:
-        """{k: median ratio} of the ks measured ``trusted`` times or more at ``size``: computed once
-        a step (a choice prices every k and leaf count in turn)."""
-        key = (part, size)
-        if key not in self._medians:
-            fresh = {m: self._fresh(window) for m, window in self.ratios.get(key, {}).items()}
-            self._medians[key] = {m: statistics.median(values) for m, values in fresh.items()
-                                  if len(values) >= self.trusted}
-        return self._medians[key]
-
-    def _part_ms(self, part: str, profiled, batch_size: float, k: int) -> float:
-        """One part's time at (batch_size, k); ``profiled(batch_size, k)``: the profile's."""
-        measured = self._trusted(part, self._size(batch_size))
-        if k in measured or len(measured) < 2:
-            nearest = min(measured, key=lambda m: (abs(m - k), m)) if measured else k
-            return profiled(batch_size, k) * measured.get(nearest, 1.0)
-        near, far = sorted(measured, key=lambda m: (abs(m - k), m))[:2]
-        at_near, at_far = (profiled(batch_size, m) * measured[m] for m in (near, far))
-        if abs(k - near) == 1:
-            # Next to a trusted k: the measured time per k, straight on. Not the profile's step
-            # from near to k scaled by the measured over the profiled step between the trusted ks:
-            # a profile's single steps stray, and a small profiled step under a large measured one
-            # made a tenfold scale, which priced the next k out of reach of its probes.
-            return max(0.0, at_near + (at_near - at_far) / (near - far) * (k - near))
-        # Further: the profile's shape at the measured level (a call past 12 rows, say, costs
-        # another block of weights).
-        return max(0.0, at_near + measured[near] * (profiled(batch_size, k) - profiled(batch_size, near)))
-
-    def target_ms(self, batch_size: float, k: int) -> float:
-        key = ("target", batch_size, k)
-        if key not in self._priced:  # a choice asks each (k, leaves) in turn: priced once a step
-            self._priced[key] = self._part_ms("target", self.profile.target_ms, batch_size, k)
-        return self._priced[key]
-
-    def step_ms(self, batch_size: float, k: int) -> float:
-        key = ("step", batch_size, k)
-        if key not in self._priced:
-            draft = self._part_ms("draft", self.profile.draft_ms, batch_size, k) if k else 0.0
-            self._priced[key] = draft + self.target_ms(batch_size, k) + self._rest_ms(self._size(batch_size), k > 0)
-        return self._priced[key]
-
-
 class Goodput:
     """Maximise expected tokens per second: the profile's step times × live acceptance per
     position; with ``live_times`` (``goodput:live``), step times measured live too
@@ -338,19 +197,26 @@ class Goodput:
             self._chosen[batch_size] = choice
         return self._chosen[batch_size]
 
-    def _live_probe(self, batch_size: int, choice: tuple[int, int]) -> int | None:
-        """``goodput:live``'s probe this step, if any: a neighbour of the best k, or k = 0, for the
-        live step times. A neighbour only where it is priced near the best (a probe of a far
-        costlier k loses served throughput for what it teaches: docs/decisions/goodput-live.md);
-        k = 0 always: its step is the cheapest there is, and the one speculation has to beat.
-        One step in ``probe_every`` probes the one measured least; while one is not yet trusted,
-        the last ``trusted`` steps of every ``probe_every`` (at most half) probe it back to back, so that a
-        profile measured on a faster or slower machine (or in another spell of this one) is
-        corrected within a few windows, not the hundreds of steps one probe a window takes."""
-        most, rates, times = min(self._profile.max_k, self.max_k), self.acceptance.rates, self.times
+    def _worth_probing(self, batch_size: int, choice: tuple[int, int], ks) -> list[int]:
+        """Of ``ks`` (the chosen k aside), smallest first, those a probe may run: a k priced within
+        ``probe_within`` of the best (a probe of a far costlier k loses served throughput for what
+        it teaches: docs/decisions/goodput-live.md), and k = 0 whatever its price: its step is the
+        cheapest there is, and the one speculation has to beat (a price of it from a profile or a
+        seed is otherwise never corrected once a drafting k is best)."""
+        rates = self.acceptance.rates
         floor = self.probe_within * self.goodput(batch_size, choice[0], rates, choice[1])
-        neighbours = [k for k in sorted({0, choice[0] - 1, choice[0] + 1} - {choice[0]})
-                      if 0 <= k <= most and (k == 0 or self.goodput(batch_size, k, rates) >= floor)]
+        return [k for k in sorted(set(ks) - {choice[0]}) if k == 0 or self.goodput(batch_size, k, rates) >= floor]
+
+    def _live_probe(self, batch_size: int, choice: tuple[int, int]) -> int | None:
+        """``goodput:live``'s probe this step, if any: a neighbour of the best k, or k = 0, worth
+        probing (``_worth_probing``), for the live step times. One step in ``probe_every`` probes
+        the one measured least; while one is not yet trusted, the last ``trusted`` steps of every
+        ``probe_every`` (at most half) probe it back to back, so that a profile measured on a
+        faster or slower machine (or in another spell of this one) is corrected within a few
+        windows, not the hundreds of steps one probe a window takes."""
+        most, times = min(self._profile.max_k, self.max_k), self.times
+        neighbours = self._worth_probing(batch_size, choice,
+                                         [k for k in (0, choice[0] - 1, choice[0] + 1) if 0 <= k <= most])
         position = self.timed_steps % self.probe_every
         untrusted = [k for k in neighbours if times.measured(batch_size, k) < times.trusted]
         if untrusted and position >= self.probe_every - min(times.trusted, self.probe_every // 2):

@@ -18,7 +18,7 @@ from specbatch.config.speculation import SpeculationConfig
 
 from .accept import Tally, accept
 from .chain import DRAFT, LOOKUP, Chain, room
-from .policy import PerReplica, StepTimes
+from .policy import PerReplica
 from .proposers import (
     AheadProposer,
     DraftProposer,
@@ -29,6 +29,7 @@ from .proposers import (
 )
 from .requests import Request
 from .stats import StepStats
+from .step_times import StepTimes
 
 
 class DecodeStep:

@@ -12,7 +12,8 @@ import pytest
 
 from coordinator.learned import Learning
 from coordinator.learned_times import LearnedTimes, bucket_sizes
-from coordinator.policy import Goodput, StepTimes
+from coordinator.policy import Goodput
+from coordinator.step_times import StepTimes
 from specbatch.protocol.profile import Profile, build_profile, expected_tokens
 
 

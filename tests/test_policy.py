@@ -6,7 +6,8 @@ import pytest
 from test_profile import gpu_like, synthetic_profile
 
 from coordinator.choose import parse_policy
-from coordinator.policy import FixedK, Goodput, LiveAcceptance, LiveStepTimes, ProfileK, StepTimes
+from coordinator.policy import FixedK, Goodput, LiveAcceptance, ProfileK
+from coordinator.step_times import LiveStepTimes, StepTimes
 from coordinator.profile_file import ProfileFile
 from specbatch.protocol.profile import expected_tokens
 from specbatch.protocol.speculation import tally_positions

@@ -144,8 +144,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--k-policy", f"how k is chosen from the live batch size: {K_POLICIES} (profile and goodput read "
            "--profile; learn measures its own while serving; default: goodput where a profile is given, else learn; a "
            "profile measured for another pair or machine is set aside for learn; specbatch up picks the shipped "
-           "profile that fits the embedded models and the machine, with goodput:live on a CPU)", programs=frozenset({COORDINATOR, UP}),
-           group="speculation"),
+           "profile that fits the embedded models and the machine, with goodput:live on a CPU)",
+           programs=frozenset({COORDINATOR, UP}), group="speculation"),
     Option("--profile", "the profile JSON made by `specbatch profile`; re-read when the file changes",
            programs=frozenset({COORDINATOR, UP}), group="speculation", metavar="PATH"),
     Option("--profile-poll-seconds", "how often the profile file is checked for changes", default=2.0, type=float,
