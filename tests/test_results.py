@@ -47,6 +47,18 @@ def test_machine_slugs_are_short_and_stable():
     assert slug({"gpu": "NVIDIA H100 80GB HBM3"}) == "nvidia-h100"
 
 
+def test_an_emulated_cpu_form_is_named_so(monkeypatch):
+    """A run with flags withheld (SPECBATCH_CPU_WITHOUT) is filed apart from a CPU of that form."""
+    monkeypatch.setenv("SPECBATCH_CPU_WITHOUT", "avx512,amx")
+    info = results.hardware("cpu")
+    assert info["emulated_without"] == ["avx512", "amx"]
+    assert not any(flag.startswith(("avx512", "amx")) for flag in info["flags"])
+    assert results.machine_slug(info).endswith("-emulated-" + f"{info['cores']}c")
+    assert "emulated: this CPU's avx512*, amx* flags left unused" in results._hardware_line(info)
+    monkeypatch.delenv("SPECBATCH_CPU_WITHOUT")
+    assert "emulated_without" not in results.hardware("cpu") and "emulated" not in results.stamp("cpu")["machine"]
+
+
 def test_write_puts_the_result_where_it_says(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECBATCH_RESULTS", str(tmp_path / "results"))
     path = results.write("bench", {"rows": [1, 2]}, device="cpu")

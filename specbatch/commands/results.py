@@ -59,6 +59,8 @@ def hardware(device: str | None = None) -> dict:
 
     info = {"cpu": cpu.model_name(), "cores": available_cores(), "flags": [f for f in FLAGS if cpu.has(f)],
             "arch": platform.machine()}
+    if cpu.withheld():  # another CPU form emulated: its flags, not this CPU's
+        info["emulated_without"] = list(cpu.withheld())
     gpu = _gpu_name(device)
     if gpu:
         info["gpu"] = gpu
@@ -72,7 +74,9 @@ def hardware(device: str | None = None) -> dict:
 def machine_slug(info: dict) -> str:
     """A short name that stays the same from run to run on one machine: the GPU's name without its
     memory size (nvidia-h200, nvidia-h100-nvl), else the CPU's vendor and family, the widest vector
-    unit the kernels use and the cores (amd-epyc-avx512-bf16-2c, intel-xeon-avx2-16c)."""
+    unit the kernels use and the cores (amd-epyc-avx512-bf16-2c, intel-xeon-avx2-16c); "emulated"
+    after the unit where flags were withheld (intel-xeon-avx2-emulated-2c), so that an emulation is
+    never filed as a CPU of that form."""
     if info.get("gpu"):
         words = re.split(r"[^a-z0-9]+", info["gpu"].lower())
         return _slug([w for w in words if not re.fullmatch(r"\d+gb|hbm\d*e?", w)])
@@ -81,7 +85,8 @@ def machine_slug(info: dict) -> str:
     flags = set(info.get("flags", ()))
     unit = next((u for f, u in (("avx512_fp16", "avx512-fp16"), ("avx512_bf16", "avx512-bf16"),
                                 ("avx512f", "avx512"), ("avx2", "avx2")) if f in flags), info.get("arch", ""))
-    return _slug(words[:2] + [unit.lower(), f"{info.get('cores', 0)}c"]) or "unknown"
+    emulated = "emulated" if info.get("emulated_without") else ""
+    return _slug(words[:2] + [unit.lower(), emulated, f"{info.get('cores', 0)}c"]) or "unknown"
 
 
 def _commit() -> tuple[str, bool | None]:
@@ -295,6 +300,9 @@ def _hardware_line(info: dict) -> str:
     parts = [f"CPU {info.get('cpu', '?')}, {info.get('cores', '?')} cores"]
     if info.get("flags"):
         parts.append(" ".join(info["flags"]))
+    if info.get("emulated_without"):
+        parts.append("emulated: this CPU's " + ", ".join(f"{prefix}*" for prefix in info["emulated_without"])
+                     + " flags left unused")
     parts += [f"{name} {info[key]}" for key, name in (("gpu", "GPU"), ("torch", "torch")) if info.get(key)]
     return "; ".join(parts)
 

@@ -27,10 +27,15 @@ def _cpuinfo() -> str:
 WITHOUT_ENV = "SPECBATCH_CPU_WITHOUT"
 
 
+def withheld() -> tuple[str, ...]:
+    """The flag prefixes ``$SPECBATCH_CPU_WITHOUT`` leaves unused (empty: the CPU as it is)."""
+    return tuple(prefix for prefix in os.environ.get(WITHOUT_ENV, "").split(",") if prefix)
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags as /proc/cpuinfo names them (empty where there is none), less those
     ``$SPECBATCH_CPU_WITHOUT`` names."""
-    without = tuple(prefix for prefix in os.environ.get(WITHOUT_ENV, "").split(",") if prefix)
+    without = withheld()
     for line in _cpuinfo().splitlines():
         if line.startswith("flags"):
             return frozenset(flag for flag in line.partition(":")[2].split() if not flag.startswith(without))
