@@ -16,8 +16,10 @@ llama.cpp call gets all the cores (``--threads``, default: the cores this proces
 specbatch's services take half each and go wide, as ``specbatch up`` decides.
 
 Prints tokens per second per mode, prompt set and level, the ratios the targets name (the
-default and target-only over llama.cpp, round by round with 95 % intervals), and the greedy
-outputs of the default that differ from target-only decoding (counted; 0 expected). Writes
+default and target-only over llama.cpp, round by round with 95 % intervals), what speculation
+gave (the default over target-only) with the tokens a decode step the default kept per sequence
+(1: it ran k = 0 throughout), and the greedy outputs of the default that differ from target-only
+decoding (counted; 0 expected). Writes
 benchmarks/results/<machine>/vs-llamacpp.json.
 
     make llamacpp-env && .venv/bin/python benchmarks/vs_llamacpp.py [--rounds 3] [--tokens 96]
@@ -181,20 +183,27 @@ def main(argv: list[str] | None = None) -> int:
     llama = LlamaCpp(args.llamacpp_python, gguf, args.threads)
     times: dict = {}  # (set, level, mode) -> [tok/s per round]
     outputs: dict = {}  # (set, level, mode) -> tokens of the last round
+    steps: dict = {}  # (set, level) -> [tokens, steps] of the default's requests, all rounds
     with LocalProcesses(stack_options(up)) as stack:
         client = connect(stack.address)
         policy = stack.options.k_policy
         print(f"llama.cpp: {EMBEDDED_GGUF}, {args.threads} threads | specbatch: {stack.forms.target} target, "
               f"{stack.forms.draft} draft, default policy {policy} | {args.tokens} new tokens a request", flush=True)
 
-        def serve(mode: str, prompts: list[list[int]], level: int) -> tuple[list[list[int]], float]:
+        def serve(mode: str, prompts: list[list[int]], level: int, tally: list | None = None):
+            """The outputs and seconds of one mode over ``prompts``; the default's tokens and
+            decode steps added to ``tally``."""
             if mode == "llama.cpp":
                 return llama.run(prompts, args.tokens, level)
             k = 0 if mode == "target-only" else None
             requests = [make_request(p, args.tokens, ignore_eos=True, k=k) for p in prompts]
             start = time.perf_counter()
             done = generate_all(client, requests, concurrency=level, timeout=600)
-            return [list(r.token_ids) for r in done], time.perf_counter() - start
+            seconds = time.perf_counter() - start
+            if tally is not None and mode == "default":
+                tally[0] += sum(r.stats.generated_tokens for r in done)
+                tally[1] += sum(r.stats.steps for r in done)
+            return [list(r.token_ids) for r in done], seconds
 
         for name, prompts in sets.items():  # a warm-up of each path, not timed
             for mode in modes:
@@ -203,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             for level in levels:
                 for name, prompts in sets.items():
                     for mode in modes[r % 3:] + modes[: r % 3]:
-                        tokens, seconds = serve(mode, prompts, level)
+                        tokens, seconds = serve(mode, prompts, level, steps.setdefault((name, level), [0, 0]))
                         times.setdefault((name, level, mode), []).append(sum(map(len, tokens)) / seconds)
                         outputs[(name, level, mode)] = tokens
             print(f"round {r + 1} of {args.rounds} done", flush=True)
@@ -219,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
                 ratio = paired_ratio(cell[mode], cell["llama.cpp"])
                 row[f"{mode} / llama.cpp"] = ratio["ratio"]
                 row[f"{mode} / llama.cpp 95 %"] = f"{ratio['low']:.3f}-{ratio['high']:.3f}"
+            # What speculation itself gave, and how much the default speculated (1: k = 0 throughout).
+            gain = paired_ratio(cell["default"], cell["target-only"])
+            row["default / target-only"] = f"{gain['ratio']:.2f} ({gain['low']:.2f}-{gain['high']:.2f})"
+            generated, stepped = steps[(name, level)]
+            row["default tokens a step"] = round(generated / stepped, 2) if stepped else None
             differing = sum(a != b for a, b in zip(outputs[(name, level, "default")],
                                                    outputs[(name, level, "target-only")]))
             agree = sum(a == b for a, b in zip(outputs[(name, level, "llama.cpp")],
