@@ -15,6 +15,10 @@ reads the logits in place and takes the argmax with numpy: llama.cpp at engine s
 llama.cpp call gets all the cores (``--threads``, default: the cores this process may use);
 specbatch's services take half each and go wide, as ``specbatch up`` decides.
 
+specbatch's requests ask for their whole output in one response (``stream_interval`` 0), as the
+llama.cpp worker hands back whole answers: a client reading a stream token by token pays a message
+a step on the same cores (``--stream-interval 1`` measures that instead).
+
 Prints tokens per second per mode, prompt set and level, the ratios the targets name (the
 default and target-only over llama.cpp, round by round with 95 % intervals), what speculation
 gave (the default over target-only) with the tokens a decode step the default kept per sequence
@@ -164,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=8, help="prompts of each set a round")
     parser.add_argument("--levels", default="1,8", help="concurrency levels")
+    parser.add_argument("--stream-interval", type=int, default=0,
+                        help="specbatch's requests' stream_interval: 0 (default) the whole output in one "
+                        "response, as llama.cpp's worker returns it; 1 a message a step")
     parser.add_argument("--up", default="", help="flags for specbatch up beside its defaults, one string "
                         "(e.g. \"--weights bf16-dot\": a form other than the machine's)")
     results.add_output_flags(parser, "vs-llamacpp")
@@ -196,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
             if mode == "llama.cpp":
                 return llama.run(prompts, args.tokens, level)
             k = 0 if mode == "target-only" else None
-            requests = [make_request(p, args.tokens, ignore_eos=True, k=k) for p in prompts]
+            requests = [make_request(p, args.tokens, ignore_eos=True, k=k, stream_interval=args.stream_interval)
+                        for p in prompts]
             start = time.perf_counter()
             done = generate_all(client, requests, concurrency=level, timeout=600)
             seconds = time.perf_counter() - start
@@ -244,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     print(results.table(rows))
     print(f"greedy outputs of the default that differ from target-only decoding: {mismatches}")
     results.write("vs-llamacpp", {"threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
+                                  "stream_interval": args.stream_interval,
                                   "policy": policy, "rows": rows, "mismatches": mismatches,
                                   "per_round": {f"{n}/c={c}/{m}": v for (n, c, m), v in times.items()}},
                   args.out, args.variant)

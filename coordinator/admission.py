@@ -143,6 +143,11 @@ def build_request(message: pb.GenerateRequest, tokenizer, limits: Limits, stream
     problems = leaf_option_problems(fixed_leaves) + prompt_lookup_problems(prompt_lookup)
     if problems:
         raise InvalidRequest("; ".join(problems))
+    if message.HasField("stream_interval"):
+        if message.stream_interval < 0:
+            raise InvalidRequest(f"stream_interval must be 0 (the whole output at its end) or more "
+                                 f"(got {message.stream_interval})")
+        stream_interval = message.stream_interval
     sampling = sampling_from_request(message.sampling)
     prompt = prompt_tokens(message, tokenizer, limits)
     if not prompt:

@@ -143,8 +143,9 @@ class Request:
     fixed_leaves: int | None = None  # its own leaves beside the first draft (else the coordinator's --leaves)
     prompt_lookup: int | None = None  # its own --prompt-lookup (else the coordinator's)
     shared_lookup: bool = True  # False: kept out of the coordinator's shared lookup index
-    # Tokens its stream sends at once after the first (--stream-interval): each message wakes the
-    # server's and the client's threads, on cores the model services compute on.
+    # Tokens its stream sends at once after the first (--stream-interval, or the request's own; 0:
+    # the whole output at its end only): each message wakes the server's and the client's threads,
+    # on cores the model services compute on.
     stream_interval: int = 1
     arrival: float = field(default_factory=time.monotonic)
     # The services' key for its caches: always unique, whatever request_id clients send.
@@ -215,9 +216,13 @@ class Request:
             if self.finish is not None:
                 break
         # The first tokens go out at once, then at least stream_interval at a time, and all at a
-        # finish; close() then flushes what the text stream still holds and sends it last.
-        if self.finish is not None or not self.sent or self.generated - self.sent >= self.stream_interval:
-            self.events.put(self._unsent(self.finish is not None))
+        # finish (only then, at an interval of 0); close() then flushes what the text stream still
+        # holds and sends it last.
+        if self.finish is None:
+            if self.stream_interval and (not self.sent or self.generated - self.sent >= self.stream_interval):
+                self.events.put(self._unsent(False))
+        elif self.stream_interval:
+            self.events.put(self._unsent(True))
         if self.finish is not None:
             self.close(self.finish)
 

@@ -123,6 +123,10 @@ FIELDS = {
         st.lists(any_id, min_size=1, max_size=4),
     ),
     "ignore_eos": (st.booleans(), st.booleans()),
+    "stream_interval": (
+        st.one_of(st.none(), st.integers(0, 8), st.just(INT32_MAX)),
+        st.one_of(st.integers(INT32_MIN, -1), st.sampled_from([-1, INT32_MIN])),
+    ),
     "request_id": (
         st.one_of(st.just(""), st.text(alphabet="abcdef0123456789-", max_size=32)),
         st.one_of(st.text(max_size=40), st.text(min_size=500, max_size=2000)),
@@ -156,6 +160,8 @@ def build(fields: dict) -> pb.GenerateRequest:
         message.k = fields["k"]
     if fields["leaves"] is not None:
         message.leaves = fields["leaves"]
+    if fields["stream_interval"] is not None:
+        message.stream_interval = fields["stream_interval"]
     kind, value = fields["prompt"]
     if kind == "token_ids":
         message.token_ids.SetInParent()
@@ -208,6 +214,7 @@ def oracle(message: pb.GenerateRequest, tokenizer) -> tuple[list[int] | None, st
         (s.top_k >= 0, "negative top_k"),
         (not message.HasField("k") or 0 <= message.k <= MAX_K, "k out of range"),
         (not message.HasField("leaves") or 0 <= message.leaves <= MAX_LEAVES, "leaves out of range"),
+        (not message.HasField("stream_interval") or message.stream_interval >= 0, "negative stream_interval"),
         (len(message.stop) <= 16 and all(1 <= len(x) <= 256 for x in message.stop), "bad stop strings"),
         (all(0 <= t < VOCAB for t in message.stop_token_ids), "stop token outside the vocabulary"),
     ]

@@ -89,6 +89,27 @@ def test_a_stream_sends_its_first_tokens_at_once_then_every_interval_and_all_at_
     assert messages[-1].finish_reason and messages[-1].stats.generated_tokens == 9
 
 
+def test_a_stream_interval_of_0_sends_the_whole_output_in_its_last_response(tokenizer):
+    """A request's stream_interval 0 (a client that reads whole answers): nothing until the finish,
+    then one response with every token, the whole text, the finish reason and the stats."""
+    from coordinator.by_hand import greedy_request
+
+    request = greedy_request("r", [1, 2], max_new_tokens=9, tokenizer=tokenizer)
+    request.stream_interval = 0
+    sizes = []
+    for step in ([11], [12], [13, 14], [15], [16], [17, 18, 19, 20]):
+        request.take(step)
+        sizes.append([len(m.token_ids) for m in _messages(request)])
+    assert sizes == [[], [], [], [], [], [9]]
+    request = greedy_request("r", [1, 2], max_new_tokens=9, tokenizer=tokenizer)
+    request.stream_interval = 0
+    for step in ([11], [12], [13, 14], [15], [16], [17, 18, 19, 20]):
+        request.take(step)
+    (last,) = _messages(request)
+    assert list(last.token_ids) == list(range(11, 20)) and last.finish_reason and last.stats.generated_tokens == 9
+    assert last.text == tokenizer.decode(list(range(11, 20)), skip_special_tokens=True)
+
+
 def test_a_refused_stream_still_sends_the_tokens_it_held(tokenizer):
     from coordinator.by_hand import greedy_request
 
@@ -122,3 +143,33 @@ def test_a_coordinator_with_a_stream_interval_streams_the_same_output_in_fewer_m
     (ids, text, per_step), (ids4, text4, sizes) = outputs[1], outputs[4]
     assert ids4 == ids and text4 == text and len(ids) == 40
     assert sizes[0] >= 1 and all(s >= 4 for s in sizes[1:-2]) and len(sizes) <= 40 // 4 + 2 < len(per_step)
+
+
+def test_a_request_sets_its_own_stream_interval(target_model, draft_model, tokenizer):
+    """A request's stream_interval overrides the coordinator's: 0 gives the same greedy output in
+    one response; 3 streams as --stream-interval 3 would; a negative one is refused."""
+    import grpc
+    import pytest
+
+    from specbatch.rpc.client import generate, make_request
+    from specbatch.stack.in_process import start_local_stack
+
+    stack = start_local_stack(target_model, draft_model, tokenizer, max_batch_size=4)
+    try:
+        runs = {}
+        for interval in (None, 0, 3):
+            sizes = []
+            result = generate(stack.client(), make_request([5, 6, 7, 8], 30, k=2, ignore_eos=True,
+                                                           stream_interval=interval),
+                              on_response=lambda response: sizes.append(len(response.token_ids)))
+            runs[interval] = (result.token_ids, result.text, result.stats.generated_tokens, sizes)
+        ids, text, _, per_step = runs[None]
+        assert len(ids) == 30 and len(per_step) > 10
+        assert runs[0] == (ids, text, 30, [30])
+        ids3, text3, _, sizes3 = runs[3]
+        assert (ids3, text3) == (ids, text) and sizes3[0] >= 1 and all(s >= 3 for s in sizes3[1:-2])
+        with pytest.raises(grpc.RpcError) as refused:
+            generate(stack.client(), make_request([5, 6], 4, stream_interval=-1))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stream_interval" in refused.value.details()
+    finally:
+        stack.stop()

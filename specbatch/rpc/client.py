@@ -25,7 +25,7 @@ def make_request(prompt: str | list[int] | list[dict], max_new_tokens: int = 64,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  k: int | None = None, stop: list[str] = (), ignore_eos: bool = False,
                  leaves: int | None = None, prompt_lookup: int | None = None,
-                 shared_lookup: bool | None = None) -> pb.GenerateRequest:
+                 shared_lookup: bool | None = None, stream_interval: int | None = None) -> pb.GenerateRequest:
     request = pb.GenerateRequest(max_new_tokens=max_new_tokens, stop=list(stop), ignore_eos=ignore_eos,
                                  sampling=pb.SamplingParameters(temperature=temperature, top_p=top_p, top_k=top_k))
     if seed is not None:
@@ -38,6 +38,8 @@ def make_request(prompt: str | list[int] | list[dict], max_new_tokens: int = 64,
         request.prompt_lookup = prompt_lookup
     if shared_lookup is not None:
         request.shared_lookup = shared_lookup
+    if stream_interval is not None:
+        request.stream_interval = stream_interval
     if isinstance(prompt, str) and chat:
         request.chat.messages.add(role="user", content=prompt)
     elif isinstance(prompt, str):

@@ -53,7 +53,7 @@ class SamplingParameters(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "stop", "stop_token_ids", "sampling", "k", "ignore_eos", "request_id", "leaves", "prompt_lookup", "shared_lookup")
+    __slots__ = ("text", "token_ids", "chat", "max_new_tokens", "stop", "stop_token_ids", "sampling", "k", "ignore_eos", "request_id", "leaves", "prompt_lookup", "shared_lookup", "stream_interval")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class GenerateRequest(_message.Message):
     LEAVES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOOKUP_FIELD_NUMBER: _ClassVar[int]
     SHARED_LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     chat: ChatMessages
@@ -80,7 +81,8 @@ class GenerateRequest(_message.Message):
     leaves: int
     prompt_lookup: int
     shared_lookup: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., k: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ..., leaves: _Optional[int] = ..., prompt_lookup: _Optional[int] = ..., shared_lookup: _Optional[bool] = ...) -> None: ...
+    stream_interval: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., k: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., request_id: _Optional[str] = ..., leaves: _Optional[int] = ..., prompt_lookup: _Optional[int] = ..., shared_lookup: _Optional[bool] = ..., stream_interval: _Optional[int] = ...) -> None: ...
 
 class RequestStats(_message.Message):
     __slots__ = ("prompt_tokens", "generated_tokens", "draft_tokens_proposed", "draft_tokens_accepted", "steps", "queue_seconds", "first_token_seconds", "total_seconds")
