@@ -720,3 +720,26 @@ def test_a_calls_layout_is_the_same_built_from_lists_or_from_tensors(monkeypatch
         assert not valid[r, :pad].any() and valid[r, pad:].all()
         assert columns[r, pad:].tolist() == list(range(kept[r], kept[r] + fed[r]))
         assert ids[r, pad:].tolist() == tokens[r] and not ids[r, :pad].any()
+
+
+def test_the_host_columns_and_mask_are_what_the_rule_says():
+    """``write_columns_and_mask`` on the host (numpy): a real token writes at its position and sees
+    its row's columns up to it; a padding token writes to the scratch column and sees column 0."""
+    import random
+
+    from specbatch.engine.kv_pool import write_columns_and_mask
+
+    rng = random.Random(3)
+    for _ in range(20):
+        batch, width = rng.randint(1, 4), rng.randint(1, 6)
+        valid = torch.tensor([[rng.random() < 0.7 for _ in range(width)] for _ in range(batch)])
+        valid[:, -1] = True
+        positions = torch.tensor([[rng.randint(0, 30) for _ in range(width)] for _ in range(batch)])
+        end, scratch = int(positions[valid].max()) + 1, 99
+        columns, mask = write_columns_and_mask(positions, valid, scratch, end)
+        assert columns.dtype == positions.dtype and mask.dtype == torch.bool and mask.shape == (batch, 1, width, end)
+        for b in range(batch):
+            for t in range(width):
+                real, p = bool(valid[b, t]), int(positions[b, t])
+                assert int(columns[b, t]) == (p if real else scratch)
+                assert mask[b, 0, t].tolist() == [(c <= p) if real else (c == 0) for c in range(end)]

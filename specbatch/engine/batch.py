@@ -156,7 +156,8 @@ class RaggedBatch:
     def _columns_and_mask(self, columns: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``write_columns_and_mask`` over the columns the call's valid tokens reach (padding rows
         of a spread call are invalid: they see column 0 only)."""
-        end = int(columns[valid].max()) + 1  # every row feeds at least one token
+        # every row feeds at least one token (numpy on the host: see write_columns_and_mask)
+        end = 1 + int(columns.numpy()[valid.numpy()].max() if columns.device.type == "cpu" else columns[valid].max())
         return write_columns_and_mask(columns, valid, self.scratch, end)
 
     def item_rows(self) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specbatch.protocol.errors import CapacityExceeded
@@ -16,6 +17,13 @@ def write_columns_and_mask(positions: torch.Tensor, valid: torch.Tensor, scratch
     ``[batch, 1, width, end]``: a real token writes at its position and sees its row's columns up
     to itself; a padding token writes to the ``scratch`` column and sees column 0 only (which
     keeps it finite). On the device of ``positions``."""
+    if positions.device.type == "cpu":
+        # The same in numpy: a step's few host values, where each of torch's ops costs its dispatch
+        # (several times numpy's), and a one-token step's Python is a share of its time.
+        p, v = positions.numpy(), valid.numpy()
+        seen = np.arange(end)
+        mask = np.where(v[:, :, None], seen <= p[:, :, None], seen == 0)[:, None]
+        return torch.from_numpy(np.where(v, p, scratch)), torch.from_numpy(mask)
     columns = torch.where(valid, positions, torch.full_like(positions, scratch))
     seen = torch.arange(end, device=positions.device)[None, None, :]
     mask = torch.where(valid[:, :, None], seen <= positions[:, :, None], seen == 0)[:, None]
