@@ -63,10 +63,16 @@ class LiveStepTimes:
         self.rest: dict[tuple[int, bool], deque] = {}
         self._priced: dict[tuple, float] = {}  # what was asked since the last step
         self._medians: dict[tuple[str, int], dict[int, float]] = {}  # (part, size) -> trusted ratios, this step
+        self._sizes: dict[float, int] = {}  # batch size -> the profiled size nearest it
 
     def _size(self, batch_size: float) -> int:
-        """The profiled batch size nearest ``batch_size`` (by ratio: 3 is nearer 4 than 2)."""
-        return min(self.profile.batch_sizes, key=lambda b: (abs(math.log(b / max(batch_size, 1.0))), b))
+        """The profiled batch size nearest ``batch_size`` (by ratio: 3 is nearer 4 than 2); asked
+        dozens of times a step, so kept once found."""
+        size = self._sizes.get(batch_size)
+        if size is None:
+            size = self._sizes[batch_size] = min(self.profile.batch_sizes,
+                                                 key=lambda b: (abs(math.log(b / max(batch_size, 1.0))), b))
+        return size
 
     def _record(self, table: dict, key, value: float) -> None:
         table.setdefault(key, deque(maxlen=self.window)).append((self.steps, value))
