@@ -215,6 +215,7 @@ def oracle(message: pb.GenerateRequest, tokenizer) -> tuple[list[int] | None, st
         (not message.HasField("k") or 0 <= message.k <= MAX_K, "k out of range"),
         (not message.HasField("leaves") or 0 <= message.leaves <= MAX_LEAVES, "leaves out of range"),
         (not message.HasField("stream_interval") or message.stream_interval >= 0, "negative stream_interval"),
+        (len(message.request_id) <= 256, "request_id over 256 characters"),
         (len(message.stop) <= 16 and all(1 <= len(x) <= 256 for x in message.stop), "bad stop strings"),
         (all(0 <= t < VOCAB for t in message.stop_token_ids), "stop token outside the vocabulary"),
     ]
