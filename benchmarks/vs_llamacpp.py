@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     llama = LlamaCpp(args.llamacpp_python, gguf, args.threads)
     times: dict = {}  # (set, level, mode) -> [tok/s per round]
     outputs: dict = {}  # (set, level, mode) -> tokens of the last round
-    steps: dict = {}  # (set, level) -> [tokens, steps] of the default's requests, all rounds
+    steps: dict = {}  # (set, level) -> [[tokens, steps] of the default's requests] a round
     with LocalProcesses(stack_options(up)) as stack:
         client = connect(stack.address)
         policy = stack.options.k_policy
@@ -220,7 +220,10 @@ def main(argv: list[str] | None = None) -> int:
             for level in levels:
                 for name, prompts in sets.items():
                     for mode in modes[r % 3:] + modes[: r % 3]:
-                        tokens, seconds = serve(mode, prompts, level, steps.setdefault((name, level), [0, 0]))
+                        tally = [0, 0]
+                        tokens, seconds = serve(mode, prompts, level, tally)
+                        if mode == "default":
+                            steps.setdefault((name, level), []).append(tally)
                         times.setdefault((name, level, mode), []).append(sum(map(len, tokens)) / seconds)
                         outputs[(name, level, mode)] = tokens
             print(f"round {r + 1} of {args.rounds} done", flush=True)
@@ -239,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             # What speculation itself gave, and how much the default speculated (1: k = 0 throughout).
             gain = paired_ratio(cell["default"], cell["target-only"])
             row["default / target-only"] = f"{gain['ratio']:.2f} ({gain['low']:.2f}-{gain['high']:.2f})"
-            generated, stepped = steps[(name, level)]
+            generated, stepped = (sum(column) for column in zip(*steps[(name, level)]))
             row["default tokens a step"] = round(generated / stepped, 2) if stepped else None
             differing = sum(a != b for a, b in zip(outputs[(name, level, "default")],
                                                    outputs[(name, level, "target-only")]))
@@ -254,7 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     results.write("vs-llamacpp", {"threads": args.threads, "tokens": args.tokens, "rounds": args.rounds,
                                   "stream_interval": args.stream_interval,
                                   "policy": policy, "rows": rows, "mismatches": mismatches,
-                                  "per_round": {f"{n}/c={c}/{m}": v for (n, c, m), v in times.items()}},
+                                  "per_round": {f"{n}/c={c}/{m}": v for (n, c, m), v in times.items()},
+                                  # whether the default speculated in each round (1: k = 0 throughout)
+                                  "default_tokens_a_step_per_round": {
+                                      f"{n}/c={c}": [round(g / s, 3) if s else None for g, s in rounds]
+                                      for (n, c), rounds in steps.items()}},
                   args.out, args.variant)
     return 0
 
