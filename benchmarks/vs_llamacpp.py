@@ -190,28 +190,23 @@ def main(argv: list[str] | None = None) -> int:
     llama = LlamaCpp(args.llamacpp_python, gguf, args.threads)
     times: dict = {}  # (set, level, mode) -> [tok/s per round]
     outputs: dict = {}  # (set, level, mode) -> tokens of the last round
-    steps: dict = {}  # (set, level) -> [[tokens, steps] of the default's requests] a round
+    steps: dict = {}  # (set, level) -> [(tokens, decode steps) of the default's requests] a round
     with LocalProcesses(stack_options(up)) as stack:
         client = connect(stack.address)
         policy = stack.options.k_policy
         print(f"llama.cpp: {EMBEDDED_GGUF}, {args.threads} threads | specbatch: {stack.forms.target} target, "
               f"{stack.forms.draft} draft, default policy {policy} | {args.tokens} new tokens a request", flush=True)
 
-        def serve(mode: str, prompts: list[list[int]], level: int, tally: list | None = None):
-            """The outputs and seconds of one mode over ``prompts``; the default's tokens and
-            decode steps added to ``tally``."""
+        def serve(mode: str, prompts: list[list[int]], level: int) -> tuple[list[list[int]], float, int]:
+            """The outputs, seconds and decode steps (0 for llama.cpp) of one mode over ``prompts``."""
             if mode == "llama.cpp":
-                return llama.run(prompts, args.tokens, level)
+                return *llama.run(prompts, args.tokens, level), 0
             k = 0 if mode == "target-only" else None
             requests = [make_request(p, args.tokens, ignore_eos=True, k=k, stream_interval=args.stream_interval)
                         for p in prompts]
             start = time.perf_counter()
             done = generate_all(client, requests, concurrency=level, timeout=600)
-            seconds = time.perf_counter() - start
-            if tally is not None and mode == "default":
-                tally[0] += sum(r.stats.generated_tokens for r in done)
-                tally[1] += sum(r.stats.steps for r in done)
-            return [list(r.token_ids) for r in done], seconds
+            return [list(r.token_ids) for r in done], time.perf_counter() - start, sum(r.stats.steps for r in done)
 
         for name, prompts in sets.items():  # a warm-up of each path, not timed
             for mode in modes:
@@ -220,10 +215,9 @@ def main(argv: list[str] | None = None) -> int:
             for level in levels:
                 for name, prompts in sets.items():
                     for mode in modes[r % 3:] + modes[: r % 3]:
-                        tally = [0, 0]
-                        tokens, seconds = serve(mode, prompts, level, tally)
+                        tokens, seconds, stepped = serve(mode, prompts, level)
                         if mode == "default":
-                            steps.setdefault((name, level), []).append(tally)
+                            steps.setdefault((name, level), []).append((sum(map(len, tokens)), stepped))
                         times.setdefault((name, level, mode), []).append(sum(map(len, tokens)) / seconds)
                         outputs[(name, level, mode)] = tokens
             print(f"round {r + 1} of {args.rounds} done", flush=True)

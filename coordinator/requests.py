@@ -218,13 +218,12 @@ class Request:
         # The first tokens go out at once, then at least stream_interval at a time, and all at a
         # finish (only then, at an interval of 0); close() then flushes what the text stream still
         # holds and sends it last.
-        if self.finish is None:
-            if self.stream_interval and (not self.sent or self.generated - self.sent >= self.stream_interval):
-                self.events.put(self._unsent(False))
-        elif self.stream_interval:
-            self.events.put(self._unsent(True))
         if self.finish is not None:
+            if self.stream_interval:
+                self.events.put(self._unsent(True))
             self.close(self.finish)
+        elif self.stream_interval and (not self.sent or self.generated - self.sent >= self.stream_interval):
+            self.events.put(self._unsent(False))
 
     def _unsent(self, final: bool, **fields) -> pb.GenerateResponse:
         """A response with the tokens and text not streamed yet (``final``: the text stream's rest

@@ -59,8 +59,8 @@ def hardware(device: str | None = None) -> dict:
 
     info = {"cpu": cpu.model_name(), "cores": available_cores(), "flags": [f for f in FLAGS if cpu.has(f)],
             "arch": platform.machine()}
-    if cpu.withheld():  # another CPU form emulated: its flags, not this CPU's
-        info["emulated_without"] = list(cpu.withheld())
+    if withheld := cpu.withheld():  # another CPU form emulated: its flags, not this CPU's
+        info["emulated_without"] = list(withheld)
     gpu = _gpu_name(device)
     if gpu:
         info["gpu"] = gpu
