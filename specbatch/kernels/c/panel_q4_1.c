@@ -10,7 +10,7 @@
  * d and m), under a third of bf16's bytes. The weights are the file's own values. Each further row
  * of a call costs its own arithmetic: one vpdpbusd sums 64 products (16 features x 4 inputs), twice
  * bf16 dot products' 32, so the rows of a verify step, a prefill and a batch cost less
- * (docs/decisions/weights-auto.md). No software prefetch.
+ * (docs/decisions/weights-auto.md). Prefetched ahead on AVX2 (below).
  *
  * Arithmetic: the nibbles q (0..15) are the unsigned operand of vpdpbusd as they are, the quantized
  * inputs q_x (-127..127) its signed operand, so S_b = sum_k q_k q_x,k is exact. Then sum_k w_k x_k
@@ -166,9 +166,15 @@ void q8_quantize_rows(const float *x, int64_t M, int64_t K, uint32_t *quads, flo
  * halves of eight in one pass over the panel, so each line is read once and each row's quads are
  * broadcast once for both (two passes, the second from the cache, were slower). Up to six rows a
  * block: five or six rows in one block beat two blocks of them by an eighth; blocks of eight
- * spilled registers and gained nothing. */
+ * spilled registers and gained nothing. Each product joins its row's int16 sum as it comes (at most
+ * eight of 2 * 15 * 127 a block: no overflow, so the order of the integer adds moves no result). */
 #define Q4_MAX_ROWS 6
 #define Q4_SPLIT_ROWS 6
+/* How far ahead of the block it multiplies the AVX2 kernel prefetches into L1: about three blocks.
+ * A one-row step waits on memory, and between the layers' short streams the hardware prefetchers
+ * alone left lines still on their way (benchmarks: docs/decisions/avx2-blocks-prefetch.md). A
+ * prefetch moves no result. */
+#define Q4_PREFETCH_L1 1024
 
 /* One panel against R rows in one pass: each line's two halves (features 0-7 and 8-15) side by
  * side, each row's quad broadcast once for both. */
@@ -181,18 +187,21 @@ void q8_quantize_rows(const float *x, int64_t M, int64_t K, uint32_t *quads, flo
         for (int64_t b = 0; b < blocks; b++) {                                                          \
             const uint8_t *w = panel + b * Q4_BLOCK_BYTES;                                              \
             const uint32_t *q = x + b * Q4_QUADS;                                                       \
+            for (int l = 0; l < Q4_BLOCK_BYTES; l += 64)                                                \
+                _mm_prefetch((const char *)w + Q4_PREFETCH_L1 + l, _MM_HINT_T0);                        \
             __m256i acc[R][2];                                                                          \
             for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();                 \
-            for (int g = 0; g < 4; g++)                                                                 \
+            /* Not unrolled: unrolled, GCC hoisted every line's unpacking and spilled it. */            \
+            _Pragma("GCC unroll 1") for (int g = 0; g < 4; g++)                                         \
                 for (int h = 0; h < 2; h++) {                                                           \
                     __m256i line = _mm256_loadu_si256((const __m256i *)(w + 64 * g + 32 * h));          \
                     __m256i low = _mm256_and_si256(line, nibble);                                       \
                     __m256i high = _mm256_and_si256(_mm256_srli_epi16(line, 4), nibble);                \
                     for (int i = 0; i < R; i++) {                                                       \
-                        __m256i pairs = _mm256_add_epi16(                                               \
-                            _mm256_maddubs_epi16(low, _mm256_set1_epi32((int)q[i * Kq + 2 * g])),       \
+                        acc[i][h] = _mm256_add_epi16(acc[i][h],                                         \
+                            _mm256_maddubs_epi16(low, _mm256_set1_epi32((int)q[i * Kq + 2 * g])));      \
+                        acc[i][h] = _mm256_add_epi16(acc[i][h],                                         \
                             _mm256_maddubs_epi16(high, _mm256_set1_epi32((int)q[i * Kq + 2 * g + 1]))); \
-                        acc[i][h] = _mm256_add_epi16(acc[i][h], pairs);                                 \
                     }                                                                                   \
                 }                                                                                       \
             for (int h = 0; h < 2; h++) {                                                               \

@@ -135,6 +135,8 @@ static void q8_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, i
  * (`magnitudes`), not once a panel. The same exact S_b and the same float32 operations in the same
  * order as the AVX512_VNNI kernel: bitwise its results. */
 #define Q8_OFFSET_INPUTS 0
+/* Two blocks ahead into L1, as panel_q4_1.c's AVX2 kernel does (docs/decisions/avx2-blocks-prefetch.md). */
+#define Q8_PREFETCH_L1 (2 * Q8_BLOCK_BYTES)
 #define Q8_MAX_ROWS 4
 #define Q8_SPLIT_ROWS 4
 
@@ -150,6 +152,8 @@ static void q8_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, i
         for (int64_t b = 0; b < blocks; b++) {                                                          \
             const uint8_t *w = panel + b * Q8_BLOCK_BYTES;                                              \
             const uint32_t *q = x + b * Q8_QUADS, *a = xa + b * Q8_QUADS;                               \
+            for (int l = 0; l < Q8_BLOCK_BYTES; l += 64)                                                \
+                _mm_prefetch((const char *)w + Q8_PREFETCH_L1 + l, _MM_HINT_T0);                        \
             __m256i acc[R][2];                                                                          \
             for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();                 \
             for (int j = 0; j < Q8_QUADS; j++) {                                                        \

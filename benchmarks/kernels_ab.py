@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Two builds of the CPU kernels, one process, taking turns: the embedded target's verify step on
+the kernels of a git revision (``--base``, default HEAD) against the working tree's.
+
+A kernel change moves a step by a few percent, and this machine's speed drifts by more than that
+between runs: so both builds serve the same engine (the same packed weights and KV pool), their
+verify calls alternate (ABAB, then BABA), and the ratio is the median of each pair's. Every pair's
+logits must be bitwise equal, or the run stops: a kernel change may move time, never a result.
+
+    .venv/bin/python benchmarks/kernels_ab.py [--base REV] [--new 1,2,3] [--rounds 200]
+
+Writes benchmarks/results/<machine>/kernels-ab.json (or ``--out``; ``--variant`` names runs apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+# As the model services run (docs/cpu-kernels.md, "Threads and wide calls"): set before torch loads libgomp.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+import torch  # noqa: E402
+
+from specbatch.commands import results  # noqa: E402
+from specbatch.engine.batch import SequenceInput  # noqa: E402
+from specbatch.engine.engine import Engine  # noqa: E402
+from specbatch.engine.model_thread import ModelThread  # noqa: E402
+from specbatch.kernels import build, cpu  # noqa: E402
+from specbatch.models.embedded import EMBEDDED  # noqa: E402
+from specbatch.models.loading import ModelSpec, load_model  # noqa: E402
+
+CONTEXT = 128
+
+
+def library_at(revision: str, scratch: Path):
+    """The kernels of ``revision``, compiled with this machine's flags and loaded as build._library does."""
+    subprocess.run(f"git -C {ROOT} archive {revision} specbatch/kernels/c | tar -x -C {scratch}", shell=True,
+                   check=True)
+    sources = [str(scratch / "specbatch/kernels/c" / path.name) for path in build.SOURCES]
+    library = scratch / "base.so"
+    subprocess.run([*cpu.c_compiler(), *build.flags(), *sources, "-o", str(library)], check=True)
+    with mock.patch.object(build, "build", lambda *args, **kwargs: library):
+        return build._library.__wrapped__()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", default="HEAD", help="the git revision whose kernels are the baseline")
+    parser.add_argument("--new", default="1,2,3", help="tokens fed per verify (1: target-only decoding)")
+    parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--threads", type=int, default=2)
+    results.add_output_flags(parser, "kernels-ab")
+    args = parser.parse_args(argv)
+    from target_service.verifier import VerifyItem, verify
+
+    thread = ModelThread()  # every forward on one thread: one OpenMP team (docs/cpu-kernels.md)
+
+    def setup():
+        torch.set_num_threads(args.threads)
+        weights = "q4_1" if build.blocks_available() else "bf16"
+        engine = Engine(load_model(ModelSpec(EMBEDDED), "cpu", torch.float32), weights=weights, kv_bf16=True,
+                        model_thread=thread)
+        engine.forward.wide_threads = args.threads
+        engine.prefill([SequenceInput("ab", 0, list(range(100, 100 + CONTEXT)))])
+        scratch = Path(tempfile.mkdtemp(prefix="kernels-ab-"))
+        return engine, weights, {"base": library_at(args.base, scratch), "new": build._library()}
+
+    engine, weights, libraries = thread.submit(setup).result()
+
+    def step(library, items):
+        engine.forward.decoder_layers._library = library
+        engine.forward.head._multiply = library.panel_linear_multiply
+        start = time.perf_counter()
+        logits = engine.start([item.seq for item in items]).prefill(1)
+        seconds = time.perf_counter() - start
+        engine.rollback("ab", CONTEXT)
+        return seconds, logits
+
+    def measure(new: int) -> dict:
+        items = [VerifyItem(SequenceInput("ab", CONTEXT, [11 + t for t in range(new)]))]
+        times = {"base": [], "new": []}
+        for round_ in range(args.rounds + 5):
+            order = ("base", "new") if round_ % 2 == 0 else ("new", "base")
+            out = {}
+            for name in order:
+                seconds, out[name] = step(libraries[name], items)
+                if round_ >= 5:
+                    times[name].append(seconds)
+            if not torch.equal(out["base"], out["new"]):
+                raise SystemExit(f"the two builds' logits differ at {new} tokens fed")
+        ratio = statistics.median(n / b for n, b in zip(times["new"], times["base"]))
+        return {"tokens_fed": new, "base_ms": statistics.median(times["base"]) * 1e3,
+                "new_ms": statistics.median(times["new"]) * 1e3, "paired_ratio": ratio}
+
+    print("| tokens fed | base ms | new ms | new / base (median of pairs) |\n|---|---|---|---|")
+    rows = []
+    for new in (int(n) for n in args.new.split(",")):
+        row = thread.submit(measure, new).result()
+        rows.append(row)
+        print(f"| {new} | {row['base_ms']:.2f} | {row['new_ms']:.2f} | {row['paired_ratio']:.3f} |")
+    results.write("kernels-ab", {"base": subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.base],
+                                                        capture_output=True, text=True).stdout.strip(),
+                                 "weights": weights, "context": CONTEXT, "rounds": args.rounds,
+                                 "threads": args.threads, "rows": rows}, args.out, args.variant)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
