@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
-"""Two builds of the CPU kernels, one process, taking turns: the embedded target's verify step on
-the kernels of a git revision (``--base``, default HEAD) against the working tree's.
+"""Two builds of the CPU kernels, one process, taking turns: the embedded target's forward (a verify
+step's, ``--context`` tokens cached) on the kernels of a git revision (``--base``, default HEAD)
+against the working tree's.
 
 A kernel change moves a step by a few percent, and this machine's speed drifts by more than that
 between runs: so both builds serve the same engine (the same packed weights and KV pool), their
 verify calls alternate (ABAB, then BABA), and the ratio is the median of each pair's. Every pair's
 logits must be bitwise equal, or the run stops: a kernel change may move time, never a result.
 
-    .venv/bin/python benchmarks/kernels_ab.py [--base REV] [--new 1,2,3] [--rounds 200]
+    .venv/bin/python benchmarks/kernels_ab.py [--base REV] [--new 1,2,3] [--rounds 200] [--context 128]
 
 Writes benchmarks/results/<machine>/kernels-ab.json (or ``--out``; ``--variant`` names runs apart).
 """
@@ -39,9 +40,6 @@ from specbatch.kernels import build, cpu  # noqa: E402
 from specbatch.models.embedded import EMBEDDED  # noqa: E402
 from specbatch.models.loading import ModelSpec, load_model  # noqa: E402
 
-CONTEXT = 128
-
-
 def library_at(revision: str, scratch: Path):
     """The kernels of ``revision``, compiled with this machine's flags and loaded as build._library does."""
     subprocess.run(f"git -C {ROOT} archive {revision} specbatch/kernels/c | tar -x -C {scratch}", shell=True,
@@ -58,10 +56,11 @@ def main(argv=None) -> int:
     parser.add_argument("--base", default="HEAD", help="the git revision whose kernels are the baseline")
     parser.add_argument("--new", default="1,2,3", help="tokens fed per verify (1: target-only decoding)")
     parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--context", type=int, default=128, help="tokens cached before each verify")
     parser.add_argument("--threads", type=int, default=2)
     results.add_output_flags(parser, "kernels-ab")
     args = parser.parse_args(argv)
-    from target_service.verifier import VerifyItem, verify
+    from target_service.verifier import VerifyItem
 
     thread = ModelThread()  # every forward on one thread: one OpenMP team (docs/cpu-kernels.md)
 
@@ -71,7 +70,7 @@ def main(argv=None) -> int:
         engine = Engine(load_model(ModelSpec(EMBEDDED), "cpu", torch.float32), weights=weights, kv_bf16=True,
                         model_thread=thread)
         engine.forward.wide_threads = args.threads
-        engine.prefill([SequenceInput("ab", 0, list(range(100, 100 + CONTEXT)))])
+        engine.prefill([SequenceInput("ab", 0, [100 + t % 1000 for t in range(args.context)])])
         scratch = Path(tempfile.mkdtemp(prefix="kernels-ab-"))
         return engine, weights, {"base": library_at(args.base, scratch), "new": build._library()}
 
@@ -83,11 +82,11 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         logits = engine.start([item.seq for item in items]).prefill(1)
         seconds = time.perf_counter() - start
-        engine.rollback("ab", CONTEXT)
+        engine.rollback("ab", args.context)
         return seconds, logits
 
     def measure(new: int) -> dict:
-        items = [VerifyItem(SequenceInput("ab", CONTEXT, [11 + t for t in range(new)]))]
+        items = [VerifyItem(SequenceInput("ab", args.context, [11 + t for t in range(new)]))]
         times = {"base": [], "new": []}
         for round_ in range(args.rounds + 5):
             order = ("base", "new") if round_ % 2 == 0 else ("new", "base")
@@ -110,7 +109,7 @@ def main(argv=None) -> int:
         print(f"| {new} | {row['base_ms']:.2f} | {row['new_ms']:.2f} | {row['paired_ratio']:.3f} |")
     results.write("kernels-ab", {"base": subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.base],
                                                         capture_output=True, text=True).stdout.strip(),
-                                 "weights": weights, "context": CONTEXT, "rounds": args.rounds,
+                                 "weights": weights, "context": args.context, "rounds": args.rounds,
                                  "threads": args.threads, "rows": rows}, args.out, args.variant)
     return 0
 
