@@ -270,7 +270,7 @@ RENDERERS = {
                                        "tokens_per_step", "step_ms", "draft_ms", "target_ms", "draft_bytes_per_token",
                                        "target_bytes_per_token", "draft_reply_bytes_per_drafted_token"]),
     "call-overhead": _rows("rows"), "step-split": _rows("rows"), "sdpa-backends": _rows("rows"),
-    "rpc-gap": _rows("rows"), "threads": _rows("rows"),
+    "rpc-gap": _rows("rows"), "threads": _rows("rows"), "kernels-ab": _rows("rows", "base", "weights", "context"),
     "kv-cache": _rows("verify", "quality"), "prefill-chunk": _rows("rows", "comparisons"),
     "kv-memory": _rows("rows"), "vs-llamacpp": _rows("rows", "mismatches"), "form-fidelity": _rows("rows"),
 }
