@@ -74,7 +74,7 @@ def time_split(engine: Engine, batch: int, new: int, repeats: int = 10) -> dict:
         return call
 
     with contextlib.ExitStack() as patches:
-        patches.enter_context(mock.patch.object(PanelLinear, "__call__", named(PanelLinear.__call__, "panel_sgemm")))
+        patches.enter_context(mock.patch.object(PanelLinear, "multiply_at", named(PanelLinear.multiply_at, "panel_sgemm")))
         patches.enter_context(mock.patch.object(Attention, "__call__", named(Attention.__call__, "native_attention")))
         for layer_op in ("add_rms_norm", "silu_mul"):
             patches.enter_context(mock.patch.object(kernel_layers, layer_op, named(getattr(kernel_layers, layer_op), f"native_{layer_op}")))

@@ -133,7 +133,7 @@ def proposals(engine: Engine, items: list[ProposeItem], support_size: int = SUPP
     # token, and the first position's logits to rank where leaves are asked.
     chain = None if sampled or any(most_leaves[1:]) else batch.greedy_chain(steps, to_token, bool(most_leaves[0]))
     if chain is not None:
-        table = chain[0].tolist()
+        table = chain[0]
         if most_leaves[0]:
             ranked[0] = chain[1].topk(min(most_leaves[0] + 1, chain[1].shape[-1]), dim=-1).indices
     else:

@@ -80,10 +80,10 @@ def propose_after(draft: Engine, items: list[VerifyItem], verdicts: list[Verdict
             if computed is None or own > computed.shape[0]:
                 raise InvalidRequest(f"sequence {item.seq.seq_id!r}: the draft's tokens start before the features "
                                      "this Verify and the caller's rows cover")
-            rows = [computed[computed.shape[0] - own :].to(torch.float32)]
+            rows = computed[computed.shape[0] - own :]
             if next.held_rows():
-                rows.insert(0, next.draft.features.to(torch.float32))
-            features = torch.cat(rows)
+                rows = torch.cat([next.draft.features, rows])
+            features = rows.to(torch.float32)  # one conversion: float32 holds what cat promotes to exactly
         propose_items.append(ProposeItem(SequenceInput(item.seq.seq_id, next.draft.keep_len, tokens, features),
                                          next.k, item.sampling, next.leaves))
     out: list[Proposal | None] = [None] * len(items)

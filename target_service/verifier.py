@@ -21,7 +21,7 @@ from specbatch.engine.sampling import (
     sample,
     uniforms,
 )
-from specbatch.kernels.layers import argmax
+from specbatch.kernels.layers import argmax_list
 from specbatch.protocol.emulation import rate_at
 from specbatch.protocol.errors import InvalidRequest
 from specbatch.protocol.speculation import FLOAT16_MAX, MAX_K, MAX_LEAVES
@@ -127,7 +127,7 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
         return logits if len(which) == len(items) else logits[which]
 
     if greedy and emulated is None:
-        predicted = argmax(rows(greedy)).tolist()
+        predicted = argmax_list(rows(greedy))
         for i, row in zip(greedy, predicted):
             item, leaves = items[i], leaf_counts[i]
             accepted, token = greedy_accept(row[width - leaves - len(item.drafts) - 1 : width - leaves], item.drafts)
@@ -140,7 +140,7 @@ def verify(engine: Engine, items: list[VerifyItem], create: bool = False,
     if emulated is not None:
         # After the rule (a sampled row's rule still runs: its cost is part of a real step), in
         # place of its verdicts. The argmax over every row stands for the greedy rule's.
-        decisions = _emulated(items, argmax(logits).tolist(), width, leaf_counts, emulated)
+        decisions = _emulated(items, argmax_list(logits), width, leaf_counts, emulated)
     paths = [_kept_path(item, accepted, hit) for item, (accepted, hit, _) in zip(items, decisions)]
     keep = [len(path) for path in paths]
     batch.commit(keep, paths if any(hit is not None for _, hit, _ in decisions) else None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from array import array
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from specbatch.engine.batch import SequenceInput
 from specbatch.engine.engine import Engine
 from specbatch.kernels import build, cpu
-from specbatch.kernels.layers import HEAD_DIMS, Attention, Rope, add_rms_norm, argmax, silu_mul
+from specbatch.kernels.layers import HEAD_DIMS, Attention, Rope, add_rms_norm, argmax, argmax_list, silu_mul
 from specbatch.kernels.linear import fused, linear
 from specbatch.kernels.panel import PanelLinear
 from tests.tiny import VOCAB, tiny_llama
@@ -375,7 +376,7 @@ def test_the_layers_in_one_call_refuse_a_pool_that_does_not_match():
     engine = Engine(tiny_llama(2, seed=6), max_sequences=2)
     forward = engine.forward
     positions = torch.tensor([[4]])
-    rope = Rope(positions, positions, *forward._angle_table(positions))
+    rope = Rope(positions, positions, *forward._angle_table(4))
     attention = Attention(torch.ones(1, 1, 1, 5, dtype=torch.bool))
     x = torch.randn(1, 1, engine.hidden_size)
     kv = torch.zeros(2, 2, 1, 2, 8, 16)  # 2 layers, 2 key/value heads of 16, 8 columns: the tiny model's
@@ -455,6 +456,95 @@ def test_a_greedy_proposal_in_one_call_is_bitwise_the_loop(form, eagle, threads)
     assert calls.count(3) == 6 and calls.count(1) == 3  # every call at k = 4 and at k = 2 went through it
 
 
+def test_host_indices_are_the_tensors_layout():
+    """HostIndices, built in Python for the CPU kernels, hold what ``right_aligned`` and
+    ``write_columns_and_mask`` build as tensors: token ids, positions, write columns (padding at
+    the scratch column) and the mask, row-major."""
+    import random
+
+    from specbatch.engine.batch import HostIndices, right_aligned
+    from specbatch.engine.kv_pool import write_columns_and_mask
+
+    rng = random.Random(4)
+    for _ in range(30):
+        rows = rng.randint(1, 5)
+        fed = [rng.randint(1, 6) for _ in range(rows)]
+        kept = [rng.choice([0, 1, rng.randint(0, 40)]) for _ in range(rows)]
+        tokens = [[rng.randint(1, VOCAB - 1) for _ in range(n)] for n in fed]
+        width, scratch = max(fed), 99
+        host = HostIndices(kept, fed, tokens, scratch)
+        valid, positions, ids = right_aligned(kept, fed, width, tokens)
+        end = int(positions[valid].max()) + 1
+        columns, mask = write_columns_and_mask(positions, valid, scratch, end)
+        assert (host.batch, host.width, host.end) == (rows, width, end)
+        assert host.ends == [k + n for k, n in zip(kept, fed)]
+        assert list(host.ids) == ids.flatten().tolist() and list(host.positions) == positions.flatten().tolist()
+        assert list(host.columns) == columns.flatten().tolist()
+        assert bytes(host.seen) == mask.to(torch.uint8).numpy().tobytes()
+
+
+def _served_calls(engine: Engine) -> list:
+    """A target's calls as a server makes them: prompts of three lengths, one alone; then verify
+    calls (features returned) over gathered slots, out of slot order, with padded rows, alone and
+    as a tree: every logit, hidden state, verdict and feature, and each sequence's keys and values."""
+    from target_service.verifier import VerifyItem, verify
+
+    prompts = {"a": list(range(3, 40)), "b": list(range(50, 57)), "c": list(range(60, 81))}
+    out = _prompts_then_a_ragged_step(engine)
+    alone = engine.start([SequenceInput("a", 0, prompts["a"])], create=True)
+    out += [alone.prefill(1), alone.last_hidden()]  # one row, its last column: the head reads it in place
+    alone.commit([len(prompts["a"])])
+    engine.prefill([SequenceInput(s, 0 if s != "a" else len(prompts["a"]), prompts[s] if s != "a" else [4])
+                    for s in ("a", "b", "c")])
+    steps = [([("a", [5, 6]), ("c", [])], None), ([("c", [7, 8, 9]), ("a", [10])], None), ([("b", [11])], None),
+             ([("b", [12, 13])], [[14, 15], []])]
+    for step, leaves in steps:
+        items = [VerifyItem(SequenceInput(s, engine.sequences[s].length, [2 + len(drafts)]), drafts,
+                            leaves=leaves or []) for s, drafts in step]
+        for verdict in verify(engine, items, return_features=True):
+            out += [(verdict.accepted, verdict.next_token, verdict.cached_len, verdict.leaf), verdict.features]
+    out += [engine.sequences[s].kv[:, :, :, : engine.sequences[s].length].clone() for s in ("a", "b", "c")]
+    engine.release(["a", "b", "c"])
+    return out
+
+
+@pytest.mark.parametrize("form", FORMS[:2] + FORMS[4:5])
+def test_host_built_calls_are_bitwise_the_tensor_built_ones(monkeypatch, form):
+    """A chain call on the CPU kernels takes its inputs as HostIndices (plain Python buffers, the
+    embedding copied by rows, the head reading the kept columns in place, argmax into Python
+    ints): the outputs, keys and values of the same calls built as tensors, bit for bit; for a
+    target's prompts and verify steps (against the Python layer loop), and a draft's proposals
+    (EAGLE: fed features; against its loop of forwards)."""
+    from specbatch.engine.batch import RaggedBatch
+    from specbatch.models.eagle import draft_from_target
+    from specbatch.models.llama import LlamaForward
+
+    target = Engine(tiny_llama(2, seed=21), max_sequences=4, **form)
+    draft_model = draft_from_target(tiny_llama(2, seed=22), num_layers=1,
+                                    token_subset=torch.arange(VOCAB - 1, -1, -2)).float()
+    with torch.no_grad():
+        draft_model.model.fc.weight.normal_(0.0, 0.2)
+    draft = Engine(draft_model, max_sequences=4, **form)
+    built = []
+    original = RaggedBatch.__init__
+
+    def noting(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        built.append(self.host is not None)
+
+    monkeypatch.setattr(RaggedBatch, "__init__", noting)
+    ours = [_served_calls(target)] + [_drafting(draft, k) for k in (1, 3)]
+    assert built.count(False) == 1  # the tree's call alone takes tensors
+    monkeypatch.setattr(LlamaForward, "reads_host_indices", lambda self: False)
+    target.forward.decoder_layers = None  # and the target's layers as the Python loop, its head on a slice
+    built.clear()
+    theirs = [_served_calls(target)] + [_drafting(draft, k) for k in (1, 3)]
+    assert not any(built)
+    for mine, tensors in zip(ours, theirs, strict=True):
+        for a, b in zip(mine, tensors, strict=True):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
 def test_the_one_call_proposal_refuses_what_does_not_match():
     """draft_chain's arguments are checked before C reads them: drafted tokens past the pool's
     columns, a token map of another dtype or size, token ids of another dtype, positions for
@@ -462,10 +552,10 @@ def test_the_one_call_proposal_refuses_what_does_not_match():
     engine = Engine(tiny_llama(2, seed=13), max_sequences=2)
     forward, layers = engine.forward, engine.forward.decoder_layers
     positions = torch.tensor([[3, 4]])
-    rope = Rope(positions, positions, *forward._angle_table(torch.tensor([[40]])))
+    rope = Rope(positions, positions, *forward._angle_table(40))
     attention = Attention(torch.ones(1, 1, 2, 5, dtype=torch.bool))
     kv = torch.zeros(2, 2, 1, 2, 8, 16)  # 8 columns: the last is scratch
-    ids = torch.tensor([[5, 6]])
+    ids = array("q", [5, 6])
 
     def chain(**changed):
         arguments = {"embed": forward.embed, "fuse": None, "input_ids": ids, "features": None, "rope": rope,
@@ -473,9 +563,9 @@ def test_the_one_call_proposal_refuses_what_does_not_match():
                      "to_token": None, **changed}
         return layers.draft_chain(**arguments)
 
-    assert chain()[0].shape == (1, 3)  # fits: positions 5 and 6, below the scratch column 7
+    assert [len(row) for row in chain()[0]] == [3]  # fits: positions 5 and 6, below the scratch column 7
     for wrong in ({"steps": 3}, {"to_token": torch.arange(VOCAB, dtype=torch.int32)},
-                  {"to_token": torch.arange(VOCAB - 1)}, {"input_ids": ids.int()}, {"next_positions": [5, 5]}):
+                  {"to_token": torch.arange(VOCAB - 1)}, {"input_ids": array("i", [5, 6])}, {"next_positions": [5, 5]}):
         with pytest.raises(ValueError, match="draft chain"):
             chain(**wrong)
 
@@ -593,7 +683,7 @@ def test_the_angle_table_is_bitwise_the_models_rotary_embedding():
     engine = Engine(tiny_llama(1, seed=0), max_sequences=1)
     forward = engine.forward
     positions = torch.tensor([[0, 5, 1023, 3000]])
-    cos_table, signed_sin_table = forward._angle_table(positions)
+    cos_table, signed_sin_table = forward._angle_table(3000)
     assert cos_table.shape[0] >= 3001
     cos, sin = forward.rotary(forward.embed[:1], positions)
     assert torch.equal(cos_table[positions[0]], cos[0]) and torch.equal(signed_sin_table[positions[0]],
@@ -693,6 +783,8 @@ def test_argmax_is_torchs_on_ties_nans_infinities_and_signed_zeros():
         assert torch.equal(argmax(rows.reshape(3, 4, columns)), rows.reshape(3, 4, columns).argmax(-1))
     assert torch.equal(argmax(x.t()), x.t().argmax(-1))  # not contiguous: a contiguous copy
     assert torch.equal(argmax(x.double()), x.double().argmax(-1))
+    for rows in (x, x.reshape(3, 4, -1), x.reshape(2, 3, 2, -1), x.t(), x[0], x.double(), x[:0]):
+        assert argmax_list(rows) == rows.argmax(-1).tolist()  # Python ints, nested as tolist() nests them
 
 
 @pytest.mark.skipif(not cpu.blocks_expected(), reason="the GGUF block multiplies do not build here")

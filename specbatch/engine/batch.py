@@ -9,6 +9,8 @@ column past every row's end. Calls of very different lengths run as forwards of 
 from __future__ import annotations
 
 import contextlib
+import functools
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +56,35 @@ def right_aligned(kept: list[int], fed: list[int], width: int, tokens: list[list
     return offsets >= 0, (torch.tensor(kept)[:, None] + offsets).clamp(min=0), input_ids
 
 
+class HostIndices:
+    """A chain call's token ids, positions, write columns and mask in plain Python buffers, laid out
+    as ``right_aligned`` and ``write_columns_and_mask`` lay out their tensors, for a forward that
+    reads them on the host (``reads_host_indices``: the CPU kernels take their addresses). Built
+    without a tensor operation: at a step's few tokens each costs more than all of this in Python.
+    ``ids``, ``positions``, ``columns``: ``array("q")`` ``[batch, width]`` row-major; ``seen``:
+    ``array("B")`` ``[batch, width, end]``, 1 where a token may attend; ``ends``: each row's cache
+    length after it (where its next token goes)."""
+
+    def __init__(self, kept: list[int], fed: list[int], tokens: list[list[int]], scratch: int):
+        self.batch, self.width = len(fed), max(fed)
+        self.ends = [k + f for k, f in zip(kept, fed)]
+        self.end = end = max(self.ends)  # every row feeds a token: one past the last column written
+        self.ids, self.positions, self.columns, self.seen = array("q"), array("q"), array("q"), array("B")
+        ones_then_zeros = b"\x01" * end + bytes(end)  # the mask of a token at position p: from end - 1 - p on
+        for k, f, row in zip(kept, fed, tokens):
+            pad = self.width - f
+            # Padding: token 0 at the positions before the row's (none below 0), written to the
+            # scratch column, seeing column 0 only (as a token at position 0 does).
+            self.ids.extend([0] * pad)
+            self.ids.extend(row)
+            self.positions.extend([max(k + j, 0) for j in range(-pad, 0)])
+            self.positions.extend(range(k, k + f))
+            self.columns.extend([scratch] * pad)
+            self.columns.extend(range(k, k + f))
+            for p in [0] * pad + list(range(k, k + f)):
+                self.seen.frombytes(ones_then_zeros[end - 1 - p : 2 * end - 1 - p])
+
+
 class RaggedBatch:
     """The sequences of one call, as a batch cache over their pool slots (see the module docstring).
 
@@ -73,7 +104,7 @@ class RaggedBatch:
         self.caches = [engine.sequences[inputs[i].seq_id] for i in self.order]
         self.inputs = [inputs[i] for i in self.order]
         kept, fed = [item.keep_len for item in self.inputs], [len(item.tokens) for item in self.inputs]
-        self.kept, self.fed = torch.tensor(kept), torch.tensor(fed)
+        self.kept_lengths, self.fed_lengths = kept, fed  # per row (``kept`` and ``fed``: as tensors)
         batch, width = len(inputs), max(fed)
         longest = max(k + f for k, f in zip(kept, fed)) + decode_steps
         pool = engine.pool
@@ -93,18 +124,40 @@ class RaggedBatch:
             self.kv = pool.kv[:, :, slots, :, : longest + 1]
             self.gathered = True
         self.scratch = self.kv.shape[4] - 1
-        self.valid, self.columns, input_ids = right_aligned(kept, fed, width, [item.tokens for item in self.inputs])
-        # A chain's tokens sit at their own positions; a tree's at their depth (tree_layout).
         self.tree = None if all(item.parents is None for item in self.inputs) else tree_layout(self.inputs, width)
-        positions = self.columns if self.tree is None else (self.kept[:, None] + self.tree[0]).clamp(min=0)
+        tokens = [item.tokens for item in self.inputs]
+        # A chain over the call's own rows, on a forward that reads its inputs on the host: built in
+        # Python (HostIndices); anything else as tensors.
+        reads_host = getattr(engine.forward, "reads_host_indices", None)
+        self.host = (HostIndices(kept, fed, tokens, self.scratch)
+                     if self.tree is None and self.spread is None and reads_host is not None and reads_host() else None)
+        input_ids = positions = None
+        if self.host is None:
+            self.valid, self.columns, input_ids = right_aligned(kept, fed, width, tokens)
+            # A chain's tokens sit at their own positions; a tree's at their depth (tree_layout).
+            positions = self.columns if self.tree is None else (self.kept[:, None] + self.tree[0]).clamp(min=0)
         features = None
         if engine.feature_size:  # right-aligned like the tokens; padding reads zeros
-            features = torch.zeros(batch, width, engine.feature_size, dtype=engine.dtype)
-            for row, item in enumerate(self.inputs):
-                features[row, width - len(item.tokens) :] = item.features
+            rows = [item.features for item in self.inputs]
+            if min(fed) == width and all(row.dtype == engine.dtype for row in rows):  # no padding: the rows as sent
+                features = rows[0][None] if batch == 1 else torch.stack(rows)
+            else:
+                features = torch.zeros(batch, width, engine.feature_size, dtype=engine.dtype)
+                for row, item in enumerate(self.inputs):
+                    features[row, width - len(item.tokens) :] = item.features
         self._pending = (input_ids, positions, features)
         self.decoded = 0
         self.hidden: torch.Tensor | None = None  # the decoder's final hidden states of the last forward
+
+    @functools.cached_property
+    def kept(self) -> torch.Tensor:
+        """Each row's cached tokens kept before its fed ones, ``[batch]``."""
+        return torch.tensor(self.kept_lengths)
+
+    @functools.cached_property
+    def fed(self) -> torch.Tensor:
+        """Each row's fed tokens, ``[batch]``."""
+        return torch.tensor(self.fed_lengths)
 
     def _spreads(self, rows: int, width: int, longest: int) -> bool:
         """Whether the call runs over the pool's slots from 0 to its last (``rows`` of them), the
@@ -170,11 +223,23 @@ class RaggedBatch:
     def _unsort(self, rows: torch.Tensor) -> torch.Tensor:
         return rows if self.in_order else rows[self.inverse]
 
+    def _unsort_list(self, rows: list) -> list:
+        """``_unsort`` of a list of rows."""
+        if self.in_order:
+            return rows
+        out = [None] * len(rows)
+        for row, item in enumerate(self.order):
+            out[item] = rows[row]
+        return out
+
     @torch.inference_mode()
     def prefill(self, logits_to_keep: int = 1) -> torch.Tensor:
         """Run every row's new tokens; returns logits of the last ``logits_to_keep`` columns,
         rows in the call's order."""
         input_ids, positions, features = self._pending
+        if self.host is not None:
+            logits, self.hidden = self.engine.forward.on_host(self.host, self.kv, logits_to_keep, features)
+            return self._unsort(logits)
         return self._unsort(self._forward(input_ids, positions, self.valid, logits_to_keep, features, self.columns))
 
     @torch.inference_mode()
@@ -203,22 +268,19 @@ class RaggedBatch:
 
     @torch.inference_mode()
     def greedy_chain(self, steps: int, to_token: torch.Tensor | None,
-                     first_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                     first_logits: bool = False) -> tuple[list[list[int]], torch.Tensor | None] | None:
         """A greedy draft's whole proposal in one call, in place of ``prefill(1)`` and ``steps``
         ``decode`` calls each fed the last one's argmax (and last hidden state): the same tokens,
-        ``[batch, steps + 1]`` in the call's order, and with ``first_logits`` what ``prefill(1)``
+        ``steps + 1`` a row in the call's order, and with ``first_logits`` what ``prefill(1)``
         would have returned at the last column (else None). None where the forward cannot (not
         the CPU kernels, a tree, a spread batch): the caller then runs those calls."""
         chains = getattr(self.engine.forward, "chains_natively", None)
-        if chains is None or not chains() or self.tree is not None or self.spread is not None or self.decoded:
+        if chains is None or not chains() or self.host is None or self.decoded:
             return None
-        input_ids, positions, features = self._pending
-        columns, mask = self._columns_and_mask(self.columns, self.valid)
-        tokens, logits = self.engine.forward.greedy_chain(input_ids, positions, columns, self.kv, mask, features,
-                                                          (self.kept + self.fed).tolist(), steps, to_token,
+        tokens, logits = self.engine.forward.greedy_chain(self.host, self.kv, self._pending[2], steps, to_token,
                                                           first_logits)
         self.decoded, self.hidden = steps, None
-        return self._unsort(tokens), None if logits is None else self._unsort(logits)
+        return self._unsort_list(tokens), None if logits is None else self._unsort(logits)
 
     def last_hidden(self) -> torch.Tensor:
         """The final hidden states of the last forward, ``[batch, columns, hidden]``, rows in the
@@ -231,8 +293,8 @@ class RaggedBatch:
         order; their keys/values move down to the columns right after the cache (``keep`` is
         then ``len(paths[i])``)."""
         for row, i in enumerate(self.order):
-            cache, kept, n = self.caches[row], int(self.kept[row]), keep[i]
-            assert 0 <= n <= int(self.fed[row]) + self.decoded
+            cache, kept, n = self.caches[row], self.kept_lengths[row], keep[i]
+            assert 0 <= n <= self.fed_lengths[row] + self.decoded
             path = paths[i] if paths is not None else None
             if path is not None:
                 assert len(path) == n and all(a < b for a, b in zip(path, path[1:]))

@@ -7,6 +7,8 @@ set-up."""
 from __future__ import annotations
 
 import ctypes
+import math
+from array import array
 
 import torch
 
@@ -71,9 +73,9 @@ class DecoderLayers:
         out = torch.empty_like(x)
         if self._library.decoder_layers(
                 x.data_ptr(), rope.batch, rope.width, self._layers, self.count, self.heads, self.kv_heads,
-                self.head_dim, self.intermediate, rope.positions.data_ptr(), rope.columns.data_ptr(),
+                self.head_dim, self.intermediate, rope.positions_at, rope.columns_at,
                 rope.cos.data_ptr(), rope.signed_sin.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1),
-                kv.stride(2), kv.stride(3), kv.dtype == torch.bfloat16, attention.seen.data_ptr(), attention.end,
+                kv.stride(2), kv.stride(3), kv.dtype == torch.bfloat16, attention.seen_at, attention.end,
                 self.final_norm.data_ptr(), self.final_eps, out.data_ptr(), threads or torch.get_num_threads()):
             raise RuntimeError("decoder layers: a kernel refused its arguments, or memory ran out")
         return out
@@ -89,48 +91,50 @@ class DecoderLayers:
                              "batch, the layers and their heads, with a column's elements contiguous and every "
                              "column within the pool")
 
-    def draft_chain(self, embed: torch.Tensor, fuse: PanelLinear | None, input_ids: torch.Tensor,
+    def draft_chain(self, embed: torch.Tensor, fuse: PanelLinear | None, input_ids: array,
                     features: torch.Tensor | None, rope: Rope, attention: Attention, kv: torch.Tensor,
                     next_positions: list[int], steps: int, head: PanelLinear, to_token: torch.Tensor | None,
                     threads: int | None = None, first_logits: bool = False
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    ) -> tuple[list[list[int]], torch.Tensor | None]:
         """A greedy draft's tokens in one call (``decoder.c``'s draft_chain): this forward's fed
-        tokens (``input_ids`` ``[batch, width]``, embedded from ``embed``, fused with ``features``
-        where ``fuse`` is given, at ``rope``'s positions and columns under ``attention``'s mask),
-        then ``steps`` tokens a row, each fed at ``next_positions[row]`` plus those drafted before
-        it with the final hidden state before it as its feature; each token the ``head``'s argmax
-        (through ``to_token``). Bitwise the tokens of calling this object, the fusing layer and the
-        head a forward at a time. Returns ``[batch, steps + 1]`` token ids, and with
-        ``first_logits`` the head's logits at each row's first drafted token (else None)."""
+        tokens (``input_ids``, ``array("q")`` ``[batch, width]`` row-major, embedded from ``embed``,
+        fused with ``features`` where ``fuse`` is given, at ``rope``'s positions and columns under
+        ``attention``'s mask), then ``steps`` tokens a row, each fed at ``next_positions[row]`` plus
+        those drafted before it with the final hidden state before it as its feature; each token the
+        ``head``'s argmax (through ``to_token``). Bitwise the tokens of calling this object, the
+        fusing layer and the head a forward at a time. Returns each row's ``steps + 1`` token ids
+        (lists: the caller wants them in Python), and with ``first_logits`` the head's logits at
+        each row's first drafted token (else None)."""
         batch, width = rope.batch, rope.width
         hidden = self.hidden
         _float32_rows("draft chain", embed)
-        if (input_ids.shape != (batch, width) or input_ids.dtype != torch.int64 or not input_ids.is_contiguous()
+        if (not isinstance(input_ids, array) or input_ids.typecode != "q" or len(input_ids) != batch * width
                 or embed.shape[1] != hidden or head.in_features != hidden or len(next_positions) != batch
                 or (fuse is not None and (fuse.in_features, fuse.out_features) != (2 * hidden, hidden))
                 or (fuse is not None and (features is None or features.shape != (batch, width, hidden)))
                 or (to_token is not None and (to_token.dtype != torch.int64 or to_token.shape != (head.out_features,)
                                               or to_token.device.type != "cpu" or not to_token.is_contiguous()))
                 or steps < 0 or max(next_positions) + steps > min(kv.shape[4] - 1, rope.cos.shape[0])):
-            raise ValueError("draft chain: the tokens, features, embedding, fusing layer and head must match the "
-                             "batch and the hidden size, every drafted token fit the pool and the angles")
+            raise ValueError("draft chain: the tokens (int64), features, embedding, fusing layer and head must match "
+                             "the batch and the hidden size, every drafted token fit the pool and the angles")
         if fuse is not None:
             _float32_rows("draft chain", features)
         self._check(rope, attention, kv)
-        tokens = torch.empty(batch, steps + 1, dtype=torch.int64)
+        tokens = (ctypes.c_int64 * (batch * (steps + 1)))()
         logits = torch.empty(batch, head.out_features) if first_logits else None
-        at = torch.tensor(next_positions, dtype=torch.int64)
+        at = array("q", next_positions)
         if self._library.draft_chain(
-                embed.data_ptr(), None if fuse is None else ctypes.byref(fuse.args), input_ids.data_ptr(),
+                embed.data_ptr(), None if fuse is None else ctypes.byref(fuse.args), input_ids.buffer_info()[0],
                 None if fuse is None else features.data_ptr(), batch, width, self._layers, self.count, self.heads,
-                self.kv_heads, self.head_dim, self.intermediate, rope.positions.data_ptr(), rope.columns.data_ptr(),
-                attention.seen.data_ptr(), attention.end, at.data_ptr(), steps, rope.cos.data_ptr(),
+                self.kv_heads, self.head_dim, self.intermediate, rope.positions_at, rope.columns_at,
+                attention.seen_at, attention.end, at.buffer_info()[0], steps, rope.cos.data_ptr(),
                 rope.signed_sin.data_ptr(), kv.data_ptr(), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
                 kv.dtype == torch.bfloat16, self.final_norm.data_ptr(), self.final_eps, ctypes.byref(head.args),
-                None if to_token is None else to_token.data_ptr(), tokens.data_ptr(),
+                None if to_token is None else to_token.data_ptr(), ctypes.addressof(tokens),
                 None if logits is None else logits.data_ptr(), threads or torch.get_num_threads()):
             raise RuntimeError("draft chain: a kernel refused its arguments, or memory ran out")
-        return tokens, logits
+        flat, row = tokens[:], steps + 1
+        return [flat[r * row : (r + 1) * row] for r in range(batch)], logits
 
 
 class Attention:
@@ -140,8 +144,23 @@ class Attention:
     of ``HEAD_DIMS``."""
 
     def __init__(self, mask: torch.Tensor):
-        self.batch, _, self.width, self.end = mask.shape
-        self.seen = mask.reshape(self.batch, self.width, self.end).contiguous().view(torch.uint8)
+        batch, _, width, end = mask.shape
+        self._hold(batch, width, end, mask.reshape(batch, width, end).contiguous().view(torch.uint8))
+
+    @classmethod
+    def of_bytes(cls, batch: int, width: int, end: int, seen: array) -> Attention:
+        """The same from the mask as bytes, ``array("B")`` ``[batch, width, end]`` row-major (1: may
+        attend), as ``specbatch.engine.batch.HostIndices`` builds it: read where it lies."""
+        if seen.typecode != "B" or len(seen) != batch * width * end:
+            raise ValueError("attention: the mask's bytes must be batch x width x end")
+        attention = cls.__new__(cls)
+        attention._hold(batch, width, end, seen)
+        return attention
+
+    def _hold(self, batch: int, width: int, end: int, seen: torch.Tensor | array) -> None:
+        self.batch, self.width, self.end = batch, width, end
+        self.seen = seen  # held while the kernels read it at seen_at
+        self.seen_at = seen.data_ptr() if isinstance(seen, torch.Tensor) else seen.buffer_info()[0]
         self._attend = build._library().attend
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
@@ -158,7 +177,7 @@ class Attention:
         q_b, q_h, q_w, _ = q.stride()
         kv_b, kv_h, _, _ = keys.stride()
         if self._attend(q.data_ptr(), q_b, q_h, q_w, keys.data_ptr(), values.data_ptr(), kv_b, kv_h,
-                        keys.dtype == torch.bfloat16, self.seen.data_ptr(), out.data_ptr(), self.batch, heads,
+                        keys.dtype == torch.bfloat16, self.seen_at, out.data_ptr(), self.batch, heads,
                         keys.shape[1], self.width, self.end, head_dim, scale, torch.get_num_threads()):
             raise MemoryError("attention: no scratch memory for the scores")
         return out
@@ -192,10 +211,29 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     library = build._library() if x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] else None
     if library is None:
         return x.argmax(-1)
-    x = x.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
     out = torch.empty(x.shape[:-1], dtype=torch.int64)
     library.argmax_rows(x.data_ptr(), out.numel(), x.shape[-1], out.data_ptr())
     return out
+
+
+def argmax_list(x: torch.Tensor) -> list:
+    """``argmax(x).tolist()``: on the kernel (float32 CPU tensors) straight into Python ints,
+    without the index tensor (a step's few rows, whose every tensor operation costs more than
+    the argmax)."""
+    library = build._library() if x.dtype == torch.float32 and x.device.type == "cpu" and x.shape[-1] else None
+    if library is None or x.dim() < 2 or not x.numel():
+        return argmax(x).tolist()
+    if not x.is_contiguous():
+        x = x.contiguous()
+    *lead, size = x.shape
+    out = (ctypes.c_int64 * math.prod(lead))()
+    library.argmax_rows(x.data_ptr(), len(out), size, ctypes.addressof(out))
+    rows = out[:]
+    for count in reversed(lead[1:]):  # nested as tolist() nests them
+        rows = [rows[i : i + count] for i in range(0, len(rows), count)]
+    return rows
 
 
 def silu_mul(h: torch.Tensor) -> torch.Tensor:
@@ -214,12 +252,32 @@ class Rope:
     ``[positions, head_dim]`` (sin with its first half negated)."""
 
     def __init__(self, positions: torch.Tensor, columns: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor):
-        self.batch, self.width = positions.shape
+        batch, width = positions.shape
         if columns.shape != positions.shape or int(positions.max()) >= cos.shape[0]:
             raise ValueError("rope: columns must match positions, and every position have a row of angles")
-        self.positions = positions.to(torch.int64).contiguous()
-        self.columns = columns.to(torch.int64).contiguous()
-        self.last_column = int(self.columns.max())
+        positions, columns = positions.to(torch.int64).contiguous(), columns.to(torch.int64).contiguous()
+        self._hold(batch, width, positions, positions.data_ptr(), columns, columns.data_ptr(), int(columns.max()),
+                   cos, signed_sin)
+
+    @classmethod
+    def of_arrays(cls, batch: int, width: int, positions: array, columns: array, cos: torch.Tensor,
+                  signed_sin: torch.Tensor) -> Rope:
+        """The same from ``array("q")``s ``[batch, width]`` row-major, as
+        ``specbatch.engine.batch.HostIndices`` builds them: read where they lie."""
+        if (positions.typecode != "q" or columns.typecode != "q" or len(positions) != batch * width
+                or len(columns) != len(positions) or max(positions) >= cos.shape[0]):
+            raise ValueError("rope: columns must match positions, and every position have a row of angles")
+        rope = cls.__new__(cls)
+        rope._hold(batch, width, positions, positions.buffer_info()[0], columns, columns.buffer_info()[0],
+                   max(columns), cos, signed_sin)
+        return rope
+
+    def _hold(self, batch: int, width: int, positions, positions_at: int, columns, columns_at: int,
+              last_column: int, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+        self.batch, self.width = batch, width
+        # The int64 buffers (tensors or arrays), held while the kernels read them at these addresses.
+        self.positions, self.columns, self.positions_at, self.columns_at = positions, columns, positions_at, columns_at
+        self.last_column = last_column
         _float32_rows("rope", cos, signed_sin)
         self.cos, self.signed_sin = cos, signed_sin
         self._write = build._library().rope_write
@@ -240,8 +298,8 @@ class Rope:
             raise ValueError("rope: qkv must match the positions and head counts, keys and values (float32 or "
                              "bfloat16, alike) the batch and head_dim with a column's elements contiguous, every "
                              "column within them")
-        if self._write(qkv.data_ptr(), self.batch, self.width, heads, kv_heads, head_dim, self.positions.data_ptr(),
-                       self.columns.data_ptr(), self.cos.data_ptr(), self.signed_sin.data_ptr(), keys.data_ptr(),
+        if self._write(qkv.data_ptr(), self.batch, self.width, heads, kv_heads, head_dim, self.positions_at,
+                       self.columns_at, self.cos.data_ptr(), self.signed_sin.data_ptr(), keys.data_ptr(),
                        values.data_ptr(), keys.stride(0), keys.stride(1), keys.dtype == torch.bfloat16,
                        torch.get_num_threads()):
             raise ValueError(f"rope: head_dim must be even and at most 256 (got {head_dim})")

@@ -6,6 +6,7 @@ order whatever the other rows are (so a row's bits never depend on them)."""
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 import torch.nn.functional as F
@@ -150,11 +151,19 @@ class PanelLinear:
         if rows.dtype != torch.float32 or rows.device.type != "cpu":
             raise TypeError(f"the panel kernel multiplies float32 CPU tensors, not {rows.dtype} on {rows.device}")
         rows = rows.contiguous()
-        out = torch.empty(rows.shape[0], self.out_features)
-        if rows.shape[0] and self._multiply(ctypes.byref(self.args), rows.data_ptr(), rows.shape[0], out.data_ptr(),
-                                            threads or torch.get_num_threads()):
+        return self.multiply_at(rows.data_ptr(), shape[:-1], threads)
+
+    def multiply_at(self, rows_at: int, shape: tuple[int, ...], threads: int | None = None) -> torch.Tensor:
+        """``__call__`` on the float32 rows at address ``rows_at``, ``prod(shape)`` of them of
+        ``in_features`` each, contiguous in host memory, for a caller that has them in place (the
+        output head reading a forward's last columns, without a slice and a copy of them). Returns
+        ``[*shape, out_features]``."""
+        out = torch.empty(*shape, self.out_features)
+        rows = math.prod(shape)
+        if rows and self._multiply(ctypes.byref(self.args), rows_at, rows, out.data_ptr(),
+                                   threads or torch.get_num_threads()):
             raise MemoryError("panel kernel: no memory for the input's rounded copy")
-        return out.view(*shape[:-1], self.out_features)
+        return out
 
 
 def _by_block(values: torch.Tensor, count: int) -> torch.Tensor:

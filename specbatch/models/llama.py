@@ -14,7 +14,9 @@ OPT models have their own (``specbatch.models.opt``); others run through transfo
 
 from __future__ import annotations
 
+import ctypes
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,9 @@ from specbatch.kernels.layers import HEAD_DIMS, Attention, DecoderLayers, Rope
 from specbatch.kernels.linear import fused, linear
 from specbatch.kernels.panel import PanelLinear
 from specbatch.models.eagle import reads_target_features
+
+if TYPE_CHECKING:
+    from specbatch.engine.batch import HostIndices
 
 # Architectures whose decoder layers are LlamaDecoderLayer as this forward computes them.
 SUPPORTED_MODEL_TYPES = ("llama", "specbatch_eagle")
@@ -167,6 +172,7 @@ class LlamaForward:
         # Calls of at least wide_from_rows rows run the layers in one call, and the output head, on
         # wide_threads threads (0: the process's count; specbatch.engine.engine.Engine sets them).
         self.wide_threads, self.wide_from_rows = 0, 1
+        self._x: torch.Tensor | None = None  # on_host's embedded tokens (_embedded)
 
     def _native_decoder_layers(self) -> DecoderLayers | None:
         layers = self.layers
@@ -183,14 +189,14 @@ class LlamaForward:
             first.q_size // first.head_dim, first.kv_size // first.head_dim, first.head_dim, first.intermediate,
             self.norm, self.eps)
 
-    def _angle_table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for every position up to the largest in ``positions``, grown by doubling.
+    def _angle_table(self, last_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for every position up to ``last_position``, grown by doubling.
         Row p is bitwise the model's own rotary embedding at position p: its angles are products of
         one frequency and one position, elementwise, whatever positions are computed beside."""
-        needed = int(positions.max()) + 1
+        needed = last_position + 1
         if self._angles is None or self._angles[0].shape[0] < needed:
             length = max(needed, 1024, 2 * (0 if self._angles is None else self._angles[0].shape[0]))
-            cos, sin = self.rotary(self.embed[:1], torch.arange(length, device=positions.device)[None])
+            cos, sin = self.rotary(self.embed[:1], torch.arange(length, device=self.embed.device)[None])
             self._angles = cos[0].contiguous(), _signed_sin(sin[0]).contiguous()
         return self._angles
 
@@ -224,24 +230,81 @@ class LlamaForward:
         return (self._layers_in_one_call() and isinstance(self.head, PanelLinear)
                 and (self.fuse is None or isinstance(self.fuse, PanelLinear)))
 
+    def reads_host_indices(self) -> bool:
+        """Whether a call may come as ``HostIndices`` (``on_host``, ``greedy_chain``): where the
+        layers run in one C call, which reads the positions, columns and mask where they lie, and
+        the embedding's rows can be copied as they are."""
+        return self._layers_in_one_call() and self.embed.is_contiguous()
+
+    def _host_rope_and_attention(self, indices: HostIndices, last_position: int) -> tuple[Rope, Attention]:
+        """``indices``' rotary embedding (angles up to ``last_position``) and mask."""
+        return (Rope.of_arrays(indices.batch, indices.width, indices.positions, indices.columns,
+                               *self._angle_table(last_position)),
+                Attention.of_bytes(indices.batch, indices.width, indices.end, indices.seen))
+
+    def _embedded(self, indices: HostIndices) -> torch.Tensor:
+        """``F.embedding`` of ``indices``' tokens, ``[batch, width, hidden]``: each row copied from the
+        table into a buffer of this forward's, kept while calls come in its shape (a step's), so
+        a step makes no tensor for it. The buffer never leaves: the decoder layers consume it (as
+        their residual stream) within the call, and a forward runs one call at a time (its
+        engine's)."""
+        ids, table = indices.ids, self.embed
+        if min(ids) < 0 or max(ids) >= table.shape[0]:
+            raise IndexError(f"token ids outside the embedding's {table.shape[0]} rows")
+        shape = (indices.batch, indices.width, table.shape[1])
+        if self._x is None or self._x.shape != shape:
+            self._x = torch.empty(shape, dtype=table.dtype)
+        size = table.shape[1] * table.element_size()
+        x_at, table_at = self._x.data_ptr(), table.data_ptr()
+        for i, token in enumerate(ids):
+            ctypes.memmove(x_at + i * size, table_at + token * size, size)
+        return self._x
+
+    def _layers_and_head(self, x: torch.Tensor, rope: Rope, attention: Attention, kv: torch.Tensor,
+                         logits_to_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layers in one call, then the head: ``__call__``'s results."""
+        batch, width = rope.batch, rope.width
+        threads = self._threads(batch * width)
+        hidden = self.decoder_layers(x, rope, attention, kv, threads)
+        head = self.head
+        if not isinstance(head, PanelLinear):
+            return head(hidden[:, -logits_to_keep:]).float(), hidden
+        if 0 < logits_to_keep <= width and (batch == 1 or logits_to_keep == width):
+            # The kept columns lie contiguous in hidden: the head reads them in place.
+            first = hidden.data_ptr() + (width - logits_to_keep) * hidden.stride(1) * hidden.element_size()
+            return head.multiply_at(first, (batch, logits_to_keep), threads), hidden
+        return head(hidden[:, -logits_to_keep:], threads), hidden
+
     @torch.inference_mode()
-    def greedy_chain(self, input_ids: torch.Tensor, positions: torch.Tensor, write_columns: torch.Tensor,
-                     kv: torch.Tensor, mask: torch.Tensor, features: torch.Tensor | None, next_positions: list[int],
-                     steps: int, to_token: torch.Tensor | None, first_logits: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def greedy_chain(self, indices: HostIndices, kv: torch.Tensor, features: torch.Tensor | None, steps: int,
+                     to_token: torch.Tensor | None, first_logits: bool = False
+                     ) -> tuple[list[list[int]], torch.Tensor | None]:
         """A greedy draft's proposal in one C call (``chains_natively`` says where): this forward's
-        tokens as ``__call__`` takes them, then ``steps`` more a row, the row's first at
-        ``next_positions[row]``, each fed the token drafted before it (and, where the model fuses
+        tokens as ``on_host`` takes them, then ``steps`` more a row, the row's first at
+        ``indices.ends[row]``, each fed the token drafted before it (and, where the model fuses
         features, the final hidden state before it). Every token is the head's argmax (through
-        ``to_token``), bitwise what ``__call__`` a forward at a time gives. Returns
-        ``[batch, steps + 1]`` token ids, and with ``first_logits`` the float32 logits of each
-        row's first drafted token (else None)."""
-        # Angles up to the last drafted token's position; every fed token sits before next_positions.
-        cos, signed_sin = self._angle_table(torch.tensor([max(next_positions) + steps]))
+        ``to_token``), bitwise what ``__call__`` a forward at a time gives. Returns each row's
+        ``steps + 1`` token ids, and with ``first_logits`` the float32 logits of each row's first
+        drafted token (else None)."""
+        # Angles up to the last drafted token's position; every fed token sits before its row's end.
+        rope, attention = self._host_rope_and_attention(indices, max(indices.ends) + steps)
+        if features is not None and not features.is_contiguous():
+            features = features.contiguous()
         return self.decoder_layers.draft_chain(
-            self.embed, self.fuse, input_ids.contiguous(), None if features is None else features.contiguous(),
-            Rope(positions, write_columns, cos, signed_sin), Attention(mask), kv, next_positions, steps, self.head,
-            to_token, self._threads(input_ids.numel()), first_logits)
+            self.embed, self.fuse, indices.ids, features, rope, attention, kv, indices.ends, steps, self.head,
+            to_token, self._threads(indices.batch * indices.width), first_logits)
+
+    @torch.inference_mode()
+    def on_host(self, indices: HostIndices, kv: torch.Tensor, logits_to_keep: int,
+                features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``__call__`` for a call whose tokens and indices come as ``HostIndices``
+        (``reads_host_indices`` says where): the same results."""
+        # Every fed token's position lies below indices.end.
+        rope, attention = self._host_rope_and_attention(indices, indices.end - 1)
+        x = self._embedded(indices)
+        if self.fuse is not None:
+            x = self.fuse(torch.cat([x, features.to(x.dtype)], dim=-1))
+        return self._layers_and_head(x, rope, attention, kv, logits_to_keep)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, write_columns: torch.Tensor,
@@ -251,14 +314,13 @@ class LlamaForward:
         columns, head_dim]`` (written in place); mask: ``[batch, 1, width, end]``, True where a token
         may attend. Returns float32 logits of the last ``logits_to_keep`` columns and the final
         hidden states ``[batch, width, hidden]``."""
-        batch, width = input_ids.shape
         x = F.embedding(input_ids, self.embed)
         if self.fuse is not None:
             x = self.fuse(torch.cat([x, features.to(x.dtype)], dim=-1))
         end = mask.shape[-1]
         if self.native_layer_ops:
             add_rms_norm, silu_mul = kernel_layers.add_rms_norm, kernel_layers.silu_mul
-            rope = Rope(positions, write_columns, *self._angle_table(positions))
+            rope = Rope(positions, write_columns, *self._angle_table(int(positions.max())))
         else:
             add_rms_norm, silu_mul = _add_rms_norm, _silu_mul
             rope = _TorchRope(*self.rotary(x, positions), write_columns)
@@ -267,12 +329,7 @@ class LlamaForward:
         else:
             attention = functools.partial(self._sdpa, mask=mask.repeat(1, 1, self.folded_groups, 1))
         if self._layers_in_one_call():
-            threads = self._threads(batch * width)
-            hidden = self.decoder_layers(x.contiguous(), rope, attention, kv, threads)
-            head = self.head
-            logits = (head(hidden[:, -logits_to_keep:], threads) if isinstance(head, PanelLinear)
-                      else head(hidden[:, -logits_to_keep:]))
-            return logits.float(), hidden
+            return self._layers_and_head(x.contiguous(), rope, attention, kv, logits_to_keep)
         delta = None  # what the last layer adds to the residual stream x (x is updated in place)
         for i, layer in enumerate(self.layers):
             h = add_rms_norm(x, delta, layer.norm_in, layer.eps)
