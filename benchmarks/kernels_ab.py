@@ -16,14 +16,15 @@ Writes benchmarks/results/<machine>/kernels-ab.json (or ``--out``; ``--variant``
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
-from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -36,19 +37,19 @@ from specbatch.commands import results  # noqa: E402
 from specbatch.engine.batch import SequenceInput  # noqa: E402
 from specbatch.engine.engine import Engine  # noqa: E402
 from specbatch.engine.model_thread import ModelThread  # noqa: E402
-from specbatch.kernels import build, cpu  # noqa: E402
+from specbatch.kernels import build  # noqa: E402
 from specbatch.models.embedded import EMBEDDED  # noqa: E402
 from specbatch.models.loading import ModelSpec, load_model  # noqa: E402
 
+
 def library_at(revision: str, scratch: Path):
-    """The kernels of ``revision``, compiled with this machine's flags and loaded as build._library does."""
-    subprocess.run(f"git -C {ROOT} archive {revision} specbatch/kernels/c | tar -x -C {scratch}", shell=True,
-                   check=True)
-    sources = [str(scratch / "specbatch/kernels/c" / path.name) for path in build.SOURCES]
-    library = scratch / "base.so"
-    subprocess.run([*cpu.c_compiler(), *build.flags(), *sources, "-o", str(library)], check=True)
-    with mock.patch.object(build, "build", lambda *args, **kwargs: library):
-        return build._library.__wrapped__()
+    """The kernels of ``revision``, built with this machine's flags and loaded as the services load theirs."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "specbatch/kernels/c"],
+                             capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(scratch, filter="data")
+    sources = tuple(scratch / "specbatch/kernels/c" / path.name for path in build.SOURCES)
+    return build.load(build.build(scratch, sources=sources))
 
 
 def main(argv=None) -> int:

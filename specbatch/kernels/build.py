@@ -105,13 +105,15 @@ def flags(fp16: bool = True) -> tuple[str, ...]:
             + (VNNI_FLAGS if cpu.has("avx512_vnni") else ()) + (FP16_DOT_FLAGS if fp16 and cpu.has("avx512_fp16") else ()))
 
 
-def build(directory: Path | None = None, build_flags: tuple[str, ...] | None = None) -> Path:
+def build(directory: Path | None = None, build_flags: tuple[str, ...] | None = None,
+          sources: tuple[Path, ...] = SOURCES) -> Path:
     """The compiled library's path, compiling it first if the cache lacks this source's build
-    (with ``build_flags``, default ``flags()``)."""
+    (with ``build_flags``, default ``flags()``; ``sources``: ``SOURCES``, or another tree's copy
+    of them, as benchmarks/kernels_ab.py builds a past revision's)."""
     compiler = c_compiler()
     if compiler is None:
         raise RuntimeError("no C compiler (cc, gcc or clang)")
-    source, build_flags = b"".join(path.read_bytes() for path in SOURCES), build_flags or flags()
+    source, build_flags = b"".join(path.read_bytes() for path in sources), build_flags or flags()
     key = hashlib.sha256(source + " ".join(build_flags).encode()).hexdigest()[:16]
     directory = directory or _cache_dir()
     target = directory / f"specbatch-native-{key}.so"
@@ -121,7 +123,7 @@ def build(directory: Path | None = None, build_flags: tuple[str, ...] | None = N
     with tempfile.TemporaryDirectory(dir=directory) as scratch:
         built = Path(scratch) / target.name
         try:
-            result = subprocess.run([*compiler, *build_flags, *map(str, SOURCES), "-o", str(built)],
+            result = subprocess.run([*compiler, *build_flags, *map(str, sources), "-o", str(built)],
                                     capture_output=True, text=True)
         except OSError as error:  # $CC names no program
             raise RuntimeError(f"{' '.join(compiler)}: {error}") from error
@@ -141,16 +143,22 @@ def _library() -> ctypes.CDLL | None:
         return None
     try:
         try:
-            library = ctypes.CDLL(str(build()))
+            return load(build())
         except RuntimeError as error:
             if flags(fp16=False) == flags():
                 raise
             log.warning("the float16 multiply did not build (%s): building the kernels without it", error)
-            library = ctypes.CDLL(str(build(build_flags=flags(fp16=False))))
+            return load(build(build_flags=flags(fp16=False)))
     except (OSError, RuntimeError) as error:
         log.warning("the float32 kernels are unavailable (%s): float32 linear layers run on oneDNN, "
                     "attention on PyTorch's SDPA", error)
         return None
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library, its entry points' argument types set (``_library``'s, or a second build's
+    beside it)."""
+    library = ctypes.CDLL(str(path))
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     # Every form's multiply is reached through decoder.c's one entry, by a PanelLinear's _LinearArgs.
     library.panel_linear_multiply.argtypes = [pointer, pointer, size, pointer, ctypes.c_int]
