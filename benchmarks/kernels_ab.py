@@ -10,6 +10,10 @@ logits must be bitwise equal, or the run stops: a kernel change may move time, n
 
     .venv/bin/python benchmarks/kernels_ab.py [--base REV] [--new 1,2,3] [--rounds 200] [--context 128]
 
+``--ordinary-pages``: the same kernels on both sides; the base reads a copy of the packed weights
+in ordinary 4 KB pages, the new side the weights where the engine placed them (specbatch/kernels/
+pages.py: memory backed by 2 MB pages where the OS allows).
+
 Writes benchmarks/results/<machine>/kernels-ab.json (or ``--out``; ``--variant`` names runs apart).
 """
 
@@ -52,6 +56,26 @@ def library_at(revision: str, scratch: Path):
     return build.load(build.build(scratch, sources=sources))
 
 
+def ordinary_copies(forward) -> dict:
+    """{address of a packed weight: a copy of it in ordinary pages}, for every linear layer."""
+    from specbatch.commands.bench.engine import _panels
+
+    return {linear.panels.data_ptr(): torch.empty_like(linear.panels).copy_(linear.panels)
+            for linear in _panels(forward)}
+
+
+def point_weights(forward, moved: dict) -> None:
+    """Point every linear layer's kernel arguments (its own and the decoder layers' copies of them)
+    at the weights ``moved`` maps their present address to."""
+    from specbatch.commands.bench.engine import _panels
+
+    arguments = [linear.args for linear in _panels(forward)]
+    arguments += [getattr(layer, part) for layer in forward.decoder_layers._layers
+                  for part in ("qkv", "o", "gate_up", "down")]
+    for argument in arguments:
+        argument.packed = moved.get(argument.packed, argument.packed)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="HEAD", help="the git revision whose kernels are the baseline")
@@ -59,6 +83,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--context", type=int, default=128, help="tokens cached before each verify")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--ordinary-pages", action="store_true",
+                        help="base: this tree's kernels on a copy of the weights in ordinary pages")
     results.add_output_flags(parser, "kernels-ab")
     args = parser.parse_args(argv)
     from target_service.verifier import VerifyItem
@@ -72,12 +98,21 @@ def main(argv=None) -> int:
                         model_thread=thread)
         engine.forward.wide_threads = args.threads
         engine.prefill([SequenceInput("ab", 0, [100 + t % 1000 for t in range(args.context)])])
+        if args.ordinary_pages:
+            return engine, weights, {"base": build._library(), "new": build._library()}
         scratch = Path(tempfile.mkdtemp(prefix="kernels-ab-"))
         return engine, weights, {"base": library_at(args.base, scratch), "new": build._library()}
 
     engine, weights, libraries = thread.submit(setup).result()
+    weights_at = {"new": None, "base": None}
+    if args.ordinary_pages:
+        weights_at = {"new": {}, "base": {}, "copies": ordinary_copies(engine.forward)}
+        for placed, copy in weights_at["copies"].items():
+            weights_at["new"][copy.data_ptr()], weights_at["base"][placed] = placed, copy.data_ptr()
 
-    def step(library, items):
+    def step(library, items, name):
+        if weights_at[name]:
+            point_weights(engine.forward, weights_at[name])
         engine.forward.decoder_layers._library = library
         engine.forward.head._multiply = library.panel_linear_multiply
         start = time.perf_counter()
@@ -93,7 +128,7 @@ def main(argv=None) -> int:
             order = ("base", "new") if round_ % 2 == 0 else ("new", "base")
             out = {}
             for name in order:
-                seconds, out[name] = step(libraries[name], items)
+                seconds, out[name] = step(libraries[name], items, name)
                 if round_ >= 5:
                     times[name].append(seconds)
             if not torch.equal(out["base"], out["new"]):
@@ -108,8 +143,9 @@ def main(argv=None) -> int:
         row = thread.submit(measure, new).result()
         rows.append(row)
         print(f"| {new} | {row['base_ms']:.2f} | {row['new_ms']:.2f} | {row['paired_ratio']:.3f} |")
-    results.write("kernels-ab", {"base": subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.base],
-                                                        capture_output=True, text=True).stdout.strip(),
+    base = ("ordinary-pages" if args.ordinary_pages else
+            subprocess.run(["git", "-C", str(ROOT), "rev-parse", args.base], capture_output=True, text=True).stdout.strip())
+    results.write("kernels-ab", {"base": base,
                                  "weights": weights, "context": args.context, "rounds": args.rounds,
                                  "threads": args.threads, "rows": rows}, args.out, args.variant)
     return 0

@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from specbatch.kernels import build
+from specbatch.kernels import build, pages
 
 # Where each output feature of a panel lies among the panel's 16 bf16 at one k: the order in which
 # panel_sgemm.c's LOAD_BF16 widens them back to features 0-15 (interleaving within 128-bit lanes).
@@ -68,6 +68,7 @@ class PanelLinear:
             self._init_q8_0(weight, bias)
         else:
             self._init_panels(weight, bias)
+        self.panels = pages.place(self.panels)
         # What the kernel reads of this layer (decoder.c's panel_linear), made once: the tensors it
         # points into live as long as the layer.
         self.args = _LinearArgs.of(self)
