@@ -140,6 +140,11 @@ class Goodput:
         self.leaf_ranks = LeafRanks(max_leaves, half_life)
         self._profile = None
         self._chosen: dict[int, tuple[int, int]] = {}  # batch size -> (k, leaves), until the next observation
+        # goodput:live prices every (k, leaves) afresh only every few served steps: its step times are
+        # medians of windows of 32 and its rates moving averages of 64, so a choice priced a few steps
+        # ago is the same choice, and pricing them all was most of the coordinator's work in a step.
+        self.reprice_every = 4
+        self._priced: dict[int, tuple[int, tuple[int, int]]] = {}  # batch size -> (timed step, best (k, leaves))
         self._sync()
 
     def _sync(self):
@@ -149,6 +154,7 @@ class Goodput:
             self.acceptance = LiveAcceptance(profile.acceptance_by_position[: self.max_k], self.half_life)
             self.times = LiveStepTimes(profile) if self.live_times else profile
             self._chosen.clear()
+            self._priced.clear()
         return profile
 
     def acceptance_by_position(self) -> list[float]:
@@ -186,7 +192,10 @@ class Goodput:
     def _choice(self, batch_size: int) -> tuple[int, int]:
         profile = self._sync()
         if batch_size not in self._chosen:
-            choice = self._best(batch_size, self.acceptance.rates)
+            priced = self._priced.get(batch_size)
+            if not self.live_times or priced is None or self.timed_steps - priced[0] >= self.reprice_every:
+                priced = self._priced[batch_size] = (self.timed_steps, self._best(batch_size, self.acceptance.rates))
+            choice = priced[1]
             if choice[0] == 0 and self.idle_steps >= self.probe_every:
                 # a probe (0 where drafting never pays)
                 choice = self._best(batch_size, profile.acceptance_by_position)
@@ -215,11 +224,14 @@ class Goodput:
         faster or slower machine (or in another spell of this one) is corrected within a few
         windows, not the hundreds of steps one probe a window takes."""
         most, times = min(self._profile.max_k, self.max_k), self.times
+        position = self.timed_steps % self.probe_every
+        back_to_back = self.probe_every - min(times.trusted, self.probe_every // 2)  # where a window's probes start
+        if position < back_to_back:
+            return None
         neighbours = self._worth_probing(batch_size, choice,
                                          [k for k in (0, choice[0] - 1, choice[0] + 1) if 0 <= k <= most])
-        position = self.timed_steps % self.probe_every
         untrusted = [k for k in neighbours if times.measured(batch_size, k) < times.trusted]
-        if untrusted and position >= self.probe_every - min(times.trusted, self.probe_every // 2):
+        if untrusted:
             # the one nearest trusted first (back-to-back probes finish it), then the smaller k
             return min(untrusted, key=lambda k: (-times.measured(batch_size, k), k))
         if neighbours and position == self.probe_every - 1:

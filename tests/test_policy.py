@@ -254,6 +254,31 @@ def test_goodput_live_drafts_more_once_served_steps_prove_cheaper_than_profiled(
     assert static.k_for(4) == 2
 
 
+def test_goodput_live_prices_its_choices_every_few_steps_and_plain_goodput_every_step(tmp_path, monkeypatch):
+    """Pricing every (k, leaves) was most of a step's work in the coordinator: goodput:live reprices
+    once every ``reprice_every`` served steps (and when the batch size is new to it), plain goodput,
+    whose prices move only with acceptance, at every step."""
+    live = Goodput(watched(tmp_path, synthetic_profile(gpu_like, HIGH)), max_k=6, live_times=True)
+    static = Goodput(watched(tmp_path, synthetic_profile(gpu_like, HIGH)), max_k=6)
+    priced = {id(live): 0, id(static): 0}
+    for policy in (live, static):
+        best = policy._best
+
+        def counted(batch_size, acceptance, policy=policy, best=best):
+            priced[id(policy)] += 1
+            return best(batch_size, acceptance)
+
+        monkeypatch.setattr(policy, "_best", counted)
+    for step in range(12):
+        for policy in (live, static):
+            k = policy.k_for(2)
+            policy.observe([(k, 1)] * 2)
+            policy.observe_times(StepTimes(2, 2, k, k, 1.0 * k, 10.0 + k, 12.0 + 2 * k))
+    assert priced[id(live)] == 12 // live.reprice_every and priced[id(static)] == 12
+    live.k_for(4)  # a batch size it has not priced
+    assert priced[id(live)] == 12 // live.reprice_every + 1
+
+
 def test_goodput_live_probes_only_neighbours_priced_near_the_best(tmp_path):
     """At batch 32 on gpu_like times, k = 1 costs 1.7x a k = 0 step. Where drafts are seldom
     accepted it yields 0.65 of k = 0's tokens per ms, and a probe of it costs more than it could
