@@ -64,16 +64,12 @@ def ordinary_copies(forward) -> dict:
             for linear in _panels(forward)}
 
 
-def point_weights(forward, moved: dict) -> None:
-    """Point every linear layer's kernel arguments (its own and the decoder layers' copies of them)
-    at the weights ``moved`` maps their present address to."""
+def kernel_arguments(forward) -> list:
+    """Every linear layer's kernel arguments: its own, and the decoder layers' copies of them."""
     from specbatch.commands.bench.engine import _panels
 
-    arguments = [linear.args for linear in _panels(forward)]
-    arguments += [getattr(layer, part) for layer in forward.decoder_layers._layers
-                  for part in ("qkv", "o", "gate_up", "down")]
-    for argument in arguments:
-        argument.packed = moved.get(argument.packed, argument.packed)
+    return [linear.args for linear in _panels(forward)] + [
+        getattr(layer, part) for layer in forward.decoder_layers._layers for part in ("qkv", "o", "gate_up", "down")]
 
 
 def main(argv=None) -> int:
@@ -104,15 +100,15 @@ def main(argv=None) -> int:
         return engine, weights, {"base": library_at(args.base, scratch), "new": build._library()}
 
     engine, weights, libraries = thread.submit(setup).result()
-    weights_at = {"new": None, "base": None}
-    if args.ordinary_pages:
-        weights_at = {"new": {}, "base": {}, "copies": ordinary_copies(engine.forward)}
-        for placed, copy in weights_at["copies"].items():
-            weights_at["new"][copy.data_ptr()], weights_at["base"][placed] = placed, copy.data_ptr()
+    # --ordinary-pages: each side points the kernels at its own copy of the weights (address -> address).
+    copies = ordinary_copies(engine.forward) if args.ordinary_pages else {}
+    moves = {"base": {placed: copy.data_ptr() for placed, copy in copies.items()},
+             "new": {copy.data_ptr(): placed for placed, copy in copies.items()}}
+    arguments = kernel_arguments(engine.forward) if copies else []
 
     def step(library, items, name):
-        if weights_at[name]:
-            point_weights(engine.forward, weights_at[name])
+        for argument in arguments:
+            argument.packed = moves[name].get(argument.packed, argument.packed)
         engine.forward.decoder_layers._library = library
         engine.forward.head._multiply = library.panel_linear_multiply
         start = time.perf_counter()
