@@ -194,22 +194,28 @@ class TargetClient(ServiceClient):
     def verify(self, calls: list[Call], drafts: list[list[int]], sampling: list[SamplingParams],
                create: bool = False, return_features: bool = False,
                distributions: list | None = None, leaves: list | None = None,
-               timeout: float | None = None, propose_next: list | None = None) -> pb.VerifyResponse:
+               timeout: float | None = None, propose_next: list | None = None, further: list | None = None,
+               further_steps: int = 0) -> pb.VerifyResponse:
         """``distributions``: per sequence, the draft's q' of each draft token (the Proposal's
         DraftDistribution messages, passed through untouched); needed where sampling is not greedy.
         ``leaves``: per sequence, the leaves to verify at each of its first drafted positions.
         ``propose_next``: per sequence, None or (k, leaves, the draft's Call) for a target that
-        hosts the draft: it drafts the next step after the verdict (Verdict.proposal)."""
+        hosts the draft: it drafts the next step after the verdict (Verdict.proposal). ``further``:
+        per sequence, None or (max_tokens, room, stop token ids) for its part in up to
+        ``further_steps`` more steps in this call (FurtherSteps; VerifyResponse.further_steps)."""
         distributions = distributions or [()] * len(calls)
         leaves = leaves or [()] * len(calls)
         propose_next = propose_next or [None] * len(calls)
+        further = further or [None] * len(calls)
         items = [pb.VerifyItem(sequence=_seq(c), draft_tokens=d, sampling=_sampling_to_proto(s), draft_distributions=q,
                                leaves=[pb.Leaves(tokens=tokens) for tokens in at],
                                propose_next=None if n is None else pb.ProposeNext(k=n[0], leaves=n[1],
-                                                                                 draft=_seq(n[2])))
-                 for c, d, s, q, at, n in zip(calls, drafts, sampling, distributions, leaves, propose_next)]
-        return self._call("Verify", pb.VerifyRequest(items=items, create=create,
-                                                             return_features=return_features), timeout)
+                                                                                 draft=_seq(n[2])),
+                               further=None if f is None else pb.FurtherSteps(max_tokens=f[0], room=f[1],
+                                                                               stop_token_ids=f[2]))
+                 for c, d, s, q, at, n, f in zip(calls, drafts, sampling, distributions, leaves, propose_next, further)]
+        return self._call("Verify", pb.VerifyRequest(items=items, create=create, return_features=return_features,
+                                                     further_steps=further_steps), timeout)
 
 
 class DraftClient(ServiceClient):

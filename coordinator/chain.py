@@ -26,6 +26,7 @@ class Chain:
     request: Request
     k: int  # the most tokens it drafts this step (0: target-only)
     room: int  # the most any proposer may draft for it (``room``)
+    chosen: int = 0  # the k chosen for it (the policy's or its own), before ``room`` cut it
     # What the policy allows beside a chain from the draft: next-best tokens the draft proposes at
     # the first drafted position, and how many of those the target verifies.
     leaves: int = 0
@@ -41,6 +42,9 @@ class Chain:
     # Where the draft is hosted in the target's process: the tokens it drafts for the next step
     # inside this step's Verify, after the verdict (0: none).
     next_k: int = 0
+    # Its part in the Verify's further steps: (the tokens it may still generate, the positions its
+    # context has left, its stop token ids); None: this step only.
+    further: tuple[int, int, list[int]] | None = None
     verdict: object | None = None  # the target's (specbatch.v1.Verdict); None: its replica failed
 
     def found(self, tokens: list[int], source: str) -> None:

@@ -65,7 +65,7 @@ class AheadProposer:
                     continue
                 chain.source, chain.tokens, chain.distributions = None, [], []
             if chain.source is None:
-                _fill_from(chain, ahead)
+                fill_from(chain, ahead)
         return 0.0
 
 
@@ -140,7 +140,7 @@ def _ahead(request: Request):
     return ahead if ahead is not None and request.ahead_at == len(request.history) and ahead.tokens else None
 
 
-def _fill_from(chain: Chain, ahead) -> None:
+def fill_from(chain: Chain, ahead) -> None:
     """The chain's drafts from a proposal made ahead (``_ahead``), cut to its k."""
     k = min(chain.k, len(ahead.tokens))
     chain.tokens, chain.distributions = list(ahead.tokens[:k]), list(ahead.distributions[:k])

@@ -157,7 +157,7 @@ class Scheduler:
                 if self.running:
                     if all(r.finish is not None for r in self.running):
                         continue  # they ended with their prefill's token (one asked, or a stop): retire them
-                    if not self.step():  # no target replica for any of them: the batch waits for one
+                    if not self.step(self._further_steps()):  # no target replica for any of them: the batch waits
                         self.stopping.wait(0.05)
                 elif self.prefilling:
                     if not self.services.target_replicas.healthy():
@@ -360,17 +360,26 @@ class Scheduler:
 
     # ---- a decode step -----------------------------------------------------------------------------
 
-    def step(self) -> StepStats | None:
-        """One propose → verify → accept step over every request that has a target replica: what
-        it did, as the totals and the metrics count it. None when no request has a target
-        replica (every one is down)."""
+    def step(self, further_steps: int = 0) -> StepStats | None:
+        """One propose → verify → accept step over every request that has a target replica, and up
+        to ``further_steps`` more in the same Verify where the batch allows them (coordinator/step.py):
+        what the first did (every step is counted in the totals and the metrics). None when no
+        request has a target replica (every one is down)."""
         batch = [r for r in self.running if r.finish is None and self.services.place(r)]
         if not batch:
             return None
-        stats = self.decode.run(batch)
-        self.totals.add(stats)
-        if self.metrics:
-            self.metrics.observe_step(stats)
-            if self.decode.per_replica:
-                self.metrics.set_replica_k(self.decode.policy.chosen)
-        return stats
+        steps = self.decode.run(batch, further_steps)
+        for stats in steps:
+            self.totals.add(stats)
+            if self.metrics:
+                self.metrics.observe_step(stats)
+        if self.metrics and self.decode.per_replica:
+            self.metrics.set_replica_k(self.decode.policy.chosen)
+        return steps[0]
+
+    def _further_steps(self) -> int:
+        """The further steps a Verify may run now: none while a request waits for a slot or for its
+        prefill (it would wait for all of them), else what --steps-per-call allows."""
+        if self.waiting or self.prefilling:
+            return 0
+        return self.decode.speculation.steps_per_call - 1

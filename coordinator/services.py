@@ -75,6 +75,8 @@ class Services:
         # The last step's drafting inside its Verify calls per target replica (a draft hosted in its
         # process), compute seconds: the draft's, though no Propose was made.
         self.ahead_compute: dict[Replica, float] = {}
+        # The last Verify's further steps per target replica (VerifyResponse.further_steps).
+        self.further: dict[Replica, list] = {}
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
@@ -254,10 +256,12 @@ class Services:
         for request in group:
             request.draft_len = 0
 
-    def verify(self, chains: list[Chain]) -> tuple[list, float]:
+    def verify(self, chains: list[Chain], further_steps: int = 0) -> tuple[list, float]:
         """The target's verdict on each chain (its drafts and leaves), one Verify per target
         replica, at once: None where the replica failed (its requests move) or lost them (they are
-        re-prefilled next step). And the target's compute seconds (the slowest replica's)."""
+        re-prefilled next step). And the target's compute seconds (the slowest replica's). With
+        ``further_steps``, the chains with ``further`` set may run that many more steps in the
+        same call: their verdicts are in ``self.further``, per replica."""
         requests = [chain.request for chain in chains]
 
         def verify_on(replica: Replica, idx: list[int]):
@@ -266,26 +270,30 @@ class Services:
                      for c in group]
             started = time.perf_counter()
             try:
-                reply = self._verify_on(replica, [c.request for c in group], calls, group)
+                reply = self._verify_on(replica, [c.request for c in group], calls, group,
+                                        further_steps=further_steps)
                 self.ahead_compute[replica] = reply.draft_compute_seconds
+                if further_steps:
+                    self.further[replica] = list(reply.further_steps)
                 return reply
             finally:
                 self.verify_ms[replica] = 1e3 * (time.perf_counter() - started)
 
-        self.verify_ms, self.ahead_compute = {}, {}
+        self.verify_ms, self.ahead_compute, self.further = {}, {}, {}
         return self._each(requests, by_replica(requests, "target"), verify_on, "verdicts", self._verify_failed)
 
     def _verify_on(self, replica: Replica, group: list[Request], calls: list[Call], chains: list[Chain] | None = None,
-                   timeout: float | None = None):
+                   timeout: float | None = None, further_steps: int = 0):
         """One Verify of ``calls``: with the chains' drafts and leaves, or without any (a prefill);
         where the draft is hosted in the target's process, with the next step's drafting asked."""
+        further = {"further": [c.further for c in chains], "further_steps": further_steps} if further_steps else {}
         return replica.client.verify(
             calls, [c.tokens for c in chains] if chains else [[] for _ in group], [r.sampling for r in group],
             create=any(r.target_len == 0 for r in group), return_features=self.reads_features,
             distributions=[c.distributions for c in chains] if chains else None,
             leaves=[c.leaves_to_verify for c in chains] if chains else None,
             timeout=call_timeout(group, replica.client.timeout)[0] if timeout is None else timeout,
-            propose_next=[_propose_next(c) for c in chains] if chains else None)
+            propose_next=[_propose_next(c) for c in chains] if chains else None, **further)
 
     def _verify_failed(self, replica: Replica, group: list[Request], error: grpc.RpcError) -> None:
         log.warning("verify on %s failed: %s %s", replica.address, error.code().name, error.details())

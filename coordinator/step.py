@@ -25,9 +25,11 @@ from .proposers import (
     PromptLookupProposer,
     Proposer,
     SharedLookupProposer,
+    fill_from,
     prefers_draft,
 )
 from .requests import Request
+from .services import hosted_draft
 from .stats import StepStats
 from .step_times import StepTimes
 
@@ -48,8 +50,10 @@ class DecodeStep:
         self.draft = DraftProposer(services)
         self.drafted_last = False  # whether the step before this one speculated (any k > 0)
 
-    def run(self, batch: list[Request]) -> StepStats:
-        """One propose -> verify -> accept step over ``batch`` (every request placed on a target)."""
+    def run(self, batch: list[Request], further_steps: int = 0) -> list[StepStats]:
+        """One propose -> verify -> accept step over ``batch`` (every request placed on a target),
+        and up to ``further_steps`` more in its Verify where every request keeps its k
+        (``_goes_further``): the stats of each step run."""
         start = time.perf_counter()
         # A policy per target replica chooses for its replica's share of the batch.
         shares = Counter(request.target_replica for request in batch) if self.per_replica else None
@@ -69,8 +73,18 @@ class DecodeStep:
             chain.next_k = 0 if lookup_leads or not self.drafted_last else min(
                 chain.k, max(self.max_context - len(chain.request.history) - len(chain.tokens) - 2, 0))
         self.drafted_last = speculating
+        further_steps = further_steps if all(self._goes_further(chain) for chain in chains) else 0
+        for chain in chains:
+            chain.request.last_k = chain.chosen
+            if further_steps:
+                chain.further = self._further(chain.request)
         drafted = time.perf_counter()
-        verdicts, target_compute = self.services.verify(chains)
+        verdicts, target_compute = self.services.verify(chains, further_steps)
+        # The further steps' compute, off the first step's times (replicas side by side: the slowest).
+        further = self.services.further
+        further_seconds = {replica: sum(s.compute_seconds + s.draft_compute_seconds for s in steps)
+                           for replica, steps in further.items()}
+        later = max(further_seconds.values(), default=0.0)
         # A hosted draft drafted the next step inside the Verify (replicas side by side: the
         # slowest): its time is the draft's part of the step, not the target's (so that a verify
         # row, a leaf's price, is the target's own).
@@ -79,26 +93,86 @@ class DecodeStep:
         draft_compute += slowest
         for chain, verdict in zip(chains, verdicts):
             chain.verdict = verdict
-        verified = time.perf_counter()
+        verified = time.perf_counter() - later
         parts = self._parts(chains)
         tallies = {replica: accept(part) for replica, part in parts.items()}
         for replica, tally in tallies.items():
             self._learn(self.policy_of(replica), tally)
         tally = Tally.joined(list(tallies.values()))
-        ended = time.perf_counter()
+        ended = time.perf_counter() - later
         verify_wall = 1e3 * (verified - drafted)
+        beyond_calls = 0.0  # the step's time outside its calls, as a policy prices every step
         for replica, part in parts.items():
             if tallies[replica].ks:  # what the step's parts took, for a policy that learns step times
                 # (its replica's own Verify under PerReplica; else, replica None, the step's). The
                 # step as its replica's: another replica's slower Verify, waited for side by side,
                 # is not this one's time outside its calls.
-                call_ms = self.services.verify_ms.get(replica, verify_wall)
+                call_ms = self.services.verify_ms.get(replica, verify_wall) - 1e3 * further_seconds.get(replica, later)
                 ahead_ms = 1e3 * ahead.get(replica, slowest)
-                self.policy_of(replica).observe_times(_step_times(
-                    part, 1e3 * (drafted - proposing) + ahead_ms, call_ms - ahead_ms,
-                    1e3 * (ended - start) - verify_wall + call_ms))
-        return tally.stats(drafted - start + slowest, verified - drafted - slowest, ended - start, draft_compute,
-                           target_compute)
+                times = _step_times(part, 1e3 * (drafted - proposing) + ahead_ms, call_ms - ahead_ms,
+                                    1e3 * (ended - start) - verify_wall + call_ms)
+                beyond_calls = times.step_ms - times.draft_ms - times.target_ms
+                self.policy_of(replica).observe_times(times)
+        first = tally.stats(drafted - start + slowest, verified - drafted - slowest, ended - start, draft_compute,
+                            target_compute)
+        return [first, *self._further_steps(chains, further, beyond_calls)]
+
+    def _goes_further(self, chain: Chain) -> bool:
+        """Whether the chain's request may go on in this Verify's further steps: the k chosen for it
+        is its last step's, and it drafts nothing (k = 0) or drafts with a draft hosted in the
+        target's process that proposes its next chain of k in each step (coordinator/services.py).
+        (Where its k is cut to what it can still use, the target stops it as a call a step would
+        cut it: target_service/further.py.)"""
+        request = chain.request
+        if chain.chosen != request.last_k:
+            return False
+        if not chain.k:
+            return chain.source is None
+        return chain.source == DRAFT and chain.next_k == chain.k and hosted_draft(request)
+
+    def _further(self, request: Request) -> tuple[int, int, list[int]] | None:
+        """(the tokens the request may still generate, what its context still holds, its stop
+        tokens): how far it may go in the call's further steps (FurtherSteps)."""
+        most, room = request.max_new_tokens - request.generated, self.max_context - len(request.history)
+        return (most, room, sorted(request.stop_token_ids)) if most >= 1 and room >= 1 else None
+
+    def _further_steps(self, chains: list[Chain], further: dict, beyond_calls: float) -> list[StepStats]:
+        """The further steps' verdicts applied in order, as steps of their own: each request's chain
+        is the proposal its last verdict carried (the drafts the target verified), with the first
+        step's leaves. A request that finished on the way takes no more. ``beyond_calls``: the first
+        step's time outside its calls, which the policy is told each step costs (it prices steps
+        made one a call)."""
+        out = []
+        for index in range(max((len(steps) for steps in further.values()), default=0)):
+            started = time.perf_counter()
+            steps = [steps[index] for steps in further.values() if index < len(steps)]
+            verdicts = {verdict.seq_id: verdict for step in steps for verdict in step.verdicts}
+            target = max(step.compute_seconds for step in steps)
+            draft = max(step.draft_compute_seconds for step in steps)
+            stepped = []
+            for first in chains:
+                request = first.request
+                verdict = verdicts.get(request.seq_id)
+                if verdict is None or request.finish is not None:
+                    continue
+                chain = Chain(request, 0, room(request, self.max_context), verdict=verdict)
+                if first.k:
+                    chain.k = len(request.ahead.tokens)
+                    fill_from(chain, request.ahead)
+                    chain.leaves = first.leaves
+                    chain.verified_leaves = len(first.leaves_to_verify[0]) if first.leaves_to_verify else 0
+                stepped.append(chain)
+            parts = self._parts(stepped)
+            tallies = {replica: accept(part) for replica, part in parts.items()}
+            for replica, tally in tallies.items():
+                policy = self.policy_of(replica)
+                self._learn(policy, tally)
+                if tally.ks:
+                    policy.observe_times(_step_times(parts[replica], 1e3 * draft, 1e3 * target,
+                                                     1e3 * (draft + target) + beyond_calls))
+            tally = Tally.joined(list(tallies.values()))
+            out.append(tally.stats(draft, target, draft + target + time.perf_counter() - started, draft, target))
+        return out
 
     @property
     def per_replica(self) -> bool:
@@ -121,20 +195,26 @@ class DecodeStep:
         """What the policy allows ``request`` this step: its k and, should the draft propose for
         it, the leaves beside the first draft. ``batch_size``: the sequences its policy prices
         the step for."""
-        chain = Chain(request, self.k_for(request, batch_size), room(request, self.max_context))
+        chosen = self.chosen_k(request, batch_size)
+        most = room(request, self.max_context)
+        chain = Chain(request, min(chosen, most), most, chosen=chosen)
         chain.leaves, chain.verified_leaves = self.leaves_for(request, chain.k, batch_size)
         return chain
 
     def k_for(self, request: Request, batch_size: int) -> int:
-        """The k this request drafts this step: its own fixed k or the policy's, within its limits.
-        Greedy and sampled requests alike (sampled ones are verified by rejection sampling)."""
+        """The k this request drafts this step: the one chosen, within what it can still use."""
+        return min(self.chosen_k(request, batch_size), room(request, self.max_context))
+
+    def chosen_k(self, request: Request, batch_size: int) -> int:
+        """The k chosen for this request this step: its own fixed k or the policy's (its chain
+        drafts at most what it can still use of it). Greedy and sampled requests alike (sampled
+        ones are verified by rejection sampling)."""
         if request.fixed_k is not None:
-            k = request.fixed_k
-        else:
-            k = self.policy_of(request.target_replica).k_for(batch_size)
-            if self.per_replica:
-                self.policy.chosen[request.target_replica] = k
-        return min(k, room(request, self.max_context))
+            return request.fixed_k
+        k = self.policy_of(request.target_replica).k_for(batch_size)
+        if self.per_replica:
+            self.policy.chosen[request.target_replica] = k
+        return k
 
     def leaves_for(self, request: Request, k: int, batch_size: int) -> tuple[int, int]:
         """For a request drafting k: how many next-best tokens the draft proposes at the first

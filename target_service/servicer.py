@@ -22,7 +22,7 @@ from specbatch.service.servicer import (
 from specbatch.v1 import model_services_pb2 as pb
 from specbatch.v1 import model_services_pb2_grpc as pb_grpc
 
-from . import drafting
+from . import drafting, further
 from .drafting import NextDraft
 from .verifier import VerifyItem, check, verify
 
@@ -69,26 +69,43 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
                             [list(at.tokens) for at in item.leaves])
                  for seq, item in zip(seqs, request.items)]
         nexts = [self._next_draft(item) for item in request.items]
+        furthers = [further.Further(item.further.max_tokens, item.further.room, frozenset(item.further.stop_token_ids))
+                    if item.HasField("further") else None for item in request.items]
         check(items)  # before the call waits for the model
-        if not any(nexts):
-            verdicts, seconds = self.observed("Verify", len(items), verify, self.engine, items, request.create,
-                                              request.return_features, self.emulated)
-            proposals, draft_seconds = [None] * len(items), 0.0
-        else:
-            (verdicts, proposals, draft_seconds), seconds = self.observed(
-                "Verify", len(items), self._verify_and_propose, items, nexts, request.create,
-                request.return_features)
+        further.check(request.further_steps, furthers)
+        steps = request.further_steps if any(furthers) else 0
+
+        def call():  # on the model thread, every step of the call: no call between them
+            first = further.Step(list(range(len(items))), items,
+                                 *self._step(items, nexts, request.create, request.return_features))
+            return [first, *further.run(lambda i, n: self._step(i, n, False, request.return_features),
+                                        self._draft_length, items, nexts, furthers, first, steps)]
+
+        done, _ = self.timed(call)
+        if self.metrics is not None:  # each step as a call of its own would be
+            for step in done:
+                self.metrics.observe_call("Verify", len(step.items), step.seconds + step.draft_seconds)
+        first, *more = (self._step_to_proto(step, request.return_features) for step in done)
+        first.further_steps.extend(pb.StepVerdicts(verdicts=reply.verdicts, compute_seconds=reply.compute_seconds,
+                                                   draft_compute_seconds=reply.draft_compute_seconds)
+                                   for reply in more)
+        return first
+
+    def _step_to_proto(self, step: further.Step, return_features: bool) -> pb.VerifyResponse:
         return pb.VerifyResponse(
             verdicts=[
                 pb.Verdict(seq_id=item.seq.seq_id, accepted=v.accepted, next_token=v.next_token, cached_len=v.cached_len,
-                           features=features_to_bytes(v.features) if request.return_features else b"", leaf=v.leaf,
+                           features=features_to_bytes(v.features) if return_features else b"", leaf=v.leaf,
                            proposal=None if p is None else proposal_to_proto(item.seq.seq_id, p,
                                                                              self.draft.length(item.seq.seq_id)))
-                for item, v, p in zip(items, verdicts, proposals)
+                for item, v, p in zip(step.items, step.verdicts, step.proposals)
             ],
-            compute_seconds=seconds - draft_seconds,
-            draft_compute_seconds=draft_seconds,
+            compute_seconds=step.seconds,
+            draft_compute_seconds=step.draft_seconds,
         )
+
+    def _draft_length(self, seq_id: str) -> int:
+        return self.draft.length(seq_id)
 
     def _next_draft(self, item) -> NextDraft | None:
         """A Verify item's propose_next, checked on the calling thread (None: not asked)."""
@@ -106,16 +123,19 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
         return NextDraft(item.propose_next.k, SequenceInput(seq_id, message.keep_len, list(message.tokens), features),
                          list(item.propose_next.leaves))
 
-    def _verify_and_propose(self, items: list[VerifyItem], nexts: list[NextDraft | None], create: bool,
-                            return_features: bool):
-        """On the model thread: the draft's part checked, the Verify, then the hosted draft's
-        proposals (with the target's features of this forward, whether or not they are returned)."""
-        drafting.check(self.draft, items, nexts)
-        verdicts = verify(self.engine, items, create, return_features or bool(self.draft.feature_size),
-                          self.emulated)
+    def _step(self, items: list[VerifyItem], nexts: list[NextDraft | None], create: bool, return_features: bool):
+        """On the model thread, one step: the draft's part checked, the Verify, then the hosted
+        draft's proposals where asked (with the target's features of this forward, whether or not
+        they are returned). Returns (verdicts, proposals, target seconds, draft seconds)."""
         started = time.perf_counter()
-        proposals = drafting.propose_after(self.draft, items, verdicts, nexts)
-        return verdicts, proposals, time.perf_counter() - started
+        drafting_asked = any(nexts)
+        if drafting_asked:
+            drafting.check(self.draft, items, nexts)
+        verdicts = verify(self.engine, items, create,
+                          return_features or (drafting_asked and bool(self.draft.feature_size)), self.emulated)
+        verified = time.perf_counter()
+        proposals = drafting.propose_after(self.draft, items, verdicts, nexts) if drafting_asked else [None] * len(items)
+        return verdicts, proposals, verified - started, time.perf_counter() - verified
 
     def CacheStats(self, request, context):
         stats = super().CacheStats(request, context)

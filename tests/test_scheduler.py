@@ -44,7 +44,7 @@ class FakeTarget(FakeClient):
         self.released: list[str] = []
 
     def verify(self, calls, drafts, sampling, create=False, return_features=False, distributions=(), leaves=(),
-               timeout=None, propose_next=None):
+               timeout=None, propose_next=None, further=None, further_steps=0):
         if self.down:
             raise Unreachable()
         self.calls.append(calls)
@@ -58,7 +58,8 @@ class FakeTarget(FakeClient):
             verdicts.append(SimpleNamespace(accepted=accepted, next_token=next_token, features=b"",
                                             cached_len=call.keep_len + len(call.tokens) + accepted,
                                             HasField=lambda name: False))  # no leaf kept
-        return SimpleNamespace(verdicts=verdicts, compute_seconds=0.001, draft_compute_seconds=0.0)
+        # A target that runs no further steps (they are "up to"): each call is one step.
+        return SimpleNamespace(verdicts=verdicts, compute_seconds=0.001, draft_compute_seconds=0.0, further_steps=[])
 
     def release(self, seq_ids, timeout=None):
         self.released.extend(seq_ids)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specbatch.protocol.emulation import parse_rates
-from specbatch.protocol.speculation import MAX_K, MAX_LEAVES
+from specbatch.protocol.speculation import MAX_FURTHER_STEPS, MAX_K, MAX_LEAVES
 
 TARGET, DRAFT, COORDINATOR, UP = "target", "draft", "coordinator", "up"
 SERVICES = frozenset({TARGET, DRAFT})
@@ -161,6 +161,11 @@ OPTIONS: tuple[Option, ...] = (
            "history has no match, draft from them (0: off; a request's speed then depends on what others sent: "
            "docs/operations.md)", default=0, type=int, programs=frozenset({COORDINATOR, UP}), group="speculation",
            metavar="TOKENS"),
+    Option("--steps-per-call", "while no request waits for a slot, up to N decode steps in one call of a target that "
+           "runs them, each step's tokens all coming back (1: a call a step; more: less time between steps at small "
+           "batches; a request's tokens then arrive in runs of up to N steps, and a new one waits at most N steps to "
+           f"start; 1 to {MAX_FURTHER_STEPS + 1})", default=4, type=int, programs=frozenset({COORDINATOR, UP}),
+           group="speculation", metavar="N"),
     Option("--max-batch-size", "sequences stepped together", default=32, type=int,
            programs=frozenset({COORDINATOR, UP}), group="speculation"),
     Option("--prefill-chunk", "the most prompt tokens prefilled between two decode steps, so that a burst of prompts "

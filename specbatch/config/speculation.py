@@ -6,7 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from specbatch.config.options import BY_DEST
-from specbatch.protocol.speculation import leaf_option_problems, prompt_lookup_problems, shared_lookup_problems
+from specbatch.protocol.speculation import (
+    leaf_option_problems,
+    prompt_lookup_problems,
+    shared_lookup_problems,
+    steps_per_call_problems,
+)
 
 # Leaves the goodput policies and learn may verify beside the first draft where none are asked for:
 # they price each leaf's row against its live hit rate and take leaves only where they pay
@@ -41,6 +46,9 @@ class SpeculationConfig:
     # Tokens of finished requests' texts kept for lookup where a request's own history has no
     # match (0: off).
     shared_lookup: int = BY_DEST["shared_lookup"].default
+    # While no request waits, up to this many decode steps in one Verify (its further steps) on a
+    # target that runs them: the steps' tokens all come back, without a call per step.
+    steps_per_call: int = BY_DEST["steps_per_call"].default
 
     @classmethod
     def from_args(cls, args) -> "SpeculationConfig":
@@ -56,7 +64,7 @@ class SpeculationConfig:
     def problems(self) -> list[str]:
         """What is out of range, as messages (empty: none)."""
         return (leaf_option_problems(self.leaves) + prompt_lookup_problems(self.prompt_lookup)
-                + shared_lookup_problems(self.shared_lookup))
+                + shared_lookup_problems(self.shared_lookup) + steps_per_call_problems(self.steps_per_call))
 
     def check(self) -> "SpeculationConfig":
         if problems := self.problems():

@@ -8,6 +8,9 @@ from __future__ import annotations
 MAX_K = 16
 # The most leaves (the draft's next-best tokens, verified beside the chain) per drafted position.
 MAX_LEAVES = 8
+# The most further steps one Verify runs (VerifyRequest.further_steps): the model thread is the
+# call's for all of them, so other calls on the service wait at most this many steps.
+MAX_FURTHER_STEPS = 16
 # The target's features cross to a draft as float16 (half float32's bytes), clamped to its range
 # first so that every value stays finite: its largest finite value.
 FLOAT16_MAX = 65504.0
@@ -19,6 +22,13 @@ def leaf_option_problems(leaves: int | None = None) -> list[str]:
     if leaves is None or 0 <= leaves <= MAX_LEAVES:
         return []
     return [f"leaves must be in [0, {MAX_LEAVES}] (got {leaves})"]
+
+
+def steps_per_call_problems(steps: int) -> list[str]:
+    """What is out of range in a count of decode steps a call (1 to MAX_FURTHER_STEPS + 1)."""
+    if 1 <= steps <= MAX_FURTHER_STEPS + 1:
+        return []
+    return [f"steps per call must be in [1, {MAX_FURTHER_STEPS + 1}] (got {steps})"]
 
 
 def prompt_lookup_problems(most: int | None) -> list[str]:

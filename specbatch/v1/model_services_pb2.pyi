@@ -171,30 +171,44 @@ class ProposeNext(_message.Message):
     def __init__(self, k: _Optional[int] = ..., leaves: _Optional[_Iterable[int]] = ..., draft: _Optional[_Union[SequenceInput, _Mapping]] = ...) -> None: ...
 
 class VerifyItem(_message.Message):
-    __slots__ = ("sequence", "draft_tokens", "sampling", "draft_distributions", "leaves", "propose_next")
+    __slots__ = ("sequence", "draft_tokens", "sampling", "draft_distributions", "leaves", "propose_next", "further")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_DISTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     LEAVES_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_NEXT_FIELD_NUMBER: _ClassVar[int]
+    FURTHER_FIELD_NUMBER: _ClassVar[int]
     sequence: SequenceInput
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     sampling: Sampling
     draft_distributions: _containers.RepeatedCompositeFieldContainer[DraftDistribution]
     leaves: _containers.RepeatedCompositeFieldContainer[Leaves]
     propose_next: ProposeNext
-    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_distributions: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ..., leaves: _Optional[_Iterable[_Union[Leaves, _Mapping]]] = ..., propose_next: _Optional[_Union[ProposeNext, _Mapping]] = ...) -> None: ...
+    further: FurtherSteps
+    def __init__(self, sequence: _Optional[_Union[SequenceInput, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., draft_distributions: _Optional[_Iterable[_Union[DraftDistribution, _Mapping]]] = ..., leaves: _Optional[_Iterable[_Union[Leaves, _Mapping]]] = ..., propose_next: _Optional[_Union[ProposeNext, _Mapping]] = ..., further: _Optional[_Union[FurtherSteps, _Mapping]] = ...) -> None: ...
+
+class FurtherSteps(_message.Message):
+    __slots__ = ("max_tokens", "stop_token_ids", "room")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    room: int
+    def __init__(self, max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., room: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("items", "create", "return_features")
+    __slots__ = ("items", "create", "return_features", "further_steps")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     CREATE_FIELD_NUMBER: _ClassVar[int]
     RETURN_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FURTHER_STEPS_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[VerifyItem]
     create: bool
     return_features: bool
-    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., create: _Optional[bool] = ..., return_features: _Optional[bool] = ...) -> None: ...
+    further_steps: int
+    def __init__(self, items: _Optional[_Iterable[_Union[VerifyItem, _Mapping]]] = ..., create: _Optional[bool] = ..., return_features: _Optional[bool] = ..., further_steps: _Optional[int] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("seq_id", "accepted", "next_token", "cached_len", "features", "leaf", "proposal")
@@ -215,6 +229,18 @@ class Verdict(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., accepted: _Optional[int] = ..., next_token: _Optional[int] = ..., cached_len: _Optional[int] = ..., features: _Optional[bytes] = ..., leaf: _Optional[int] = ..., proposal: _Optional[_Union[Proposal, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
+    __slots__ = ("verdicts", "compute_seconds", "draft_compute_seconds", "further_steps")
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FURTHER_STEPS_FIELD_NUMBER: _ClassVar[int]
+    verdicts: _containers.RepeatedCompositeFieldContainer[Verdict]
+    compute_seconds: float
+    draft_compute_seconds: float
+    further_steps: _containers.RepeatedCompositeFieldContainer[StepVerdicts]
+    def __init__(self, verdicts: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., compute_seconds: _Optional[float] = ..., draft_compute_seconds: _Optional[float] = ..., further_steps: _Optional[_Iterable[_Union[StepVerdicts, _Mapping]]] = ...) -> None: ...
+
+class StepVerdicts(_message.Message):
     __slots__ = ("verdicts", "compute_seconds", "draft_compute_seconds")
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_SECONDS_FIELD_NUMBER: _ClassVar[int]
