@@ -101,7 +101,7 @@ class DecodeStep:
         tally = Tally.joined(list(tallies.values()))
         ended = time.perf_counter() - later
         verify_wall = 1e3 * (verified - drafted)
-        beyond_calls = 0.0  # the step's time outside its calls, as a policy prices every step
+        beyond_compute = 0.0  # the step's time beyond the services' compute, as a policy prices every step
         for replica, part in parts.items():
             if tallies[replica].ks:  # what the step's parts took, for a policy that learns step times
                 # (its replica's own Verify under PerReplica; else, replica None, the step's). The
@@ -111,11 +111,11 @@ class DecodeStep:
                 ahead_ms = 1e3 * ahead.get(replica, slowest)
                 times = _step_times(part, 1e3 * (drafted - proposing) + ahead_ms, call_ms - ahead_ms,
                                     1e3 * (ended - start) - verify_wall + call_ms)
-                beyond_calls = times.step_ms - times.draft_ms - times.target_ms
+                beyond_compute = max(times.step_ms - 1e3 * (draft_compute + target_compute), 0.0)
                 self.policy_of(replica).observe_times(times)
         first = tally.stats(drafted - start + slowest, verified - drafted - slowest, ended - start, draft_compute,
                             target_compute)
-        return [first, *self._further_steps(chains, further, beyond_calls)]
+        return [first, *self._further_steps(chains, further, beyond_compute)]
 
     def _goes_further(self, chain: Chain) -> bool:
         """Whether the chain's request may go on in this Verify's further steps: the k chosen for it
@@ -136,12 +136,13 @@ class DecodeStep:
         most, room = request.max_new_tokens - request.generated, self.max_context - len(request.history)
         return (most, room, sorted(request.stop_token_ids)) if most >= 1 and room >= 1 else None
 
-    def _further_steps(self, chains: list[Chain], further: dict, beyond_calls: float) -> list[StepStats]:
+    def _further_steps(self, chains: list[Chain], further: dict, beyond_compute: float) -> list[StepStats]:
         """The further steps' verdicts applied in order, as steps of their own: each request's chain
         is the proposal its last verdict carried (the drafts the target verified), with the first
-        step's leaves. A request that finished on the way takes no more. ``beyond_calls``: the first
-        step's time outside its calls, which the policy is told each step costs (it prices steps
-        made one a call)."""
+        step's leaves. A request that finished on the way takes no more. ``beyond_compute``: the
+        first step's time beyond the services' compute (its call, the coordinator's own work),
+        which the policy is told each further step costs too: it prices every k as a call a step,
+        as its probes (one step a call) and a profile are measured."""
         out = []
         for index in range(max((len(steps) for steps in further.values()), default=0)):
             started = time.perf_counter()
@@ -168,8 +169,8 @@ class DecodeStep:
                 policy = self.policy_of(replica)
                 self._learn(policy, tally)
                 if tally.ks:
-                    policy.observe_times(_step_times(parts[replica], 1e3 * draft, 1e3 * target,
-                                                     1e3 * (draft + target) + beyond_calls))
+                    policy.observe_times(_step_times(parts[replica], 1e3 * draft, 1e3 * target + beyond_compute,
+                                                     1e3 * (draft + target) + beyond_compute))
             tally = Tally.joined(list(tallies.values()))
             out.append(tally.stats(draft, target, draft + target + time.perf_counter() - started, draft, target))
         return out
