@@ -120,7 +120,8 @@ class DecodeStep:
     def _goes_further(self, chain: Chain) -> bool:
         """Whether the chain's request may go on in this Verify's further steps: the k chosen for it
         is its last step's, and it drafts nothing (k = 0) or drafts with a draft hosted in the
-        target's process that proposes its next chain of k in each step (coordinator/services.py).
+        target's process that proposes its next chain of k in each step (coordinator/services.py),
+        where prompt lookup does not lead for it.
         (Where its k is cut to what it can still use, the target stops it as a call a step would
         cut it: target_service/further.py.)"""
         request = chain.request
@@ -128,7 +129,10 @@ class DecodeStep:
             return False
         if not chain.k:
             return chain.source is None
-        return chain.source == DRAFT and chain.next_k == chain.k and hosted_draft(request)
+        # Further steps draft with the hosted draft alone: not where prompt lookup's chains have
+        # kept more for the request (code, where long runs repeat), which a call a step still tries.
+        lookup_leads = request.kept.get(LOOKUP, 0.0) > request.kept.get(DRAFT, 0.0)
+        return chain.source == DRAFT and chain.next_k == chain.k and hosted_draft(request) and not lookup_leads
 
     def _further(self, request: Request) -> tuple[int, int, list[int]] | None:
         """(the tokens the request may still generate, what its context still holds, its stop
