@@ -115,7 +115,7 @@ class DecodeStep:
                 self.policy_of(replica).observe_times(times)
         first = tally.stats(drafted - start + slowest, verified - drafted - slowest, ended - start, draft_compute,
                             target_compute)
-        return [first, *self._further_steps(chains, further, beyond_compute)]
+        return [first, *self._apply_further_steps(chains, further, beyond_compute)]
 
     def _goes_further(self, chain: Chain) -> bool:
         """Whether the chain's request may go on in this Verify's further steps: the k chosen for it
@@ -140,7 +140,7 @@ class DecodeStep:
         most, room = request.max_new_tokens - request.generated, self.max_context - len(request.history)
         return (most, room, sorted(request.stop_token_ids)) if most >= 1 and room >= 1 else None
 
-    def _further_steps(self, chains: list[Chain], further: dict, beyond_compute: float) -> list[StepStats]:
+    def _apply_further_steps(self, chains: list[Chain], further: dict, beyond_compute: float) -> list[StepStats]:
         """The further steps' verdicts applied in order, as steps of their own: each request's chain
         is the proposal its last verdict carried (the drafts the target verified), with the first
         step's leaves. A request that finished on the way takes no more. ``beyond_compute``: the

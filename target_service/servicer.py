@@ -134,7 +134,8 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
         verdicts = verify(self.engine, items, create,
                           return_features or (drafting_asked and bool(self.draft.feature_size)), self.emulated)
         verified = time.perf_counter()
-        proposals = drafting.propose_after(self.draft, items, verdicts, nexts) if drafting_asked else [None] * len(items)
+        proposals = (drafting.propose_after(self.draft, items, verdicts, nexts) if drafting_asked
+                     else [None] * len(items))
         return verdicts, proposals, verified - started, time.perf_counter() - verified
 
     def CacheStats(self, request, context):

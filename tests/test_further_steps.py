@@ -37,7 +37,8 @@ def decode_by_hand(pair, prompts: list[list[int]], k: int, further: int, max_new
     """Greedy requests stepped together by hand at a fixed k, each call with up to ``further``
     more steps: their tokens, and the calls made."""
     target, draft, target_client, draft_client = pair
-    requests = [greedy_request(f"r{i}", p, max_new_tokens, stop_token_ids=stop_token_ids) for i, p in enumerate(prompts)]
+    requests = [greedy_request(f"r{i}", p, max_new_tokens, stop_token_ids=stop_token_ids)
+                for i, p in enumerate(prompts)]
     speculation = SpeculationConfig(k_policy=f"fixed:{k}", leaves=0, prompt_lookup=0, shared_lookup=0)
     calls = 0
     with stepped_by_hand(target_client, draft_client, requests, FixedK(k), speculation, 512,
