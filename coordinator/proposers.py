@@ -48,6 +48,12 @@ def prefers_draft(request: Request) -> bool:
     return request.kept.get(DRAFT, 0.0) > request.kept.get(LOOKUP, 0.0)
 
 
+def prefers_lookup(request: Request) -> bool:
+    """Whether prompt lookup's chains have kept more drafts for this request than the draft's
+    (neither holds while both have kept as many, before either has drafted for it too)."""
+    return request.kept.get(LOOKUP, 0.0) > request.kept.get(DRAFT, 0.0)
+
+
 class AheadProposer:
     """The draft's proposals made inside the last Verify, after its verdict, by a draft hosted in
     the target's process. They cost the step nothing more, so prompt lookup's chain (asked first,

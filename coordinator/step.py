@@ -27,6 +27,7 @@ from .proposers import (
     SharedLookupProposer,
     fill_from,
     prefers_draft,
+    prefers_lookup,
 )
 from .requests import Request
 from .services import hosted_draft
@@ -131,8 +132,8 @@ class DecodeStep:
             return chain.source is None
         # Further steps draft with the hosted draft alone: not where prompt lookup's chains have
         # kept more for the request (code, where long runs repeat), which a call a step still tries.
-        lookup_leads = request.kept.get(LOOKUP, 0.0) > request.kept.get(DRAFT, 0.0)
-        return chain.source == DRAFT and chain.next_k == chain.k and hosted_draft(request) and not lookup_leads
+        return (chain.source == DRAFT and chain.next_k == chain.k and hosted_draft(request)
+                and not prefers_lookup(request))
 
     def _further(self, request: Request) -> tuple[int, int, list[int]] | None:
         """(the tokens the request may still generate, what its context still holds, its stop
@@ -150,7 +151,7 @@ class DecodeStep:
         out = []
         for index in range(max((len(steps) for steps in further.values()), default=0)):
             started = time.perf_counter()
-            steps = [steps[index] for steps in further.values() if index < len(steps)]
+            steps = [replica_steps[index] for replica_steps in further.values() if index < len(replica_steps)]
             verdicts = {verdict.seq_id: verdict for step in steps for verdict in step.verdicts}
             target = max(step.compute_seconds for step in steps)
             draft = max(step.draft_compute_seconds for step in steps)

@@ -71,8 +71,7 @@ def propose_after(draft: Engine, items: list[VerifyItem], verdicts: list[Verdict
     propose_items = []
     for i in asked:
         item, verdict, next = items[i], verdicts[i], nexts[i]
-        kept = item.drafts[: verdict.accepted] + ([verdict.leaf] if verdict.leaf is not None else [])
-        tokens = next.draft.tokens + kept + [verdict.next_token]
+        tokens = next.draft.tokens + item.taken(verdict)
         features = None
         if draft.feature_size:
             own = len(tokens) - next.held_rows()  # the rows this Verify computed, its last kept ones

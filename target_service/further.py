@@ -11,9 +11,9 @@ it stays the owner of the history, and what the services hold stays rebuildable 
 An item stops after a step that took one of its stop tokens, where its next step could take it past
 its ``max_tokens`` (a call a step would draft fewer there) or leave its context no room for the
 proposal after it, or where its draft holds other than what the next step needs; the call ends when
-no item goes on. The tokens are the ones a call
-per step would give: each step is the same Verify of the same drafts (the acceptance rule decides
-each row alone, and sampled rows draw by absolute position)."""
+no item goes on. The tokens are the ones a call per step would give: each step is the same Verify
+of the same drafts (the acceptance rule decides each row alone, and sampled rows draw by absolute
+position)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def run(step, draft_length, items: list[VerifyItem], nexts: list[NextDraft | Non
     for _ in range(steps):
         indices, going = [], []
         for i, item, verdict, proposal in zip(last.indices, last.items, last.verdicts, last.proposals):
-            further, took = furthers[i], _taken(item, verdict)
+            further, took = furthers[i], item.taken(verdict)
             taken[i] += len(took)
             if further is None or any(token in further.stop_token_ids for token in took):
                 continue
@@ -98,11 +98,6 @@ def run(step, draft_length, items: list[VerifyItem], nexts: list[NextDraft | Non
             break
         out.append(last)
     return out
-
-
-def _taken(item: VerifyItem, verdict: Verdict) -> list[int]:
-    """The tokens a verdict gives its request: the accepted drafts, a kept leaf, the next token."""
-    return item.drafts[: verdict.accepted] + ([verdict.leaf] if verdict.leaf is not None else []) + [verdict.next_token]
 
 
 def _follow(item: VerifyItem, next: NextDraft | None, verdict: Verdict, proposal, verified: list[int],

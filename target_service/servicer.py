@@ -73,13 +73,13 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
                     if item.HasField("further") else None for item in request.items]
         check(items)  # before the call waits for the model
         further.check(request.further_steps, furthers)
-        steps = request.further_steps if any(furthers) else 0
+        draft_length = self.draft.length if self.draft is not None else None
 
         def call():  # on the model thread, every step of the call: no call between them
             first = further.Step(list(range(len(items))), items,
                                  *self._step(items, nexts, request.create, request.return_features))
             return [first, *further.run(lambda i, n: self._step(i, n, False, request.return_features),
-                                        self._draft_length, items, nexts, furthers, first, steps)]
+                                        draft_length, items, nexts, furthers, first, request.further_steps)]
 
         done, _ = self.timed(call)
         if self.metrics is not None:  # each step as a call of its own would be
@@ -103,9 +103,6 @@ class TargetServicer(CacheServicer, pb_grpc.TargetServicer):
             compute_seconds=step.seconds,
             draft_compute_seconds=step.draft_seconds,
         )
-
-    def _draft_length(self, seq_id: str) -> int:
-        return self.draft.length(seq_id)
 
     def _next_draft(self, item) -> NextDraft | None:
         """A Verify item's propose_next, checked on the calling thread (None: not asked)."""

@@ -58,6 +58,12 @@ class VerifyItem:
         """Every position's leaves in order: as they are fed after the chain, and as ``leaf_hit`` counts them."""
         return [token for at in self.leaves for token in at]
 
+    def taken(self, verdict: "Verdict") -> list[int]:
+        """The tokens ``verdict`` gives this item's sequence: the accepted drafts, a kept leaf, then
+        the target's next token."""
+        return self.drafts[: verdict.accepted] + ([verdict.leaf] if verdict.leaf is not None else []) + [
+            verdict.next_token]
+
     def fed(self) -> SequenceInput:
         """What the target runs: the uncached tokens and the drafts as a chain, each position's
         leaves branching off the token before that position."""
