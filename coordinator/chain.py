@@ -26,7 +26,7 @@ class Chain:
     request: Request
     k: int  # the most tokens it drafts this step (0: target-only)
     room: int  # the most any proposer may draft for it (``room``)
-    chosen: int = 0  # the k chosen for it (the policy's or its own), before ``room`` cut it
+    probe: bool = False  # its k is a policy's probe: a step run to measure it, not the best known
     # What the policy allows beside a chain from the draft: next-best tokens the draft proposes at
     # the first drafted position, and how many of those the target verifies.
     leaves: int = 0

@@ -147,6 +147,11 @@ class Learning(Goodput):
                 return probe, 0
         return choice
 
+    def probing(self, batch_size: int) -> bool:
+        """Whether this step's k at ``batch_size`` is a probe. Asked before ``k_for``: once a
+        sequence has taken a probe that one sequence alone drafts, the others are given the choice."""
+        return self._choice(batch_size) != self._chosen[batch_size]
+
     def _probe_step(self, batch_size: int, choice: tuple[int, int]) -> bool:
         """Whether this step probes: one in ``probe_every``; and while a neighbour of the chosen k
         is not yet trusted at this size, the last ``trusted`` steps of every ``probe_every``, so

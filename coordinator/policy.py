@@ -10,7 +10,8 @@
              are rarely accepted, or when verifying more tokens costs too much at this batch size.
              ``goodput:live`` measures the step times live too (coordinator/step_times.py).
 
-The scheduler asks ``k_for(batch_size)`` at each step and reports what happened with
+The scheduler asks ``k_for(batch_size)`` at each step (and ``probing(batch_size)``: whether that
+k is a probe, a step run to measure it rather than the best known) and reports what happened with
 ``observe(outcomes)``: one (drafted, accepted) pair per sequence of the step, and with
 ``observe_times(StepTimes)``: what its Propose, its Verify and the whole step took. With leaves on
 (``--leaves N``: the draft's N next-best tokens at the first drafted position), it also asks
@@ -46,6 +47,9 @@ class AllLeaves:
 
     def observe_times(self, times: StepTimes) -> None:
         pass
+
+    def probing(self, batch_size: int) -> bool:
+        return False
 
 
 @dataclass(frozen=True)
@@ -140,6 +144,7 @@ class Goodput:
         self.leaf_ranks = LeafRanks(max_leaves, half_life)
         self._profile = None
         self._chosen: dict[int, tuple[int, int]] = {}  # batch size -> (k, leaves), until the next observation
+        self._probing: dict[int, bool] = {}  # batch size -> whether its _chosen is a probe
         # goodput:live prices every (k, leaves) afresh only every few served steps: its step times are
         # medians of windows of 32 and its rates moving averages of 64, so a choice priced a few steps
         # ago is the same choice, and pricing them all was most of the coordinator's work in a step.
@@ -195,7 +200,7 @@ class Goodput:
             priced = self._priced.get(batch_size)
             if not self.live_times or priced is None or self.timed_steps - priced[0] >= self.reprice_every:
                 priced = self._priced[batch_size] = (self.timed_steps, self._best(batch_size, self.acceptance.rates))
-            choice = priced[1]
+            best = choice = priced[1]
             if choice[0] == 0 and self.idle_steps >= self.probe_every:
                 # a probe (0 where drafting never pays)
                 choice = self._best(batch_size, profile.acceptance_by_position)
@@ -203,8 +208,14 @@ class Goodput:
                 probe = self._live_probe(batch_size, choice)
                 if probe is not None:
                     choice = (probe, 0)
-            self._chosen[batch_size] = choice
+            self._chosen[batch_size], self._probing[batch_size] = choice, choice != best
         return self._chosen[batch_size]
+
+    def probing(self, batch_size: int) -> bool:
+        """Whether this step's k at ``batch_size`` is a probe (a step run to measure a k, or to see
+        whether drafting pays again), not the best priced."""
+        self._choice(batch_size)
+        return self._probing[batch_size]
 
     def _worth_probing(self, batch_size: int, choice: tuple[int, int], ks) -> list[int]:
         """Of ``ks`` (the chosen k aside), smallest first, those a probe may run: a k priced within

@@ -161,9 +161,6 @@ class Request:
     # target's process (specbatch.v1.Proposal), valid while the history is ``ahead_at`` tokens long.
     ahead: object | None = None
     ahead_at: int = 0
-    # The k chosen at its last step: a Verify goes on for further steps only where each request's
-    # holds (coordinator/step.py), so that a policy's probe stays one step.
-    last_k: int | None = None
     # Drafts kept per chain, a moving average for each source (coordinator/proposers.py,
     # ``kept``): where both prompt lookup and a proposal made ahead offer a chain, the one
     # that has kept more for this request is verified.

@@ -75,9 +75,8 @@ class DecodeStep:
                 chain.k, max(self.max_context - len(chain.request.history) - len(chain.tokens) - 2, 0))
         self.drafted_last = speculating
         further_steps = further_steps if all(self._goes_further(chain) for chain in chains) else 0
-        for chain in chains:
-            chain.request.last_k = chain.chosen
-            if further_steps:
+        if further_steps:
+            for chain in chains:
                 chain.further = self._further(chain.request)
         drafted = time.perf_counter()
         verdicts, target_compute = self.services.verify(chains, further_steps)
@@ -105,10 +104,12 @@ class DecodeStep:
         beyond_compute = 0.0  # the step's time beyond the services' compute, as a policy prices every step
         for replica, part in parts.items():
             if tallies[replica].ks:  # what the step's parts took, for a policy that learns step times
-                # (its replica's own Verify under PerReplica; else, replica None, the step's). The
-                # step as its replica's: another replica's slower Verify, waited for side by side,
-                # is not this one's time outside its calls.
-                call_ms = self.services.verify_ms.get(replica, verify_wall) - 1e3 * further_seconds.get(replica, later)
+                # (its replica's own Verify less its own further steps under PerReplica; else, replica
+                # None, the step's: verify_wall, the further steps already off it). The step as its
+                # replica's: another replica's slower Verify, waited for side by side, is not this
+                # one's time outside its calls.
+                own = self.services.verify_ms.get(replica) if replica is not None else None
+                call_ms = verify_wall if own is None else own - 1e3 * further_seconds.get(replica, 0.0)
                 ahead_ms = 1e3 * ahead.get(replica, slowest)
                 times = _step_times(part, 1e3 * (drafted - proposing) + ahead_ms, call_ms - ahead_ms,
                                     1e3 * (ended - start) - verify_wall + call_ms)
@@ -119,14 +120,14 @@ class DecodeStep:
         return [first, *self._apply_further_steps(chains, further, beyond_compute)]
 
     def _goes_further(self, chain: Chain) -> bool:
-        """Whether the chain's request may go on in this Verify's further steps: the k chosen for it
-        is its last step's, and it drafts nothing (k = 0) or drafts with a draft hosted in the
-        target's process that proposes its next chain of k in each step (coordinator/services.py),
-        where prompt lookup does not lead for it.
+        """Whether the chain's request may go on in this Verify's further steps: its k is not a
+        policy's probe (which measures one step), and it drafts nothing (k = 0) or drafts with a draft
+        hosted in the target's process that proposes its next chain of k in each step
+        (coordinator/services.py), where prompt lookup does not lead for it.
         (Where its k is cut to what it can still use, the target stops it as a call a step would
         cut it: target_service/further.py.)"""
         request = chain.request
-        if chain.chosen != request.last_k:
+        if chain.probe:
             return False
         if not chain.k:
             return chain.source is None
@@ -201,9 +202,10 @@ class DecodeStep:
         """What the policy allows ``request`` this step: its k and, should the draft propose for
         it, the leaves beside the first draft. ``batch_size``: the sequences its policy prices
         the step for."""
-        chosen = self.chosen_k(request, batch_size)
+        # Asked before the k: learn's probe that one sequence alone drafts is that sequence's alone.
+        probe = request.fixed_k is None and self.policy_of(request.target_replica).probing(batch_size)
         most = room(request, self.max_context)
-        chain = Chain(request, min(chosen, most), most, chosen=chosen)
+        chain = Chain(request, min(self.chosen_k(request, batch_size), most), most, probe=probe)
         chain.leaves, chain.verified_leaves = self.leaves_for(request, chain.k, batch_size)
         return chain
 

@@ -4,6 +4,8 @@ back, the tokens those of a call a step (target_service/further.py, coordinator/
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 from test_eagle import distilled, eagle_draft  # noqa: F401 (fixtures)
@@ -12,7 +14,7 @@ from tiny import greedy_reference, random_prompts
 from coordinator.backends import Call
 from coordinator.by_hand import greedy_request, stepped_by_hand
 from coordinator.in_process import InProcessDraft, InProcessTarget
-from coordinator.policy import FixedK
+from coordinator.policy import AllLeaves, FixedK
 from draft_service.servicer import DraftServicer
 from specbatch.config.speculation import SpeculationConfig
 from specbatch.engine.engine import Engine
@@ -105,6 +107,95 @@ def test_only_items_that_ask_go_further_and_each_stays_within_its_tokens(target_
     tokens = [v.next_token for v in reply.verdicts if v.seq_id == "s2"]
     tokens += [v.next_token for step in reply.further_steps for v in step.verdicts if v.seq_id == "s2"]
     assert [firsts[2], *tokens] == greedy_reference(target_model, prompts[2], 7)
+
+
+class TimedK(FixedK):
+    """A fixed k that keeps the step times it is told (as goodput:live learns from them)."""
+
+    def __init__(self, k: int):
+        super().__init__(k)
+        object.__setattr__(self, "times", [])
+
+    def observe_times(self, times) -> None:
+        self.times.append(times)
+
+
+class SlowFurtherSteps(InProcessTarget):
+    """A target whose further steps each compute ``seconds`` more (it sleeps them after the call)."""
+
+    seconds = 0.1
+
+    def _send(self, method: str, request, timeout: float):
+        reply = super()._send(method, request, timeout)
+        if method == "Verify":
+            for step in reply.further_steps:
+                step.compute_seconds += self.seconds
+                time.sleep(self.seconds)
+        return reply
+
+
+def test_a_policy_is_told_each_step_of_a_call_its_own_time(target_model, eagle_draft):
+    """The first step of a call of several is priced as the call less its further steps' compute,
+    each further step as its own compute: never the further steps twice off the first (which
+    priced the k that goes further below its cost: a step a fraction of its time, or less than
+    nothing)."""
+    target, draft, client, draft_client = hosted_pair(target_model, eagle_draft)
+    slow = SlowFurtherSteps(client.servicer, address="hosted")
+    policy = TimedK(0)
+    request = greedy_request("r", random_prompts(46, 1)[0], 13)
+    speculation = SpeculationConfig(k_policy="fixed:0", leaves=0, prompt_lookup=0, shared_lookup=0)
+    with stepped_by_hand(slow, draft_client, [request], policy, speculation, 512, draft.feature_size) as scheduler:
+        while request.finish is None:
+            told = len(policy.times)
+            scheduler.step(3)
+            steps = policy.times[told:]
+            if len(steps) > 1:  # a call with further steps: its first step holds none of their time
+                assert 0.0 <= steps[0].target_ms < 1e3 * SlowFurtherSteps.seconds
+                assert all(t.target_ms >= 1e3 * SlowFurtherSteps.seconds for t in steps[1:])
+    assert len(policy.times) > 4 and all(t.step_ms >= t.target_ms >= 0.0 for t in policy.times)
+
+
+class ScriptedK(AllLeaves):
+    """Call by call, the k (and whether it is a probe) of a script; keeps the step times it is told."""
+
+    def __init__(self, script: list[tuple[int, bool]]):
+        self.script, self.call, self.times = script, 0, []
+
+    def k_for(self, batch_size: int) -> int:
+        return self.script[self.call][0]
+
+    def probing(self, batch_size: int) -> bool:
+        return self.script[self.call][1]
+
+    def observe(self, outcomes) -> None:
+        pass
+
+    def observe_times(self, times) -> None:
+        self.times.append(times)
+
+    def describe(self) -> str:
+        return "scripted"
+
+
+def test_a_probe_takes_one_step_a_call_and_a_new_best_k_goes_further(target_model, eagle_draft):
+    """A policy's probe is measured as one step; a k that changes because another is now priced
+    best goes on for further steps at once (a step a call there cost every change a call's
+    overhead). The tokens stay greedy decoding's."""
+    target, draft, client, draft_client = hosted_pair(target_model, eagle_draft)
+    prompt = random_prompts(47, 1)[0]
+    script = [(2, False), (2, False), (1, False), (3, True), (1, False), (2, False), (0, True), (2, False)]
+    policy = ScriptedK(script)
+    request = greedy_request("r", prompt, 80)
+    speculation = SpeculationConfig(k_policy="fixed:0", leaves=0, prompt_lookup=0, shared_lookup=0)
+    steps_a_call = []
+    with stepped_by_hand(client, draft_client, [request], policy, speculation, 512, draft.feature_size) as scheduler:
+        for policy.call in range(len(script)):
+            told = len(policy.times)
+            scheduler.step(3)
+            steps_a_call.append(len(policy.times) - told)
+    # The first drafting call has no proposal made ahead, nor has the call after a step at k = 0.
+    assert steps_a_call == [1, 4, 4, 1, 4, 4, 1, 1]
+    assert request.history[len(prompt):] == greedy_reference(target_model, prompt, len(request.history) - len(prompt))
 
 
 def test_further_steps_out_of_range_are_refused_and_change_nothing(target_model, eagle_draft):
