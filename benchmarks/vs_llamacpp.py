@@ -23,7 +23,8 @@ Prints tokens per second per mode, prompt set and level, the ratios the targets 
 default and target-only over llama.cpp, round by round with 95 % intervals), what speculation
 gave (the default over target-only) with the tokens a decode step the default kept per sequence
 (1: it ran k = 0 throughout), and the greedy outputs of the default that differ from target-only
-decoding (counted; 0 expected). Writes
+decoding (counted; 0 expected). ``--fixed-k 1,2`` adds a mode a k, each request drafting that k
+(held against the default: what its policy's choice gave beside a fixed one). Writes
 benchmarks/results/<machine>/vs-llamacpp.json.
 
     make llamacpp-env && .venv/bin/python benchmarks/vs_llamacpp.py [--rounds 3] [--tokens 96]
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                         "response, as llama.cpp's worker returns it; 1 a message a step")
     parser.add_argument("--up", default="", help="flags for specbatch up beside its defaults, one string "
                         "(e.g. \"--weights bf16-dot\": a form other than the machine's)")
+    parser.add_argument("--fixed-k", default="", help="comma-separated ks also served as modes of their own "
+                        "(each request drafting that k), to hold the default policy's choice against")
     results.add_output_flags(parser, "vs-llamacpp")
     args = parser.parse_args(argv)
     if not os.path.exists(args.llamacpp_python):
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     sets = {"chat": chat_prompts(tokenizer, CHAT_PROMPTS, 512)[: args.prompts],
             "code": [tokenizer(text)["input_ids"] for text in CODE_PROMPTS][: args.prompts]}
     levels = [int(c) for c in args.levels.split(",")]
-    modes = ["llama.cpp", "target-only", "default"]
+    fixed = [int(k) for k in args.fixed_k.split(",") if k.strip()]
+    modes = ["llama.cpp", "target-only", "default", *(f"k={k}" for k in fixed)]
     llama = LlamaCpp(args.llamacpp_python, gguf, args.threads)
     times: dict = {}  # (set, level, mode) -> [tok/s per round]
     outputs: dict = {}  # (set, level, mode) -> tokens of the last round
@@ -201,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             """The outputs, seconds and decode steps (0 for llama.cpp) of one mode over ``prompts``."""
             if mode == "llama.cpp":
                 return *llama.run(prompts, args.tokens, level), 0
-            k = 0 if mode == "target-only" else None
+            k = 0 if mode == "target-only" else int(mode[2:]) if mode.startswith("k=") else None
             requests = [make_request(p, args.tokens, ignore_eos=True, k=k, stream_interval=args.stream_interval)
                         for p in prompts]
             start = time.perf_counter()
@@ -214,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for level in levels:
                 for name, prompts in sets.items():
-                    for mode in modes[r % 3:] + modes[: r % 3]:
+                    for mode in modes[r % len(modes):] + modes[: r % len(modes)]:
                         tokens, seconds, stepped = serve(mode, prompts, level)
                         if mode == "default":
                             steps.setdefault((name, level), []).append((sum(map(len, tokens)), stepped))
@@ -238,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             row["default / target-only"] = f"{gain['ratio']:.2f} ({gain['low']:.2f}-{gain['high']:.2f})"
             generated, stepped = (sum(column) for column in zip(*steps[(name, level)]))
             row["default tokens a step"] = round(generated / stepped, 2) if stepped else None
+            for k in fixed:
+                against = paired_ratio(cell["default"], cell[f"k={k}"])
+                row[f"default / k={k}"] = f"{against['ratio']:.2f} ({against['low']:.2f}-{against['high']:.2f})"
             differing = sum(a != b for a, b in zip(outputs[(name, level, "default")],
                                                    outputs[(name, level, "target-only")]))
             agree = sum(a == b for a, b in zip(outputs[(name, level, "llama.cpp")],
@@ -245,6 +252,10 @@ def main(argv: list[str] | None = None) -> int:
             row["default ≠ target-only"] = differing
             row["llama.cpp = target-only"] = f"{agree} of {len(sets[name])}"
             mismatches += differing
+            for k in fixed:  # every mode's greedy output is target-only decoding's
+                row[f"k={k} ≠ target-only"] = sum(a != b for a, b in zip(outputs[(name, level, f"k={k}")],
+                                                                        outputs[(name, level, "target-only")]))
+                mismatches += row[f"k={k} ≠ target-only"]
             rows.append(row)
     print(results.table(rows))
     print(f"greedy outputs of the default that differ from target-only decoding: {mismatches}")
