@@ -121,9 +121,10 @@ class TimedK(FixedK):
 
 
 class SlowFurtherSteps(InProcessTarget):
-    """A target whose further steps each compute ``seconds`` more (it sleeps them after the call)."""
+    """A target whose further steps each compute ``seconds`` more (it sleeps them after the call):
+    far more than a step of the tiny models, so the first step's time cannot hold them."""
 
-    seconds = 0.1
+    seconds = 0.25
 
     def _send(self, method: str, request, timeout: float):
         reply = super()._send(method, request, timeout)
