@@ -53,7 +53,7 @@ class DecodeStep:
 
     def run(self, batch: list[Request], further_steps: int = 0) -> list[StepStats]:
         """One propose -> verify -> accept step over ``batch`` (every request placed on a target),
-        and up to ``further_steps`` more in its Verify where every request keeps its k
+        and up to ``further_steps`` more in its Verify where every request may go on in them
         (``_goes_further``): the stats of each step run."""
         start = time.perf_counter()
         # A policy per target replica chooses for its replica's share of the batch.
@@ -204,25 +204,20 @@ class DecodeStep:
         the step for."""
         # Asked before the k: learn's probe that one sequence alone drafts is that sequence's alone.
         probe = request.fixed_k is None and self.policy_of(request.target_replica).probing(batch_size)
-        most = room(request, self.max_context)
-        chain = Chain(request, min(self.chosen_k(request, batch_size), most), most, probe=probe)
+        chain = Chain(request, self.k_for(request, batch_size), room(request, self.max_context), probe=probe)
         chain.leaves, chain.verified_leaves = self.leaves_for(request, chain.k, batch_size)
         return chain
 
     def k_for(self, request: Request, batch_size: int) -> int:
-        """The k this request drafts this step: the one chosen, within what it can still use."""
-        return min(self.chosen_k(request, batch_size), room(request, self.max_context))
-
-    def chosen_k(self, request: Request, batch_size: int) -> int:
-        """The k chosen for this request this step: its own fixed k or the policy's (its chain
-        drafts at most what it can still use of it). Greedy and sampled requests alike (sampled
-        ones are verified by rejection sampling)."""
+        """The k this request drafts this step: its own fixed k or the policy's, within its limits.
+        Greedy and sampled requests alike (sampled ones are verified by rejection sampling)."""
         if request.fixed_k is not None:
-            return request.fixed_k
-        k = self.policy_of(request.target_replica).k_for(batch_size)
-        if self.per_replica:
-            self.policy.chosen[request.target_replica] = k
-        return k
+            k = request.fixed_k
+        else:
+            k = self.policy_of(request.target_replica).k_for(batch_size)
+            if self.per_replica:
+                self.policy.chosen[request.target_replica] = k
+        return min(k, room(request, self.max_context))
 
     def leaves_for(self, request: Request, k: int, batch_size: int) -> tuple[int, int]:
         """For a request drafting k: how many next-best tokens the draft proposes at the first
