@@ -19,6 +19,7 @@ from specbatch.config.options import WIDE_THREADS_ENV, parser_for
 from specbatch.rpc.client import connect, generate, make_request
 from specbatch.rpc.reflection import register_v1_descriptor
 from specbatch.stack.defaults import (
+    ALONE_SPINCOUNT,
     EMBEDDED_GPU_PROFILE,
     WIDE_SPINCOUNT,
     StackOptions,
@@ -183,6 +184,19 @@ def test_launcher_pins_each_services_threads(monkeypatch, chosen, cores, service
         assert (env.get(WIDE_THREADS_ENV) == str(cores)) is spin
     command, env = spawned["coordinator"]
     assert "--threads" not in command and env["OMP_NUM_THREADS"] == "1"
+
+
+@pytest.mark.parametrize("options", [{"separate_draft": False}, {"draft_model": "none"}])
+def test_a_target_computing_alone_spins_through_the_gaps_between_calls(monkeypatch, options):
+    """With the draft hosted in the target's process (a CPU's default), or no draft, no other model
+    process takes turns with the target: its idle threads spin long (ALONE_SPINCOUNT) instead of
+    sleeping between calls; beside a draft process they spin briefly (above)."""
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    spawned = _spawned(monkeypatch, options, cores=2)
+    assert "draft_service" not in spawned
+    _, env = spawned["target_service"]
+    assert env["GOMP_SPINCOUNT"] == str(ALONE_SPINCOUNT) and env[WIDE_THREADS_ENV] == "2"
 
 
 def test_an_omp_wait_policy_in_the_environment_is_kept(monkeypatch):

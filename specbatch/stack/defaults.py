@@ -77,10 +77,22 @@ def threads_per_service(options: StackOptions) -> int:
 # gaps between a forward's parallel regions, then the thread sleeps, so that it does
 # not spin on the core the other service computes on next (docs/decisions/wide-calls.md).
 WIDE_SPINCOUNT = 10000
+# Where the target computes alone (the draft hosted in its process, or no draft), no other model
+# service needs the core: its helper spins on through the gaps between calls and steps (the
+# coordinator's turn, the Python around a forward), tens of milliseconds, instead of sleeping and
+# being woken at the next call's first region (docs/decisions/alone-spin.md).
+ALONE_SPINCOUNT = 1_000_000
 
 
 def no_draft(options: StackOptions) -> bool:
     return options.draft_model == "none"
+
+
+def spin_count(options: StackOptions) -> int:
+    """libgomp's spin count for the model services of a stack whose calls go wide: long where the
+    target is the only model process, short where a draft process takes turns with it."""
+    alone = no_draft(options) or draft_in_target(options)
+    return ALONE_SPINCOUNT if alone else WIDE_SPINCOUNT
 
 
 def draft_in_target(options: StackOptions) -> bool:

@@ -27,7 +27,6 @@ from specbatch.models.embedded import EMBEDDED, EMBEDDED_DRAFT
 from specbatch.rpc.local import STACK_SOCKET_DIR_PREFIX
 from specbatch.rpc.server import check_port, wait_until_serving
 from specbatch.stack.defaults import (
-    WIDE_SPINCOUNT,
     StackOptions,
     available_cores,
     default_k_policy,
@@ -35,6 +34,7 @@ from specbatch.stack.defaults import (
     draft_in_target,
     no_draft,
     ports,
+    spin_count,
     threads_per_service,
     weight_forms,
 )
@@ -98,13 +98,14 @@ class LocalProcesses:
             flags += ["--threads", str(self.threads)]
             env["OMP_NUM_THREADS"] = str(self.threads)  # also sizes the OpenMP pool before torch starts
             # Fewer threads than cores: within a step the draft computes, then the target, so each
-            # service's calls may take every core, its idle threads spinning briefly between a
-            # forward's parallel regions (WIDE_SPINCOUNT).
+            # service's calls may take every core, its idle threads spinning between a forward's
+            # parallel regions: briefly beside a draft process, through the gaps between calls where
+            # the target computes alone (spin_count).
             cores = available_cores()
             if self.threads < cores:
                 env[WIDE_THREADS_ENV] = str(cores)
                 if "OMP_WAIT_POLICY" not in env:  # (one given in the environment is kept)
-                    env.setdefault("GOMP_SPINCOUNT", str(WIDE_SPINCOUNT))
+                    env.setdefault("GOMP_SPINCOUNT", str(spin_count(self.options)))
         self.processes.append((name, self.start_process(module, flags, env)))
 
     def _service_flags(self, program: str, model: str | None, layers: int | None, weights: str) -> list[str]:
