@@ -32,8 +32,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-# As the model services run (docs/cpu-kernels.md, "Threads and wide calls"): set before torch loads libgomp.
-os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# As the target service runs under `specbatch up` with the draft in its process (docs/cpu-kernels.md,
+# "Threads and wide calls"): set before torch loads libgomp.
+from specbatch.stack.defaults import ALONE_SPINCOUNT  # noqa: E402 (imports no torch)
+
+os.environ.setdefault("GOMP_SPINCOUNT", str(ALONE_SPINCOUNT))
 
 import torch  # noqa: E402
 
