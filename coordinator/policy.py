@@ -144,7 +144,6 @@ class Goodput:
         self.leaf_ranks = LeafRanks(max_leaves, half_life)
         self._profile = None
         self._chosen: dict[int, tuple[int, int]] = {}  # batch size -> (k, leaves), until the next observation
-        self._probing: dict[int, bool] = {}  # batch size -> whether its _chosen is a probe
         # goodput:live prices every (k, leaves) afresh only every few served steps: its step times are
         # medians of windows of 32 and its rates moving averages of 64, so a choice priced a few steps
         # ago is the same choice, and pricing them all was most of the coordinator's work in a step.
@@ -200,7 +199,7 @@ class Goodput:
             priced = self._priced.get(batch_size)
             if not self.live_times or priced is None or self.timed_steps - priced[0] >= self.reprice_every:
                 priced = self._priced[batch_size] = (self.timed_steps, self._best(batch_size, self.acceptance.rates))
-            best = choice = priced[1]
+            choice = priced[1]
             if choice[0] == 0 and self.idle_steps >= self.probe_every:
                 # a probe (0 where drafting never pays)
                 choice = self._best(batch_size, profile.acceptance_by_position)
@@ -208,14 +207,13 @@ class Goodput:
                 probe = self._live_probe(batch_size, choice)
                 if probe is not None:
                     choice = (probe, 0)
-            self._chosen[batch_size], self._probing[batch_size] = choice, choice != best
+            self._chosen[batch_size] = choice
         return self._chosen[batch_size]
 
     def probing(self, batch_size: int) -> bool:
         """Whether this step's k at ``batch_size`` is a probe (a step run to measure a k, or to see
-        whether drafting pays again), not the best priced."""
-        self._choice(batch_size)
-        return self._probing[batch_size]
+        whether drafting pays again), not the best priced (``_priced`` holds it while ``_chosen`` does)."""
+        return self._choice(batch_size) != self._priced[batch_size][1]
 
     def _worth_probing(self, batch_size: int, choice: tuple[int, int], ks) -> list[int]:
         """Of ``ks`` (the chosen k aside), smallest first, those a probe may run: a k priced within
