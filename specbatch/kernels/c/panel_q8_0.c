@@ -141,8 +141,10 @@ static void q8_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, i
 #define Q8_SPLIT_ROWS 4
 
 /* One panel against R rows in one pass: each line's two halves (features 0-7 and 8-15) side by
- * side, each row's quad and its magnitude broadcast once for both. */
-#define Q8_AVX2(R)                                                                                      \
+ * side, each row's quad and its magnitude broadcast once for both. The loop over a block's quads is
+ * unrolled for one row only: unrolled at two, GCC spilled the rows' sums to the stack, and two rows
+ * cost more than three (docs/decisions/avx2-blocks-prefetch.md). */
+#define Q8_AVX2(R, UNROLL)                                                                              \
     static void q8_rows_##R(const uint32_t *x, const uint32_t *xa, const float *xscale, int64_t Kq,      \
                             int64_t blocks, const uint8_t *panel, float *y, int64_t N, int64_t valid,   \
                             const float *bias) {                                                        \
@@ -156,7 +158,7 @@ static void q8_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, i
                 _mm_prefetch((const char *)w + Q8_PREFETCH_L1 + l, _MM_HINT_T0);                        \
             __m256i acc[R][2];                                                                          \
             for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = _mm256_setzero_si256();                 \
-            for (int j = 0; j < Q8_QUADS; j++) {                                                        \
+            _Pragma(UNROLL) for (int j = 0; j < Q8_QUADS; j++) {                                        \
                 __m256i lines[2] = {_mm256_loadu_si256((const __m256i *)(w + 64 * j)),                  \
                                     _mm256_loadu_si256((const __m256i *)(w + 64 * j + 32))};            \
                 for (int i = 0; i < R; i++) {                                                           \
@@ -179,7 +181,7 @@ static void q8_call_rows(const void *call, int64_t p, int64_t m, int64_t rows, i
             panel_store_halves(sum[i][0], sum[i][1], valid, bias, y + i * N);                           \
     }
 
-Q8_AVX2(1) Q8_AVX2(2) Q8_AVX2(3) Q8_AVX2(4)
+Q8_AVX2(1, "GCC unroll 8") Q8_AVX2(2, "GCC unroll 1") Q8_AVX2(3, "GCC unroll 1") Q8_AVX2(4, "GCC unroll 1")
 
 typedef void (*q8_block)(const uint32_t *, const uint32_t *, const float *, int64_t, int64_t, const uint8_t *, float *,
                          int64_t, int64_t, const float *);
