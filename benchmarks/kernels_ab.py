@@ -115,7 +115,8 @@ def main(argv=None) -> int:
         engine.forward.decoder_layers._library = library
         engine.forward.head._multiply = library.panel_linear_multiply
         start = time.perf_counter()
-        logits = engine.start([item.seq for item in items]).prefill(1)
+        # As a verify: logits at every token fed (the head's rows cost as the layers' do).
+        logits = engine.start([item.seq for item in items]).prefill(len(items[0].seq.tokens))
         seconds = time.perf_counter() - start
         engine.rollback("ab", args.context)
         return seconds, logits
